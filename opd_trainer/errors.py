@@ -1,0 +1,34 @@
+"""One picklable exception hierarchy for the engine; `api/` alone turns these into HTTP errors.
+
+Ray re-raises an actor's exception in the caller's process, so every error here pickles with its
+keyword-only `field` (see `__reduce__`).
+"""
+
+from __future__ import annotations
+
+
+class OPDError(Exception):
+    """Base of every error this package raises on purpose."""
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+
+    def __reduce__(self) -> tuple[type, tuple[str], dict[str, str | None]]:
+        return (self.__class__, (self.message,), {"field": self.field})
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}" if self.field else self.message
+
+
+class ConfigError(OPDError):
+    """A job or engine setting is invalid; `field` names it."""
+
+
+class EngineError(OPDError):
+    """A vLLM engine failed to start, generate, score or take new weights."""
+
+
+class WeightSyncError(EngineError):
+    """New weights could not be handed to or loaded by an engine."""

