@@ -1,0 +1,377 @@
+"""The distillation signal and the learner's loss, as small pure tensor functions.
+
+One optimizer step of online policy distillation, in the order a learner calls these:
+
+1. `reverse_kl_advantages` / `opd_advantages`: per-token advantage
+   `A_t = −kl_coef·(logp_sampler_t − logp_teacher_t) + reward_coef·Â_row`,
+   where `Â_row` comes from `group_reward_advantages` (task reward minus its group's baseline).
+2. `gather_token_logprobs`: the learner's logprob of each sampled token, from its logits.
+3. `policy_loss`: truncated importance-sampled policy gradient `−Σ_t mask_t·min(ratio_t, cap)·A_t / N`,
+   plus optionally `kl_loss_coef · kl_to_reference` (KL to the initial student).
+4. `distillation_metrics`: what to log.
+
+Shape suffixes (tinker-cookbook convention):
+
+- `B`: rows of the batch. One row is one trained segment = one LLM call's prompt + completion,
+  right-padded; a multi-turn rollout contributes several rows.
+- `T`: token positions within a row.
+- `V`: vocabulary.
+- `R`, `G` (inside `group_reward_advantages` only): distinct rollouts, distinct prompt groups.
+
+Every `*_logprobs_B_T` holds the per-token logprob of the token *actually at* that position (already
+gathered), aligned with `mask_B_T`. `mask_B_T` is 1.0 exactly on completion tokens that carry loss and
+0.0 on prompt, tool-result and padding tokens. Values at masked positions are never read: they may be
+garbage (even ±inf or nan, e.g. a teacher that did not score padding) without changing any result or
+gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "distillation_metrics",
+    "gather_token_logprobs",
+    "group_reward_advantages",
+    "kl_to_reference",
+    "opd_advantages",
+    "policy_loss",
+    "reverse_kl_advantages",
+]
+
+
+def _check_shape(name: str, tensor: Tensor, ref_name: str, ref: Tensor) -> None:
+    if tensor.shape != ref.shape:
+        raise ValueError(
+            f"{name} has shape {tuple(tensor.shape)}, expected {tuple(ref.shape)} (the shape of {ref_name})"
+        )
+
+
+def _check_ndim(name: str, tensor: Tensor, ndim: int, layout: str) -> None:
+    if tensor.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D {layout}, got shape {tuple(tensor.shape)}")
+
+
+def _check_rows(ref_name: str, ref_B_T: Tensor, **others: Tensor) -> None:
+    """Raises ValueError unless `ref_B_T` is 2-D and every tensor in `others` has its exact shape."""
+    _check_ndim(ref_name, ref_B_T, 2, "[batch, time]")
+    for name, tensor in others.items():
+        _check_shape(name, tensor, ref_name, ref_B_T)
+
+
+def _check_num_tokens(num_tokens: float | None) -> None:
+    if num_tokens is not None and not num_tokens > 0:
+        raise ValueError(f"num_tokens must be > 0, got {num_tokens}")
+
+
+def _token_count(mask_B_T: Tensor, num_tokens: float | None) -> Tensor | float:
+    """The loss normaliser N: `num_tokens` if given, else the trained-token count of this batch.
+
+    The clamp only matters for a batch with no trained token, where the masked sum is 0 anyway: it
+    yields a loss of 0 instead of 0/0 = nan.
+    """
+    if num_tokens is not None:
+        return num_tokens
+    return mask_B_T.sum().clamp(min=1.0)
+
+
+def reverse_kl_advantages(
+    sampler_logprobs_B_T: Tensor, teacher_logprobs_B_T: Tensor, kl_coef: float
+) -> Tensor:
+    """Per-token distillation advantage `A_t = −kl_coef·(logp_sampler_t − logp_teacher_t)`.
+
+    `logp_sampler_t − logp_teacher_t` at the token the student sampled is a one-sample Monte-Carlo
+    estimate of the reverse KL(student ‖ teacher) at that position, so maximising `A_t` pulls the
+    student toward the teacher on the student's own distribution (mode-seeking). The result is a
+    constant (detached): it weighs the policy gradient and never receives one.
+
+    Args:
+        sampler_logprobs_B_T: [B, T] logprob of each sampled token under the sampling student.
+        teacher_logprobs_B_T: [B, T] logprob of the same token under the teacher.
+        kl_coef: weight of the reverse-KL term, >= 0.
+
+    Returns:
+        [B, T] advantages, not masked (see `opd_advantages` for the masked, combined signal).
+    """
+    _check_rows("sampler_logprobs_B_T", sampler_logprobs_B_T, teacher_logprobs_B_T=teacher_logprobs_B_T)
+    if not kl_coef >= 0:
+        raise ValueError(f"kl_coef must be >= 0 (a negative one pushes away from the teacher), got {kl_coef}")
+    return (-kl_coef * (sampler_logprobs_B_T - teacher_logprobs_B_T)).detach()
+
+
+def group_reward_advantages(
+    rewards_B: Tensor,
+    group_ids_B: Tensor,
+    rollout_ids_B: Tensor,
+    normalize_by_std: bool,
+    eps: float = 1e-6,
+) -> Tensor:
+    """Task-reward advantage per row: `Â = R − mean(R over the group's rollouts)` (GRPO-style baseline).
+
+    With `normalize_by_std`, `Â = (R − mean) / (std + eps)`, where `std` is the sample standard deviation
+    (Bessel-corrected, as GRPO/verl) of the group's rollout rewards. A group with one rollout gets 0.
+
+    Rows are trained segments, but the baseline is over *rollouts*: a group is one prompt's
+    `n_rollouts` rollouts, and a multi-turn rollout contributes one row per LLM call, all sharing the
+    rollout's reward. Each rollout is counted once in its group's mean and std however many rows it
+    has, so a long agentic rollout does not weigh more in the baseline than a one-call rollout.
+
+    Args:
+        rewards_B: [B] reward of the rollout each row belongs to (equal across a rollout's rows).
+        group_ids_B: [B] id of the prompt group of each row (any integers; equal within a rollout).
+        rollout_ids_B: [B] id of the rollout of each row (any integers, unique across groups).
+        normalize_by_std: also divide by the group's reward std.
+        eps: added to the std so that a group whose rollouts all got the same reward gives 0, not nan.
+
+    Returns:
+        [B] advantages, float, detached; equal across the rows of a rollout.
+    """
+    _check_ndim("rewards_B", rewards_B, 1, "[batch]")
+    _check_shape("group_ids_B", group_ids_B, "rewards_B", rewards_B)
+    _check_shape("rollout_ids_B", rollout_ids_B, "rewards_B", rewards_B)
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    rewards_B = rewards_B.detach()
+    if not rewards_B.is_floating_point():
+        rewards_B = rewards_B.to(torch.get_default_dtype())
+
+    # Collapse rows to rollouts (suffix R) so that each rollout counts once, then rollouts to groups (G).
+    rollout_ids_R, rollout_index_B = torch.unique(rollout_ids_B, return_inverse=True)
+    num_rollouts = rollout_ids_R.numel()
+    rewards_R = rewards_B.new_zeros(num_rollouts).scatter_(0, rollout_index_B, rewards_B)
+    group_ids_R = group_ids_B.new_zeros(num_rollouts).scatter_(0, rollout_index_B, group_ids_B)
+    # scatter_ keeps an arbitrary row's value; if rows of one rollout disagree, the baseline would
+    # silently depend on which one, so refuse instead.
+    if not torch.equal(rewards_R[rollout_index_B], rewards_B):
+        raise ValueError("rewards_B differs between rows of the same rollout (rollout_ids_B)")
+    if not torch.equal(group_ids_R[rollout_index_B], group_ids_B):
+        raise ValueError("group_ids_B differs between rows of the same rollout (rollout_ids_B)")
+
+    group_ids_G, group_index_R = torch.unique(group_ids_R, return_inverse=True)
+    num_groups = group_ids_G.numel()
+    count_G = rewards_R.new_zeros(num_groups).index_add_(0, group_index_R, torch.ones_like(rewards_R))
+    mean_G = rewards_R.new_zeros(num_groups).index_add_(0, group_index_R, rewards_R) / count_G
+    advantages_R = rewards_R - mean_G[group_index_R]
+    if normalize_by_std:
+        sq_dev_G = rewards_R.new_zeros(num_groups).index_add_(0, group_index_R, advantages_R.square())
+        # A group of one has no spread (its advantage is already exactly 0); clamp avoids 0/0.
+        std_G = (sq_dev_G / (count_G - 1).clamp(min=1.0)).sqrt()
+        advantages_R = advantages_R / (std_G[group_index_R] + eps)
+    return advantages_R[rollout_index_B]
+
+
+def opd_advantages(
+    sampler_logprobs_B_T: Tensor,
+    teacher_logprobs_B_T: Tensor,
+    mask_B_T: Tensor,
+    kl_coef: float,
+    reward_advantages_B: Tensor | None,
+    reward_coef: float,
+) -> Tensor:
+    """The OPD per-token advantage `A_t = −kl_coef·(logp_sampler_t − logp_teacher_t) + reward_coef·Â_row`.
+
+    The first term is `reverse_kl_advantages`; `Â_row` (from `group_reward_advantages`) is one number per
+    row, broadcast over the row's tokens. `A_t` is 0 wherever `mask_B_T` is 0, whatever the logprobs
+    hold there, and the result is detached.
+
+    Args:
+        sampler_logprobs_B_T: [B, T] logprob of each sampled token under the sampling student.
+        teacher_logprobs_B_T: [B, T] logprob of the same token under the teacher.
+        mask_B_T: [B, T] 1.0 on trained completion tokens, 0.0 elsewhere.
+        kl_coef: weight of the reverse-KL term, >= 0.
+        reward_advantages_B: [B] group-baselined reward advantage per row, or None for no reward term
+            (then `reward_coef` is unused).
+        reward_coef: weight of the reward term.
+
+    Returns:
+        [B, T] advantages, 0 at masked positions, detached.
+    """
+    _check_rows(
+        "sampler_logprobs_B_T",
+        sampler_logprobs_B_T,
+        teacher_logprobs_B_T=teacher_logprobs_B_T,
+        mask_B_T=mask_B_T,
+    )
+    advantages_B_T = reverse_kl_advantages(sampler_logprobs_B_T, teacher_logprobs_B_T, kl_coef)
+    if reward_advantages_B is not None:
+        if reward_advantages_B.shape != sampler_logprobs_B_T.shape[:1]:
+            raise ValueError(
+                f"reward_advantages_B has shape {tuple(reward_advantages_B.shape)}, expected "
+                f"({sampler_logprobs_B_T.shape[0]},) (one value per row of sampler_logprobs_B_T)"
+            )
+        advantages_B_T = advantages_B_T + reward_coef * reward_advantages_B.detach()[:, None]
+    # where, not a multiply: garbage (inf/nan) at masked positions must not leak as 0·inf = nan.
+    return torch.where(mask_B_T > 0, advantages_B_T, 0.0)
+
+
+def policy_loss(
+    learner_logprobs_B_T: Tensor,
+    sampler_logprobs_B_T: Tensor,
+    advantages_B_T: Tensor,
+    mask_B_T: Tensor,
+    ratio_cap: float,
+    num_tokens: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Truncated importance-sampled policy-gradient loss `−Σ_t mask_t·min(ratio_t, ratio_cap)·A_t / N`.
+
+    `ratio_t = exp(logp_learner_t − logp_sampler_t)` corrects for the learner having drifted from the
+    weights that sampled (earlier mini-batches of the step, stale weights, vLLM/learner numerics).
+    It is truncated with `torch.clamp(max=ratio_cap)`: a token whose ratio exceeds the cap contributes
+    `ratio_cap·A_t` to the loss and **no gradient**. At a kept token the gradient w.r.t.
+    `learner_logprobs_B_T` is `−mask_t·ratio_t·A_t / N`; on-policy (ratio 1) the loss is the plain
+    policy gradient `−Σ mask·A / N`.
+
+    Args:
+        learner_logprobs_B_T: [B, T] logprob of each sampled token under the learner (with grad).
+        sampler_logprobs_B_T: [B, T] logprob of the same token under the sampling weights (constant).
+        advantages_B_T: [B, T] advantages, e.g. from `opd_advantages`; detached here, so they never
+            receive a gradient.
+        mask_B_T: [B, T] 1.0 on trained completion tokens, 0.0 elsewhere.
+        ratio_cap: truncation cap for the ratio, >= 1 (a cap below 1 would truncate even on-policy
+            tokens and silently stop all learning).
+        num_tokens: the normaliser N. Pass the trained-token count of the whole optimizer step so that
+            its micro-batches sum to one token mean; None uses `mask_B_T.sum()` of this batch.
+
+    Returns:
+        `(loss, stats)`: `loss` a 0-dim tensor with grad; `stats` 0-dim detached tensors, computed over
+        masked tokens on the *untruncated* ratio: `ratio_mean`, `ratio_max`, and `ratio_truncated_frac`
+        (fraction of trained tokens with ratio > ratio_cap). They stay tensors so that a learner looping
+        over micro-batches does not force a device sync per micro-batch; call `.item()` when logging.
+        With no trained token all three are 0.
+    """
+    _check_rows(
+        "learner_logprobs_B_T",
+        learner_logprobs_B_T,
+        sampler_logprobs_B_T=sampler_logprobs_B_T,
+        advantages_B_T=advantages_B_T,
+        mask_B_T=mask_B_T,
+    )
+    if not ratio_cap >= 1.0:
+        raise ValueError(f"ratio_cap must be >= 1, got {ratio_cap}")
+    _check_num_tokens(num_tokens)
+
+    trained_B_T = mask_B_T > 0
+    # Zero the log-ratio at masked positions *before* exp: exp of a garbage difference can overflow to
+    # inf, and neither where() nor ·0 afterwards keeps inf out of the backward pass (0·inf = nan).
+    log_ratio_B_T = torch.where(trained_B_T, learner_logprobs_B_T - sampler_logprobs_B_T.detach(), 0.0)
+    ratio_B_T = torch.exp(log_ratio_B_T)
+    truncated_ratio_B_T = torch.clamp(ratio_B_T, max=ratio_cap)
+    advantages_B_T = torch.where(trained_B_T, advantages_B_T.detach(), 0.0)
+    mask_B_T = mask_B_T.to(ratio_B_T.dtype)
+    loss = -(mask_B_T * truncated_ratio_B_T * advantages_B_T).sum() / _token_count(mask_B_T, num_tokens)
+
+    with torch.no_grad():
+        trained_count = trained_B_T.sum().clamp(min=1)
+        stats = {
+            "ratio_mean": torch.where(trained_B_T, ratio_B_T, 0.0).sum() / trained_count,
+            # ratio > 0, so 0 at masked positions never wins the max unless nothing is trained.
+            "ratio_max": torch.where(trained_B_T, ratio_B_T, 0.0).amax(),
+            "ratio_truncated_frac": (trained_B_T & (ratio_B_T > ratio_cap)).sum() / trained_count,
+        }
+    return loss, stats
+
+
+def kl_to_reference(
+    learner_logprobs_B_T: Tensor,
+    reference_logprobs_B_T: Tensor,
+    mask_B_T: Tensor,
+    num_tokens: float | None = None,
+) -> Tensor:
+    """KL(learner ‖ reference), k3 estimator: `Σ_t mask_t·(exp(d_t) − d_t − 1) / N`, `d_t = ref_t − logp_t`.
+
+    k3 (Schulman, "Approximating KL divergence") is unbiased on samples from the learner, and each term
+    is >= 0 and exactly 0 where the two logprobs are equal, unlike the plain `logp − ref` estimator.
+    Used for the optional `kl_loss_coef · KL(learner ‖ initial student)` term added to `policy_loss`.
+    Differentiable w.r.t. `learner_logprobs_B_T`; the reference is a constant.
+
+    Args:
+        learner_logprobs_B_T: [B, T] logprob of each sampled token under the learner (with grad).
+        reference_logprobs_B_T: [B, T] logprob of the same token under the reference (initial student).
+        mask_B_T: [B, T] 1.0 on trained completion tokens, 0.0 elsewhere.
+        num_tokens: the normaliser N, as in `policy_loss`; None uses `mask_B_T.sum()`.
+
+    Returns:
+        0-dim tensor, >= 0.
+    """
+    _check_rows(
+        "learner_logprobs_B_T",
+        learner_logprobs_B_T,
+        reference_logprobs_B_T=reference_logprobs_B_T,
+        mask_B_T=mask_B_T,
+    )
+    _check_num_tokens(num_tokens)
+    # Same reason as in policy_loss: keep garbage at masked positions out of exp and its backward.
+    d_B_T = torch.where(mask_B_T > 0, reference_logprobs_B_T.detach() - learner_logprobs_B_T, 0.0)
+    k3_B_T = torch.exp(d_B_T) - d_B_T - 1.0
+    mask_B_T = mask_B_T.to(k3_B_T.dtype)
+    return (mask_B_T * k3_B_T).sum() / _token_count(mask_B_T, num_tokens)
+
+
+@torch.no_grad()
+def distillation_metrics(
+    sampler_logprobs_B_T: Tensor, teacher_logprobs_B_T: Tensor, mask_B_T: Tensor
+) -> dict[str, float]:
+    """Per-step distillation metrics, token means over `mask_B_T` (0.0 when no token is trained).
+
+    - `reverse_kl`: mean of `logp_sampler − logp_teacher`, the Monte-Carlo reverse KL(student ‖ teacher)
+      per token; it goes to 0 as the student matches the teacher.
+    - `teacher_logprob`: mean teacher logprob of the student's tokens.
+    - `student_logprob`: mean sampler logprob of its own tokens.
+    - `entropy`: `−student_logprob`, the Monte-Carlo estimate of the student's per-token entropy.
+    - `trained_tokens`: `mask_B_T.sum()`.
+
+    Args:
+        sampler_logprobs_B_T: [B, T] logprob of each sampled token under the sampling student.
+        teacher_logprobs_B_T: [B, T] logprob of the same token under the teacher.
+        mask_B_T: [B, T] 1.0 on trained completion tokens, 0.0 elsewhere.
+
+    Returns:
+        Python floats keyed by the names above.
+    """
+    _check_rows(
+        "sampler_logprobs_B_T",
+        sampler_logprobs_B_T,
+        teacher_logprobs_B_T=teacher_logprobs_B_T,
+        mask_B_T=mask_B_T,
+    )
+    trained_B_T = mask_B_T > 0
+    mask_B_T = mask_B_T.to(sampler_logprobs_B_T.dtype)
+    count = mask_B_T.sum()
+    normaliser = count.clamp(min=1.0)
+    student = (mask_B_T * torch.where(trained_B_T, sampler_logprobs_B_T, 0.0)).sum() / normaliser
+    teacher = (mask_B_T * torch.where(trained_B_T, teacher_logprobs_B_T, 0.0)).sum() / normaliser
+    # One stack + tolist: a single device-to-host copy instead of one sync per metric.
+    values = torch.stack([student - teacher, teacher, student, -student, count]).tolist()
+    names = ["reverse_kl", "teacher_logprob", "student_logprob", "entropy", "trained_tokens"]
+    return dict(zip(names, values, strict=True))
+
+
+def gather_token_logprobs(logits_B_T_V: Tensor, token_ids_B_T: Tensor, temperature: float = 1.0) -> Tensor:
+    """Logprob of given tokens, `log_softmax(logits / temperature)[b, t, token_ids[b, t]]`.
+
+    Use the sampling temperature, so that the learner's logprobs are comparable with the sampler's.
+    Output position t is the logprob of `token_ids_B_T[b, t]` under `logits_B_T_V[b, t]`. A causal LM's
+    logits at position t predict token t+1, so the caller shifts: for a sequence `ids` pass
+    `logits[:, :-1]` with `ids[:, 1:]`. Computed in float32 as `logit − logsumexp(logits)`, which needs no
+    second [B, T, V] tensor for the full log-softmax.
+
+    Args:
+        logits_B_T_V: [B, T, V] logits (any float dtype).
+        token_ids_B_T: [B, T] integer token ids in `[0, V)`.
+        temperature: sampling temperature, > 0.
+
+    Returns:
+        [B, T] float32 logprobs, differentiable w.r.t. `logits_B_T_V`.
+    """
+    _check_ndim("logits_B_T_V", logits_B_T_V, 3, "[batch, time, vocab]")
+    if token_ids_B_T.shape != logits_B_T_V.shape[:2]:
+        raise ValueError(
+            f"token_ids_B_T has shape {tuple(token_ids_B_T.shape)}, expected "
+            f"{tuple(logits_B_T_V.shape[:2])} (the first two dims of logits_B_T_V)"
+        )
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    logits_B_T_V = logits_B_T_V.float() / temperature
+    token_logits_B_T = logits_B_T_V.gather(-1, token_ids_B_T.long().unsqueeze(-1)).squeeze(-1)
+    return token_logits_B_T - torch.logsumexp(logits_B_T_V, dim=-1)
