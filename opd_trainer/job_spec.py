@@ -1,0 +1,263 @@
+"""The OPD job spec: one pydantic model, the single definition of every field, its default and meaning.
+
+Field names follow Alibaba Bailian's OPD product (`n_epochs`, `batch_size`, `n_rollouts`, ...) so
+job files port unchanged; `kl_coef`, `reward_coef`, `temperature`, `max_tokens`, `seed`,
+`max_failed_ratio` and `max_staleness` are ours. Unknown fields and wrong types are rejected with a
+message naming the field (`load_job_spec` turns pydantic's errors into one `ConfigError`).
+
+A job with no rollout component is Model OPD (the built-in one-call rollout); with one it is Agentic OPD.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from opd_trainer.errors import ConfigError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class FcModel(_Strict):
+    """Where a processor's code lives and which class to load."""
+
+    zipdir: str | None = Field(default=None, description="Local workspace directory (or .zip) with the code.")
+    workspace: str | None = Field(
+        default=None, description="Id of a workspace zip uploaded to the job server."
+    )
+    classpath: str = Field(description="`pkg.module.Class` or `path/file.py:Class` inside the workspace.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> FcModel:
+        if (self.zipdir is None) == (self.workspace is None):
+            raise ValueError("give exactly one of zipdir or workspace")
+        return self
+
+
+class FunctionRuntime(_Strict):
+    """Size and autoscaling of the worker pool that runs one processor component."""
+
+    cpu: float = Field(default=1.0, gt=0, description="CPU cores per worker.")
+    memory_size: int = Field(default=2048, gt=0, description="Memory per worker, MB.")
+    disk_size: int = Field(default=1024, gt=0, description="Scratch disk per worker, MB.")
+    concurrency: int = Field(default=8, ge=1, description="Calls one worker runs at once.")
+    capacity: int = Field(default=1, ge=0, description="Workers at start.")
+    min_capacity: int = Field(default=1, ge=0, description="Fewest workers the autoscaler keeps.")
+    max_capacity: int = Field(default=4, ge=1, description="Most workers the autoscaler starts.")
+    memory_scale_threshold: float = Field(
+        default=0.8, gt=0, le=1, description="Scale up when worker memory use passes this fraction."
+    )
+    concurrency_scale_threshold: float = Field(
+        default=0.8,
+        gt=0,
+        le=1,
+        description="Scale up when in-flight calls / (workers × concurrency) pass this.",
+    )
+    env: dict[str, str] = Field(default_factory=dict, description="Environment variables for the workers.")
+
+    @model_validator(mode="after")
+    def _capacities_ordered(self) -> FunctionRuntime:
+        if not self.min_capacity <= self.capacity <= self.max_capacity:
+            raise ValueError("need min_capacity <= capacity <= max_capacity")
+        return self
+
+
+class FunctionComponent(_Strict):
+    """A user processor: the rollout (at most one) or a reward (any number)."""
+
+    name: str = Field(min_length=1, description="Component name, unique in the job.")
+    type: Literal["rollout", "reward"] = Field(description="Which processor interface the class implements.")
+    fcmodel: FcModel = Field(description="Code location and classpath.")
+    timeout: float = Field(
+        default=600.0, gt=0, description="Seconds one call may take before it counts FAILED."
+    )
+    weight: float = Field(
+        default=1.0, description="Reward components: task reward = Σ weight · reward_score."
+    )
+    reward_metric_weight: dict[str, float] | None = Field(
+        default=None, description="Reward components: weights of named reward_metrics folded into the score."
+    )
+    runtime: FunctionRuntime = Field(default_factory=FunctionRuntime, description="Worker pool size/scaling.")
+
+
+class HyperParameters(_Strict):
+    """Optimisation and sampling settings."""
+
+    n_epochs: int = Field(default=1, ge=1, description="Passes over the training datasets.")
+    max_steps: int | None = Field(
+        default=None, ge=1, description="Stop after this many steps (None: epochs)."
+    )
+    learning_rate: float = Field(default=1e-5, gt=0, description="Peak AdamW learning rate.")
+    lr_scheduler_type: Literal["cosine", "linear", "constant"] = Field(
+        default="cosine", description="Decay after warm-up."
+    )
+    warmup_ratio: float = Field(default=0.0, ge=0, lt=1, description="Fraction of steps spent warming up.")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm.")
+    batch_size: int = Field(default=8, ge=1, description="Prompts per step.")
+    n_rollouts: int = Field(
+        default=4, ge=1, description="Samples per prompt (the group of the reward baseline)."
+    )
+    ppo_mini_batch_size: int = Field(
+        default=8, ge=1, description="Rollout samples per optimizer update; a step makes ceil(samples/this)."
+    )
+    max_length: int = Field(default=2048, ge=16, description="Longest prompt + completion, in tokens.")
+    max_tokens: int = Field(default=256, ge=1, description="Most tokens sampled per LLM call.")
+    temperature: float = Field(default=1.0, gt=0, description="Student sampling temperature.")
+    kl_coef: float = Field(
+        default=1.0, ge=0, description="Weight of the per-token reverse KL to the teacher."
+    )
+    kl_loss_coef: float = Field(default=0.0, ge=0, description="Weight of KL(learner ‖ initial student).")
+    reward_coef: float = Field(default=0.0, ge=0, description="Weight of the group-baselined task reward.")
+    normalize_reward_by_std: bool = Field(default=False, description="Divide reward advantages by group std.")
+    ratio_cap: float = Field(
+        default=2.0,
+        ge=1,
+        description="Truncation cap of the importance ratio (>= 1: on-policy ratios are 1).",
+    )
+    eval_steps: int = Field(default=10, ge=1, description="Validate every this many steps.")
+    save_steps: int = Field(
+        default=50, ge=1, description="Checkpoint every this many steps (and at the end)."
+    )
+    seed: int = Field(default=42, description="Seed of data order, sampling and initialisation.")
+    max_failed_ratio: float = Field(
+        default=0.2,
+        ge=0,
+        le=1,
+        description="Fail the job when a step's failed rollout fraction exceeds this.",
+    )
+    max_staleness: int = Field(
+        default=0, ge=0, description="Policy versions a sample may lag the learner (0 = strictly on-policy)."
+    )
+    max_drift: float = Field(
+        default=0.05, gt=0, description="Pre-flight: largest allowed mean |learner − sampler| logprob drift."
+    )
+
+
+class EngineResources(_Strict):
+    """Placement of one model's vLLM engines."""
+
+    replicas: int = Field(default=1, ge=1, description="Independent engine replicas.")
+    tensor_parallel_size: int = Field(default=1, ge=1, description="GPUs per replica (CUDA only).")
+    kv_cache_memory_bytes: int | None = Field(
+        default=None, gt=0, description="KV-cache bytes per replica; required on CPU, None sizes it on GPU."
+    )
+    dtype: str = Field(default="auto", description="Engine weight dtype; 'auto' takes the checkpoint's.")
+
+
+class Resources(_Strict):
+    """Where the job's models run."""
+
+    student: EngineResources = Field(default_factory=EngineResources, description="Student sampling engines.")
+    teacher: EngineResources = Field(default_factory=EngineResources, description="Teacher scoring engines.")
+    learner_gpus: int = Field(
+        default=1, ge=0, description="Data-parallel learner ranks (GPUs; CPU ranks if 0 GPUs)."
+    )
+    zero_stage: Literal[0, 1, 2, 3] = Field(default=2, description="DeepSpeed ZeRO stage of the learner.")
+
+
+class JobSpec(_Strict):
+    """One OPD job."""
+
+    job_name: str = Field(min_length=1, max_length=128, description="Human-readable job name.")
+    model: str = Field(min_length=1, description="Student: a model directory (or uploaded model id).")
+    teacher_model: str = Field(
+        min_length=1, description="Teacher: same tokenizer and chat template as the student."
+    )
+    training_datasets: list[str] = Field(min_length=1, description="JSONL files (paths or file ids).")
+    validation_datasets: list[str] = Field(default_factory=list, description="JSONL files for evaluation.")
+    functions: list[FunctionComponent] = Field(
+        default_factory=list, description="At most one rollout component and any number of reward components."
+    )
+    hyper_parameters: HyperParameters = Field(
+        default_factory=HyperParameters, description="Training settings."
+    )
+    resources: Resources = Field(default_factory=Resources, description="Engine and learner placement.")
+
+    @model_validator(mode="after")
+    def _components(self) -> JobSpec:
+        if len(self.rollout_components) > 1:
+            raise ValueError("at most one rollout component")
+        names = [f.name for f in self.functions]
+        if len(names) != len(set(names)):
+            raise ValueError("component names must be unique")
+        return self
+
+    @property
+    def rollout_components(self) -> list[FunctionComponent]:
+        return [f for f in self.functions if f.type == "rollout"]
+
+    @property
+    def reward_components(self) -> list[FunctionComponent]:
+        return [f for f in self.functions if f.type == "reward"]
+
+    @property
+    def is_agentic(self) -> bool:
+        return bool(self.rollout_components)
+
+
+def _field_path(location: tuple[int | str, ...]) -> str:
+    return ".".join(str(part) for part in location) or "(job)"
+
+
+def parse_job_spec(data: Any) -> JobSpec:
+    """Validates a decoded job document; raises `ConfigError` naming the first bad field."""
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as exc:
+        first, *rest = exc.errors()
+        message = first["msg"]
+        if rest:
+            message += "; also " + "; ".join(f"{_field_path(e['loc'])}: {e['msg']}" for e in rest)
+        raise ConfigError(message, field=_field_path(first["loc"])) from None
+
+
+def load_job_spec(path: Path) -> JobSpec:
+    """Reads a YAML or JSON job file; relative dataset/model/workspace paths resolve against its folder."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read job file {path}: {exc.strerror}", field="job_file") from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(
+            f"{path} is not valid {path.suffix.lstrip('.') or 'YAML'}: {exc}", field="job_file"
+        ) from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of job fields", field="job_file")
+    return resolve_paths(parse_job_spec(data), path.parent)
+
+
+def _resolve(value: str, base: Path) -> str:
+    candidate = Path(value)
+    if candidate.is_absolute() or not (base / candidate).exists():
+        return value  # an absolute path, or not a local path at all (a file id / hub name)
+    return str((base / candidate).resolve())
+
+
+def resolve_paths(spec: JobSpec, base: Path) -> JobSpec:
+    """Makes local paths in the spec absolute, relative to `base` (the job file's folder)."""
+    functions = [
+        f.model_copy(
+            update={"fcmodel": f.fcmodel.model_copy(update={"zipdir": _resolve(f.fcmodel.zipdir, base)})}
+        )
+        if f.fcmodel.zipdir
+        else f
+        for f in spec.functions
+    ]
+    return spec.model_copy(
+        update={
+            "model": _resolve(spec.model, base),
+            "teacher_model": _resolve(spec.teacher_model, base),
+            "training_datasets": [_resolve(d, base) for d in spec.training_datasets],
+            "validation_datasets": [_resolve(d, base) for d in spec.validation_datasets],
+            "functions": functions,
+        }
+    )

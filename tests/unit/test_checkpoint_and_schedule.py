@@ -1,0 +1,43 @@
+"""Checkpoint store atomicity and the learning-rate schedule."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from opd_trainer.checkpoint import CheckpointStore
+from opd_trainer.learner import lr_multiplier
+
+
+def test_latest_flips_only_on_commit(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path / "ckpt")
+    assert store.latest() is None
+    first = store.staging(2)
+    (first / "weights").write_text("a")
+    store.commit(first, 2, {"step": 2})
+    half_written = store.staging(4)
+    (half_written / "weights").write_text("b")  # a crash here must leave step 2 as latest
+    latest = store.latest()
+    assert latest is not None and latest[1]["step"] == 2 and (latest[0] / "weights").read_text() == "a"
+    store.commit(half_written, 4, {"step": 4})
+    assert store.latest_step() == 4
+    assert [c["step"] for c in store.list()] == [2, 4]
+
+
+@pytest.mark.parametrize(
+    ("update", "schedule", "expected"),
+    [
+        (0, "cosine", 0.25),  # warm-up: (0+1)/4
+        (3, "cosine", 1.0),
+        (4, "cosine", 1.0),  # decay starts at 1
+        (14, "cosine", 0.5),  # half way through 20 decay updates
+        (24, "cosine", 0.0),
+        (14, "linear", 0.5),
+        (24, "constant", 1.0),
+    ],
+)
+def test_lr_multiplier(update: int, schedule: str, expected: float) -> None:
+    assert lr_multiplier(update, total_updates=24, warmup_updates=4, schedule=schedule) == pytest.approx(
+        expected
+    )

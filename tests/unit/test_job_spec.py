@@ -1,0 +1,103 @@
+"""Job spec: defaults, strictness, field-named errors, file loading."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from opd_trainer.errors import ConfigError
+from opd_trainer.job_spec import JobSpec, load_job_spec, parse_job_spec
+
+MINIMAL = {"job_name": "j", "model": "s", "teacher_model": "t", "training_datasets": ["train.jsonl"]}
+
+
+def test_minimal_spec_gets_documented_defaults() -> None:
+    spec = parse_job_spec(MINIMAL)
+    assert spec.hyper_parameters.kl_coef == 1.0
+    assert spec.hyper_parameters.kl_loss_coef == 0.0
+    assert spec.hyper_parameters.max_staleness == 0
+    assert spec.resources.zero_stage == 2
+    assert not spec.is_agentic
+
+
+def test_every_field_has_a_description() -> None:
+    def walk(model: type) -> list[str]:
+        missing = []
+        for name, field in model.model_fields.items():  # type: ignore[attr-defined]
+            if not field.description:
+                missing.append(f"{model.__name__}.{name}")
+            annotation = field.annotation
+            if isinstance(annotation, type) and hasattr(annotation, "model_fields"):
+                missing += walk(annotation)
+        return missing
+
+    assert walk(JobSpec) == []
+
+
+@pytest.mark.parametrize(
+    ("patch", "field"),
+    [
+        ({"bogus": 1}, "bogus"),
+        ({"hyper_parameters": {"batch_size": "eight"}}, "hyper_parameters.batch_size"),
+        ({"hyper_parameters": {"kl_coef": -1}}, "hyper_parameters.kl_coef"),
+        ({"hyper_parameters": {"ratio_cap": 0.5}}, "hyper_parameters.ratio_cap"),
+        ({"hyper_parameters": {"lr_scheduler_type": "exotic"}}, "hyper_parameters.lr_scheduler_type"),
+        ({"resources": {"student": {"replicas": 0}}}, "resources.student.replicas"),
+        ({"training_datasets": []}, "training_datasets"),
+        (
+            {"functions": [{"name": "r", "type": "reward", "fcmodel": {"classpath": "a.B"}}]},
+            "functions.0.fcmodel",
+        ),
+        (
+            {
+                "functions": [
+                    {
+                        "name": "r",
+                        "type": "reward",
+                        "fcmodel": {"zipdir": "w", "classpath": "a.B"},
+                        "runtime": {"min_capacity": 3, "capacity": 1},
+                    }
+                ]
+            },
+            "functions.0.runtime",
+        ),
+    ],
+)
+def test_bad_fields_are_named(patch: dict, field: str) -> None:
+    with pytest.raises(ConfigError) as raised:
+        parse_job_spec({**MINIMAL, **patch})
+    assert raised.value.field == field
+    assert field in str(raised.value)
+
+
+def test_two_rollout_components_rejected() -> None:
+    rollout = {"type": "rollout", "fcmodel": {"zipdir": "w", "classpath": "a.B"}}
+    with pytest.raises(ConfigError, match="at most one rollout"):
+        parse_job_spec({**MINIMAL, "functions": [{"name": "a", **rollout}, {"name": "b", **rollout}]})
+
+
+def test_yaml_file_paths_resolve_against_its_folder(tmp_path: Path) -> None:
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text("{}\n")
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        "job_name: j\nmodel: hub/model-name\nteacher_model: t\ntraining_datasets: [data/train.jsonl]\n"
+    )
+    spec = load_job_spec(job)
+    assert spec.training_datasets == [str((tmp_path / "data" / "train.jsonl").resolve())]
+    assert spec.model == "hub/model-name"  # not a local path: left alone
+
+
+def test_unreadable_or_invalid_job_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as raised:
+        load_job_spec(tmp_path / "missing.yaml")
+    assert raised.value.field == "job_file"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("job_name: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid"):
+        load_job_spec(bad)
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_job_spec(listing)
