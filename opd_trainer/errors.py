@@ -32,3 +32,11 @@ class EngineError(OPDError):
 
 class WeightSyncError(EngineError):
     """New weights could not be handed to or loaded by an engine."""
+
+
+class ProcessorLoadError(OPDError):
+    """A user processor class could not be found, imported, constructed or set up.
+
+    The message names the classpath and what went wrong (with the user's own traceback frames for
+    an exception raised in their code); `field` is e.g. `functions.<component>.fcmodel.classpath`.
+    """

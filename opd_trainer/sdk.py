@@ -1,0 +1,222 @@
+"""The processor SDK users write rollout and reward code against; names and fields follow Bailian's OPD SDK.
+
+Code written for Alibaba Bailian's OPD product ports by changing its import lines to
+`from opd_trainer.sdk import ...`. A rollout processor runs the user's agent against the student
+(reached through `RolloutInput.model_resource`, an OpenAI-compatible endpoint) and returns the
+conversation; a reward processor scores one finished conversation.
+
+    class MyRollout(AbstractRolloutProcessor):
+        def setup(self) -> None:                      # once per worker
+            self.tools = load_my_tools()
+
+        @observe_processor                            # optional: the worker applies it anyway
+        async def process(self, rollout_input: RolloutInput) -> RolloutOutput:
+            mr = rollout_input.model_resource
+            client = trace_client(AsyncOpenAI(base_url=mr.base_url,
+                                              api_key=mr.api_key.get_secret_value()))
+            ...
+            return RolloutOutput(agent_output=AgentOutput(messages=messages))
+
+`process` may be `async def` or plain `def`; the worker calls it through `call_processor`, which
+runs a plain `def` in a thread so it cannot stall the worker's event loop.
+
+Inputs accept unknown fields (a newer trainer may send more); outputs reject them, so a misspelt
+field (`reward_scores=`) fails loudly instead of being dropped. Every model pickles (Ray ships them
+between processes); `api_key` is a `SecretStr`, so it never shows in a repr, log line or JSON dump.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import inspect
+from enum import Enum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+from opd_trainer.tracing import observe_processor, trace_client
+
+__all__ = [
+    "ROLLOUT_ERROR_PREFIX",
+    "AbstractRewardProcessor",
+    "AbstractRolloutProcessor",
+    "AgentOutput",
+    "ModelResource",
+    "RequestMetadata",
+    "Reward",
+    "RewardInput",
+    "RewardOutput",
+    "RolloutInput",
+    "RolloutOutput",
+    "TaskStatus",
+    "call_processor",
+    "is_rollout_failure",
+    "observe_processor",
+    "trace_client",
+]
+
+ROLLOUT_ERROR_PREFIX = "ROLLOUT_ERROR:"
+"""Bailian's convention: an assistant message whose content starts with this marks a failed rollout."""
+
+
+class _Input(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class _Output(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TaskStatus(str, Enum):  # noqa: UP042 -- `str, Enum` like Bailian's, so `status == "FAILED"` holds
+    """Outcome of one processor call."""
+
+    SUCCESS = "SUCCESS"
+    FAILED = "FAILED"
+
+
+class ModelResource(_Input):
+    """The student endpoint a rollout talks to (OpenAI-compatible, via the trainer's gateway)."""
+
+    model_name: str = Field(description="Model name to pass as `model=` in chat completion calls.")
+    base_url: str = Field(description="OpenAI-compatible base URL, ending in /v1.")
+    api_key: SecretStr = Field(description="Per-rollout token; `.get_secret_value()` gives the string.")
+
+
+class RequestMetadata(_Input):
+    """Ids of one rollout attempt; tracing spans carry them as `opd.*` attributes."""
+
+    job_id: str = Field(description="Training job id.")
+    sample_id: str = Field(description="Dataset sample (prompt) id; the rollouts of one prompt share it.")
+    rollout_id: str = Field(description="Id of this rollout, unique in the job.")
+    attempt_id: int = Field(default=0, ge=0, description="Retry number of this rollout, from 0.")
+
+
+class RolloutInput(_Input):
+    """What a rollout processor receives: one dataset sample plus where to reach the student."""
+
+    messages: list[dict[str, Any]] = Field(description="The sample's chat messages (OpenAI format).")
+    tools: list[dict[str, Any]] | None = Field(default=None, description="The sample's tool schemas.")
+    ground_truth: str | None = Field(default=None, description="The sample's reference answer, if any.")
+    rollout_extra: dict[str, Any] = Field(default_factory=dict, description="The sample's extra data.")
+    sampling_params: dict[str, Any] = Field(
+        default_factory=dict, description="Sampling settings to pass to the student (temperature, ...)."
+    )
+    model_resource: ModelResource = Field(description="The student endpoint.")
+    request_metadata: RequestMetadata = Field(description="Ids of this rollout attempt.")
+
+
+class AgentOutput(_Output):
+    """The conversation a rollout produced; only its assistant turns are trained on."""
+
+    messages: list[dict[str, Any]] = Field(description="Full conversation, prompt included (OpenAI format).")
+    rollout_extra: dict[str, Any] = Field(default_factory=dict, description="Data handed on to rewards.")
+    rollout_metrics: dict[str, float] = Field(default_factory=dict, description="Metrics to log, by name.")
+    reward_score: float | None = Field(default=None, description="A reward the rollout computed itself.")
+
+
+class RolloutOutput(_Output):
+    """What a rollout processor returns."""
+
+    agent_output: AgentOutput | None = Field(default=None, description="The conversation; None on failure.")
+    status: TaskStatus = Field(default=TaskStatus.SUCCESS, description="SUCCESS or FAILED.")
+    error: str | None = Field(default=None, description="Why it failed.")
+
+
+class RewardInput(_Input):
+    """What a reward processor receives: one finished rollout."""
+
+    ground_truth: str | None = Field(default=None, description="The sample's reference answer, if any.")
+    request_metadata: RequestMetadata = Field(description="Ids of the rollout being scored.")
+    agent_output: AgentOutput = Field(description="The rollout's conversation.")
+
+
+class Reward(_Output):
+    """A scalar score plus optional named sub-scores (logged, and weighted by `reward_metric_weight`)."""
+
+    reward_score: float = Field(description="The score.")
+    reward_metrics: dict[str, float] = Field(default_factory=dict, description="Named sub-scores.")
+
+
+class RewardOutput(_Output):
+    """What a reward processor returns."""
+
+    reward: Reward | None = Field(default=None, description="The score; None on failure.")
+    status: TaskStatus = Field(default=TaskStatus.SUCCESS, description="SUCCESS or FAILED.")
+    error: str | None = Field(default=None, description="Why it failed.")
+
+
+class AbstractRolloutProcessor(abc.ABC):
+    """Base of user rollout code: one instance per worker, `process` called concurrently."""
+
+    def setup(self) -> None:  # noqa: B027 -- an optional hook, deliberately a no-op
+        """Runs once per worker before the first `process` call (load tools, warm caches)."""
+
+    @abc.abstractmethod
+    async def process(self, rollout_input: RolloutInput) -> RolloutOutput:
+        """Runs one rollout. May be overridden as `async def` or plain `def`."""
+
+
+class AbstractRewardProcessor(abc.ABC):
+    """Base of user reward code: one instance per worker, `process` called concurrently."""
+
+    def setup(self) -> None:  # noqa: B027 -- an optional hook, deliberately a no-op
+        """Runs once per worker before the first `process` call."""
+
+    @abc.abstractmethod
+    async def process(self, reward_input: RewardInput) -> RewardOutput:
+        """Scores one rollout. May be overridden as `async def` or plain `def`."""
+
+
+def _expected_output(payload: object) -> type[BaseModel] | None:
+    if isinstance(payload, RolloutInput):
+        return RolloutOutput
+    if isinstance(payload, RewardInput):
+        return RewardOutput
+    return None
+
+
+async def call_processor(processor: Any, payload: Any) -> Any:
+    """Calls `processor.process(payload)`: awaited if async, else in a worker thread.
+
+    A plain-`def` processor runs via `asyncio.to_thread` (which copies the context, so tracing spans
+    still nest) and so cannot block the event loop the worker uses for its other calls. For a
+    `RolloutInput`/`RewardInput` payload a returned dict is validated into the output model, and any
+    other return type raises `TypeError` naming the processor class.
+    """
+    process = processor.process
+    if inspect.iscoroutinefunction(process):
+        result = await process(payload)
+    else:
+        result = await asyncio.to_thread(process, payload)
+        if inspect.isawaitable(result):  # a sync wrapper around an async implementation
+            result = await result
+    expected = _expected_output(payload)
+    if expected is None or isinstance(result, expected):
+        return result
+    if isinstance(result, dict):
+        return expected.model_validate(result)
+    raise TypeError(
+        f"{type(processor).__qualname__}.process returned {type(result).__qualname__}, "
+        f"expected {expected.__name__}"
+    )
+
+
+def _text_parts(content: Any) -> list[str]:
+    if isinstance(content, str):
+        return [content]
+    if isinstance(content, list):  # OpenAI content parts: [{"type": "text", "text": ...}, ...]
+        return [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+    return []
+
+
+def is_rollout_failure(output: RolloutOutput) -> bool:
+    """True for a FAILED status, a missing `agent_output`, or an assistant turn starting `ROLLOUT_ERROR:`."""
+    if output.status == TaskStatus.FAILED or output.agent_output is None:
+        return True
+    return any(
+        text.lstrip().startswith(ROLLOUT_ERROR_PREFIX)
+        for message in output.agent_output.messages
+        if message.get("role") == "assistant"
+        for text in _text_parts(message.get("content"))
+    )
