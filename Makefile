@@ -17,7 +17,8 @@ $(STAMP): pyproject.toml scripts/setup_venv.sh
 setup: $(STAMP)
 
 demo: setup
-	$(BIN)/opd demo --models-dir $(TINY_MODELS_DIR)
+	$(BIN)/opd make-tiny-models $(TINY_MODELS_DIR)
+	$(BIN)/opd roundtrip --models-dir $(TINY_MODELS_DIR)
 
 test: setup
 	$(BIN)/ruff check .

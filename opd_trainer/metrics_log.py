@@ -13,6 +13,7 @@ class MetricsLog:
         self.metrics_path = run_dir / "metrics.jsonl"
         self.events_path = run_dir / "events.jsonl"
         self.summary_path = run_dir / "summary.json"
+        self.trajectories_path = run_dir / "trajectories.jsonl"
         self._tensorboard: Any = None
 
     def _writer(self) -> Any:
@@ -42,6 +43,12 @@ class MetricsLog:
 
     def event(self, event: dict[str, Any]) -> None:
         self._append(self.events_path, event)
+
+    def trajectories(self, trajectories: list[dict[str, Any]]) -> None:
+        """Rollouts as the user's agent saw them: messages, tool calls, rewards, spans."""
+        with self.trajectories_path.open("a") as handle:
+            for trajectory in trajectories:
+                handle.write(json.dumps(trajectory, ensure_ascii=False, default=str) + "\n")
 
     def records(self) -> list[dict[str, Any]]:
         if not self.metrics_path.exists():

@@ -137,8 +137,13 @@ def score_reply(parsed: ParsedReply, solution: str | dict[str, Any]) -> ReplySco
         arguments_correct = got == Counter((c["name"], _canonical_args(c["arguments"])) for c in expected)
     else:
         arguments_correct = decision_correct
-    return ReplyScore(parsed.format_valid, decision_correct, names_correct, arguments_correct,
-                      parsed.format_valid and decision_correct and names_correct and arguments_correct)
+    return ReplyScore(
+        parsed.format_valid,
+        decision_correct,
+        names_correct,
+        arguments_correct,
+        parsed.format_valid and decision_correct and names_correct and arguments_correct,
+    )
 
 
 def aggregate(scores: Sequence[ReplyScore]) -> dict[str, float]:
@@ -148,9 +153,14 @@ def aggregate(scores: Sequence[ReplyScore]) -> dict[str, float]:
     def mean(field: str) -> float:
         return sum(getattr(s, field) for s in scores) / n if n else 0.0
 
-    return {"format_validity": mean("format_valid"), "decision_accuracy": mean("decision_correct"),
-            "tool_name_accuracy": mean("tool_name_correct"), "argument_accuracy": mean("arguments_correct"),
-            "exact_match": mean("exact_match"), "n": float(n)}
+    return {
+        "format_validity": mean("format_valid"),
+        "decision_accuracy": mean("decision_correct"),
+        "tool_name_accuracy": mean("tool_name_correct"),
+        "argument_accuracy": mean("arguments_correct"),
+        "exact_match": mean("exact_match"),
+        "n": float(n),
+    }
 
 
 def evaluate_texts(texts: Sequence[str], records: Sequence[dict[str, Any]]) -> dict[str, float]:

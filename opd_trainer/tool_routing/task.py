@@ -26,8 +26,14 @@ CLARIFY_MARKERS: tuple[str, ...] = ("provide", "请提供")
 
 
 def _tool(name: str, description: str, properties: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "function", "function": {"name": name, "description": description, "parameters": {
-        "type": "object", "properties": properties, "required": list(properties)}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {"type": "object", "properties": properties, "required": list(properties)},
+        },
+    }
 
 
 _STR = {"type": "string"}
@@ -35,8 +41,11 @@ TOOLS: list[dict[str, Any]] = [
     _tool("query_status", "Look up the status of an item.", {"item_id": _STR}),
     _tool("delete_item", "Delete an item. Destructive: confirm first.", {"item_id": _STR, "reason": _STR}),
     _tool("cancel_order", "Cancel an order. Destructive: confirm first.", {"order_id": _STR}),
-    _tool("update_priority", "Set an item's priority.",
-          {"item_id": _STR, "priority": {"type": "string", "enum": ["low", "medium", "high"]}}),
+    _tool(
+        "update_priority",
+        "Set an item's priority.",
+        {"item_id": _STR, "priority": {"type": "string", "enum": ["low", "medium", "high"]}},
+    ),
     _tool("create_ticket", "Create a support ticket.", {"title": _STR}),
 ]
 # Tuples, not sets, where the generator picks from them: set order is not stable across processes.
@@ -48,100 +57,144 @@ DESTRUCTIVE: frozenset[str] = frozenset(_RISKY)
 
 SYSTEM_PROMPT = (
     "You are a support assistant with tools. Call a tool only when every required argument is given; "
-    "if one is missing, ask for it by name (\"Could you provide the item_id?\"). delete_item and "
+    'if one is missing, ask for it by name ("Could you provide the item_id?"). delete_item and '
     "cancel_order are destructive: first ask the user to confirm, call them only after the user says "
     "yes, and do nothing if the user says no. Otherwise answer briefly without tools. "
     "Reply in the user's language."
 )
 
-_REASONS = {"en": ["duplicate", "created by mistake", "no longer needed", "spam"],
-            "zh": ["重复", "误建", "不再需要", "垃圾信息"]}
-_TITLES = {"en": ["Login page broken", "Refund request", "Slow dashboard", "Password reset"],
-           "zh": ["登录页面报错", "申请退款", "仪表盘很慢", "重置密码"]}
+_REASONS = {
+    "en": ["duplicate", "created by mistake", "no longer needed", "spam"],
+    "zh": ["重复", "误建", "不再需要", "垃圾信息"],
+}
+_TITLES = {
+    "en": ["Login page broken", "Refund request", "Slow dashboard", "Password reset"],
+    "zh": ["登录页面报错", "申请退款", "仪表盘很慢", "重置密码"],
+}
 _STATUSES = ["open", "in_progress", "shipped", "closed"]
-_NAMES = {"en": ["Alice", "Bob", "Carol", "David", "Emma", "Frank", "Grace", "Henry"],
-          "zh": ["小王", "小李", "张伟", "李娜", "王芳", "刘洋", "陈静", "赵磊"]}
+_NAMES = {
+    "en": ["Alice", "Bob", "Carol", "David", "Emma", "Frank", "Grace", "Henry"],
+    "zh": ["小王", "小李", "张伟", "李娜", "王芳", "刘洋", "陈静", "赵磊"],
+}
 
 # User requests with every argument present, keyed by tool, then language.
 _REQUESTS: dict[str, dict[str, list[str]]] = {
     "query_status": {
-        "en": ["What is the status of item {item_id}?", "Check the status of {item_id}.",
-               "Can you look up item {item_id} for me?"],
-        "zh": ["查询条目 {item_id} 的状态。", "{item_id} 现在是什么状态？", "帮我看看 {item_id} 的进度。"]},
+        "en": [
+            "What is the status of item {item_id}?",
+            "Check the status of {item_id}.",
+            "Can you look up item {item_id} for me?",
+        ],
+        "zh": ["查询条目 {item_id} 的状态。", "{item_id} 现在是什么状态？", "帮我看看 {item_id} 的进度。"],
+    },
     "delete_item": {
         "en": ["Delete item {item_id}. Reason: {reason}.", "Please remove {item_id} ({reason})."],
-        "zh": ["删除条目 {item_id}，原因：{reason}。", "请删掉 {item_id}（{reason}）。"]},
+        "zh": ["删除条目 {item_id}，原因：{reason}。", "请删掉 {item_id}（{reason}）。"],
+    },
     "cancel_order": {
         "en": ["Cancel order {order_id}.", "Please cancel my order {order_id}."],
-        "zh": ["取消订单 {order_id}。", "帮我把订单 {order_id} 取消掉。"]},
+        "zh": ["取消订单 {order_id}。", "帮我把订单 {order_id} 取消掉。"],
+    },
     "update_priority": {
         "en": ["Set the priority of {item_id} to {priority}.", "Change {item_id} to {priority} priority."],
-        "zh": ["把 {item_id} 的优先级设为 {priority}。", "{item_id} 的优先级改成 {priority}。"]},
+        "zh": ["把 {item_id} 的优先级设为 {priority}。", "{item_id} 的优先级改成 {priority}。"],
+    },
     "create_ticket": {
-        "en": ["Create a ticket titled \"{title}\".", "Open a ticket: {title}"],
-        "zh": ["创建工单，标题：{title}。", "帮我开个工单：{title}"]},
+        "en": ['Create a ticket titled "{title}".', "Open a ticket: {title}"],
+        "zh": ["创建工单，标题：{title}。", "帮我开个工单：{title}"],
+    },
 }
 # User requests missing exactly one required argument, keyed by (tool, missing argument).
 _MISSING: dict[tuple[str, str], dict[str, list[str]]] = {
     ("query_status", "item_id"): {
         "en": ["What is the status of my item?", "Can you check an item's status?"],
-        "zh": ["帮我查一下状态。", "我想查询一个条目的状态。"]},
+        "zh": ["帮我查一下状态。", "我想查询一个条目的状态。"],
+    },
     ("delete_item", "item_id"): {
         "en": ["Delete an item. Reason: {reason}."],
-        "zh": ["删除一个条目，原因：{reason}。"]},
+        "zh": ["删除一个条目，原因：{reason}。"],
+    },
     ("delete_item", "reason"): {
         "en": ["Delete item {item_id}.", "Please remove {item_id}."],
-        "zh": ["删除条目 {item_id}。", "帮我删掉 {item_id}。"]},
+        "zh": ["删除条目 {item_id}。", "帮我删掉 {item_id}。"],
+    },
     ("cancel_order", "order_id"): {
         "en": ["Cancel my order.", "I want to cancel an order."],
-        "zh": ["帮我取消订单。", "我要取消一个订单。"]},
+        "zh": ["帮我取消订单。", "我要取消一个订单。"],
+    },
     ("update_priority", "item_id"): {
         "en": ["Set the priority to {priority}."],
-        "zh": ["把优先级改成 {priority}。"]},
+        "zh": ["把优先级改成 {priority}。"],
+    },
     ("update_priority", "priority"): {
         "en": ["Change the priority of {item_id}."],
-        "zh": ["修改 {item_id} 的优先级。"]},
+        "zh": ["修改 {item_id} 的优先级。"],
+    },
     ("create_ticket", "title"): {
         "en": ["Create a ticket for me.", "I need to open a ticket."],
-        "zh": ["帮我建一个工单。", "我要提交工单。"]},
+        "zh": ["帮我建一个工单。", "我要提交工单。"],
+    },
 }
-_SUPPLY = {"en": ["{value}", "It's {value}.", "The {arg} is {value}."],
-           "zh": ["{value}", "是 {value}。", "{arg} 是 {value}。"]}
+_SUPPLY = {
+    "en": ["{value}", "It's {value}.", "The {arg} is {value}."],
+    "zh": ["{value}", "是 {value}。", "{arg} 是 {value}。"],
+}
 _YES = {"en": ["Yes.", "Yes, go ahead.", "Sure, do it."], "zh": ["是", "是的，继续。", "好的，执行吧。"]}
 _NO = {"en": ["No.", "No, don't do it.", "Never mind."], "zh": ["不", "不用了。", "算了，先不要。"]}
 _GREET = {"en": "Hello! How can I help you today?", "zh": "你好！有什么可以帮你的？"}
 _GREET_NAMED = {"en": "Hello {name}! How can I help you today?", "zh": "你好，{name}！有什么可以帮你的？"}
-_CAPS = {"en": "I can check item status, update priority, create tickets, delete items and cancel orders.",
-         "zh": "我可以查询状态、修改优先级、创建工单、删除条目和取消订单。"}
+_CAPS = {
+    "en": "I can check item status, update priority, create tickets, delete items and cancel orders.",
+    "zh": "我可以查询状态、修改优先级、创建工单、删除条目和取消订单。",
+}
 _THANKS = {"en": "You're welcome!", "zh": "不客气！"}
 # (user template, reply template) for chat that needs no tool; {name} fills both sides.
 _CHAT = {
-    "en": [("Hi!", _GREET["en"]), ("Good morning.", _GREET["en"]),
-           ("Hi, I'm {name}.", _GREET_NAMED["en"]), ("Hello, my name is {name}.", _GREET_NAMED["en"]),
-           ("What can you do?", _CAPS["en"]), ("Which tools do you have?", _CAPS["en"]),
-           ("Thanks for the help!", _THANKS["en"])],
-    "zh": [("你好！", _GREET["zh"]), ("早上好。", _GREET["zh"]),
-           ("你好，我是{name}。", _GREET_NAMED["zh"]), ("我叫{name}。", _GREET_NAMED["zh"]),
-           ("你能做什么？", _CAPS["zh"]), ("你有哪些工具？", _CAPS["zh"]), ("谢谢！", _THANKS["zh"])],
+    "en": [
+        ("Hi!", _GREET["en"]),
+        ("Good morning.", _GREET["en"]),
+        ("Hi, I'm {name}.", _GREET_NAMED["en"]),
+        ("Hello, my name is {name}.", _GREET_NAMED["en"]),
+        ("What can you do?", _CAPS["en"]),
+        ("Which tools do you have?", _CAPS["en"]),
+        ("Thanks for the help!", _THANKS["en"]),
+    ],
+    "zh": [
+        ("你好！", _GREET["zh"]),
+        ("早上好。", _GREET["zh"]),
+        ("你好，我是{name}。", _GREET_NAMED["zh"]),
+        ("我叫{name}。", _GREET_NAMED["zh"]),
+        ("你能做什么？", _CAPS["zh"]),
+        ("你有哪些工具？", _CAPS["zh"]),
+        ("谢谢！", _THANKS["zh"]),
+    ],
 }
 
 # Assistant reply templates: these are the conventions the evaluator reads decisions from.
 CLARIFY_REPLY = {"en": "Could you provide the {arg}?", "zh": "请提供 {arg}。"}
 CONFIRM_REPLY = {
-    "delete_item": {"en": "Please confirm: delete item {item_id} (reason: {reason})? Reply yes to proceed.",
-                    "zh": "请确认：删除条目 {item_id}（原因：{reason}）？回复“是”继续。"},
-    "cancel_order": {"en": "Please confirm: cancel order {order_id}? Reply yes to proceed.",
-                     "zh": "请确认：取消订单 {order_id}？回复“是”继续。"},
+    "delete_item": {
+        "en": "Please confirm: delete item {item_id} (reason: {reason})? Reply yes to proceed.",
+        "zh": "请确认：删除条目 {item_id}（原因：{reason}）？回复“是”继续。",
+    },
+    "cancel_order": {
+        "en": "Please confirm: cancel order {order_id}? Reply yes to proceed.",
+        "zh": "请确认：取消订单 {order_id}？回复“是”继续。",
+    },
 }
 DECLINE_REPLY = {"en": "Okay, I will not do it.", "zh": "好的，不执行该操作。"}
 SUMMARY_REPLY = {
     "query_status": {"en": "Item {item_id} is {status}.", "zh": "{item_id} 的状态是 {status}。"},
     "delete_item": {"en": "Item {item_id} has been deleted.", "zh": "已删除条目 {item_id}。"},
     "cancel_order": {"en": "Order {order_id} has been cancelled.", "zh": "订单 {order_id} 已取消。"},
-    "update_priority": {"en": "Done: {item_id} now has {priority} priority.",
-                        "zh": "已将 {item_id} 的优先级设为 {priority}。"},
-    "create_ticket": {"en": "Created ticket {ticket_id}: {title}.",
-                      "zh": "已创建工单 {ticket_id}：{title}。"},
+    "update_priority": {
+        "en": "Done: {item_id} now has {priority} priority.",
+        "zh": "已将 {item_id} 的优先级设为 {priority}。",
+    },
+    "create_ticket": {
+        "en": "Created ticket {ticket_id}: {title}.",
+        "zh": "已创建工单 {ticket_id}：{title}。",
+    },
 }
 
 
@@ -181,9 +234,11 @@ def _ask(rng: random.Random, lang: Lang, tool: str, args: dict[str, str], missin
     """Opening user turn, and if an argument is missing the clarify exchange that recovers it."""
     if missing is None:
         return [{"role": "user", "content": rng.choice(_REQUESTS[tool][lang]).format(**args)}]
-    return [{"role": "user", "content": rng.choice(_MISSING[(tool, missing)][lang]).format(**args)},
-            _text(CLARIFY_REPLY[lang].format(arg=missing)),
-            {"role": "user", "content": rng.choice(_SUPPLY[lang]).format(arg=missing, value=args[missing])}]
+    return [
+        {"role": "user", "content": rng.choice(_MISSING[(tool, missing)][lang]).format(**args)},
+        _text(CLARIFY_REPLY[lang].format(arg=missing)),
+        {"role": "user", "content": rng.choice(_SUPPLY[lang]).format(arg=missing, value=args[missing])},
+    ]
 
 
 def _confirmed(rng: random.Random, lang: Lang, tool: str, args: dict[str, str]) -> list[dict]:
@@ -234,15 +289,19 @@ def _conversation(rng: random.Random, category: str, lang: Lang) -> tuple[list[d
         result = {"item_id": args["item_id"], "status": rng.choice(_STATUSES)}
     elif tool == "create_ticket":
         result = {"ticket_id": f"T-{rng.randint(100, 999)}"}
-    history += [_call(tool, args),
-                {"role": "tool", "tool_call_id": "call_0", "content": json.dumps(result, ensure_ascii=False)}]
+    history += [
+        _call(tool, args),
+        {"role": "tool", "tool_call_id": "call_0", "content": json.dumps(result, ensure_ascii=False)},
+    ]
     return history, _text(SUMMARY_REPLY[tool][lang].format(**{**args, **result}))
 
 
 def solution_of(message: dict[str, Any], category: str) -> str:
     """The `solution` JSON string for a reference assistant message."""
-    calls = [{"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}
-             for c in message.get("tool_calls") or []]
+    calls = [
+        {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}
+        for c in message.get("tool_calls") or []
+    ]
     return json.dumps({"decision": category, "tool_calls": calls}, ensure_ascii=False, sort_keys=True)
 
 
@@ -274,8 +333,11 @@ def make_samples(split: Split, n: int, seed: int = 0) -> list[Sample]:
         if key in seen or _bucket(key) != split:
             continue
         seen.add(key)
-        extra = {"sample_id": f"{split}-{len(samples):06d}", "category": category,
-                 "solution": solution_of(reference, category)}
+        extra = {
+            "sample_id": f"{split}-{len(samples):06d}",
+            "category": category,
+            "solution": solution_of(reference, category),
+        }
         samples.append(Sample({"messages": messages, "tools": TOOLS, "rollout_extra": extra}, reference))
     raise ValueError(f"could not generate {n} distinct {split} samples")
 

@@ -1,0 +1,45 @@
+"""PNG curves of a run (reverse KL, reward, validation accuracy) from its metrics.jsonl records."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def plot_curves(records: list[dict[str, Any]], out_path: Path, title: str = "") -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on servers and CI
+    import matplotlib.pyplot as plt
+
+    train = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    panels: list[tuple[str, list[tuple[str, list[dict[str, Any]], str]]]] = [
+        (
+            "reverse KL per token",
+            [("train (own samples)", train, "reverse_kl"), ("validation", evals, "reverse_kl")],
+        ),
+        (
+            "validation accuracy",
+            [("exact match", evals, "exact_match"), ("decision", evals, "decision_accuracy")],
+        ),
+    ]
+    if any("reward_mean" in r for r in train):
+        panels.insert(1, ("task reward", [("mean", train, "reward_mean")]))
+    figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6))
+    for axis, (name, series) in zip(axes, panels, strict=True):
+        for label, rows, key in series:
+            points = [(r["step"], r[key]) for r in rows if key in r]
+            if points:
+                axis.plot(*zip(*points, strict=True), marker="o" if rows is evals else None, label=label)
+        axis.set_title(name)
+        axis.set_xlabel("step")
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+    if title:
+        figure.suptitle(title)
+    figure.tight_layout()
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out_path, dpi=110)
+    plt.close(figure)
+    return out_path

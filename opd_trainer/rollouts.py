@@ -1,0 +1,255 @@
+"""A step's rollouts: sampled through the recording gateway, then scored by the reward components.
+
+Model OPD (no rollout component): the built-in rollout is one chat completion per (prompt, rollout)
+with the sample's messages and tools, sent to the gateway like any client would — one sampling path.
+Agentic OPD: the user's rollout processor runs in the rollout pool and calls the gateway itself, any
+number of times, with the per-rollout key it was given. Either way the gateway's record of each call
+becomes one training segment.
+
+Task reward R = Σ_c weight_c · (reward_score_c + Σ_m reward_metric_weight_c[m] · reward_metrics_c[m]);
+`ground_truth` is `rollout_extra.ground_truth`, else `rollout_extra.solution`. Failed rollouts
+(FAILED status, `ROLLOUT_ERROR:` content, timeout, no recorded call) and rollouts whose reward failed
+are counted and carry no loss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from opd_trainer.dataset import Sample
+from opd_trainer.gateway import RecordedCall
+from opd_trainer.job_spec import FunctionComponent
+from opd_trainer.sdk import AgentOutput, ModelResource, TaskStatus, is_rollout_failure
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from reward_workers.pool import RewardPool
+    from rollout_workers.pool import RolloutPool
+
+STUDENT_MODEL_NAME = "student"
+
+
+@dataclass
+class RolloutResult:
+    """Everything one rollout produced; `index` is its integer id within the step."""
+
+    group_id: int
+    index: int
+    rollout_id: str
+    sample: Sample
+    calls: list[RecordedCall] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    error: str = ""
+    attempt_id: int = 0
+    reward: float = 0.0
+    component_rewards: dict[str, float] = field(default_factory=dict)
+    reward_metrics: dict[str, float] = field(default_factory=dict)
+    rollout_metrics: dict[str, float] = field(default_factory=dict)
+    spans: list[dict[str, Any]] = field(default_factory=list)
+    agent_output: AgentOutput | None = None
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.error) or not any(call.completion_token_ids for call in self.calls)
+
+    def trajectory(self, step: int) -> dict[str, Any]:
+        """A JSON-able view for the job's trajectory log."""
+        return {
+            "step": step,
+            "rollout_id": self.rollout_id,
+            "sample_id": self.sample.sample_id,
+            "attempt_id": self.attempt_id,
+            "failed": self.failed,
+            "error": self.error[:2000],
+            "messages": self.messages,
+            "llm_calls": [
+                {
+                    "response": c.response_message,
+                    "prompt_tokens": len(c.prompt_token_ids),
+                    "completion_tokens": len(c.completion_token_ids),
+                    "weight_version": c.weight_version,
+                    "latency_s": c.latency_s,
+                }
+                for c in self.calls
+            ],
+            "reward": self.reward,
+            "component_rewards": self.component_rewards,
+            "reward_metrics": self.reward_metrics,
+            "rollout_metrics": self.rollout_metrics,
+            "spans": self.spans,
+        }
+
+
+def ground_truth_of(sample: Sample) -> str | None:
+    value = sample.rollout_extra.get("ground_truth", sample.rollout_extra.get("solution"))
+    return None if value is None else str(value)
+
+
+def component_reward(component: FunctionComponent, reward_score: float, metrics: dict[str, float]) -> float:
+    """weight · (reward_score + Σ reward_metric_weight[m] · metrics[m]) for one reward component."""
+    extra = sum(w * metrics.get(name, 0.0) for name, w in (component.reward_metric_weight or {}).items())
+    return component.weight * (reward_score + extra)
+
+
+class RolloutRunner:
+    """Runs a step's rollouts against one job's gateway, rollout pool and reward pools."""
+
+    def __init__(
+        self,
+        job_id: str,
+        gateway: ActorHandle,
+        base_url: str,
+        *,
+        max_tokens: int,
+        temperature: float,
+        rollout_pool: RolloutPool | None = None,
+        reward_pools: list[RewardPool] | None = None,
+    ) -> None:
+        self.job_id = job_id
+        self.gateway = gateway
+        self.base_url = base_url
+        self.max_tokens = max_tokens
+        self.temperature = temperature
+        self.rollout_pool = rollout_pool
+        self.reward_pools = reward_pools or []
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=256))
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def _builtin(self, result: RolloutResult, key: str, seed: int) -> None:
+        sample = result.sample
+        body: dict[str, Any] = {"model": STUDENT_MODEL_NAME, "messages": sample.messages, "seed": seed,
+                                "max_tokens": self.max_tokens}  # fmt: skip
+        if sample.tools:
+            body["tools"] = sample.tools
+        response = await self._http.post(
+            f"{self.base_url}/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+        )
+        if response.status_code != 200:
+            result.error = f"gateway answered {response.status_code}: {response.text[:500]}"
+            return
+        message = response.json()["choices"][0]["message"]
+        result.messages = [*sample.messages, message]
+
+    async def _agentic(self, result: RolloutResult, key: str, seed: int) -> None:
+        assert self.rollout_pool is not None
+        sample = result.sample
+        output, spans, attempt = await self.rollout_pool.rollout(
+            sample_id=sample.sample_id,
+            rollout_id=result.rollout_id,
+            messages=sample.messages,
+            tools=sample.tools,
+            ground_truth=ground_truth_of(sample),
+            rollout_extra=sample.rollout_extra,
+            sampling_params={"temperature": self.temperature, "max_tokens": self.max_tokens, "seed": seed},
+            model_resource=ModelResource(model_name=STUDENT_MODEL_NAME, base_url=self.base_url, api_key=key),
+        )
+        result.spans, result.attempt_id = spans, attempt
+        result.agent_output = output.agent_output
+        if output.agent_output is not None:
+            result.messages = output.agent_output.messages
+            result.rollout_metrics = dict(output.agent_output.rollout_metrics)
+        if is_rollout_failure(output):
+            result.error = output.error or "rollout reported failure"
+
+    async def _one(self, step: int, group: int, index: int, sample: Sample, seed: int) -> RolloutResult:
+        result = RolloutResult(group, index, f"{self.job_id}-s{step}-r{index}", sample)
+        key = await self.gateway.open_rollout.remote(result.rollout_id)
+        try:
+            if self.rollout_pool is None:
+                await self._builtin(result, key, seed)
+            else:
+                await self._agentic(result, key, seed)
+        except Exception as exc:  # one broken rollout must not fail the step
+            result.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            result.calls = await self.gateway.close_rollout.remote(key)
+        if not result.failed:
+            await self._score(result)
+        return result
+
+    async def _score(self, result: RolloutResult) -> None:
+        agent_output = result.agent_output or AgentOutput(messages=result.messages)
+        if not self.reward_pools:
+            # A rollout processor may score itself (Bailian's AgentOutput.reward_score).
+            result.reward = float(agent_output.reward_score or 0.0)
+            return
+        outputs = await asyncio.gather(
+            *(
+                pool.score(sample_id=result.sample.sample_id, rollout_id=result.rollout_id,
+                           ground_truth=ground_truth_of(result.sample), agent_output=agent_output)
+                for pool in self.reward_pools
+            )
+        )  # fmt: skip
+        total = 0.0
+        for pool, (output, spans) in zip(self.reward_pools, outputs, strict=True):
+            result.spans.extend(spans)
+            name = pool.component.name
+            if output.status == TaskStatus.FAILED or output.reward is None:
+                result.error = f"reward {name} failed: {output.error or 'no reward'}"
+                return
+            score = float(output.reward.reward_score)
+            if not math.isfinite(score):
+                result.error = f"reward {name} returned a non-finite score {score}"
+                return
+            metrics = {k: float(v) for k, v in output.reward.reward_metrics.items()}
+            result.component_rewards[name] = score
+            result.reward_metrics.update({f"{name}/{k}": v for k, v in metrics.items()})
+            total += component_reward(pool.component, score, metrics)
+        result.reward = total
+
+    async def run(
+        self, samples: list[Sample], n_rollouts: int, step: int, seeds: list[int]
+    ) -> list[RolloutResult]:
+        """`n_rollouts` rollouts of every sample, all in flight at once; group id = sample position."""
+        jobs = [(group, sample) for group, sample in enumerate(samples) for _ in range(n_rollouts)]
+        return list(
+            await asyncio.gather(
+                *(
+                    self._one(step, group, index, sample, seeds[index])
+                    for index, (group, sample) in enumerate(jobs)
+                )
+            )
+        )
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def rollout_step_metrics(results: list[RolloutResult], has_rewards: bool) -> dict[str, float]:
+    """Failure counts, LLM calls, and reward / reward_metrics / rollout_metrics aggregated per step."""
+    good = [r for r in results if not r.failed]
+    metrics: dict[str, float] = {
+        "rollouts": float(len(results)),
+        "failed_rollouts": float(len(results) - len(good)),
+        "failed_ratio": (len(results) - len(good)) / len(results) if results else 0.0,
+        "llm_calls_per_rollout": _mean([float(len(r.calls)) for r in good]),
+    }
+    if has_rewards and good:
+        rewards = [r.reward for r in good]
+        mean = _mean(rewards)
+        metrics["reward_mean"] = mean
+        metrics["reward_std"] = math.sqrt(_mean([(x - mean) ** 2 for x in rewards]))
+        for name in sorted({k for r in good for k in r.component_rewards}):
+            metrics[f"reward/{name}"] = _mean(
+                [r.component_rewards[name] for r in good if name in r.component_rewards]
+            )
+    for source, prefix in (("reward_metrics", "reward"), ("rollout_metrics", "rollout")):
+        names = sorted({k for r in good for k in getattr(r, source)})
+        for name in names:
+            values = [getattr(r, source)[name] for r in good if name in getattr(r, source)]
+            metrics[f"{prefix}/{name}"] = _mean(values)
+    return metrics
+
+
+def failure_message(results: list[RolloutResult]) -> str:
+    first = next((r for r in results if r.failed), None)
+    return "" if first is None else (first.error or "no completion recorded")[:1000]

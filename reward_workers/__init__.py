@@ -1,0 +1,1 @@
+"""Autoscaled pool of Ray actors running the user's reward processors."""

@@ -1,0 +1,32 @@
+"""Reward pool: runs one user `AbstractRewardProcessor` component on finished rollouts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from opd_trainer.job_spec import FunctionComponent
+from opd_trainer.sdk import AgentOutput, RequestMetadata, RewardInput, RewardOutput
+from opd_trainer.worker_pool import WorkerPool
+
+
+class RewardPool(WorkerPool):
+    def __init__(self, job_id: str, component: FunctionComponent, workspace: Path, **options: Any) -> None:
+        if component.type != "reward":
+            raise ValueError(f"{component.name} is a {component.type} component, not a reward")
+        super().__init__(job_id, component, workspace, **options)
+
+    async def score(
+        self, *, sample_id: str, rollout_id: str, ground_truth: str | None, agent_output: AgentOutput
+    ) -> tuple[RewardOutput, list[dict[str, Any]]]:
+        def payload(attempt_id: int) -> RewardInput:
+            return RewardInput(
+                ground_truth=ground_truth,
+                agent_output=agent_output,
+                request_metadata=RequestMetadata(
+                    job_id=self.job_id, sample_id=sample_id, rollout_id=rollout_id, attempt_id=attempt_id
+                ),
+            )
+
+        result = await self.run(payload, rollout_id)
+        return result["output"], result["spans"]

