@@ -35,7 +35,8 @@ def plot_curves(records: list[dict[str, Any]], out_path: Path, title: str = "") 
         axis.set_title(name)
         axis.set_xlabel("step")
         axis.grid(alpha=0.3)
-        axis.legend(fontsize=8)
+        if axis.get_legend_handles_labels()[0]:
+            axis.legend(fontsize=8)
     if title:
         figure.suptitle(title)
     figure.tight_layout()

@@ -1,10 +1,15 @@
 """Autoscaled pool of Ray actors that run one user processor component (shared by rollout and reward pools).
 
-Each `ProcessorWorkerActor` loads the user's class by classpath from the component's workspace (shipped
-with Ray's runtime environment: working dir + pip requirements + env vars), runs `setup()` once and then
+Each `ProcessorWorkerActor` loads the user's class by classpath from the component's workspace, runs
+`setup()` once and then
 up to `concurrency` `process` calls at once, each bounded by the component `timeout`. User failures are
 contained: an exception or a timeout becomes a FAILED output, never a crashed job. A worker that dies is
 replaced and its in-flight calls retried with `attempt_id + 1`, a bounded number of times.
+
+The workspace travels as a zip through Ray's object store (so workers on any node get it; Ray refuses
+local directories in per-actor runtime environments) and is unpacked into the worker's own folder,
+which becomes its working directory. `requirements.txt` is installed by Ray's runtime environment
+(`pip`), per component, together with the component's `env`.
 
 `WorkerPool` places workers, dispatches calls to the least-loaded one, queues when all are full, and asks
 the shared `Autoscaler` every `autoscale_interval_s` how many workers it should have.
@@ -13,10 +18,13 @@ the shared `Autoscaler` every `autoscale_interval_s` how many workers it should 
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import os
+import tempfile
 import time
 import traceback
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
@@ -38,8 +46,12 @@ MB = 1024 * 1024
 class ProcessorWorker:
     """Runs inside one actor whose working directory is the component's workspace."""
 
-    def __init__(self, classpath: str, kind: Kind, component: str, concurrency: int, timeout_s: float,
-                 memory_limit_mb: int) -> None:  # fmt: skip
+    def __init__(self, workspace_zip: bytes, classpath: str, kind: Kind, component: str, concurrency: int,
+                 timeout_s: float, memory_limit_mb: int) -> None:  # fmt: skip
+        self.workspace = Path(tempfile.mkdtemp(prefix=f"opd-{component}-"))
+        unpack_workspace(workspace_zip, self.workspace)
+        # User code may open files relative to its workspace, as it would on Bailian.
+        os.chdir(self.workspace)
         self.classpath = classpath
         self.kind = kind
         self.component = component
@@ -103,12 +115,47 @@ class ProcessorWorker:
 ProcessorWorkerActor = ray.remote(ProcessorWorker)
 
 
+def pack_workspace(workspace: Path) -> bytes:
+    """The workspace as zip bytes: a directory is zipped (skipping caches), a .zip is read as is."""
+    if workspace.is_file():
+        return workspace.read_bytes()
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+        for path in sorted(workspace.rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts and not path.is_symlink():
+                archive.write(path, path.relative_to(workspace).as_posix())
+    return buffer.getvalue()
+
+
+def unpack_workspace(data: bytes, target: Path) -> None:
+    """Extracts only plain members that stay inside `target` (the server vetted uploads already)."""
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        for member in archive.infolist():
+            destination = (target / member.filename).resolve()
+            if not destination.is_relative_to(target.resolve()):
+                raise ProcessorLoadError(f"workspace member {member.filename!r} escapes the workspace")
+            archive.extract(member, target)
+
+
+def requirements_of(workspace: Path) -> list[str]:
+    """The requirement lines of the workspace's requirements.txt (dir or zip), comments dropped."""
+    if workspace.is_file():
+        with zipfile.ZipFile(workspace) as archive:
+            names = set(archive.namelist())
+            text = archive.read("requirements.txt").decode() if "requirements.txt" in names else ""
+    else:
+        file = workspace / "requirements.txt"
+        text = file.read_text() if file.exists() else ""
+    lines = (line.split("#", 1)[0].strip() for line in text.splitlines())
+    return [line for line in lines if line]
+
+
 def runtime_env_for(component: FunctionComponent, workspace: Path) -> dict[str, Any]:
-    """Ray runtime environment: the workspace as working dir, its requirements.txt, the component env."""
-    env: dict[str, Any] = {"working_dir": str(workspace), "env_vars": dict(component.runtime.env)}
-    requirements = workspace / "requirements.txt"
-    if workspace.is_dir() and requirements.exists() and requirements.read_text().strip():
-        env["pip"] = {"packages": str(requirements), "pip_check": False}
+    """Ray runtime environment of a component's workers: its pip requirements and env vars."""
+    env: dict[str, Any] = {"env_vars": dict(component.runtime.env)}
+    requirements = requirements_of(workspace)
+    if requirements:
+        env["pip"] = {"packages": requirements, "pip_check": False}
     return env
 
 
@@ -140,6 +187,7 @@ class WorkerPool:
         self._in_flight: dict[Any, int] = {}
         self._queued = 0
         self._free = asyncio.Condition()
+        self._workspace_ref: Any = None
         self._autoscale_task: asyncio.Task[None] | None = None
         self.calls = 0
         self.failures = 0
@@ -158,8 +206,8 @@ class WorkerPool:
             runtime_env=runtime_env_for(self.component, self.workspace),
             max_concurrency=max(16, runtime.concurrency * 2),
         ).remote(
-            self.component.fcmodel.classpath, self.kind, self.component.name, runtime.concurrency,
-            self.component.timeout, runtime.memory_size,
+            self._workspace_ref, self.component.fcmodel.classpath, self.kind, self.component.name,
+            runtime.concurrency, self.component.timeout, runtime.memory_size,
         )  # fmt: skip
         try:
             await worker.load.remote()
@@ -177,6 +225,7 @@ class WorkerPool:
 
     async def start(self) -> None:
         """Starts `capacity` workers (at least one: load errors surface before training) + the autoscaler."""
+        self._workspace_ref = ray.put(pack_workspace(self.workspace))
         initial = max(1, self.autoscaler.initial_workers())
         await asyncio.gather(*(self._new_worker() for _ in range(initial)))
         self._autoscale_task = asyncio.get_running_loop().create_task(self._autoscale_loop())
