@@ -46,8 +46,16 @@ MB = 1024 * 1024
 class ProcessorWorker:
     """Runs inside one actor whose working directory is the component's workspace."""
 
-    def __init__(self, workspace_zip: bytes, classpath: str, kind: Kind, component: str, concurrency: int,
-                 timeout_s: float, memory_limit_mb: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        workspace_zip: bytes,
+        classpath: str,
+        kind: Kind,
+        component: str,
+        concurrency: int,
+        timeout_s: float,
+        memory_limit_mb: int,
+    ) -> None:
         self.workspace = Path(tempfile.mkdtemp(prefix=f"opd-{component}-"))
         unpack_workspace(workspace_zip, self.workspace)
         # User code may open files relative to its workspace, as it would on Bailian.
@@ -150,13 +158,53 @@ def requirements_of(workspace: Path) -> list[str]:
     return [line for line in lines if line]
 
 
-def runtime_env_for(component: FunctionComponent, workspace: Path) -> dict[str, Any]:
-    """Ray runtime environment of a component's workers: its pip requirements and env vars."""
-    env: dict[str, Any] = {"env_vars": dict(component.runtime.env)}
+def check_requirements_install(requirements: list[str], field: str, timeout_s: float = 300.0) -> None:
+    """Resolves the requirements with `pip install --dry-run` before any worker starts.
+
+    Ray builds a runtime environment by cloning the interpreter's whole virtualenv before running pip,
+    and retries a failing install, so a typo in requirements.txt would cost minutes before it is seen;
+    a dry run names the problem in seconds.
+    """
+    import subprocess
+    import sys
+
+    if not requirements:
+        return
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--dry-run",
+        "--quiet",
+        "--disable-pip-version-check",
+        *requirements,
+    ]
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise ProcessorLoadError(
+            f"requirements.txt could not be resolved within {timeout_s:.0f}s", field=field
+        ) from None
+    if result.returncode != 0:
+        errors = [line for line in result.stderr.splitlines() if line.startswith("ERROR")] or [
+            result.stderr[-800:]
+        ]
+        raise ProcessorLoadError("requirements.txt failed to install: " + " ".join(errors), field=field)
+
+
+def runtime_env_for(component: FunctionComponent, workspace: Path) -> dict[str, Any] | None:
+    """Ray runtime environment of a component's workers: its pip requirements and env vars.
+
+    None when there is neither, so Ray can reuse its already started worker processes.
+    """
+    env: dict[str, Any] = {}
+    if component.runtime.env:
+        env["env_vars"] = dict(component.runtime.env)
     requirements = requirements_of(workspace)
     if requirements:
         env["pip"] = {"packages": requirements, "pip_check": False}
-    return env
+    return env or None
 
 
 class WorkerPool:
@@ -206,9 +254,14 @@ class WorkerPool:
             runtime_env=runtime_env_for(self.component, self.workspace),
             max_concurrency=max(16, runtime.concurrency * 2),
         ).remote(
-            self._workspace_ref, self.component.fcmodel.classpath, self.kind, self.component.name,
-            runtime.concurrency, self.component.timeout, runtime.memory_size,
-        )  # fmt: skip
+            self._workspace_ref,
+            self.component.fcmodel.classpath,
+            self.kind,
+            self.component.name,
+            runtime.concurrency,
+            self.component.timeout,
+            runtime.memory_size,
+        )
         try:
             await worker.load.remote()
         except RuntimeEnvSetupError as exc:
@@ -225,6 +278,7 @@ class WorkerPool:
 
     async def start(self) -> None:
         """Starts `capacity` workers (at least one: load errors surface before training) + the autoscaler."""
+        await asyncio.to_thread(check_requirements_install, requirements_of(self.workspace), self.field)
         self._workspace_ref = ray.put(pack_workspace(self.workspace))
         initial = max(1, self.autoscaler.initial_workers())
         await asyncio.gather(*(self._new_worker() for _ in range(initial)))
@@ -282,8 +336,12 @@ class WorkerPool:
 
         output_type = RolloutOutput if self.kind == "rollout" else RewardOutput
         message = f"{self.component.name}: worker died {MAX_ATTEMPTS} times"
-        return {"output": output_type(status=TaskStatus.FAILED, error=message), "spans": [], "seconds": 0.0,
-                "attempt_id": MAX_ATTEMPTS - 1}  # fmt: skip
+        return {
+            "output": output_type(status=TaskStatus.FAILED, error=message),
+            "spans": [],
+            "seconds": 0.0,
+            "attempt_id": MAX_ATTEMPTS - 1,
+        }
 
     async def _snapshot(self) -> PoolSnapshot:
         stats = await asyncio.gather(*(w.stats.remote() for w in self._workers), return_exceptions=True)
@@ -296,8 +354,15 @@ class WorkerPool:
 
     async def autoscale_once(self) -> None:
         decision = self.autoscaler.decide(await self._snapshot())
-        self.history.append({"time": time.time(), "workers": decision.current, "desired": decision.desired,
-                             "action": decision.action, "utilisation": decision.utilisation})  # fmt: skip
+        self.history.append(
+            {
+                "time": time.time(),
+                "workers": decision.current,
+                "desired": decision.desired,
+                "action": decision.action,
+                "utilisation": decision.utilisation,
+            }
+        )
         if decision.action == "up":
             await asyncio.gather(
                 *(self._new_worker() for _ in range(decision.desired - decision.current)),

