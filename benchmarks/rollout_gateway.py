@@ -1,0 +1,201 @@
+"""Rollouts through the worker pool + recording gateway vs raw engine `generate`, side by side.
+
+- throughput: completion tokens/s of N rollouts run by a one-call rollout processor in the rollout pool
+  (OpenAI client → gateway → engine, tokens recorded) over the engine actor's `generate_many` on the
+  same prompts, sampling settings and seeds (target >= 0.9);
+- overhead: per-call latency of a 1-token completion through the gateway (HTTP + chat template +
+  recording) minus the same request sent straight to the engine actor, in milliseconds.
+
+Launch: `.venv/bin/python benchmarks/rollout_gateway.py` (after `opd make-tiny-models`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import ray
+from transformers import AutoTokenizer
+
+from opd_trainer.chat import prompt_token_ids
+from opd_trainer.engine import start_engines
+from opd_trainer.gateway import GatewayActor
+from opd_trainer.job_spec import FunctionComponent
+from opd_trainer.ray_runtime import init_ray
+from opd_trainer.sdk import ModelResource
+from opd_trainer.tiny_models import build_tiny_models
+from opd_trainer.tiny_models.serving import tiny_engine_config
+from opd_trainer.tool_routing import read_jsonl
+from rollout_workers.pool import RolloutPool
+
+ONE_CALL_ROLLOUT = """
+from openai import AsyncOpenAI
+from opd_trainer.sdk import AbstractRolloutProcessor, AgentOutput, RolloutOutput
+
+
+class OneCall(AbstractRolloutProcessor):
+    async def process(self, rollout_input):
+        resource = rollout_input.model_resource
+        client = AsyncOpenAI(base_url=resource.base_url, api_key=resource.api_key.get_secret_value())
+        params = rollout_input.sampling_params
+        reply = await client.chat.completions.create(
+            model=resource.model_name, messages=rollout_input.messages, tools=rollout_input.tools,
+            max_tokens=params["max_tokens"], seed=params["seed"])
+        return RolloutOutput(agent_output=AgentOutput(
+            messages=[*rollout_input.messages, reply.choices[0].message.model_dump(exclude_none=True)]))
+"""
+
+
+async def run(
+    models_dir: Path, num_rollouts: int, max_tokens: int, rounds: int, overhead_calls: int
+) -> dict[str, Any]:
+    models = build_tiny_models(models_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(models.student))
+    records = read_jsonl(models.data_dir / "validation.jsonl")[:num_rollouts]
+    prompts = [prompt_token_ids(tokenizer, r["messages"], r["tools"]) for r in records]
+    seeds = list(range(len(records)))
+
+    init_ray()
+    [engine] = await start_engines(tiny_engine_config(models.student), "bench")
+    gateway = GatewayActor.remote(  # type: ignore[attr-defined]
+        "student", str(models.student), [engine], max_tokens=max_tokens, temperature=1.0, max_length=1024
+    )
+    base_url = await gateway.serve.remote()
+    workspace = Path(tempfile.mkdtemp(prefix="opd-bench-ws-"))
+    (workspace / "functions").mkdir()
+    (workspace / "functions" / "__init__.py").write_text("")
+    (workspace / "functions" / "one_call.py").write_text(ONE_CALL_ROLLOUT)
+    component = FunctionComponent.model_validate(
+        {
+            "name": "bench",
+            "type": "rollout",
+            "fcmodel": {"zipdir": str(workspace), "classpath": "functions.one_call.OneCall"},
+            "runtime": {
+                "cpu": 0.5,
+                "concurrency": num_rollouts,
+                "capacity": 1,
+                "min_capacity": 1,
+                "max_capacity": 1,
+            },
+        }
+    )
+    pool = RolloutPool("bench", component, workspace)
+    await pool.start()
+
+    async def through_pool() -> float:
+        async def one(index: int) -> int:
+            key = await gateway.open_rollout.remote(f"bench-{index}")
+            await pool.rollout(
+                sample_id=str(index),
+                rollout_id=f"bench-{index}",
+                messages=records[index]["messages"],
+                tools=records[index]["tools"],
+                ground_truth=None,
+                rollout_extra={},
+                sampling_params={"max_tokens": max_tokens, "seed": seeds[index]},
+                model_resource=ModelResource(model_name="student", base_url=base_url, api_key=key),
+            )
+            calls = await gateway.close_rollout.remote(key)
+            return sum(len(c.completion_token_ids) for c in calls)
+
+        started = time.perf_counter()
+        tokens = sum(await asyncio.gather(*(one(i) for i in range(len(records)))))
+        return tokens / (time.perf_counter() - started)
+
+    async def raw() -> float:
+        started = time.perf_counter()
+        completions = await asyncio.gather(
+            *(
+                engine.generate.remote(p, max_tokens=max_tokens, temperature=1.0, seed=s)
+                for p, s in zip(prompts, seeds, strict=True)
+            )
+        )
+        return sum(len(c.completion_token_ids) for c in completions) / (time.perf_counter() - started)
+
+    await raw()
+    await through_pool()  # warm both paths
+    pooled, direct = [], []
+    for _ in range(rounds):
+        direct.append(await raw())
+        pooled.append(await through_pool())
+
+    # Per-call overhead: the same 1-token request via HTTP gateway vs straight to the engine actor.
+    key = await gateway.open_rollout.remote("overhead")
+    body = {
+        "model": "student",
+        "messages": records[0]["messages"],
+        "tools": records[0]["tools"],
+        "max_tokens": 1,
+    }
+    gateway_ms, engine_ms = [], []
+    async with httpx.AsyncClient(timeout=60) as client:
+        for _ in range(overhead_calls):
+            started = time.perf_counter()
+            response = await client.post(
+                f"{base_url}/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+            )
+            response.raise_for_status()
+            gateway_ms.append(1000 * (time.perf_counter() - started))
+            started = time.perf_counter()
+            await engine.generate.remote(prompts[0], max_tokens=1, temperature=1.0)
+            engine_ms.append(1000 * (time.perf_counter() - started))
+    await gateway.close_rollout.remote(key)
+    await pool.shutdown()
+    await gateway.shutdown.remote()
+    await engine.shutdown.remote()
+    ray.kill(engine)
+
+    pooled_tps, raw_tps = statistics.median(pooled), statistics.median(direct)
+    return {
+        "rollouts": len(records),
+        "max_tokens": max_tokens,
+        "pool_gateway_tokens_per_s": pooled_tps,
+        "raw_engine_tokens_per_s": raw_tps,
+        "throughput_ratio": pooled_tps / raw_tps,
+        "throughput_target": 0.9,
+        "gateway_call_ms_p50": statistics.median(gateway_ms),
+        "engine_call_ms_p50": statistics.median(engine_ms),
+        "gateway_overhead_ms_p50": statistics.median(gateway_ms) - statistics.median(engine_ms),
+    }
+
+
+def format_table(result: dict[str, Any]) -> str:
+    rows = [
+        ("tokens/s via rollout pool + gateway", f"{result['pool_gateway_tokens_per_s']:.0f}"),
+        ("tokens/s via raw engine generate", f"{result['raw_engine_tokens_per_s']:.0f}"),
+        ("ratio (target >= 0.90)", f"{result['throughput_ratio']:.2f}"),
+        ("1-token call via gateway, ms (p50)", f"{result['gateway_call_ms_p50']:.1f}"),
+        ("same call straight to engine, ms", f"{result['engine_call_ms_p50']:.1f}"),
+        ("gateway overhead per call, ms", f"{result['gateway_overhead_ms_p50']:.1f}"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value:>8}" for name, value in rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models-dir", type=Path, default=Path(".cache/tiny-models"))
+    parser.add_argument("--rollouts", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--overhead-calls", type=int, default=30)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/rollout_gateway.json"))
+    args = parser.parse_args()
+    result = asyncio.run(
+        run(args.models_dir, args.rollouts, args.max_tokens, args.rounds, args.overhead_calls)
+    )
+    print(format_table(result))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
