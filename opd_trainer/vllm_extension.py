@@ -25,14 +25,54 @@ class WeightReloadExtension:
         """Returns {"ok", "num_tensors", "error"} instead of raising.
 
         An exception escaping a collective RPC takes the whole engine core down with it; a failed
-        update should fail the update, not the engine.
+        update should fail the update, not the engine. Names and shapes are checked against the
+        checkpoint the engine started from before anything is loaded: a half-applied reload would
+        leave the model broken for every later update.
         """
         try:
+            problem = self._check_against_checkpoint(path)
+            if problem:
+                return {"ok": False, "num_tensors": 0, "error": problem}
             num_tensors = self._reload_from_file(path)
             self._retie_output_embeddings()
         except Exception:
             return {"ok": False, "num_tensors": 0, "error": traceback.format_exc(limit=8)}
         return {"ok": True, "num_tensors": num_tensors, "error": ""}
+
+    def _checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        cached: dict[str, tuple[int, ...]] | None = getattr(self, "_opd_checkpoint_shapes", None)
+        if cached is None:
+            from pathlib import Path
+
+            from safetensors import safe_open
+
+            cached = {}
+            model_dir = Path(self.model_runner.model_config.model)  # type: ignore[attr-defined]
+            for file in sorted(model_dir.glob("*.safetensors")):
+                with safe_open(str(file), framework="pt", device="cpu") as handle:
+                    for name in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                        cached[name] = tuple(handle.get_slice(name).get_shape())
+            self._opd_checkpoint_shapes = cached
+        return cached
+
+    def _check_against_checkpoint(self, path: str) -> str:
+        """Why the file cannot replace the engine's weights ('' if it can)."""
+        from safetensors import safe_open
+
+        expected = self._checkpoint_shapes()
+        if not expected:
+            return ""  # not a safetensors checkpoint on disk: nothing to compare with
+        with safe_open(path, framework="pt", device="cpu") as handle:
+            got = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}  # noqa: SIM118
+        unknown = sorted(set(got) - set(expected) - {"lm_head.weight"})
+        if unknown:
+            return f"weights not in the served model: {unknown[:5]}"
+        wrong = [
+            f"{n}: {got[n]} != {expected[n]}" for n in sorted(got) if n in expected and got[n] != expected[n]
+        ]
+        if wrong:
+            return f"shape mismatch with the served model: {wrong[:5]}"
+        return ""
 
     def _reload_from_file(self, path: str) -> int:
         from safetensors import safe_open

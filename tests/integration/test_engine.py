@@ -93,21 +93,29 @@ def test_update_weights_with_wrong_shapes_fails_cleanly_and_engine_survives(
     student_engine: Any, tiny_models: TinyModels, tokenizer: PreTrainedTokenizerBase
 ) -> None:
     weights = load_file(str(tiny_models.student / "model.safetensors"))
-    name = next(n for n in weights if n.endswith("mlp.down_proj.weight"))
-    broken = {**weights, name: torch.zeros(3, 3)}
+    prompts = _validation_prompts(tiny_models, tokenizer, 2)
+    [completion] = ray.get(student_engine.generate_many.remote(prompts[:1], max_tokens=16, seed=1))
+    pair = [(completion.prompt_token_ids, completion.completion_token_ids)]
+    before = ray.get(student_engine.score_many.remote(pair))
     version_before = ray.get(student_engine.weight_version.remote())
-    with shared_memory_weights(broken.items()) as handoff, pytest.raises(WeightSyncError):
-        ray.get(student_engine.update_weights.remote(handoff))
-    assert ray.get(student_engine.weight_version.remote()) == version_before
+
+    name = next(n for n in weights if n.endswith("mlp.down_proj.weight"))
+    for broken in (
+        {**weights, name: torch.zeros(3, 3)},
+        {**weights, "model.layers.99.mlp.up_proj.weight": torch.zeros(2)},
+    ):
+        with shared_memory_weights(broken.items()) as handoff, pytest.raises(WeightSyncError):
+            ray.get(student_engine.update_weights.remote(handoff))
     missing = SharedMemoryWeights(path="/nonexistent/weights.safetensors", num_tensors=0, num_bytes=0)
     with pytest.raises(WeightSyncError):
         ray.get(student_engine.update_weights.remote(missing))
-    # Restore real weights (a failed reload may leave some layers half-written), then still serving.
-    with shared_memory_weights(weights.items()) as handoff:
-        ray.get(student_engine.update_weights.remote(handoff))
+
+    # Nothing was half-applied: same version, same scores, still serving, and a good update still works.
+    assert ray.get(student_engine.weight_version.remote()) == version_before
+    assert ray.get(student_engine.score_many.remote(pair)) == before
     health = ray.get(student_engine.health.remote())
     assert health["alive"] and health["started"]
-    [completion] = ray.get(
-        student_engine.generate_many.remote(_validation_prompts(tiny_models, tokenizer, 1), max_tokens=8)
-    )
-    assert completion.completion_token_ids
+    with shared_memory_weights(weights.items()) as handoff:
+        assert ray.get(student_engine.update_weights.remote(handoff)) == version_before + 1
+    after = ray.get(student_engine.score_many.remote(pair))
+    assert max(abs(a - b) for a, b in zip(after[0], before[0], strict=True)) < 1e-5
