@@ -209,9 +209,13 @@ class JobDriver:
         assert self._student is not None
         spec, hp = self.spec, self.spec.hyper_parameters
         self._gateway = GatewayActor.options(num_cpus=0).remote(  # type: ignore[attr-defined]
-            STUDENT_MODEL_NAME, spec.model, self._student.actors,
-            max_tokens=hp.max_tokens, temperature=hp.temperature, max_length=hp.max_length,
-        )  # fmt: skip
+            STUDENT_MODEL_NAME,
+            spec.model,
+            self._student.actors,
+            max_tokens=hp.max_tokens,
+            temperature=hp.temperature,
+            max_length=hp.max_length,
+        )
         # On a cluster the rollout workers may sit on other nodes: listen on every interface there.
         host = "127.0.0.1" if self._single_node() else "0.0.0.0"
         base_url = await self._gateway.serve.remote(host)
@@ -233,9 +237,14 @@ class JobDriver:
             )
         await asyncio.gather(*(pool.start() for pool in self._pools))
         self._runner = RolloutRunner(
-            self.job_id, self._gateway, base_url, max_tokens=hp.max_tokens, temperature=hp.temperature,
-            rollout_pool=rollout_pool, reward_pools=reward_pools,
-        )  # fmt: skip
+            self.job_id,
+            self._gateway,
+            base_url,
+            max_tokens=hp.max_tokens,
+            temperature=hp.temperature,
+            rollout_pool=rollout_pool,
+            reward_pools=reward_pools,
+        )
 
     @staticmethod
     def _single_node() -> bool:

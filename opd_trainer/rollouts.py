@@ -125,8 +125,12 @@ class RolloutRunner:
 
     async def _builtin(self, result: RolloutResult, key: str, seed: int) -> None:
         sample = result.sample
-        body: dict[str, Any] = {"model": STUDENT_MODEL_NAME, "messages": sample.messages, "seed": seed,
-                                "max_tokens": self.max_tokens}  # fmt: skip
+        body: dict[str, Any] = {
+            "model": STUDENT_MODEL_NAME,
+            "messages": sample.messages,
+            "seed": seed,
+            "max_tokens": self.max_tokens,
+        }
         if sample.tools:
             body["tools"] = sample.tools
         response = await self._http.post(
@@ -183,11 +187,15 @@ class RolloutRunner:
             return
         outputs = await asyncio.gather(
             *(
-                pool.score(sample_id=result.sample.sample_id, rollout_id=result.rollout_id,
-                           ground_truth=ground_truth_of(result.sample), agent_output=agent_output)
+                pool.score(
+                    sample_id=result.sample.sample_id,
+                    rollout_id=result.rollout_id,
+                    ground_truth=ground_truth_of(result.sample),
+                    agent_output=agent_output,
+                )
                 for pool in self.reward_pools
             )
-        )  # fmt: skip
+        )
         total = 0.0
         for pool, (output, spans) in zip(self.reward_pools, outputs, strict=True):
             result.spans.extend(spans)
