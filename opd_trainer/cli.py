@@ -1,4 +1,4 @@
-"""`opd` command line: build the tiny models, train a job, run the engine round trip.
+"""`opd` command line: build the tiny models, train a job, run the engine round trip, serve and submit jobs.
 
 Launch: `opd --help`. Every command runs on a local embedded Ray unless RAY_ADDRESS is set.
 """
@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from opd_trainer.serve_cli import add_server_commands
+
 DEFAULT_MODELS_DIR = Path(".cache/tiny-models")
 
 
@@ -20,10 +22,9 @@ def _make_tiny_models(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     models = build_tiny_models(Path(args.dir), seed=args.seed, force=args.force)
-    metrics = models.manifest["metrics"]
     print(f"tiny models in {models.teacher.parent} ({time.perf_counter() - started:.1f}s)")
     for role in ("teacher", "student"):
-        m = metrics[role]
+        m = models.manifest[role]["validation"]
         print(
             f"  {role:<8} exact match {m['exact_match']:.1%}  decision {m['decision_accuracy']:.1%}  "
             f"format {m['format_validity']:.1%}  -> {getattr(models, role)}"
@@ -81,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     roundtrip.add_argument("--models-dir", default=str(DEFAULT_MODELS_DIR), help="tiny models directory")
     roundtrip.add_argument("--prompts", type=int, default=8, help="validation prompts to sample")
     roundtrip.set_defaults(handler=_roundtrip)
+    add_server_commands(commands)
     return parser
 
 

@@ -1,0 +1,109 @@
+"""FastAPI dependencies as `Annotated` aliases: settings, a database session, the calling tenant or admin."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Annotated
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.orm import Session
+
+from api.db import Database
+from api.errors import APIError
+from api.models import Tenant
+from api.services import keys
+from api.services.scheduler import Scheduler
+from api.settings import Settings
+
+bearer = HTTPBearer(
+    auto_error=False, description="`Authorization: Bearer <key>`; keys come from POST /v1/keys."
+)
+
+
+def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def get_db(request: Request) -> Database:
+    return request.app.state.db
+
+
+def get_session(db: Annotated[Database, Depends(get_db)]) -> Iterator[Session]:
+    with db.session() as session:
+        yield session
+
+
+def get_scheduler(request: Request) -> Scheduler | None:
+    return request.app.state.scheduler
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+DatabaseDep = Annotated[Database, Depends(get_db)]
+SessionDep = Annotated[Session, Depends(get_session)]
+SchedulerDep = Annotated[Scheduler | None, Depends(get_scheduler)]
+Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
+
+
+def _presented(credentials: HTTPAuthorizationCredentials | None) -> str:
+    if credentials is None or not credentials.credentials:
+        raise APIError(401, "missing_api_key", "send `Authorization: Bearer <key>`", "Authorization")
+    return credentials.credentials
+
+
+def get_auth_cache(request: Request) -> keys.AuthCache:
+    return request.app.state.auth_cache
+
+
+AuthCacheDep = Annotated[keys.AuthCache, Depends(get_auth_cache)]
+
+
+def get_tenant(
+    db: DatabaseDep, cache: AuthCacheDep, settings: SettingsDep, credentials: Credentials
+) -> Tenant:
+    """The caller's tenant; a short session of its own, so no connection is held across handlers."""
+    presented = _presented(credentials)
+    digest = keys.hash_key(presented)
+    tenant = cache.get(digest)
+    if tenant is None:
+        with db.session() as session:
+            tenant = keys.authenticate(session, presented)
+        if tenant is not None:
+            cache.put(digest, tenant)
+    if tenant is None:
+        admin = settings.admin_key.get_secret_value() if settings.admin_key else None
+        if keys.is_admin(presented, admin):
+            raise APIError(
+                403, "admin_key", "the admin key manages keys only; use a tenant key", "Authorization"
+            )
+        raise APIError(401, "invalid_api_key", "unknown or revoked API key", "Authorization")
+    return tenant
+
+
+def get_admin(settings: SettingsDep, credentials: Credentials) -> None:
+    presented = _presented(credentials)
+    if settings.admin_key is None:
+        raise APIError(
+            403, "admin_disabled", "no admin key is configured (set OPD_ADMIN_KEY)", "Authorization"
+        )
+    if not keys.is_admin(presented, settings.admin_key.get_secret_value()):
+        raise APIError(401, "invalid_api_key", "this route needs the admin key", "Authorization")
+
+
+def get_admin_or_tenant(
+    session: SessionDep, settings: SettingsDep, credentials: Credentials
+) -> Tenant | None:
+    """None for the admin, else the tenant."""
+    presented = _presented(credentials)
+    admin = settings.admin_key.get_secret_value() if settings.admin_key else None
+    if keys.is_admin(presented, admin):
+        return None
+    tenant = keys.authenticate(session, presented)
+    if tenant is None:
+        raise APIError(401, "invalid_api_key", "unknown or revoked API key", "Authorization")
+    return tenant
+
+
+TenantDep = Annotated[Tenant, Depends(get_tenant)]
+AdminDep = Annotated[None, Depends(get_admin)]
+CallerDep = Annotated[Tenant | None, Depends(get_admin_or_tenant)]

@@ -1,0 +1,127 @@
+"""One error shape for every 4xx, `{"error": {"code", "message", "param"}}`, and the handlers that make it.
+
+Engine errors (`opd_trainer.errors.OPDError`) become 400 with `param` = their `field`; request
+validation errors become 422 naming the first bad field; anything unexpected is logged and answered
+with a 500 of the same shape, never a stack trace.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from opd_trainer.errors import OPDError
+
+logger = logging.getLogger(__name__)
+
+
+class ErrorBody(BaseModel):
+    code: str
+    message: str
+    param: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+class APIError(Exception):
+    """An error a route or service raises on purpose; becomes `status` with the error shape."""
+
+    def __init__(self, status: int, code: str, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.param = param
+
+
+def not_found(kind: str, ident: str, param: str | None = None) -> APIError:
+    # A tenant gets the same answer for another tenant's object as for a missing one.
+    return APIError(404, "not_found", f"no {kind} with id {ident!r}", param)
+
+
+def error_response(status: int, code: str, message: str, param: str | None = None) -> JSONResponse:
+    body = ErrorResponse(error=ErrorBody(code=code, message=message, param=param))
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def field_path(location: tuple[Any, ...] | list[Any]) -> str | None:
+    """`("body", "hyper_parameters", "batch_size")` → `hyper_parameters.batch_size`."""
+    parts = [str(p) for p in location]
+    if parts and parts[0] in {"body", "query", "path", "header", "cookie"}:
+        parts = parts[1:]
+    return ".".join(parts) or None
+
+
+def _validation_message(errors: list[dict[str, Any]]) -> str:
+    first, *rest = errors
+    message = str(first.get("msg", "invalid value"))
+    if rest:
+        message += "; also " + "; ".join(
+            f"{field_path(e.get('loc', ())) or '(body)'}: {e.get('msg', 'invalid value')}" for e in rest[:10]
+        )
+    return message
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.code, exc.message, exc.param)
+
+    @app.exception_handler(OPDError)
+    async def _opd_error(_request: Request, exc: OPDError) -> JSONResponse:
+        return error_response(400, "invalid_" + _snake(type(exc).__name__), exc.message, exc.field)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = list(exc.errors())
+        if not errors:
+            return error_response(422, "invalid_request", "invalid request")
+        if errors[0].get("type") == "json_invalid":
+            # Its location is a character offset, not a field.
+            where = errors[0].get("loc", ("body", "?"))[-1]
+            reason = (errors[0].get("ctx") or {}).get("error", "invalid JSON")
+            message = f"body is not valid JSON at character {where}: {reason}"
+            return error_response(422, "invalid_json", message)
+        return error_response(
+            422, "invalid_request", _validation_message(errors), field_path(errors[0].get("loc", ()))
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        codes = {404: "not_found", 405: "method_not_allowed", 401: "unauthorized", 413: "too_large"}
+        return error_response(exc.status_code, codes.get(exc.status_code, "http_error"), str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(500, "internal_error", "internal server error")
+
+
+def _snake(name: str) -> str:
+    """`ConfigError` → `config` (the code is `invalid_config`)."""
+    stem = name.removesuffix("Error")
+    return "".join("_" + c.lower() if c.isupper() else c for c in stem).lstrip("_") or "request"
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": description}
+    for status, description in (
+        (400, "Invalid input; `param` names the field."),
+        (401, "Missing or unknown API key."),
+        (404, "No such object for this tenant."),
+        (409, "Not allowed in the object's current state."),
+        (413, "Request body or upload too large."),
+        (422, "Request does not match the schema; `param` names the field."),
+        (429, "Tenant's active job limit reached."),
+    )
+}
+"""Documented on every route, so the OpenAPI spec shows the one error shape."""

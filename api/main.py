@@ -1,0 +1,66 @@
+"""Builds the job server app: settings, database, scheduler, routers, error handlers, middleware. Wiring only.
+
+Launch: `opd serve` (recommended), or `uvicorn --factory api.main:create_app` with `OPD_*` variables.
+Hardware: none beyond a CPU; jobs run as Ray actors (embedded local Ray, or `OPD_RAY_ADDRESS`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from api.db import Database, init_db
+from api.errors import install_error_handlers
+from api.limits import BodyLimitMiddleware
+from api.observability import LatencyMiddleware, ServerMetrics
+from api.routes import files, health, jobs, keys
+from api.services.keys import AuthCache
+from api.services.scheduler import Scheduler
+from api.settings import Settings
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    db = Database(settings.sqlalchemy_url)
+    metrics = ServerMetrics(db)
+    scheduler = Scheduler(settings, db) if settings.scheduler_enabled else None
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        for folder in (settings.data_dir, settings.files_dir, settings.workspaces_dir, settings.runs_dir):
+            folder.mkdir(parents=True, exist_ok=True)
+        init_db(db.engine)
+        if scheduler is not None:
+            scheduler.start()
+        try:
+            yield
+        finally:
+            if scheduler is not None:
+                scheduler.stop()
+            db.engine.dispose()
+
+    app = FastAPI(
+        title="OPD trainer job server",
+        version="0.1.0",
+        description="Submit and watch online policy distillation jobs. Errors: "
+        '`{"error": {"code", "message", "param"}}`.',
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.db = db
+    app.state.metrics = metrics
+    app.state.scheduler = scheduler
+    app.state.auth_cache = AuthCache()
+    for router in (health.router, keys.router, files.router, jobs.router):
+        app.include_router(router)
+    install_error_handlers(app)
+    app.add_middleware(LatencyMiddleware, metrics=metrics)
+    # Added last, so it runs first: nothing reads a body before its size is checked.
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_body_bytes=settings.max_body_bytes,
+        max_upload_bytes=settings.max_upload_bytes,
+    )
+    return app

@@ -1,0 +1,43 @@
+"""Files: upload (multipart, purpose `dataset` or `workspace`), list, get, delete."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, File, Form, Query, UploadFile, status
+
+from api.deps import SessionDep, SettingsDep, TenantDep
+from api.errors import ERROR_RESPONSES
+from api.schemas import Deleted, FileList, FilePublic, FilePurpose
+from api.services import files
+
+router = APIRouter(prefix="/v1/files", tags=["files"], responses=ERROR_RESPONSES)
+
+
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=FilePublic)
+def upload_file(
+    file: Annotated[UploadFile, File(description="A JSONL dataset or a zipped workspace.")],
+    purpose: Annotated[FilePurpose, Form()],
+    session: SessionDep,
+    settings: SettingsDep,
+    tenant: TenantDep,
+) -> FilePublic:
+    return files.upload(session, settings, tenant.id, file.file, file.filename, purpose)
+
+
+@router.get("", response_model=FileList)
+def list_files(
+    session: SessionDep, tenant: TenantDep, purpose: Annotated[FilePurpose | None, Query()] = None
+) -> FileList:
+    return FileList(data=files.list_files(session, tenant.id, purpose))
+
+
+@router.get("/{file_id}", response_model=FilePublic)
+def get_file(file_id: str, session: SessionDep, tenant: TenantDep) -> FilePublic:
+    return files.get(session, tenant.id, file_id)
+
+
+@router.delete("/{file_id}", response_model=Deleted)
+def delete_file(file_id: str, session: SessionDep, tenant: TenantDep) -> Deleted:
+    files.delete(session, tenant.id, file_id)
+    return Deleted(id=file_id, object="file")

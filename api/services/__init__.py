@@ -1,0 +1,1 @@
+"""The job server's service layer: everything the thin route handlers call."""

@@ -1,0 +1,197 @@
+"""Uploaded files: datasets validated line by line, workspace zips checked before anything is extracted.
+
+A dataset is parsed with the engine's own `parse_jsonl`, so the server and `opd train` accept exactly
+the same records. A workspace zip is rejected, before a byte is extracted, for too many entries,
+absolute paths, `..`, links or other non-regular entries, encryption, a total uncompressed size over
+the limit, or an entry whose compression ratio says "zip bomb"; it is then extracted into a fresh
+folder under the data dir, each target checked to stay inside it.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import stat
+import zipfile
+from pathlib import Path
+from typing import BinaryIO
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from api.errors import APIError, not_found
+from api.models import File, Job
+from api.schemas import FilePublic
+from api.services.ids import new_id
+from api.services.states import TERMINAL
+from api.settings import Settings
+from opd_trainer.dataset import parse_jsonl
+from opd_trainer.errors import ConfigError
+
+COPY_CHUNK = 1024 * 1024
+# Small files compress extremely well (a page of spaces); only large entries are judged by ratio.
+RATIO_CHECK_MIN_BYTES = 1024 * 1024
+
+
+def safe_filename(name: str | None) -> str:
+    base = Path((name or "").replace("\\", "/")).name
+    cleaned = re.sub(r"[^A-Za-z0-9._-]", "_", base)[:128].lstrip(".")
+    return cleaned or "upload"
+
+
+def check_zip(
+    archive: zipfile.ZipFile, *, max_files: int, max_uncompressed: int, max_ratio: float
+) -> list[zipfile.ZipInfo]:
+    """The archive's entries if it is safe to extract; raises `ConfigError(field="file")` otherwise."""
+    infos = archive.infolist()
+    if len(infos) > max_files:
+        raise ConfigError(f"workspace zip holds {len(infos)} entries; the limit is {max_files}", field="file")
+    total = 0
+    for info in infos:
+        name = info.filename
+        parts = re.split(r"[\\/]", name)
+        if name.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", name):
+            raise ConfigError(f"zip entry {name!r} has an absolute path", field="file")
+        if ".." in parts:
+            raise ConfigError(f"zip entry {name!r} leaves the workspace ('..')", field="file")
+        if "\x00" in name:
+            raise ConfigError("zip entry name holds a NUL byte", field="file")
+        mode = info.external_attr >> 16
+        if stat.S_ISLNK(mode):
+            raise ConfigError(f"zip entry {name!r} is a symbolic link; links are not allowed", field="file")
+        # Type bits of 0 (zips made on Windows, or permission bits only) mean a plain entry.
+        if stat.S_IFMT(mode) and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise ConfigError(f"zip entry {name!r} is not a regular file or folder", field="file")
+        if info.flag_bits & 0x1:
+            raise ConfigError(f"zip entry {name!r} is encrypted", field="file")
+        total += info.file_size
+        if total > max_uncompressed:
+            raise ConfigError(
+                f"workspace zip expands to more than {max_uncompressed} bytes (the limit)", field="file"
+            )
+        ratio = info.file_size / max(info.compress_size, 1)
+        if info.file_size >= RATIO_CHECK_MIN_BYTES and ratio > max_ratio:
+            raise ConfigError(
+                f"zip entry {name!r} expands {ratio:.0f}x (limit {max_ratio:.0f}x): refusing a zip bomb",
+                field="file",
+            )
+    return infos
+
+
+def extract_zip(archive: zipfile.ZipFile, infos: list[zipfile.ZipInfo], target: Path) -> None:
+    """Extracts checked entries under `target` (new); a failure leaves nothing behind."""
+    staging = target.with_name(f".staging-{target.name}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    root = staging.resolve()
+    try:
+        for info in infos:
+            destination = (root / info.filename).resolve()
+            if not destination.is_relative_to(root):
+                raise ConfigError(f"zip entry {info.filename!r} leaves the workspace", field="file")
+            if info.is_dir():
+                destination.mkdir(parents=True, exist_ok=True)
+                continue
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            # ZipExtFile stops at the declared size, so the checked total bounds what is written.
+            with archive.open(info) as source, destination.open("wb") as sink:
+                shutil.copyfileobj(source, sink, COPY_CHUNK)
+        staging.rename(target)
+    except (zipfile.BadZipFile, OSError, EOFError) as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise ConfigError(f"workspace zip cannot be extracted: {exc}", field="file") from None
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _public(record: File) -> FilePublic:
+    return FilePublic.model_validate(record)
+
+
+def upload(
+    session: Session, settings: Settings, tenant_id: str, source: BinaryIO, filename: str | None, purpose: str
+) -> FilePublic:
+    file_id = new_id("file")
+    folder = settings.files_dir / file_id
+    folder.mkdir(parents=True)
+    path = folder / safe_filename(filename)
+    try:
+        with path.open("wb") as sink:
+            shutil.copyfileobj(source, sink, COPY_CHUNK)
+        size = path.stat().st_size
+        if size > settings.max_upload_bytes:
+            raise APIError(413, "file_too_large", f"upload exceeds {settings.max_upload_bytes} bytes", "file")
+        record = File(
+            id=file_id, tenant_id=tenant_id, filename=path.name, purpose=purpose, bytes=size, path=str(path)
+        )
+        if purpose == "dataset":
+            record.samples = _validate_dataset(path)
+        else:
+            record.extracted_dir = str(_extract_workspace(settings, path, file_id))
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    session.add(record)
+    session.commit()
+    return _public(record)
+
+
+def _validate_dataset(path: Path) -> int:
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path.name}: not UTF-8 text (byte {exc.start})", field="file") from None
+    try:
+        return len(parse_jsonl(text, path.name))
+    except ConfigError as exc:
+        raise ConfigError(exc.message, field="file") from None
+
+
+def _extract_workspace(settings: Settings, path: Path, file_id: str) -> Path:
+    try:
+        archive = zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, OSError):
+        raise ConfigError(f"{path.name}: a workspace must be a zip archive", field="file") from None
+    with archive:
+        infos = check_zip(
+            archive,
+            max_files=settings.workspace_max_files,
+            max_uncompressed=settings.workspace_max_uncompressed_bytes,
+            max_ratio=settings.workspace_max_compression_ratio,
+        )
+        target = settings.workspaces_dir / file_id
+        target.parent.mkdir(parents=True, exist_ok=True)
+        extract_zip(archive, infos, target)
+    return target
+
+
+def get_owned(session: Session, tenant_id: str, file_id: str, param: str | None = None) -> File:
+    record = session.get(File, file_id)
+    if record is None or record.tenant_id != tenant_id:
+        raise not_found("file", file_id, param)
+    return record
+
+
+def get(session: Session, tenant_id: str, file_id: str) -> FilePublic:
+    return _public(get_owned(session, tenant_id, file_id, "file_id"))
+
+
+def list_files(session: Session, tenant_id: str, purpose: str | None) -> list[FilePublic]:
+    query = select(File).where(File.tenant_id == tenant_id).order_by(File.created_at.desc(), File.id)
+    if purpose is not None:
+        query = query.where(File.purpose == purpose)
+    return [_public(f) for f in session.scalars(query)]
+
+
+def delete(session: Session, tenant_id: str, file_id: str) -> None:
+    record = get_owned(session, tenant_id, file_id, "file_id")
+    active = session.scalars(select(Job).where(Job.tenant_id == tenant_id, Job.status.not_in(TERMINAL))).all()
+    users = [job.id for job in active if file_id in job.file_ids]
+    if users:
+        raise APIError(409, "file_in_use", f"file is used by unfinished job(s) {', '.join(users)}", "file_id")
+    session.delete(record)
+    session.commit()
+    shutil.rmtree(Path(record.path).parent, ignore_errors=True)
+    if record.extracted_dir:
+        shutil.rmtree(record.extracted_dir, ignore_errors=True)

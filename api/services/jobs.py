@@ -1,0 +1,345 @@
+"""Jobs: submission with pre-flight, listing, user transitions, and the run's records (events, metrics, ...).
+
+Pre-flight runs inside the submit request and never imports user code: the spec is validated by the
+engine's own `JobSpec`, every file id is resolved to a file this tenant owns with the right purpose,
+each processor's classpath is checked statically against its extracted workspace, and the student's
+and teacher's tokenizers are compared. A job that passes is stored `queued` and the scheduler takes it
+from there.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
+
+from api.errors import APIError, not_found
+from api.models import File, Job, JobEvent
+from api.schemas import (
+    CheckpointList,
+    CheckpointPublic,
+    EventList,
+    EventPublic,
+    JobCreate,
+    JobList,
+    JobPublic,
+    MetricsPublic,
+    TrajectoryList,
+)
+from api.services.ids import new_id
+from api.services.states import ACTIVE, TERMINAL, next_status
+from api.settings import Settings
+from opd_trainer.checkpoint import CheckpointStore
+from opd_trainer.classpath import validate_workspace
+from opd_trainer.errors import ConfigError
+from opd_trainer.job_spec import JobSpec
+from opd_trainer.preflight import check_same_tokenizer
+
+# -- helpers shared with the scheduler --------------------------------------------------------------
+
+
+def add_event(
+    session: Session,
+    job_id: str,
+    kind: str,
+    message: str,
+    data: dict[str, Any] | None = None,
+    *,
+    at: float | None = None,
+) -> None:
+    """Records one event; `at` keeps a driver event's own time."""
+    session.add(JobEvent(job_id=job_id, time=at or time.time(), type=kind, message=message, data=data or {}))
+
+
+def compare_and_set(session: Session, job_id: str, expected: str, new: str, **fields: Any) -> bool:
+    """Moves `job_id` from `expected` to `new` only if nobody moved it meanwhile (API vs scheduler)."""
+    if new in TERMINAL:
+        fields.setdefault("finished_at", int(time.time()))
+    result = session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.status == expected)
+        .values(status=new, **fields)
+        .execution_options(synchronize_session=False)
+    )
+    return bool(result.rowcount)  # type: ignore[attr-defined]
+
+
+def public(job: Job) -> JobPublic:
+    return JobPublic.model_validate(job)
+
+
+def get_owned(session: Session, tenant_id: str, job_id: str, param: str = "job_id") -> Job:
+    job = session.scalar(select(Job).where(Job.id == job_id))
+    if job is None or job.tenant_id != tenant_id:
+        raise not_found("job", job_id, param)
+    return job
+
+
+# -- submission -------------------------------------------------------------------------------------
+
+
+def _local_path_error(param: str, what: str) -> APIError:
+    return APIError(
+        400,
+        "file_id_required",
+        f"the server does not read local paths: upload the {what} (POST /v1/files) and pass its file id",
+        param,
+    )
+
+
+def _owned_file(session: Session, tenant_id: str, ident: str, purpose: str, param: str) -> File:
+    record = session.get(File, ident)
+    if record is None or record.tenant_id != tenant_id:
+        if "/" in ident or "\\" in ident or ident.endswith((".jsonl", ".zip")):
+            raise _local_path_error(param, "dataset" if purpose == "dataset" else "workspace zip")
+        raise not_found("file", ident, param)
+    if record.purpose != purpose:
+        raise APIError(
+            400, "wrong_file_purpose", f"file {ident} is a {record.purpose}, not a {purpose}", param
+        )
+    return record
+
+
+def resolve_files(session: Session, tenant_id: str, spec: JobSpec) -> tuple[JobSpec, list[File]]:
+    """The spec with file ids replaced by server paths (datasets → file, workspace → extracted dir)."""
+    used: list[File] = []
+
+    def datasets(field: str, idents: list[str]) -> list[str]:
+        records = [
+            _owned_file(session, tenant_id, d, "dataset", f"{field}.{i}") for i, d in enumerate(idents)
+        ]
+        used.extend(records)
+        return [r.path for r in records]
+
+    functions = []
+    for component in spec.functions:
+        fcmodel = component.fcmodel
+        if fcmodel.workspace is None:
+            raise _local_path_error(f"functions.{component.name}.fcmodel.zipdir", "workspace zip")
+        record = _owned_file(
+            session,
+            tenant_id,
+            fcmodel.workspace,
+            "workspace",
+            f"functions.{component.name}.fcmodel.workspace",
+        )
+        used.append(record)
+        local = fcmodel.model_copy(update={"zipdir": record.extracted_dir, "workspace": None})
+        functions.append(component.model_copy(update={"fcmodel": local}))
+    resolved = spec.model_copy(
+        update={
+            "training_datasets": datasets("training_datasets", spec.training_datasets),
+            "validation_datasets": datasets("validation_datasets", spec.validation_datasets),
+            "functions": functions,
+        }
+    )
+    return resolved, used
+
+
+def preflight(resolved: JobSpec) -> None:
+    """Static checks on the resolved spec; raises `ConfigError` naming the field."""
+    for component in resolved.functions:
+        assert component.fcmodel.zipdir is not None  # resolve_files put the extracted dir there
+        problems = validate_workspace(Path(component.fcmodel.zipdir), component.fcmodel.classpath)
+        if problems:
+            raise ConfigError("; ".join(problems), field=f"functions.{component.name}.fcmodel.classpath")
+    for field in ("model", "teacher_model"):
+        # Only local model folders: a hub name would make transformers try the network from the API.
+        if not Path(getattr(resolved, field)).is_dir():
+            raise ConfigError(f"model folder {getattr(resolved, field)} not found on the server", field=field)
+    check_same_tokenizer(resolved.model, resolved.teacher_model)
+
+
+def create(session: Session, settings: Settings, tenant_id: str, body: JobCreate) -> JobPublic:
+    spec = JobSpec.model_validate(body.model_dump())
+    active = session.scalar(
+        select(func.count()).select_from(Job).where(Job.tenant_id == tenant_id, Job.status.in_(ACTIVE))
+    )
+    if (active or 0) >= settings.tenant_max_active_jobs:
+        raise APIError(
+            429,
+            "job_limit_reached",
+            f"tenant already has {active} unfinished jobs (limit {settings.tenant_max_active_jobs})",
+        )
+    resolved, used = resolve_files(session, tenant_id, spec)
+    preflight(resolved)
+    hp = spec.hyper_parameters
+    samples = sum(f.samples or 0 for f in used if f.path in resolved.training_datasets)
+    job_id = new_id("opdjob")
+    job = Job(
+        id=job_id,
+        tenant_id=tenant_id,
+        job_name=spec.job_name,
+        status="queued",
+        spec=spec.model_dump(mode="json", exclude_none=True),  # every None is a default
+        file_ids=sorted({f.id for f in used}),
+        run_dir=str(settings.runs_dir / job_id),
+        total_steps=hp.max_steps or hp.n_epochs * math.ceil(samples / hp.batch_size),
+        queued_at=time.time(),
+    )
+    session.add(job)
+    session.flush()
+    add_event(
+        session, job_id, "status", "validating_files: pre-flight passed", {"status": "validating_files"}
+    )
+    add_event(session, job_id, "status", "queued", {"status": "queued"})
+    session.commit()
+    return public(job)
+
+
+def resolve_for_driver(session: Session, job: Job) -> JobSpec:
+    """The spec a driver runs: stored ids resolved to today's server paths."""
+    resolved, _ = resolve_files(session, job.tenant_id, JobSpec.model_validate(job.spec))
+    return resolved
+
+
+# -- reading ----------------------------------------------------------------------------------------
+
+
+def list_jobs(session: Session, tenant_id: str, after: str | None, limit: int, status: str | None) -> JobList:
+    """Newest first; `after` is the last id of the previous page."""
+    query = select(Job).where(Job.tenant_id == tenant_id)
+    if status is not None:
+        query = query.where(Job.status == status)
+    if after is not None:
+        cursor = get_owned(session, tenant_id, after, "after")
+        query = query.where(Job.pk < cursor.pk)
+    rows = list(session.scalars(query.order_by(Job.pk.desc()).limit(limit + 1)))
+    return JobList(data=[public(j) for j in rows[:limit]], has_more=len(rows) > limit)
+
+
+def events_after(session: Session, job_id: str, after: int, limit: int) -> list[JobEvent]:
+    query = select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.id > after)
+    return list(session.scalars(query.order_by(JobEvent.id).limit(limit)))
+
+
+def list_events(session: Session, tenant_id: str, job_id: str, after: int, limit: int) -> EventList:
+    get_owned(session, tenant_id, job_id)
+    rows = events_after(session, job_id, after, limit + 1)
+    return EventList(data=[EventPublic.model_validate(e) for e in rows[:limit]], has_more=len(rows) > limit)
+
+
+def stream_snapshot(session: Session, job_id: str, after: int) -> tuple[list[EventPublic], JobPublic | None]:
+    """New events and the job's state for one turn of the SSE stream (the job may have been deleted)."""
+    events = [EventPublic.model_validate(e) for e in events_after(session, job_id, after, 500)]
+    job = session.scalar(select(Job).where(Job.id == job_id))
+    return events, (public(job) if job is not None else None)
+
+
+def format_log_line(event: JobEvent | EventPublic) -> str:
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(event.time))
+    return f"{stamp}Z [{event.type}] {event.message}"
+
+
+def logs(session: Session, tenant_id: str, job_id: str, after: int, limit: int) -> str:
+    get_owned(session, tenant_id, job_id)
+    return "".join(format_log_line(e) + "\n" for e in events_after(session, job_id, after, limit))
+
+
+def checkpoints(session: Session, tenant_id: str, job_id: str) -> CheckpointList:
+    job = get_owned(session, tenant_id, job_id)
+    root = Path(job.run_dir) / "checkpoints"
+    found = CheckpointStore(root).list() if root.is_dir() else []
+    return CheckpointList(data=[CheckpointPublic(**c) for c in found])
+
+
+def finite(value: Any) -> Any:
+    """`value` with NaN/inf floats replaced by None: JSON responses and PostgreSQL reject them."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value
+
+
+def read_jsonl(path: Path, tail: int | None = None) -> list[dict[str, Any]]:
+    """Records of a JSONL file the driver may be appending to; a half-written last line is skipped."""
+    if not path.is_file():
+        return []
+    lines = _tail_lines(path, tail) if tail is not None else path.read_text().splitlines()
+    records = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            records.append(finite(record))
+    return records
+
+
+def _tail_lines(path: Path, count: int) -> list[str]:
+    """The last `count` lines, reading backwards in blocks (trajectory files grow large)."""
+    block = 64 * 1024
+    with path.open("rb") as handle:
+        handle.seek(0, 2)
+        end = handle.tell()
+        data = b""
+        while end > 0 and data.count(b"\n") <= count:
+            start = max(0, end - block)
+            handle.seek(start)
+            data = handle.read(end - start) + data
+            end = start
+    return data.decode("utf-8", errors="replace").splitlines()[-count:]
+
+
+def metrics(session: Session, tenant_id: str, job_id: str) -> MetricsPublic:
+    job = get_owned(session, tenant_id, job_id)
+    run_dir = Path(job.run_dir)
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        summary = {}  # not written yet, or caught mid-write
+    return MetricsPublic(data=read_jsonl(run_dir / "metrics.jsonl"), summary=summary)
+
+
+def trajectories(session: Session, tenant_id: str, job_id: str, limit: int) -> TrajectoryList:
+    job = get_owned(session, tenant_id, job_id)
+    return TrajectoryList(data=read_jsonl(Path(job.run_dir) / "trajectories.jsonl", tail=limit))
+
+
+# -- user actions -----------------------------------------------------------------------------------
+
+
+def transition(session: Session, tenant_id: str, job_id: str, action: str) -> JobPublic:
+    job = get_owned(session, tenant_id, job_id)
+    current = job.status
+    new = next_status(action, current)
+    fields: dict[str, Any] = {"queued_at": time.time()} if new == "queued" else {}
+    if not compare_and_set(session, job_id, current, new, **fields):
+        session.rollback()
+        session.refresh(job)
+        raise APIError(409, "invalid_transition", f"job moved to {job.status} meanwhile; try again", "status")
+    add_event(
+        session,
+        job_id,
+        "status",
+        f"{action} requested: {current} -> {new}",
+        {"status": new, "action": action},
+    )
+    session.commit()
+    session.refresh(job)
+    return public(job)
+
+
+def delete(session: Session, tenant_id: str, job_id: str) -> None:
+    job = get_owned(session, tenant_id, job_id)
+    if job.status not in TERMINAL:
+        raise APIError(
+            409,
+            "invalid_transition",
+            f"only finished jobs can be deleted; this one is {job.status}",
+            "status",
+        )
+    session.query(JobEvent).filter(JobEvent.job_id == job_id).delete()
+    session.delete(job)
+    session.commit()
+    shutil.rmtree(job.run_dir, ignore_errors=True)

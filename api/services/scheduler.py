@@ -1,0 +1,383 @@
+"""The scheduler: starts one detached, named job-driver actor per running job and mirrors its progress.
+
+It runs in its own thread (Ray's client calls block) and, every `poll_interval_s`:
+
+1. asks each running driver for `progress()` and `events(after=last copied seq)` and copies the new
+   events into the database in the same transaction that advances the cursor, so none is lost or
+   copied twice; a driver that reports `succeeded`/`failed`/`stopped` moves its job to the matching
+   status (`stopped` → `paused` or `cancelled`, whichever the user asked for) and is killed;
+2. forwards pause/cancel requests to drivers (`request_stop()`: stop after this step, with a
+   checkpoint);
+3. starts queued jobs, oldest first, while fewer than `max_concurrent_jobs` hold a driver.
+
+Recovery: on start it reconciles every job that should have a driver. A driver still alive
+(`ray.get_actor("opd-job-<id>", namespace="opd")`, e.g. on a Ray cluster that outlived the server) is
+re-attached; otherwise a new driver is started on the same run directory, which resumes from the
+latest checkpoint. Events the lost driver wrote to `events.jsonl` after the last poll are copied from
+there first. A driver that dies while the server watches is restarted the same way, at most
+`max_driver_restarts` times.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from api.db import Database
+from api.errors import APIError
+from api.models import Job
+from api.services.jobs import add_event, compare_and_set, finite, read_jsonl, resolve_for_driver
+from api.services.states import WITH_DRIVER
+from api.settings import Settings
+from opd_trainer.errors import OPDError
+
+logger = logging.getLogger(__name__)
+
+NAMESPACE = "opd"
+# Ray colours actor names in re-raised errors; those codes are noise in a JSON API and in logs.
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+CALL_TIMEOUT_S = 30.0
+RAY_CHECK_EVERY_S = 10.0
+
+
+def actor_name(job_id: str) -> str:
+    return f"opd-job-{job_id}"
+
+
+@dataclass
+class DriverHandle:
+    actor: Any
+    run_ref: Any = None  # None when re-attached: the previous server process held it
+    stop_sent: bool = False
+
+
+class Scheduler:
+    """Owns the Ray side of the server; `ray_status` feeds `/readyz`."""
+
+    def __init__(self, settings: Settings, db: Database) -> None:
+        self.settings = settings
+        self.db = db
+        self.ray_status = "starting"
+        self._handles: dict[str, DriverHandle] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_ray_check = 0.0
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._main, name="opd-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stops polling; drivers are detached and keep running for the next server to re-attach."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=CALL_TIMEOUT_S)
+
+    def _main(self) -> None:
+        from opd_trainer.ray_runtime import init_ray
+
+        while not self._stop.is_set():
+            try:
+                init_ray(self.settings.ray_address)
+                self.ray_status = "ok"
+                break
+            except Exception as exc:  # keep the API up and retry: the cluster may come later
+                self.ray_status = f"error: {type(exc).__name__}: {exc}"
+                logger.exception("cannot start or join Ray; retrying")
+                self._stop.wait(10)
+        if self._stop.is_set():
+            return
+        try:
+            self.reconcile()
+        except Exception:
+            logger.exception("reconciling jobs after start failed")
+        while not self._stop.is_set():
+            try:
+                self.tick()
+            except Exception:
+                logger.exception("scheduler tick failed")
+            self._stop.wait(self.settings.poll_interval_s)
+
+    # -- recovery -------------------------------------------------------------------------------
+
+    def reconcile(self) -> None:
+        """Re-attach to live drivers of unfinished jobs, or resume them from their checkpoints."""
+        import ray
+
+        with self.db.session() as session:
+            stale = session.scalars(select(Job).where(Job.status == "validating_files")).all()
+            for job in stale:
+                # Pre-flight runs inside the submit request: its client never got an answer.
+                error = {"code": "preflight_interrupted", "message": "server stopped during pre-flight"}
+                compare_and_set(session, job.id, "validating_files", "failed", error=error)
+            jobs = session.scalars(select(Job).where(Job.status.in_(WITH_DRIVER)).order_by(Job.pk)).all()
+            for job in jobs:
+                try:
+                    actor = ray.get_actor(actor_name(job.id), namespace=NAMESPACE)
+                except ValueError:
+                    actor = None
+                if actor is not None:
+                    try:
+                        progress = ray.get(actor.progress.remote(), timeout=CALL_TIMEOUT_S)
+                    except Exception:
+                        actor = None
+                if actor is None:
+                    add_event(
+                        session, job.id, "recovery", "server restarted; driver gone, resuming from checkpoint"
+                    )
+                    self._driver_lost(session, job, counts=False)
+                else:
+                    handle = DriverHandle(actor)
+                    if progress["status"] == "created":  # the server died between creating and running it
+                        handle.run_ref = actor.run.remote()
+                    self._handles[job.id] = handle
+                    add_event(
+                        session, job.id, "recovery", "server restarted; re-attached to the running driver"
+                    )
+                session.commit()
+            logger.info("reconciled %d unfinished jobs", len(jobs))
+
+    def _recover_events_from_disk(self, session: Session, job: Job) -> None:
+        """Copies what a lost driver wrote to events.jsonl after our last poll (shared run dirs only)."""
+        records = read_jsonl(Path(job.run_dir) / "events.jsonl")[job.driver_events_offset :]
+        self._ingest(session, job, [r for r in records if r.get("seq", -1) > job.driver_event_seq])
+
+    def _driver_lost(self, session: Session, job: Job, *, counts: bool) -> None:
+        import ray
+
+        handle = self._handles.pop(job.id, None)
+        if handle is not None:
+            with contextlib.suppress(Exception):
+                ray.kill(handle.actor)
+        self._recover_events_from_disk(session, job)
+        if job.status == "pausing":
+            self._move(session, job, "paused", "driver gone; paused at its latest checkpoint")
+        elif job.status == "cancelling":
+            self._move(session, job, "cancelled", "driver gone; cancelled")
+        elif counts and job.driver_restarts >= self.settings.max_driver_restarts:
+            error = {
+                "code": "driver_lost",
+                "message": f"the job driver died {job.driver_restarts + 1} times",
+                "param": None,
+            }
+            self._move(session, job, "failed", "driver died too often", error=error)
+        else:
+            if counts:
+                job.driver_restarts += 1
+                add_event(session, job.id, "recovery", "driver died; restarting from the latest checkpoint")
+            self._start_driver(session, job)
+
+    # -- one poll -------------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        self._check_ray()
+        with self.db.session() as session:
+            for job in session.scalars(select(Job).where(Job.status.in_(WITH_DRIVER)).order_by(Job.pk)).all():
+                try:
+                    self._poll(session, job)
+                except Exception:
+                    session.rollback()
+                    logger.exception("[%s] polling the driver failed", job.id)
+                session.commit()
+            self._start_queued(session)
+
+    def _check_ray(self) -> None:
+        import ray
+
+        if time.monotonic() - self._last_ray_check < RAY_CHECK_EVERY_S:
+            return
+        self._last_ray_check = time.monotonic()
+        try:
+            alive = sum(1 for node in ray.nodes() if node.get("Alive"))
+            self.ray_status = "ok" if alive else "error: no live Ray node"
+        except Exception as exc:
+            self.ray_status = f"error: {type(exc).__name__}"
+
+    def _poll(self, session: Session, job: Job) -> None:
+        import ray
+        from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+
+        handle = self._handles.get(job.id)
+        if handle is None:
+            # A job put in a driver status by someone else (another server): treat as lost.
+            self._driver_lost(session, job, counts=False)
+            return
+        try:
+            if job.status in ("pausing", "cancelling") and not handle.stop_sent:
+                ray.get(handle.actor.request_stop.remote(), timeout=CALL_TIMEOUT_S)
+                handle.stop_sent = True
+            progress, events = ray.get(
+                [handle.actor.progress.remote(), handle.actor.events.remote(job.driver_event_seq)],
+                timeout=CALL_TIMEOUT_S,
+            )
+        except (GetTimeoutError, ActorUnavailableError):
+            logger.warning("[%s] driver did not answer in %.0fs", job.id, CALL_TIMEOUT_S)
+            return
+        except RayActorError as exc:
+            logger.warning("[%s] driver died: %s", job.id, exc)
+            self._driver_lost(session, job, counts=True)
+            return
+        self._ingest(session, job, events)
+        previous_step = job.step
+        job.step = int(progress["step"])
+        job.total_steps = int(progress["total_steps"])
+        job.eta_s = finite(progress.get("eta_s"))
+        metrics = {
+            k: v for k, v in finite(progress.get("metrics") or {}).items() if isinstance(v, int | float)
+        }
+        if metrics:
+            job.metrics = metrics
+        if job.step != previous_step:
+            job.trained_tokens = self._trained_tokens(job, metrics, job.step - previous_step)
+        if progress["status"] in ("succeeded", "failed", "stopped"):
+            self._finish(session, job, handle, progress["status"])
+
+    def _trained_tokens(self, job: Job, metrics: dict[str, float], new_steps: int) -> float:
+        records = read_jsonl(Path(job.run_dir) / "metrics.jsonl")
+        if records:
+            return float(sum(r.get("trained_tokens") or 0 for r in records if r.get("kind") == "train"))
+        # Run dir not visible from here (a remote cluster): estimate from the latest step.
+        return job.trained_tokens + max(new_steps, 0) * float(metrics.get("trained_tokens", 0.0))
+
+    def _ingest(self, session: Session, job: Job, events: list[dict[str, Any]]) -> None:
+        for event in sorted(events, key=lambda e: e.get("seq", 0)):
+            at = event.get("time")
+            add_event(
+                session,
+                job.id,
+                str(event.get("type", "event")),
+                ANSI_ESCAPE.sub("", str(event.get("message", ""))),
+                finite(event.get("data") or {}),
+                at=float(at) if isinstance(at, int | float) else None,
+            )
+            job.driver_event_seq = int(event.get("seq", job.driver_event_seq))
+
+    def _finish(self, session: Session, job: Job, handle: DriverHandle, driver_status: str) -> None:
+        import ray
+
+        error = None
+        if driver_status == "succeeded":
+            new = "succeeded"
+        elif driver_status == "failed":
+            new = "failed"
+            error = self._failure(session, job, handle)
+        else:
+            new = {"cancelling": "cancelled"}.get(job.status, "paused")
+        self._move(session, job, new, f"driver {driver_status}", error=error)
+        self._handles.pop(job.id, None)
+        if handle.run_ref is not None:
+            # Collect run()'s result, so Ray does not log an error nobody retrieved.
+            with contextlib.suppress(Exception):
+                ray.get(handle.run_ref, timeout=CALL_TIMEOUT_S)
+        with contextlib.suppress(Exception):
+            ray.kill(handle.actor)  # detached actors live until killed; its run() has returned
+
+    def _failure(self, session: Session, job: Job, handle: DriverHandle) -> dict[str, Any]:
+        from api.models import JobEvent
+
+        last = session.scalar(
+            select(JobEvent)
+            .where(JobEvent.job_id == job.id, JobEvent.type == "error")
+            .order_by(JobEvent.id.desc())
+        )
+        if last is not None:
+            return {"code": "job_failed", "message": last.message, "param": last.data.get("field")}
+        message = "the job driver failed"
+        if handle.run_ref is not None:
+            import ray
+
+            try:
+                ray.get(handle.run_ref, timeout=CALL_TIMEOUT_S)
+            except OPDError as exc:  # Ray re-raises the driver's error as a subclass of it
+                return {"code": "job_failed", "message": exc.message, "param": exc.field}
+            except Exception as exc:
+                message = ANSI_ESCAPE.sub("", f"{type(exc).__name__}: {str(exc)[:2000]}")
+        return {"code": "job_failed", "message": message, "param": None}
+
+    def _move(self, session: Session, job: Job, new: str, why: str, **fields: Any) -> None:
+        """Moves the job to `new` from whatever it is now (the user may have just paused it)."""
+        for _ in range(3):
+            current = session.scalar(select(Job.status).where(Job.id == job.id))
+            if current is None or current == new:
+                return
+            if compare_and_set(session, job.id, current, new, **fields):
+                add_event(session, job.id, "status", f"{current} -> {new}: {why}", {"status": new})
+                session.flush()
+                session.refresh(job)
+                return
+        logger.warning("[%s] could not move to %s", job.id, new)
+
+    # -- starting -------------------------------------------------------------------------------
+
+    def _start_queued(self, session: Session) -> None:
+        if self.ray_status != "ok":
+            return
+        holding = (
+            session.scalar(select(func.count()).select_from(Job).where(Job.status.in_(WITH_DRIVER))) or 0
+        )
+        free = self.settings.max_concurrent_jobs - holding
+        if free <= 0:
+            return
+        queued = session.scalars(
+            select(Job).where(Job.status == "queued").order_by(Job.queued_at, Job.pk).limit(free)
+        ).all()
+        for job in queued:
+            if not compare_and_set(session, job.id, "queued", "running", started_at=int(time.time())):
+                continue
+            session.refresh(job)
+            add_event(
+                session, job.id, "status", "queued -> running: starting the job driver", {"status": "running"}
+            )
+            self._start_driver(session, job)
+            session.commit()
+
+    def _start_driver(self, session: Session, job: Job) -> None:
+        """A new driver incarnation on the job's run dir (it resumes from the latest checkpoint)."""
+        from opd_trainer.job_driver import JobDriverActor
+
+        try:
+            spec = resolve_for_driver(session, job)
+        except (APIError, OPDError) as exc:
+            param = exc.param if isinstance(exc, APIError) else exc.field
+            error = {"code": "file_missing", "message": exc.message, "param": param}
+            self._move(session, job, "failed", "its files are gone", error=error)
+            return
+        name = actor_name(job.id)
+        self._kill_named(name)
+        # Counted before the new driver can write: what follows in events.jsonl is its own.
+        job.driver_events_offset = len(read_jsonl(Path(job.run_dir) / "events.jsonl"))
+        actor = JobDriverActor.options(  # type: ignore[attr-defined]
+            name=name, namespace=NAMESPACE, lifetime="detached", num_cpus=0
+        ).remote(spec, job.run_dir, job.id)
+        self._handles[job.id] = DriverHandle(actor, actor.run.remote())
+        job.driver_attempts += 1
+        job.driver_event_seq = -1
+        logger.info("[%s] started driver %s (incarnation %d)", job.id, name, job.driver_attempts)
+
+    @staticmethod
+    def _kill_named(name: str) -> None:
+        """Removes a leftover actor of a previous incarnation, and waits until its name is free."""
+        import ray
+
+        try:
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE))
+        except ValueError:
+            return
+        deadline = time.monotonic() + CALL_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                ray.get_actor(name, namespace=NAMESPACE)
+            except ValueError:
+                return
+            time.sleep(0.2)

@@ -1,0 +1,109 @@
+"""The job server's settings: one `BaseSettings`, read from `OPD_*` environment variables, checked at start.
+
+Every default lives here. `DATABASE_URL` is honoured as well as `OPD_DATABASE_URL`, because that is the
+name managed PostgreSQL offerings and Helm charts set.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+MIB = 1024 * 1024
+
+
+class Settings(BaseSettings):
+    """Server settings; construct with keyword arguments in tests, from the environment otherwise."""
+
+    model_config = SettingsConfigDict(env_prefix="OPD_", extra="ignore", populate_by_name=True)
+
+    data_dir: Path = Field(
+        default=Path("opd-data"),
+        description="Uploaded files, extracted workspaces, run directories and the default SQLite file.",
+    )
+    database_url: str | None = Field(
+        default=None,
+        validation_alias=AliasChoices("OPD_DATABASE_URL", "DATABASE_URL", "database_url"),
+        description="SQLAlchemy URL; None means sqlite:///<data_dir>/opd.db. postgresql+psycopg://... works.",
+    )
+    admin_key: SecretStr | None = Field(
+        default=None, description="Bearer key allowed to create tenant keys; None disables key creation."
+    )
+    max_concurrent_jobs: int = Field(
+        default=1, ge=0, description="Jobs running at once; 0 keeps every job queued and never starts Ray."
+    )
+    tenant_max_active_jobs: int = Field(
+        default=8, ge=1, description="Non-terminal jobs (queued, running, paused, ...) one tenant may hold."
+    )
+    max_body_bytes: int = Field(default=1 * MIB, ge=1024, description="Largest JSON request body.")
+    max_upload_bytes: int = Field(default=256 * MIB, ge=1024, description="Largest file upload (multipart).")
+    workspace_max_files: int = Field(default=2000, ge=1, description="Most entries in a workspace zip.")
+    workspace_max_uncompressed_bytes: int = Field(
+        default=512 * MIB, ge=1024, description="Largest total extracted size of a workspace zip."
+    )
+    workspace_max_compression_ratio: float = Field(
+        default=200.0, gt=1, description="Largest uncompressed/compressed ratio of one zip entry (zip bombs)."
+    )
+    ray_address: str | None = Field(
+        default=None, description="Ray cluster to join; None starts an embedded local Ray (or $RAY_ADDRESS)."
+    )
+    poll_interval_s: float = Field(
+        default=1.0, gt=0, le=60, description="How often the scheduler polls running job drivers."
+    )
+    max_driver_restarts: int = Field(
+        default=2, ge=0, description="Times a job's driver that died is restarted from its checkpoint."
+    )
+
+    @field_validator("database_url", "admin_key", "ray_address", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object) -> object:
+        # Charts and .env files often set a variable to "" to mean "not set".
+        return None if value == "" else value
+
+    @field_validator("data_dir")
+    @classmethod
+    def _absolute_data_dir(cls, value: Path) -> Path:
+        # Run directories are handed to Ray actors in other processes: relative paths would break.
+        return value.expanduser().resolve()
+
+    @field_validator("database_url")
+    @classmethod
+    def _known_database(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("sqlite:", "postgresql")):
+            raise ValueError("must be a sqlite:// or postgresql:// SQLAlchemy URL")
+        return value
+
+    @field_validator("admin_key")
+    @classmethod
+    def _long_admin_key(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and len(value.get_secret_value()) < 16:
+            raise ValueError("must be at least 16 characters (it guards key creation)")
+        return value
+
+    @model_validator(mode="after")
+    def _upload_fits_workspace(self) -> Settings:
+        if self.max_body_bytes > self.max_upload_bytes:
+            raise ValueError("max_body_bytes must not exceed max_upload_bytes")
+        return self
+
+    @property
+    def sqlalchemy_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.data_dir / 'opd.db'}"
+
+    @property
+    def files_dir(self) -> Path:
+        return self.data_dir / "files"
+
+    @property
+    def workspaces_dir(self) -> Path:
+        return self.data_dir / "workspaces"
+
+    @property
+    def runs_dir(self) -> Path:
+        return self.data_dir / "runs"
+
+    @property
+    def scheduler_enabled(self) -> bool:
+        return self.max_concurrent_jobs > 0

@@ -1,0 +1,137 @@
+"""Test helpers: a real `opd serve` process on a free port, and builders for datasets, zips, tokenizers."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+ADMIN_KEY = "test-admin-key-0123456789"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Server:
+    """One `opd serve` subprocess; `restart()` keeps its port, data dir and settings."""
+
+    data_dir: Path
+    env: dict[str, str] = field(default_factory=dict)
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, ready_timeout: float = 120.0, wait_ready: bool = False) -> Server:
+        env = {
+            **os.environ,
+            "OPD_ADMIN_KEY": ADMIN_KEY,
+            "OPD_POLL_INTERVAL_S": "0.5",
+            "PYTHONUNBUFFERED": "1",
+            **self.env,
+        }
+        self.log_path = self.data_dir.parent / f"{self.data_dir.name}-server.log"
+        log = self.log_path.open("ab")
+        command = [sys.executable, "-m", "opd_trainer.cli", "serve", "--port", str(self.port)]
+        command += ["--data-dir", str(self.data_dir), "--log-level", "warning"]
+        # Own process group: a kill takes uvicorn and anything it started (an embedded Ray) with it.
+        self.process = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        deadline = time.monotonic() + ready_timeout
+        path = "/readyz" if wait_ready else "/healthz"
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + path, timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server not ready after {ready_timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-5000:] if self.log_path else ""
+
+    def kill(self) -> None:
+        """SIGKILL, the way a crashed or evicted server dies."""
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def create_key(server_url: str, tenant: str) -> str:
+    response = httpx.post(
+        server_url + "/v1/keys", json={"tenant": tenant}, headers={"Authorization": f"Bearer {ADMIN_KEY}"}
+    )
+    response.raise_for_status()
+    return str(response.json()["key"])
+
+
+def record(user: str = "hello", **extra: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": user}], **extra}
+
+
+def jsonl(records: list[dict[str, Any]]) -> bytes:
+    return "".join(json.dumps(r) + "\n" for r in records).encode()
+
+
+def zip_bytes(entries: dict[str, bytes], modes: dict[str, int] | None = None) -> bytes:
+    """A zip with the given entries; `modes` sets unix mode bits (e.g. a symlink's 0o120777)."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+        for name, content in entries.items():
+            info = zipfile.ZipInfo(name)
+            info.compress_type = zipfile.ZIP_DEFLATED
+            info.external_attr = (modes or {}).get(name, 0o100644) << 16
+            archive.writestr(info, content)
+    return buffer.getvalue()
+
+
+WORKSPACE = {
+    "functions/__init__.py": b"",
+    "functions/reward.py": b"from opd_trainer.sdk import AbstractRewardProcessor\n\n"
+    b"class MyReward(AbstractRewardProcessor):\n    async def process(self, reward_input):\n        ...\n",
+}
+
+
+def make_tokenizer(folder: Path, words: str = "hello world user assistant") -> Path:
+    """A tiny real Hugging Face tokenizer folder, enough for the server's same-tokenizer pre-flight."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "<|im_end|>": 1, **{w: i + 2 for i, w in enumerate(words.split())}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", eos_token="<|im_end|>")
+    fast.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}<|im_end|>{% endfor %}"
+    fast.save_pretrained(str(folder))
+    return folder

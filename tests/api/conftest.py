@@ -1,0 +1,114 @@
+"""Fixtures of the API tests: one real `opd serve` (SQLite file in tmp, scheduler off), tenants, files.
+
+The shared server runs with `OPD_MAX_CONCURRENT_JOBS=0`, so jobs stay queued and no Ray starts; the
+tests that train (`-m integration`) start their own servers with the scheduler on.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from apiserver import WORKSPACE, Server, create_key, jsonl, make_tokenizer, record, zip_bytes
+
+from opd_trainer.client import OPDClient
+
+# Small limits, so the oversized-upload and body cases need only kilobytes.
+SERVER_ENV = {
+    "OPD_MAX_CONCURRENT_JOBS": "0",
+    "OPD_MAX_UPLOAD_BYTES": str(256 * 1024),
+    "OPD_MAX_BODY_BYTES": str(64 * 1024),
+    "OPD_TENANT_MAX_ACTIVE_JOBS": "4",
+}
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    server = Server(tmp_path_factory.mktemp("api") / "data", env=SERVER_ENV).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "student": str(make_tokenizer(root / "student")),
+        "teacher": str(make_tokenizer(root / "teacher")),
+        "other": str(make_tokenizer(root / "other", "completely different words here")),
+    }
+
+
+@dataclass
+class Tenant:
+    """A fresh tenant on the shared server: its key, a raw httpx client and the Python client."""
+
+    name: str
+    key: str
+    http: httpx.Client
+    client: OPDClient
+    models: dict[str, str]
+
+    def upload(
+        self, content: bytes, purpose: str = "dataset", filename: str = "data.jsonl"
+    ) -> dict[str, Any]:
+        response = self.http.post("/v1/files", files={"file": (filename, content)}, data={"purpose": purpose})
+        assert response.status_code == 201, response.text
+        return response.json()
+
+    def spec(self, dataset_id: str, **overrides: Any) -> dict[str, Any]:
+        spec = {
+            "job_name": "api-test",
+            "model": self.models["student"],
+            "teacher_model": self.models["teacher"],
+            "training_datasets": [dataset_id],
+            "hyper_parameters": {"max_steps": 3, "batch_size": 2},
+        }
+        spec.update(overrides)
+        return spec
+
+    def job(self, **overrides: Any) -> dict[str, Any]:
+        """A queued job over a fresh one-record dataset."""
+        dataset = self.upload(jsonl([record("hello world")]))
+        response = self.http.post("/v1/opd/jobs", json=self.spec(dataset["id"], **overrides))
+        assert response.status_code == 201, response.text
+        return response.json()
+
+
+def make_tenant(server: Server, models: dict[str, str]) -> Iterator[Tenant]:
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    key = create_key(server.url, name)
+    http = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+    client = OPDClient(server.url, key)
+    yield Tenant(name, key, http, client, models)
+    http.close()
+    client.close()
+
+
+@pytest.fixture
+def tenant(server: Server, models: dict[str, str]) -> Iterator[Tenant]:
+    yield from make_tenant(server, models)
+
+
+@pytest.fixture
+def other_tenant(server: Server, models: dict[str, str]) -> Iterator[Tenant]:
+    yield from make_tenant(server, models)
+
+
+@pytest.fixture
+def workspace_zip() -> bytes:
+    return zip_bytes(WORKSPACE)
+
+
+@pytest.fixture
+def workspace_dir(tmp_path: Path) -> Path:
+    root = tmp_path / "workspace"
+    for name, content in WORKSPACE.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(content)
+    return root

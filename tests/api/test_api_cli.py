@@ -1,0 +1,140 @@
+"""`opd submit / jobs / get / logs / cancel / keys create` against the real server, run in-process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from apiserver import ADMIN_KEY, Server, jsonl, record
+from conftest import Tenant
+
+from opd_trainer.cli import main
+
+
+@pytest.fixture
+def job_file(tmp_path: Path, tenant: Tenant, workspace_dir: Path) -> Path:
+    (tmp_path / "train.jsonl").write_bytes(jsonl([record("a"), record("b")]))
+    spec = {
+        "job_name": "cli-job",
+        "model": tenant.models["student"],
+        "teacher_model": tenant.models["teacher"],
+        "training_datasets": ["train.jsonl"],  # relative to the job file, like `opd train`
+        "validation_datasets": ["train.jsonl"],
+        "functions": [
+            {
+                "name": "score",
+                "type": "reward",
+                "fcmodel": {"zipdir": "workspace", "classpath": "functions/reward.py:MyReward"},
+            }
+        ],
+        "hyper_parameters": {"max_steps": 2, "batch_size": 2},
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+@pytest.fixture
+def cli_env(monkeypatch: pytest.MonkeyPatch, server: Server, tenant: Tenant) -> Tenant:
+    monkeypatch.setenv("OPD_BASE_URL", server.url)
+    monkeypatch.setenv("OPD_API_KEY", tenant.key)
+    return tenant
+
+
+def test_submit_uploads_local_files_and_the_job_can_be_managed(
+    cli_env: Tenant, job_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["submit", str(job_file)]) == 0
+    job_id = capsys.readouterr().out.split()[1]
+    job = cli_env.client.get_job(job_id)
+    assert job["status"] == "queued"
+    dataset = job["spec"]["training_datasets"][0]
+    assert dataset.startswith("file-") and job["spec"]["validation_datasets"] == [dataset]  # uploaded once
+    assert job["spec"]["functions"][0]["fcmodel"]["workspace"].startswith("file-")
+
+    assert main(["jobs"]) == 0
+    assert job_id in capsys.readouterr().out
+    assert main(["get", job_id]) == 0
+    assert json.loads(capsys.readouterr().out)["id"] == job_id
+    assert main(["cancel", job_id]) == 0
+    assert capsys.readouterr().out.strip() == f"{job_id}: cancelled"
+    assert main(["logs", job_id]) == 0
+    assert "[status] cancel requested: queued -> cancelled" in capsys.readouterr().out
+    assert main(["logs", "-f", job_id]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "-- job cancelled"
+
+
+def test_keys_create(
+    server: Server, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("OPD_ADMIN_KEY", ADMIN_KEY)
+    assert main(["keys", "create", "--tenant", "cli-tenant", "--base-url", server.url]) == 0
+    key = capsys.readouterr().out.splitlines()[-1]
+    assert main(["jobs", "--base-url", server.url, "--api-key", key]) == 0
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (
+            lambda s: s["hyper_parameters"].update(lr=1),
+            "error: hyper_parameters.lr: Extra inputs are not permitted",
+        ),
+        (
+            lambda s: s.update(training_datasets=["missing.jsonl"]),
+            "error: training_datasets.0: missing.jsonl is neither a local file nor a file id",
+        ),
+        (
+            lambda s: s["functions"][0]["fcmodel"].update(classpath="functions.nope.X"),
+            "error: functions.score.fcmodel.classpath: ",
+        ),
+        (lambda s: s.update(teacher_model="/nonexistent"), "error: teacher_model: model folder /nonexistent"),
+    ],
+)
+def test_bad_job_files_print_one_error_line_and_exit_2(
+    cli_env: Tenant, job_file: Path, capsys: pytest.CaptureFixture[str], edit, expected: str
+) -> None:
+    spec = yaml.safe_load(job_file.read_text())
+    edit(spec)
+    job_file.write_text(yaml.safe_dump(spec))
+    assert main(["submit", str(job_file)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(expected), captured.err
+    assert len(captured.err.strip().splitlines()) == 1 and "Traceback" not in captured.err
+
+
+def test_missing_key_and_unknown_job(
+    server: Server, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], cli_env: Tenant
+) -> None:
+    assert main(["get", "opdjob-nope"]) == 2
+    assert capsys.readouterr().err.startswith("error: job_id: no job with id 'opdjob-nope'")
+    monkeypatch.delenv("OPD_API_KEY")
+    assert main(["jobs"]) == 2
+    assert capsys.readouterr().err.startswith("error: api_key: set OPD_API_KEY")
+    assert main(["jobs", "--api-key", "x", "--base-url", "http://127.0.0.1:9"]) == 1
+    assert "cannot reach" in capsys.readouterr().err
+
+
+def test_submit_follow_streams_until_the_job_ends(
+    cli_env: Tenant, job_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import threading
+    import time
+
+    def cancel_when_submitted() -> None:
+        for _ in range(300):
+            jobs = cli_env.client.list_jobs(status="queued")["data"]
+            if jobs:
+                cli_env.client.cancel_job(jobs[0]["id"])
+                return
+            time.sleep(0.1)
+
+    canceller = threading.Thread(target=cancel_when_submitted)
+    canceller.start()
+    assert main(["submit", str(job_file), "--follow"]) == 1  # followed to the end; it did not succeed
+    canceller.join()
+    out = capsys.readouterr().out
+    assert "[status] cancel requested: queued -> cancelled" in out
+    assert out.strip().endswith(": cancelled")

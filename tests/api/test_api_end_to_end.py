@@ -1,0 +1,179 @@
+"""Jobs that really train, submitted over HTTP: real `opd serve`, real SQLite file, real Ray, vLLM, DeepSpeed.
+
+1. One Model OPD job through the Python client, followed over the event stream to `succeeded`, with
+   its events, metrics, trajectories and a checkpoint (a Hugging Face student) retrievable.
+2. The server process is SIGKILLed (with its embedded Ray) while the job trains and started again on
+   the same data dir: it reconciles the job, resumes it from its latest checkpoint, and the job still
+   reaches `succeeded` with every step's metrics recorded once and no driver event lost.
+
+3. A driver that fails (here: a model folder with a tokenizer but no weights) fails its job with the
+   driver's reason, and the server keeps scheduling.
+
+1 and 2 need the tiny models (`opd make-tiny-models .cache/tiny-models`): several minutes on 2 CPU
+cores. 3 needs only Ray.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+from apiserver import Server, create_key, jsonl, make_tokenizer, record
+
+from opd_trainer.client import OPDClient
+
+if TYPE_CHECKING:
+    from opd_trainer.tiny_models import TinyModels
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
+
+ENGINE = {"kv_cache_memory_bytes": 134217728, "dtype": "float32"}
+
+
+@pytest.fixture
+def trained_models(request: pytest.FixtureRequest) -> TinyModels:
+    """`tests/conftest.py`'s session fixture `tiny_models`; skips where it is not there yet."""
+    try:
+        return request.getfixturevalue("tiny_models")
+    except pytest.FixtureLookupError:
+        pytest.skip("needs the tiny_models fixture of tests/conftest.py")
+
+
+def _subset(source: Path, target: Path, count: int) -> str:
+    lines = [line for line in source.read_text().splitlines() if line.strip()][:count]
+    target.write_text("\n".join(lines) + "\n")
+    return str(target)
+
+
+def _run_args(tiny_models: TinyModels, tmp_path: Path, max_steps: int, save_steps: int) -> dict[str, Any]:
+    return {
+        "job_name": f"api-e2e-{max_steps}",
+        "model": str(tiny_models.student),
+        "teacher_model": str(tiny_models.teacher),
+        "training_datasets": [str(tiny_models.data_dir / "train.jsonl")],
+        "validation_datasets": [
+            _subset(tiny_models.data_dir / "validation.jsonl", tmp_path / "val.jsonl", 8)
+        ],
+        "hyper_parameters": {
+            "max_steps": max_steps,
+            "learning_rate": 1e-3,
+            "lr_scheduler_type": "constant",
+            "batch_size": 4,
+            "n_rollouts": 2,
+            "ppo_mini_batch_size": 8,
+            "max_length": 1024,
+            "max_tokens": 32,
+            "eval_steps": 100,
+            "save_steps": save_steps,
+            "seed": 0,
+        },
+        "resources": {"student": ENGINE, "teacher": ENGINE, "learner_gpus": 0},
+    }
+
+
+def _server(tmp_path: Path) -> Server:
+    return Server(tmp_path / "data", env={"OPD_MAX_CONCURRENT_JOBS": "1"})
+
+
+def _wait(client: OPDClient, job_id: str, done: Any, timeout_s: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        job = client.get_job(job_id)
+        if done(job):
+            return job
+        time.sleep(1)
+    raise TimeoutError(f"job {job_id} still {client.get_job(job_id)['status']}")
+
+
+def test_job_over_http_succeeds_with_events_metrics_and_checkpoint(
+    trained_models: TinyModels, tmp_path: Path
+) -> None:
+    tiny_models = trained_models
+    server = _server(tmp_path).start(ready_timeout=300, wait_ready=True)
+    try:
+        client = OPDClient(server.url, create_key(server.url, "e2e"))
+        job_id = client.run(**_run_args(tiny_models, tmp_path, max_steps=3, save_steps=2))
+        events = list(client.stream_events(job_id))
+        final = events[-1]["job"]
+        assert final["status"] == "succeeded", server.log() + json.dumps(events[-5:], indent=1)
+        types = [e["type"] for e in events[:-1]]
+        steps = [e["data"]["step"] for e in events[:-1] if e["type"] == "step"]
+        assert steps == [1, 2, 3] and "checkpoint" in types and "eval" in types
+        assert final["step"] == 3 and final["total_steps"] == 3 and "reverse_kl" in final["metrics"]
+
+        metrics = client.metrics(job_id)
+        assert [r["step"] for r in metrics["data"] if r["kind"] == "train"] == [1, 2, 3]
+        assert {"teacher", "student_before", "student_after"} <= metrics["summary"].keys()
+        checkpoints = client.checkpoints(job_id)
+        assert [c["step"] for c in checkpoints] == [2, 3]
+        assert (Path(checkpoints[-1]["student"]) / "config.json").is_file()
+        trajectories = client.trajectories(job_id, limit=4)
+        assert len(trajectories) == 4 and all("messages" in t for t in trajectories)
+        assert "[checkpoint] saved step 3" in client.logs(job_id)
+    finally:
+        server.stop()
+
+
+def test_server_killed_mid_job_resumes_and_the_job_succeeds(
+    trained_models: TinyModels, tmp_path: Path
+) -> None:
+    tiny_models = trained_models
+    server = _server(tmp_path).start(ready_timeout=300, wait_ready=True)
+    try:
+        key = create_key(server.url, "restart")
+        client = OPDClient(server.url, key)
+        job_id = client.run(**_run_args(tiny_models, tmp_path, max_steps=5, save_steps=1))
+        _wait(client, job_id, lambda j: j["step"] >= 2, timeout_s=900)
+        server.kill()  # SIGKILL: no shutdown hook runs, and the embedded Ray dies with the server
+
+        server.start(ready_timeout=300, wait_ready=True)
+        final = _wait(client, job_id, lambda j: j["status"] in ("succeeded", "failed", "cancelled"), 900)
+        assert final["status"] == "succeeded", server.log()
+        events = client.events(job_id, limit=1000)["data"]
+        messages = [e["message"] for e in events]
+        assert any("server restarted" in m for m in messages)
+        assert any(m.startswith("resumed from checkpoint at step") for m in messages)
+        # Every step's event reached the database at least once (steps after the checkpoint are redone).
+        assert {e["data"]["step"] for e in events if e["type"] == "step"} == {1, 2, 3, 4, 5}
+        metrics = client.metrics(job_id)["data"]
+        assert [r["step"] for r in metrics if r["kind"] == "train"] == [1, 2, 3, 4, 5]
+        assert [c["step"] for c in client.checkpoints(job_id)] == [1, 2, 3, 4, 5]
+    finally:
+        server.stop()
+
+
+def test_a_failing_driver_fails_its_job_with_the_reason(tmp_path: Path) -> None:
+    tokenizer_only = str(make_tokenizer(tmp_path / "no-weights"))
+    server = _server(tmp_path).start(ready_timeout=300, wait_ready=True)
+    try:
+        assert server_ready_checks(server)["ray"] == "ok"
+        client = OPDClient(server.url, create_key(server.url, "failing"))
+        (tmp_path / "train.jsonl").write_bytes(jsonl([record("hello world")] * 4))
+        job_id = client.run(
+            "no-weights",
+            tokenizer_only,
+            tokenizer_only,
+            [str(tmp_path / "train.jsonl")],
+            hyper_parameters={"max_steps": 1, "batch_size": 2},
+            resources={"student": ENGINE, "teacher": ENGINE, "learner_gpus": 0},
+        )
+        events = list(client.stream_events(job_id))
+        final = events[-1]["job"]
+        assert final["status"] == "failed" and final["error"]["code"] == "job_failed", final
+        assert final["error"]["message"] and "\x1b[" not in final["error"]["message"]
+        types = [e["type"] for e in events[:-1]]
+        assert types.count("error") == 1 and "status" in types
+        assert [e["data"]["status"] for e in events[:-1] if e["type"] == "status" and "status" in e["data"]][
+            -1
+        ] == "failed"
+    finally:
+        server.stop()
+
+
+def server_ready_checks(server: Server) -> dict[str, str]:
+    import httpx
+
+    return httpx.get(server.url + "/readyz").json()["checks"]

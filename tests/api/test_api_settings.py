@@ -1,0 +1,46 @@
+"""Server settings: `OPD_*` variables, `DATABASE_URL`, and fail-fast validation (no server needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from api.settings import Settings
+from opd_trainer.cli import main
+
+
+def test_environment_and_database_url_alias(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("OPD_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("OPD_MAX_CONCURRENT_JOBS", "0")
+    monkeypatch.setenv("OPD_ADMIN_KEY", "")  # empty means unset (Helm renders it so)
+    settings = Settings()
+    assert settings.sqlalchemy_url == f"sqlite:///{tmp_path / 'data' / 'opd.db'}"
+    assert settings.admin_key is None and not settings.scheduler_enabled
+    monkeypatch.setenv("DATABASE_URL", "postgresql+psycopg://opd:pw@db/opd")
+    assert Settings().sqlalchemy_url == "postgresql+psycopg://opd:pw@db/opd"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("admin_key", "short"),
+        ("database_url", "mysql://x"),
+        ("max_concurrent_jobs", -1),
+        ("workspace_max_compression_ratio", 1),
+        ("max_body_bytes", 10),
+    ],
+)
+def test_bad_settings_fail_fast(field: str, value: object) -> None:
+    with pytest.raises(ValidationError) as raised:
+        Settings(**{field: value})
+    assert raised.value.errors()[0]["loc"][0] in {field, "database_url"}
+
+
+def test_serve_refuses_bad_settings_with_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("OPD_ADMIN_KEY", "short")
+    assert main(["serve", "--max-concurrent-jobs", "0"]) == 2
+    assert capsys.readouterr().err.startswith("error: OPD_ADMIN_KEY: Value error, must be at least 16")
