@@ -4,7 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 EXTRAS ?= cpu,test,bench
-TINY_MODELS_DIR ?= .cache/tiny-models
+# The example job files point at this folder (relative to examples/*/).
+TINY_MODELS_DIR := .cache/tiny-models
 export OPD_TINY_MODELS_DIR := $(abspath $(TINY_MODELS_DIR))
 
 .PHONY: setup demo test unit lint bench clean
@@ -18,12 +19,15 @@ setup: $(STAMP)
 
 demo: setup
 	$(BIN)/opd make-tiny-models $(TINY_MODELS_DIR)
-	$(BIN)/opd roundtrip --models-dir $(TINY_MODELS_DIR)
+	$(BIN)/opd train examples/model_opd_tiny/job.yaml
 
+# Unit tests run in their own process first: fast feedback, and no torch/transformers imported
+# around the classpath loader's import-isolation checks.
 test: setup
 	$(BIN)/ruff check .
+	$(BIN)/pytest -ra tests/unit
 	$(BIN)/opd make-tiny-models $(TINY_MODELS_DIR)
-	$(BIN)/pytest -ra
+	$(BIN)/pytest -ra tests/deploy tests/api tests/integration
 
 unit: setup
 	$(BIN)/pytest -ra tests/unit

@@ -1,0 +1,47 @@
+"""Tiny Qwen2 teacher and student for tests and demos, built on disk from scratch with no download.
+
+`build_tiny_models(out_dir)` trains a byte-level BPE tokenizer (Qwen2.5 ChatML layout, hermes tool-call
+markers) and two small `Qwen2ForCausalLM` checkpoints on the synthetic tool-routing task: a competent
+teacher and a weaker student that on-policy distillation can improve. Both load with transformers'
+`Auto*` classes and with vLLM.
+"""
+
+from opd_trainer.tiny_models.factory import (
+    STUDENT,
+    TEACHER,
+    ModelSpec,
+    TinyModels,
+    build_tiny_models,
+    cache_key,
+)
+from opd_trainer.tiny_models.tokenizer import (
+    IM_END,
+    IM_START,
+    PAD_TOKEN,
+    SPECIAL_TOKENS,
+    TOOL_TOKENS,
+    chat_template,
+    render_chat,
+    save_tokenizer,
+    train_tokenizer,
+    wrap_tokenizer,
+)
+
+__all__ = [
+    "IM_END",
+    "IM_START",
+    "PAD_TOKEN",
+    "SPECIAL_TOKENS",
+    "STUDENT",
+    "TEACHER",
+    "TOOL_TOKENS",
+    "ModelSpec",
+    "TinyModels",
+    "build_tiny_models",
+    "cache_key",
+    "chat_template",
+    "render_chat",
+    "save_tokenizer",
+    "train_tokenizer",
+    "wrap_tokenizer",
+]

@@ -1,0 +1,103 @@
+"""The built tiny teacher/student: manifest metrics, checkpoint layout, loading and greedy decoding."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from opd_trainer.tiny_models import TinyModels, build_tiny_models
+from opd_trainer.tiny_models.training import generate_replies
+from opd_trainer.tool_routing import evaluator, task
+
+pytestmark = pytest.mark.integration
+
+ROLES = ("teacher", "student")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def test_manifest_metrics(tiny_models: TinyModels) -> None:
+    teacher = tiny_models.manifest["teacher"]["validation"]
+    student = tiny_models.manifest["student"]["validation"]
+    assert teacher["n"] == student["n"] == 200
+    assert teacher["exact_match"] >= 0.95
+    assert student["exact_match"] <= 0.5 * teacher["exact_match"]
+    # Weak but not broken, so that on-policy distillation has something to climb from.
+    assert student["exact_match"] >= 0.1
+    assert student["format_validity"] >= 0.7
+
+
+def test_checkpoint_layout(tiny_models: TinyModels) -> None:
+    max_length = tiny_models.manifest["data"]["max_length"]
+    configs = []
+    for role in ROLES:
+        directory: Path = getattr(tiny_models, role)
+        config = json.loads((directory / "config.json").read_text())
+        assert config["architectures"] == ["Qwen2ForCausalLM"]
+        assert config["head_dim"] >= 32
+        assert config["head_dim"] * config["num_attention_heads"] == config["hidden_size"]
+        assert config["tie_word_embeddings"] is True
+        assert config["dtype"] == "float32"
+        assert config["max_position_embeddings"] >= max_length + 64
+        generation = json.loads((directory / "generation_config.json").read_text())
+        assert generation["eos_token_id"] == [config["eos_token_id"], config["pad_token_id"]]
+        assert (directory / "model.safetensors").is_file()
+        configs.append(config)
+    # Same architecture, so that teacher weights can be synced into a student engine.
+    assert configs[0] == configs[1]
+    for name in TOKENIZER_FILES:
+        assert (tiny_models.teacher / name).read_bytes() == (tiny_models.student / name).read_bytes()
+    for split, n in (("train", 4000), ("validation", 200)):
+        assert len(task.read_jsonl(tiny_models.data_dir / f"{split}.jsonl")) == n
+
+
+def test_tokenizer_has_hermes_markers_as_single_ids(tiny_models: TinyModels) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_models.student))
+    vocab = tokenizer.get_vocab()
+    for marker in ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"):
+        assert tokenizer.encode(marker, add_special_tokens=False) == [vocab[marker]]
+    assert tokenizer.eos_token == "<|im_end|>"
+    assert tokenizer.pad_token == "<|endoftext|>"
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_hf_greedy_decoding_agrees_with_the_build(tiny_models: TinyModels, role: str) -> None:
+    """Plain HF `generate` (left padding, whole prompts) matches the build's prefix-cached decoding."""
+    records = task.read_jsonl(tiny_models.data_dir / "validation.jsonl")[:24]
+    directory = getattr(tiny_models, role)
+    model = AutoModelForCausalLM.from_pretrained(str(directory))
+    tokenizer = AutoTokenizer.from_pretrained(str(directory), padding_side="left")
+    prompts = [
+        tokenizer.apply_chat_template(
+            r["messages"], tools=r["tools"], add_generation_prompt=True, tokenize=False
+        )
+        for r in records
+    ]
+    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=64, do_sample=False)
+    texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+    metrics = evaluator.evaluate_texts(texts, records)
+    if role == "teacher":
+        assert metrics["exact_match"] >= 0.85
+    else:
+        assert metrics["format_validity"] >= 0.5
+
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    shared = next(i for i in range(min(map(len, ids))) if len({row[i] for row in ids}) > 1)
+    eos_ids = list(model.generation_config.eos_token_id)
+    cached = generate_replies(
+        model, ids[0][:shared], [r[shared:] for r in ids], eos_ids, tokenizer.pad_token_id
+    )
+    assert tokenizer.batch_decode(cached, skip_special_tokens=True) == texts
+
+
+def test_second_build_is_a_fast_cache_hit(tiny_models: TinyModels) -> None:
+    started = time.perf_counter()
+    again = build_tiny_models(tiny_models.teacher.parent, seed=tiny_models.manifest["seed"])
+    assert time.perf_counter() - started < 5.0
+    assert again == tiny_models
