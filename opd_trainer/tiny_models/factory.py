@@ -11,9 +11,10 @@ Recipe, in order (see `training` for why each phase exists):
 2. a base model trained on a synthetic copy task, so that it has induction heads;
 3. teacher = the base fine-tuned on the task, first on the conversation tails alone, then on whole
    conversations until its validation exact match is >= 0.95;
-4. student = the base fine-tuned on whole conversations only until its replies are mostly well formed but
-   often wrong (validation exact match ~0.3-0.45, format validity >= 0.7): a starting point that
-   on-policy distillation can improve quickly, since it can already copy and format.
+4. student = an early checkpoint of the teacher's second phase, the first whose replies are mostly well
+   formed but often wrong (validation exact match 0.3-0.45, format validity >= 0.7): a starting point
+   that on-policy distillation can improve quickly, since it already copies and formats. Same
+   architecture and tokenizer as the teacher.
 """
 
 from __future__ import annotations
@@ -100,10 +101,10 @@ STUDENT = TEACHER
 COPY = CopyConfig()
 TAILS = SftConfig(max_steps=400, learning_rate=2e-3, with_system_prompt=False)
 FULL = SftConfig(max_steps=400, learning_rate=1e-3, warmup_steps=10)
-# Validation in the full phase: every 5 steps while looking for the student (exact match climbs ~0.03 a
-# step there), then every 25 until the teacher reaches its target.
-STUDENT_SEARCH = range(5, 45, 5)
-TEACHER_EVAL_FIRST, TEACHER_EVAL_EVERY = 50, 25
+# Validation in the full phase: every 5 steps while looking for the student (exact match climbs ~0.02 a
+# step there), then every 40 until the teacher reaches its target; one validation costs ~20 steps.
+STUDENT_SEARCH = range(10, 45, 5)
+TEACHER_EVAL_FIRST, TEACHER_EVAL_EVERY = 60, 40
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,8 @@ def build_tiny_models(
 
     Layout: `teacher/`, `student/` (HF checkpoints with tokenizer and chat template), `data/train.jsonl`,
     `data/validation.jsonl` and `manifest.json`. Concurrent callers wait on a lock file next to
-    `out_dir`, so only one of them builds.
+    `out_dir`, so only one of them builds. `progress`, if given, gets one dict per training step:
+    `phase`, `step`, `loss`, plus the validation metrics on the steps that were validated.
     """
     out_dir = Path(out_dir).resolve()
     key = cache_key(seed)
@@ -141,8 +143,10 @@ def build_tiny_models(
         if cached is not None and not force:
             logger.info("tiny models cache hit at %s (key %s)", out_dir, key)
             return cached
+        # Holding the lock, no other build is running: whatever staging dirs exist are from killed ones.
+        for leftover in out_dir.parent.glob(f".{out_dir.name}.building-*"):
+            shutil.rmtree(leftover, ignore_errors=True)
         staging = out_dir.parent / f".{out_dir.name}.building-{os.getpid()}"
-        shutil.rmtree(staging, ignore_errors=True)
         try:
             _build(staging, seed, key, progress)
             _replace_dir(staging, out_dir)

@@ -17,6 +17,8 @@ from typing import Any
 
 import httpx
 
+from opd_trainer.client import OPDClient
+
 REPO = Path(__file__).resolve().parents[2]
 ADMIN_KEY = "test-admin-key-0123456789"
 
@@ -135,3 +137,39 @@ def make_tokenizer(folder: Path, words: str = "hello world user assistant") -> P
     fast.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}<|im_end|>{% endfor %}"
     fast.save_pretrained(str(folder))
     return folder
+
+
+@dataclass
+class Tenant:
+    """A fresh tenant on the shared server: its key, a raw httpx client and the Python client."""
+
+    name: str
+    key: str
+    http: httpx.Client
+    client: OPDClient
+    models: dict[str, str]
+
+    def upload(
+        self, content: bytes, purpose: str = "dataset", filename: str = "data.jsonl"
+    ) -> dict[str, Any]:
+        response = self.http.post("/v1/files", files={"file": (filename, content)}, data={"purpose": purpose})
+        assert response.status_code == 201, response.text
+        return response.json()
+
+    def spec(self, dataset_id: str, **overrides: Any) -> dict[str, Any]:
+        spec = {
+            "job_name": "api-test",
+            "model": self.models["student"],
+            "teacher_model": self.models["teacher"],
+            "training_datasets": [dataset_id],
+            "hyper_parameters": {"max_steps": 3, "batch_size": 2},
+        }
+        spec.update(overrides)
+        return spec
+
+    def job(self, **overrides: Any) -> dict[str, Any]:
+        """A queued job over a fresh one-record dataset."""
+        dataset = self.upload(jsonl([record("hello world")]))
+        response = self.http.post("/v1/opd/jobs", json=self.spec(dataset["id"], **overrides))
+        assert response.status_code == 201, response.text
+        return response.json()

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
-from apiserver import WORKSPACE, Server, create_key, jsonl, make_tokenizer, record, zip_bytes
+from apiserver import WORKSPACE, Server, Tenant, create_key, make_tokenizer, zip_bytes
 
 from opd_trainer.client import OPDClient
 
@@ -42,42 +40,6 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         "teacher": str(make_tokenizer(root / "teacher")),
         "other": str(make_tokenizer(root / "other", "completely different words here")),
     }
-
-
-@dataclass
-class Tenant:
-    """A fresh tenant on the shared server: its key, a raw httpx client and the Python client."""
-
-    name: str
-    key: str
-    http: httpx.Client
-    client: OPDClient
-    models: dict[str, str]
-
-    def upload(
-        self, content: bytes, purpose: str = "dataset", filename: str = "data.jsonl"
-    ) -> dict[str, Any]:
-        response = self.http.post("/v1/files", files={"file": (filename, content)}, data={"purpose": purpose})
-        assert response.status_code == 201, response.text
-        return response.json()
-
-    def spec(self, dataset_id: str, **overrides: Any) -> dict[str, Any]:
-        spec = {
-            "job_name": "api-test",
-            "model": self.models["student"],
-            "teacher_model": self.models["teacher"],
-            "training_datasets": [dataset_id],
-            "hyper_parameters": {"max_steps": 3, "batch_size": 2},
-        }
-        spec.update(overrides)
-        return spec
-
-    def job(self, **overrides: Any) -> dict[str, Any]:
-        """A queued job over a fresh one-record dataset."""
-        dataset = self.upload(jsonl([record("hello world")]))
-        response = self.http.post("/v1/opd/jobs", json=self.spec(dataset["id"], **overrides))
-        assert response.status_code == 201, response.text
-        return response.json()
 
 
 def make_tenant(server: Server, models: dict[str, str]) -> Iterator[Tenant]:

@@ -10,8 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
-from apiserver import ADMIN_KEY, Server, jsonl, record, zip_bytes
-from conftest import Tenant
+from apiserver import ADMIN_KEY, Server, Tenant, jsonl, record, zip_bytes
 
 KB = 1024
 

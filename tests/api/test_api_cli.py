@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from apiserver import ADMIN_KEY, Server, jsonl, record
-from conftest import Tenant
+from apiserver import ADMIN_KEY, Server, Tenant, jsonl, record
 
 from opd_trainer.cli import main
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from apiserver import Server, jsonl, record
-from conftest import Tenant
+from apiserver import Server, Tenant, jsonl, record
 
 
 def test_dataset_upload_counts_validated_records(tenant: Tenant) -> None:

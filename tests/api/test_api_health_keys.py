@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import httpx
-from apiserver import ADMIN_KEY, Server, create_key
-from conftest import Tenant
+from apiserver import ADMIN_KEY, Server, Tenant, create_key
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 

@@ -6,8 +6,7 @@ import threading
 from typing import Any
 
 import pytest
-from apiserver import jsonl, record
-from conftest import Tenant
+from apiserver import Tenant, jsonl, record
 
 
 def test_submitted_job_is_queued_with_its_spec_and_step_count(tenant: Tenant) -> None:

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import httpx
 import schemathesis
-from apiserver import Server
-from conftest import Tenant
+from apiserver import Server, Tenant
 
 
 def test_openapi_spec_is_valid_and_documents_the_error_shape(server: Server) -> None:

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from opd_trainer.tiny_models import TinyModels, build_tiny_models
+from opd_trainer.tiny_models import TinyModels, build_tiny_models, render_chat
 from opd_trainer.tiny_models.training import generate_replies
 from opd_trainer.tool_routing import evaluator, task
 
@@ -55,13 +56,28 @@ def test_checkpoint_layout(tiny_models: TinyModels) -> None:
         assert len(task.read_jsonl(tiny_models.data_dir / f"{split}.jsonl")) == n
 
 
-def test_tokenizer_has_hermes_markers_as_single_ids(tiny_models: TinyModels) -> None:
+def test_saved_tokenizer_renders_and_encodes_like_the_build(tiny_models: TinyModels) -> None:
+    """AutoTokenizer (what vLLM loads) applies the packaged template and the trained BPE unchanged."""
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_models.student))
+    raw = Tokenizer.from_file(str(tiny_models.student / "tokenizer.json"))
+    assert (tokenizer.eos_token, tokenizer.pad_token, tokenizer.bos_token) == (
+        "<|im_end|>",
+        "<|endoftext|>",
+        None,
+    )
     vocab = tokenizer.get_vocab()
     for marker in ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"):
         assert tokenizer.encode(marker, add_special_tokens=False) == [vocab[marker]]
-    assert tokenizer.eos_token == "<|im_end|>"
-    assert tokenizer.pad_token == "<|endoftext|>"
+    # Not special: hermes parsing sees them even when special tokens are skipped.
+    call = tokenizer.encode("<tool_call>\n{}\n</tool_call><|im_end|>", add_special_tokens=False)
+    assert tokenizer.decode(call, skip_special_tokens=True) == "<tool_call>\n{}\n</tool_call>"
+    for record in task.read_jsonl(tiny_models.data_dir / "validation.jsonl")[:50]:
+        expected = render_chat(record["messages"], record["tools"], add_generation_prompt=True)
+        rendered = tokenizer.apply_chat_template(
+            record["messages"], tools=record["tools"], add_generation_prompt=True, tokenize=False
+        )
+        assert rendered == expected
+        assert tokenizer(rendered, add_special_tokens=False)["input_ids"] == raw.encode(rendered).ids
 
 
 @pytest.mark.parametrize("role", ROLES)

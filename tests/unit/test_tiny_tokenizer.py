@@ -1,9 +1,8 @@
-"""Tiny-model tokenizer and chat template: training, round trips, markers, and the HF/vLLM-facing wrapper."""
+"""Tiny-model tokenizer and chat template: training, round trips, markers (no torch, no transformers)."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer
@@ -11,13 +10,10 @@ from tokenizers import Tokenizer
 from opd_trainer.tiny_models.tokenizer import (
     IM_END,
     IM_START,
-    PAD_TOKEN,
     SPECIAL_TOKENS,
     TOOL_TOKENS,
     render_chat,
-    save_tokenizer,
     train_tokenizer,
-    wrap_tokenizer,
 )
 from opd_trainer.tool_routing import task
 
@@ -135,25 +131,3 @@ def test_every_sample_renders_prefix_stable(samples: list[task.Sample]) -> None:
             }
         else:
             assert reply == sample.reference_message["content"]
-
-
-def test_transformers_wrapper_matches_and_reloads(
-    tokenizer: Tokenizer, samples: list[task.Sample], tmp_path: Path
-) -> None:
-    from transformers import AutoTokenizer
-
-    record = samples[0].record
-    expected = render_chat(record["messages"], record["tools"], add_generation_prompt=True)
-    save_tokenizer(tokenizer, tmp_path)
-    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"} <= {
-        p.name for p in tmp_path.iterdir()
-    }
-    for hf in (wrap_tokenizer(tokenizer), AutoTokenizer.from_pretrained(str(tmp_path))):
-        assert (hf.eos_token, hf.pad_token, hf.bos_token) == (IM_END, PAD_TOKEN, None)
-        rendered = hf.apply_chat_template(
-            record["messages"], tools=record["tools"], add_generation_prompt=True, tokenize=False
-        )
-        assert rendered == expected
-        assert hf(expected, add_special_tokens=True)["input_ids"] == tokenizer.encode(expected).ids
-        assert hf.convert_tokens_to_ids("<tool_call>") == tokenizer.token_to_id("<tool_call>")
-        assert hf.decode(tokenizer.encode("<tool_call>\nx").ids, skip_special_tokens=True) == "<tool_call>\nx"
