@@ -18,10 +18,11 @@ from pathlib import Path
 import httpx
 import pytest
 from openai import OpenAI
+from transformers import AutoTokenizer
 
 from opd_trainer.tiny_models import TinyModels
 from opd_trainer.tiny_models.serving import TINY_KV_CACHE_BYTES
-from opd_trainer.tool_routing import read_jsonl
+from opd_trainer.tool_routing import evaluator, read_jsonl
 
 pytestmark = pytest.mark.integration
 
@@ -88,15 +89,32 @@ def _wait_healthy(base_url: str, server: subprocess.Popen[bytes], log_path: Path
     raise TimeoutError(f"vLLM server not healthy in time:\n{log_path.read_text()[-3000:]}")
 
 
-def test_teacher_tool_call_comes_back_structured(teacher_server: str, tiny_models: TinyModels) -> None:
+def test_teacher_tool_calls_come_back_structured(teacher_server: str, tiny_models: TinyModels) -> None:
+    """Whatever tool calls the teacher writes, the chat endpoint returns as structured `tool_calls`.
+
+    The raw greedy text of the same prompt (completions endpoint, our own template rendering) is the
+    reference, so the check does not depend on how accurate the teacher is on these records.
+    """
     records = [
         r
         for r in read_jsonl(tiny_models.data_dir / "validation.jsonl")
         if r["rollout_extra"]["category"] == "tool_call"
-    ][:5]
+    ][:8]
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_models.teacher))
     client = OpenAI(base_url=teacher_server, api_key="unused")
-    structured = 0
+    with_calls = 0
     for record in records:
+        prompt = tokenizer.apply_chat_template(
+            record["messages"], tools=record["tools"], add_generation_prompt=True, tokenize=False
+        )
+        raw = client.completions.create(
+            model="teacher",
+            prompt=prompt,
+            temperature=0.0,
+            max_tokens=64,
+            extra_body={"skip_special_tokens": False},
+        )
+        expected = evaluator.parse_reply(raw.choices[0].text.split("<|im_end|>")[0])
         response = client.chat.completions.create(
             model="teacher",
             messages=record["messages"],
@@ -105,18 +123,14 @@ def test_teacher_tool_call_comes_back_structured(teacher_server: str, tiny_model
             max_tokens=64,
         )
         message = response.choices[0].message
-        want = json.loads(record["rollout_extra"]["solution"])["tool_calls"]
-        if not message.tool_calls:
-            continue
-        got = [(call.function.name, json.loads(call.function.arguments)) for call in message.tool_calls]
-        assert response.choices[0].finish_reason == "tool_calls"
-        assert all(isinstance(arguments, dict) for _, arguments in got)
-        if [name for name, _ in got] == [call["name"] for call in want]:
-            structured += 1
-    # The teacher picks the right tool ~99 % of the time on validation; allow one miss out of five.
-    assert structured >= len(records) - 1, (
-        f"only {structured}/{len(records)} structured calls of the right tool"
-    )
+        got = [(call.function.name, json.loads(call.function.arguments)) for call in message.tool_calls or []]
+        assert got == [(call.name, call.arguments) for call in expected.tool_calls], raw.choices[0].text
+        if got:
+            with_calls += 1
+            assert response.choices[0].finish_reason == "tool_calls"
+            assert not (message.content or "").strip()
+    # The teacher calls a tool on most of these records (6 of 8 measured): the check is not vacuous.
+    assert with_calls >= len(records) // 2, f"only {with_calls}/{len(records)} replies called a tool"
 
 
 def test_chat_endpoint_returns_token_ids(teacher_server: str, tiny_models: TinyModels) -> None:
