@@ -24,7 +24,7 @@ import httpx
 from opd_trainer.dataset import Sample
 from opd_trainer.gateway import RecordedCall
 from opd_trainer.job_spec import FunctionComponent
-from opd_trainer.sdk import AgentOutput, ModelResource, TaskStatus, is_rollout_failure
+from opd_trainer.sdk import PROMPT_MESSAGES_KEY, AgentOutput, ModelResource, TaskStatus, is_rollout_failure
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -141,6 +141,12 @@ class RolloutRunner:
             return
         message = response.json()["choices"][0]["message"]
         result.messages = [*sample.messages, message]
+        # Rewards see where the given conversation ends, as they do after an agentic rollout that
+        # follows the same convention (examples/tool_routing_agentic): the reply is what they judge.
+        result.agent_output = AgentOutput(
+            messages=result.messages,
+            rollout_extra={**sample.rollout_extra, PROMPT_MESSAGES_KEY: len(sample.messages)},
+        )
 
     async def _agentic(self, result: RolloutResult, key: str, seed: int) -> None:
         assert self.rollout_pool is not None

@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from opd_trainer.tracing import observe_processor, trace_client
 
 __all__ = [
+    "PROMPT_MESSAGES_KEY",
     "ROLLOUT_ERROR_PREFIX",
     "AbstractRewardProcessor",
     "AbstractRolloutProcessor",
@@ -58,6 +59,10 @@ __all__ = [
 
 ROLLOUT_ERROR_PREFIX = "ROLLOUT_ERROR:"
 """Bailian's convention: an assistant message whose content starts with this marks a failed rollout."""
+
+PROMPT_MESSAGES_KEY = "prompt_messages"
+"""`AgentOutput.rollout_extra` key: how many of `messages` were the given conversation. The built-in Model
+OPD rollout sets it, so a reward can judge the reply rather than the prompt's own assistant turns."""
 
 
 class _Input(BaseModel):

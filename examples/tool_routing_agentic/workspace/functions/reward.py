@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import json
 
-from opd_trainer.sdk import AbstractRewardProcessor, Reward, RewardInput, RewardOutput, TaskStatus
+from opd_trainer.sdk import (
+    PROMPT_MESSAGES_KEY,
+    AbstractRewardProcessor,
+    Reward,
+    RewardInput,
+    RewardOutput,
+    TaskStatus,
+)
 from opd_trainer.tool_routing import evaluator
 
 DESTRUCTIVE = {"delete_item", "cancel_order"}
@@ -13,10 +20,11 @@ DESTRUCTIVE = {"delete_item", "cancel_order"}
 def first_reply(reward_input: RewardInput) -> dict:
     """The agent's first assistant message after the conversation it was given.
 
-    The rollout records where the given conversation ended in `rollout_extra["prompt_messages"]`.
+    The rollout records where the given conversation ended in `rollout_extra[PROMPT_MESSAGES_KEY]`; the
+    built-in Model OPD rollout does the same, so these rewards also serve a Model OPD job.
     """
     output = reward_input.agent_output
-    start = int(output.rollout_extra.get("prompt_messages", 0))
+    start = int(output.rollout_extra.get(PROMPT_MESSAGES_KEY, 0))
     replies = [m for m in output.messages[start:] if m.get("role") == "assistant"]
     return replies[0] if replies else {"role": "assistant", "content": ""}
 

@@ -13,6 +13,7 @@ from openai import AsyncOpenAI
 
 from functions.tools import run_tool
 from opd_trainer.sdk import (
+    PROMPT_MESSAGES_KEY,
     AbstractRolloutProcessor,
     AgentOutput,
     RolloutInput,
@@ -64,7 +65,7 @@ class ToolRoutingRollout(AbstractRolloutProcessor):
         return RolloutOutput(
             agent_output=AgentOutput(
                 messages=messages,
-                rollout_extra={"prompt_messages": len(rollout_input.messages)},
+                rollout_extra={PROMPT_MESSAGES_KEY: len(rollout_input.messages)},
                 rollout_metrics={"turns": float(turns), "tool_calls": float(tool_calls_made)},
             ),
             status=TaskStatus.SUCCESS,
