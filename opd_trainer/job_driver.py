@@ -14,6 +14,7 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from opd_trainer.dataset import EpochCursor, Sample, load_samples
 from opd_trainer.engine import EngineConfig, EngineGroup
 from opd_trainer.errors import ConfigError, OPDError
 from opd_trainer.gateway import GatewayActor
-from opd_trainer.job_spec import FunctionComponent, JobSpec
+from opd_trainer.job_spec import EngineResources, FunctionComponent, JobSpec
 from opd_trainer.learner import LearnerGroup, LearnerSettings, TrainSegment
 from opd_trainer.metrics_log import MetricsLog
 from opd_trainer.preflight import check_drift, check_same_tokenizer
@@ -165,26 +166,16 @@ class JobDriver:
             seed=hp.seed,
         )
         self.emit("status", "starting engines and learner")
-        self._learner = LearnerGroup(settings, world_size, 1.0 if on_gpu else 0.0)
+        learner_gpus = spec.resources.learner_gpu_fraction if on_gpu else 0.0
+        self._learner = LearnerGroup(settings, world_size, learner_gpus)
+
+        def engines(model: str, resources: EngineResources, role: str) -> Awaitable[EngineGroup]:
+            config = EngineConfig(model=model, max_model_len=hp.max_length, resources=resources, seed=hp.seed)
+            return EngineGroup.start(config, f"{self.job_id}-{role}")
+
         self._student, self._teacher, _ = await asyncio.gather(
-            EngineGroup.start(
-                EngineConfig(
-                    model=spec.model,
-                    max_model_len=hp.max_length,
-                    resources=spec.resources.student,
-                    seed=hp.seed,
-                ),
-                f"{self.job_id}-student",
-            ),
-            EngineGroup.start(
-                EngineConfig(
-                    model=spec.teacher_model,
-                    max_model_len=hp.max_length,
-                    resources=spec.resources.teacher,
-                    seed=hp.seed,
-                ),
-                f"{self.job_id}-teacher",
-            ),
+            engines(spec.model, spec.resources.student, "student"),
+            engines(spec.teacher_model, spec.resources.teacher, "teacher"),
             self._learner.initialize(),
         )
         await self._start_rollout_path()

@@ -149,6 +149,21 @@ class EngineResources(_Strict):
         default=None, gt=0, description="KV-cache bytes per replica; required on CPU, None sizes it on GPU."
     )
     dtype: str = Field(default="auto", description="Engine weight dtype; 'auto' takes the checkpoint's.")
+    gpu_fraction: float = Field(
+        default=1.0,
+        gt=0,
+        le=1,
+        description="Share of one GPU per replica (CUDA only): Ray reserves this fraction and, unless "
+        "kv_cache_memory_bytes is set, vLLM may use this fraction of the GPU's memory. Below 1, "
+        "student, teacher and learner can share one GPU; needs tensor_parallel_size 1.",
+    )
+
+    @model_validator(mode="after")
+    def _fraction_needs_one_gpu(self) -> EngineResources:
+        # A fractional Ray reservation exposes one GPU to the actor, so a TP group could not form.
+        if self.gpu_fraction < 1 and self.tensor_parallel_size != 1:
+            raise ValueError("gpu_fraction below 1 needs tensor_parallel_size 1")
+        return self
 
 
 class Resources(_Strict):
@@ -158,6 +173,12 @@ class Resources(_Strict):
     teacher: EngineResources = Field(default_factory=EngineResources, description="Teacher scoring engines.")
     learner_gpus: int = Field(
         default=1, ge=0, description="Data-parallel learner ranks (GPUs; CPU ranks if 0 GPUs)."
+    )
+    learner_gpu_fraction: float = Field(
+        default=1.0,
+        gt=0,
+        le=1,
+        description="Share of one GPU per learner rank (CUDA only); below 1 shares a GPU with engines.",
     )
     zero_stage: Literal[0, 1, 2, 3] = Field(default=2, description="DeepSpeed ZeRO stage of the learner.")
 

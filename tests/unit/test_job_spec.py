@@ -44,6 +44,12 @@ def test_every_field_has_a_description() -> None:
         ({"hyper_parameters": {"ratio_cap": 0.5}}, "hyper_parameters.ratio_cap"),
         ({"hyper_parameters": {"lr_scheduler_type": "exotic"}}, "hyper_parameters.lr_scheduler_type"),
         ({"resources": {"student": {"replicas": 0}}}, "resources.student.replicas"),
+        ({"resources": {"teacher": {"gpu_fraction": 0}}}, "resources.teacher.gpu_fraction"),
+        (
+            {"resources": {"teacher": {"gpu_fraction": 0.5, "tensor_parallel_size": 2}}},
+            "resources.teacher",
+        ),
+        ({"resources": {"learner_gpu_fraction": 1.5}}, "resources.learner_gpu_fraction"),
         ({"training_datasets": []}, "training_datasets"),
         (
             {"functions": [{"name": "r", "type": "reward", "fcmodel": {"classpath": "a.B"}}]},
@@ -69,6 +75,12 @@ def test_bad_fields_are_named(patch: dict, field: str) -> None:
         parse_job_spec({**MINIMAL, **patch})
     assert raised.value.field == field
     assert field in str(raised.value)
+
+
+def test_one_gpu_can_be_shared() -> None:
+    shares = {"student": {"gpu_fraction": 0.3}, "teacher": {"gpu_fraction": 0.3}, "learner_gpu_fraction": 0.4}
+    resources = parse_job_spec({**MINIMAL, "resources": shares}).resources
+    assert (resources.student.gpu_fraction, resources.learner_gpu_fraction) == (0.3, 0.4)
 
 
 def test_two_rollout_components_rejected() -> None:
