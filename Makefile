@@ -8,7 +8,7 @@ EXTRAS ?= cpu,test,bench
 TINY_MODELS_DIR := .cache/tiny-models
 export OPD_TINY_MODELS_DIR := $(abspath $(TINY_MODELS_DIR))
 
-.PHONY: setup demo test unit lint bench clean
+.PHONY: setup demo demo-local test unit lint bench bench-gpu bench-efficacy clean
 
 # Re-installs only when pyproject.toml changes, so `make test` twice costs nothing extra.
 $(STAMP): pyproject.toml scripts/setup_venv.sh
@@ -17,7 +17,13 @@ $(STAMP): pyproject.toml scripts/setup_venv.sh
 
 setup: $(STAMP)
 
+# The service path: `opd serve` + `opd submit --follow` of the example job, then the server stops.
 demo: setup
+	$(BIN)/opd make-tiny-models $(TINY_MODELS_DIR)
+	bash scripts/demo.sh examples/model_opd_tiny/job.yaml
+
+# The same job without a server: `opd train` on an embedded local Ray.
+demo-local: setup
 	$(BIN)/opd make-tiny-models $(TINY_MODELS_DIR)
 	$(BIN)/opd train examples/model_opd_tiny/job.yaml
 
@@ -35,8 +41,25 @@ unit: setup
 lint: setup
 	$(BIN)/ruff check .
 
+# Every side-by-side benchmark, then one table (benchmarks/report.py) from benchmarks/results/*.json.
 bench: setup
+	$(BIN)/opd make-tiny-models $(TINY_MODELS_DIR)
 	$(BIN)/python benchmarks/engine_throughput.py --models-dir $(TINY_MODELS_DIR)
+	$(BIN)/python benchmarks/rollout_gateway.py
+	$(BIN)/python benchmarks/step_breakdown.py
+	$(BIN)/python benchmarks/api_load.py --models-dir $(TINY_MODELS_DIR)
+	$(BIN)/python benchmarks/vs_trl_gkd.py --models-dir $(TINY_MODELS_DIR)
+	$(BIN)/python benchmarks/report.py
+
+# The same headline numbers on one CUDA GPU (install with EXTRAS=gpu,test,bench), under 10 minutes.
+bench-gpu: setup
+	bash benchmarks/gpu_check.sh
+
+# OPD vs reward-only RL vs both, 3 seeds (about an hour on 2 cores); its rows join `benchmarks/report.py`.
+bench-efficacy: setup
+	$(BIN)/opd make-tiny-models $(TINY_MODELS_DIR)
+	$(BIN)/python benchmarks/efficacy.py
+	$(BIN)/python benchmarks/report.py
 
 clean:
 	rm -rf $(VENV) .cache runs

@@ -36,3 +36,4 @@ PY
 export OPD_API_KEY
 OPD_API_KEY=$("$bin/opd" keys create --tenant demo | tail -1)
 "$bin/opd" submit "$job" --follow --plot-dir runs/demo
+echo "demo finished in ${SECONDS}s (server start, job, evaluation); server log: $data_dir/server.log"
