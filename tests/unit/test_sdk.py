@@ -220,3 +220,24 @@ def test_abstract_processors_need_process() -> None:
 )
 def test_is_rollout_failure(output: RolloutOutput, failed: bool) -> None:
     assert is_rollout_failure(output) is failed
+
+
+def test_openai_client_shares_one_pool_per_loop_and_swaps_the_key() -> None:
+    def resource(key: str, url: str = "http://127.0.0.1:9/v1") -> ModelResource:
+        return ModelResource(model_name="student", base_url=url, api_key=SecretStr(key))
+
+    async def clients() -> list:
+        return [
+            resource("k1").openai_client(),
+            resource("k2").openai_client(),
+            resource("k3", "http://h/v1").openai_client(),
+        ]
+
+    first, second, other_url = asyncio.run(clients())
+    assert (first.api_key, second.api_key) == ("k1", "k2")
+    assert first._client is second._client  # one httpx pool for the loop and base URL
+    assert other_url._client is not first._client
+    assert first.max_retries == 0  # a retried call would be recorded twice by the gateway
+    assert trace_client(first) is first  # already traced
+    [next_loop, *_] = asyncio.run(clients())
+    assert next_loop._client is not first._client  # a new loop never reuses another loop's pool

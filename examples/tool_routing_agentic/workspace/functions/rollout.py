@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 
-from openai import AsyncOpenAI
-
 from functions.tools import run_tool
 from opd_trainer.sdk import (
     PROMPT_MESSAGES_KEY,
@@ -20,7 +18,6 @@ from opd_trainer.sdk import (
     RolloutOutput,
     TaskStatus,
     observe_processor,
-    trace_client,
 )
 
 MAX_TURNS = 3
@@ -30,11 +27,7 @@ class ToolRoutingRollout(AbstractRolloutProcessor):
     @observe_processor
     async def process(self, rollout_input: RolloutInput) -> RolloutOutput:
         resource = rollout_input.model_resource
-        client = trace_client(
-            AsyncOpenAI(
-                base_url=resource.base_url, api_key=resource.api_key.get_secret_value(), max_retries=0
-            )
-        )
+        client = resource.openai_client()  # traced, this rollout's key, the worker's shared pool
         messages = list(rollout_input.messages)
         tool_calls_made = turns = 0
         while turns < MAX_TURNS:
