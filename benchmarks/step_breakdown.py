@@ -5,6 +5,10 @@ splits each step's wall time with the driver's own timers; "the rest" (orchestra
 segment building, bookkeeping) is reported as a percentage of the step (target <= 10 %).
 Rollout time includes the reward components (they run inside each rollout's task).
 
+Also the learner against the physical limit: its matmul FLOP rate (training = 3 × forward; forward =
+2·params + 2·layers·context·hidden per token, the LM head only on scored tokens) over the measured
+matmul FLOP rate of the learner's device (CPU: fp32 on all cores; CUDA: bf16), as a fraction.
+
 Launch: `.venv/bin/python benchmarks/step_breakdown.py --steps 6` (after `opd make-tiny-models`).
 """
 
@@ -12,37 +16,51 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
-import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
-import ray
-
-from opd_trainer.job_driver import JobDriver
-from opd_trainer.job_spec import load_job_spec
-from opd_trainer.metrics_log import MetricsLog
-from opd_trainer.ray_runtime import init_ray
+import torch
+from harness import EXAMPLE_JOB, job_spec, run_job, write_json
 
 PARTS = ["rollout", "teacher", "learner", "sync", "other"]
 
 
+def matmul_flops_per_s(device: str, size: int = 2048, repeats: int = 20) -> float:
+    """The learner device's matmul rate (fp32 on CPU, bf16 on CUDA, as the learner trains)."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
+    a @ b  # warm-up (thread pool, allocations, kernel selection)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return 2 * size**3 * repeats / (time.perf_counter() - started)
+
+
+def training_flops(model_dir: Path, tokens: float, scored: float, context: float) -> float:
+    """Matmul FLOPs of forward + backward (3x forward) over `tokens`, with the LM head on `scored` only.
+
+    The learner computes logits only where tokens are scored (completions), so the head counts there.
+    """
+    config = json.loads((model_dir / "config.json").read_text())
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    inter, vocab = config["intermediate_size"], config["vocab_size"]
+    kv = config["num_key_value_heads"] * hidden // config["num_attention_heads"]
+    # Matmul weights only (norms and biases are noise); attention scores and values: 2·layers·context·hidden.
+    body = layers * (2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * inter)
+    return 3 * (tokens * (2 * body + 2 * layers * context * hidden) + scored * 2 * hidden * vocab)
+
+
 def run(job_file: Path, steps: int) -> dict[str, Any]:
-    spec = load_job_spec(job_file)
-    hp = spec.hyper_parameters.model_copy(
-        update={"max_steps": steps, "eval_steps": 10**6, "save_steps": 10**6}
-    )
-    spec = spec.model_copy(update={"hyper_parameters": hp, "validation_datasets": []})
-    run_dir = Path(tempfile.mkdtemp(prefix="opd-step-breakdown-"))
-    init_ray()
-    driver = ray.remote(JobDriver).options(num_cpus=0).remote(spec, str(run_dir))
-    try:
-        ray.get(driver.run.remote())
-    finally:
-        ray.kill(driver)
-    records = [r for r in MetricsLog(run_dir).records() if r["kind"] == "train"]
-    shutil.rmtree(run_dir, ignore_errors=True)
+    spec = job_spec(job_file, max_steps=steps, eval_steps=10**6)
+    spec = spec.model_copy(update={"validation_datasets": []})
+    records = run_job(spec).train
+    roof = matmul_flops_per_s("cuda" if spec.resources.learner_gpus > 0 else "cpu")
     measured = records[1:] if len(records) > 1 else records  # step 1 pays one-off warm-up
     step_s = statistics.median(r["time/step_s"] for r in measured)
     parts = {part: statistics.median(r[f"time/{part}_s"] for r in measured) for part in PARTS}
@@ -54,6 +72,23 @@ def run(job_file: Path, steps: int) -> dict[str, Any]:
         "parts_percent": {part: 100 * seconds / step_s for part, seconds in parts.items()},
         "rest_percent_target": 10.0,
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in measured),
+        "samples_per_s": statistics.median(r["rollouts"] / r["time/step_s"] for r in measured),
+        **learner_roofline(spec, measured, roof),
+    }
+
+
+def learner_roofline(spec: Any, measured: list[dict[str, Any]], roof: float) -> dict[str, float]:
+    tokens = sum(r["learner_tokens"] for r in measured)
+    context = tokens / sum(r["segments"] for r in measured)  # mean prompt + completion length
+    tokens_per_s = tokens / sum(r["time/learner_s"] for r in measured)  # prompt + completion tokens
+    scored = sum(r["trained_tokens"] for r in measured)
+    learner_s = sum(r["time/learner_s"] for r in measured)
+    flops = training_flops(Path(spec.model), tokens, scored, context) / learner_s
+    return {
+        "learner_tokens_per_s": tokens_per_s,
+        "learner_flops_per_s": flops,
+        "matmul_flops_per_s": roof,
+        "learner_fraction_of_matmul_limit": flops / roof,
     }
 
 
@@ -68,20 +103,23 @@ def format_table(result: dict[str, Any]) -> str:
     lines.append(
         f"trained tokens/s: {result['tokens_per_s']:.0f} (median of {result['steps_measured']} steps)"
     )
+    lines.append(
+        f"learner: {result['learner_tokens_per_s']:.0f} tokens/s = {result['learner_flops_per_s'] / 1e9:.2f} "
+        f"GFLOP/s, {result['learner_fraction_of_matmul_limit']:.1%} of the measured matmul rate "
+        f"({result['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s)"
+    )
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--job", type=Path, default=Path("examples/model_opd_tiny/job.yaml"))
+    parser.add_argument("--job", type=Path, default=EXAMPLE_JOB)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/step_breakdown.json"))
     args = parser.parse_args()
     result = run(args.job, args.steps)
     print(format_table(result))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

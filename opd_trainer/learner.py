@@ -122,6 +122,11 @@ class Learner:
         import deepspeed
         from transformers import AutoModelForCausalLM
 
+        if not on_gpu:
+            # Ray sets OMP_NUM_THREADS to the actor's 1 CPU slot, which left torch one thread. On CPU the
+            # learner runs while the engines wait for its weights (strictly on-policy), so it takes
+            # every core this process may use (measured: step time 4.5 s -> see benchmarks/step_breakdown).
+            torch.set_num_threads(len(os.sched_getaffinity(0)))
         torch.manual_seed(self.settings.seed)
         deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
         self._device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
@@ -184,6 +189,8 @@ class Learner:
             teacher[row, start:end] = torch.tensor(segment.teacher_logprobs)
         device = self._device
         return {
+            # Position whose logits predict the earliest completion token of the batch.
+            "first_scored_position": torch.tensor(min(len(s.prompt_token_ids) for s in segments) - 1),
             "input_ids_B_T": ids.to(device),
             "attention_B_T": attention.to(device),
             "targets_B_T": ids[:, 1:].to(device),
@@ -193,10 +200,22 @@ class Learner:
         }
 
     def _token_logprobs(self, model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        import torch
+
         from opd_trainer.loss import gather_token_logprobs
 
-        logits = model(input_ids=batch["input_ids_B_T"], attention_mask=batch["attention_B_T"]).logits
-        return gather_token_logprobs(logits[:, :-1].float(), batch["targets_B_T"], self.settings.temperature)
+        # Logits only from the first completion-predicting position on: prompts are ~95 % of a tiny
+        # model's tokens, and their LM head + log-softmax was wasted work (prompt positions carry no loss).
+        ids_B_T = batch["input_ids_B_T"]
+        first = int(batch["first_scored_position"])
+        logits = model(
+            input_ids=ids_B_T, attention_mask=batch["attention_B_T"], logits_to_keep=ids_B_T.shape[1] - first
+        ).logits
+        scored = gather_token_logprobs(
+            logits[:, :-1].float(), batch["targets_B_T"][:, first:], self.settings.temperature
+        )
+        # Back to full width (zeros where nothing is scored; the loss mask is 0 there).
+        return torch.nn.functional.pad(scored, (first, 0))
 
     def compute_logprobs(self, segments: list[TrainSegment]) -> list[list[float]]:
         """The learner's logprob of each completion token (pre-flight drift probe, tests)."""
@@ -273,6 +292,10 @@ class Learner:
         metrics["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
         metrics["lr"] = float(self._engine.get_lr()[0])
         metrics["optimizer_updates"] = float(len(minibatches))
+        # Prompt + completion tokens forwarded and back-propagated: the learner's work (FLOPs ∝ this).
+        metrics["learner_tokens"] = float(
+            sum(len(s.prompt_token_ids) + len(s.completion_token_ids) for mb in minibatches for s in mb)
+        )
         return metrics
 
     # -- weights and checkpoints ----------------------------------------------------------------
