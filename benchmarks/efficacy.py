@@ -11,7 +11,7 @@ close 90 % of the gap (the first validation at or above start + 0.9Â·(teacher âˆ
 sum the steps' wall time; evaluations and start-up are excluded and reported apart.
 
 Launch (after `opd make-tiny-models .cache/tiny-models`):
-`.venv/bin/python benchmarks/efficacy.py --seeds 0 1 2 --steps 30 --eval-steps 5`
+`.venv/bin/python benchmarks/efficacy.py --seeds 0 1 2 --steps 40 --eval-steps 5`
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--eval-steps", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/efficacy.json"))
     parser.add_argument("--plot", type=Path, default=Path("benchmarks/results/efficacy.png"))
