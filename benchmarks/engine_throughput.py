@@ -38,14 +38,11 @@ from opd_trainer.tool_routing import read_jsonl
 from opd_trainer.weight_sync import shared_memory_weights
 
 # --device cuda: the engine actor and the raw vllm.LLM are both up at once on the one GPU, since rounds
-# alternate between them. Ray does not stand between them: `start_engines` asks Ray for a whole GPU
-# (num_gpus = tensor_parallel_size) for the actor, while the raw LLM runs in this driver process, which
-# holds no Ray resources. GPU memory does: with kv_cache_memory_bytes=None vLLM sizes each engine to
-# gpu_memory_utilization (default 0.92) of the GPU, and `EngineConfig` has no field to lower it for the
-# actor, so the raw LLM could not start next to it (nor could the actor start after a raw LLM holding 0.35:
-# vLLM checks at start-up that free memory >= utilization x total). So both sides get the same explicit
-# KV cache, which also makes their KV capacity identical; the raw side's gpu_memory_utilization then only
-# relaxes that start-up check (the actor already holds a few GiB), it sizes nothing.
+# alternate between them. Ray does not stand between them (the raw LLM runs in this driver process,
+# which holds no Ray resources); GPU memory does. Both sides get the same explicit KV cache, so their
+# KV capacity is identical and neither sizes itself to 0.92 of the GPU; the raw side's
+# gpu_memory_utilization only relaxes vLLM's start-up check that free memory >= utilization x total
+# (the actor already holds a few GiB), it sizes nothing.
 # Scheduler limits stay each side's vLLM defaults, as a user would get them: vllm.LLM takes the offline
 # ones (16384 batched tokens, 1024 sequences on an H100/H200), the actor's AsyncLLM the engine ones.
 CUDA_KV_CACHE_BYTES = 4 * 1024**3  # ~350k tokens of the 0.5B model (12 KiB/token): ~6x the largest batch

@@ -73,14 +73,12 @@ def job_spec(
     from opd_trainer.job_spec import load_job_spec
 
     spec = load_job_spec(job_file)
-    hp = spec.hyper_parameters.model_copy(update={"save_steps": 10**6, **hyper})
-    update: dict[str, Any] = {"hyper_parameters": hp}
+    data = spec.model_dump()
+    data["hyper_parameters"].update(save_steps=10**6, **hyper)
     if functions is not None:
-        # Re-validate through the spec model, so the components get their defaults and checks.
-        data = spec.model_dump()
-        data.update(functions=functions, hyper_parameters=hp.model_dump())
-        return type(spec).model_validate(data)
-    return spec.model_copy(update=update)
+        data["functions"] = functions
+    # Re-validated, so overrides get the spec's checks and components their defaults.
+    return type(spec).model_validate(data)
 
 
 def run_job(spec: Any, keep_dir: Path | None = None) -> JobRun:
