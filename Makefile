@@ -7,6 +7,11 @@ EXTRAS ?= cpu,test,bench
 # The example job files point at this folder (relative to examples/*/).
 TINY_MODELS_DIR := .cache/tiny-models
 export OPD_TINY_MODELS_DIR := $(abspath $(TINY_MODELS_DIR))
+# Torch threads of the tiny-model build, part of its cache key (as is torch's CPU kernel level): `make test
+# TINY_THREADS=1` rebuilds them and tests against those weights. To test as on a CPU with other vector
+# units, run `ATEN_CPU_CAPABILITY=default make test`: every torch kernel then rounds differently.
+TINY_THREADS ?= 2
+export OPD_TINY_MODELS_THREADS := $(TINY_THREADS)
 
 .PHONY: setup demo demo-local test unit lint bench bench-gpu bench-efficacy clean
 

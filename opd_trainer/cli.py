@@ -21,7 +21,7 @@ def _make_tiny_models(args: argparse.Namespace) -> int:
     from opd_trainer.tiny_models import build_tiny_models
 
     started = time.perf_counter()
-    models = build_tiny_models(Path(args.dir), seed=args.seed, force=args.force)
+    models = build_tiny_models(Path(args.dir), seed=args.seed, force=args.force, threads=args.threads)
     print(f"tiny models in {models.teacher.parent} ({time.perf_counter() - started:.1f}s)")
     for role in ("teacher", "student"):
         m = models.manifest[role]["validation"]
@@ -52,6 +52,12 @@ def _train(args: argparse.Namespace) -> int:
     return run_train(Path(args.job_file), Path(args.run_dir) if args.run_dir else None, args.stop_after)
 
 
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="opd", description="Online policy distillation trainer.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -64,6 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("dir", help="output directory (re-running with the same seed is a cache hit)")
     tiny.add_argument("--seed", type=int, default=0, help="seed of data, tokenizer and training")
     tiny.add_argument("--force", action="store_true", help="rebuild even if the cache matches")
+    tiny.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        help="torch threads of the build (default: $OPD_TINY_MODELS_THREADS, else 2); part of the cache key, "
+        "with torch's CPU kernel level ($ATEN_CPU_CAPABILITY), since either may change float rounding",
+    )
     tiny.set_defaults(handler=_make_tiny_models)
 
     train = commands.add_parser(

@@ -32,6 +32,7 @@ from torch import Tensor
 
 __all__ = [
     "distillation_metrics",
+    "full_vocab_reverse_kl",
     "gather_token_logprobs",
     "group_reward_advantages",
     "kl_to_reference",
@@ -375,3 +376,31 @@ def gather_token_logprobs(logits_B_T_V: Tensor, token_ids_B_T: Tensor, temperatu
     logits_B_T_V = logits_B_T_V.float() / temperature
     token_logits_B_T = logits_B_T_V.gather(-1, token_ids_B_T.long().unsqueeze(-1)).squeeze(-1)
     return token_logits_B_T - torch.logsumexp(logits_B_T_V, dim=-1)
+
+
+def full_vocab_reverse_kl(
+    student_logits_B_T_V: Tensor, teacher_logits_B_T_V: Tensor, mask_B_T: Tensor
+) -> Tensor:
+    """Exact reverse KL(student ‖ teacher) per token, summed over the whole vocabulary, masked mean.
+
+    `Σ_{b,t} mask_t · Σ_v p_s(v)·(log p_s(v) − log p_t(v)) / Σ mask`, both distributions at temperature
+    1. Unlike `distillation_metrics`' one-sample estimate it has no sampling noise, so it is what to
+    compare when asking whether a student moved toward its teacher on fixed sequences. Costs one
+    [B, T, V] softmax per model: cheap for small vocabularies, an evaluation tool rather than a loss.
+
+    Args:
+        student_logits_B_T_V: [B, T, V] student logits.
+        teacher_logits_B_T_V: [B, T, V] teacher logits at the same positions.
+        mask_B_T: [B, T] 1.0 on the positions to average, 0.0 elsewhere.
+
+    Returns:
+        0-dim float32 tensor, >= 0 (0.0 when the mask is empty).
+    """
+    _check_ndim("student_logits_B_T_V", student_logits_B_T_V, 3, "[batch, time, vocab]")
+    _check_shape("teacher_logits_B_T_V", teacher_logits_B_T_V, "student_logits_B_T_V", student_logits_B_T_V)
+    _check_shape("mask_B_T", mask_B_T, "student_logits_B_T_V[..., 0]", student_logits_B_T_V[..., 0])
+    student_B_T_V = torch.log_softmax(student_logits_B_T_V.float(), dim=-1)
+    teacher_B_T_V = torch.log_softmax(teacher_logits_B_T_V.float(), dim=-1)
+    kl_B_T = (student_B_T_V.exp() * (student_B_T_V - teacher_B_T_V)).sum(-1)
+    mask_B_T = mask_B_T.float()
+    return (mask_B_T * torch.where(mask_B_T > 0, kl_B_T, 0.0)).sum() / mask_B_T.sum().clamp(min=1.0)

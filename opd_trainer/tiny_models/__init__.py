@@ -35,9 +35,12 @@ if TYPE_CHECKING:
         TinyModels,
         build_tiny_models,
         cache_key,
+        default_threads,
     )
 
-_FROM_FACTORY = frozenset({"STUDENT", "TEACHER", "ModelSpec", "TinyModels", "build_tiny_models", "cache_key"})
+_FROM_FACTORY = frozenset(
+    {"STUDENT", "TEACHER", "ModelSpec", "TinyModels", "build_tiny_models", "cache_key", "default_threads"}
+)
 
 
 def __getattr__(name: str) -> Any:
@@ -59,6 +62,7 @@ __all__ = [
     "build_tiny_models",
     "cache_key",
     "chat_template",
+    "default_threads",
     "render_chat",
     "save_tokenizer",
     "train_tokenizer",

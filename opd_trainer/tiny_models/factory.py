@@ -3,8 +3,18 @@
     opd make-tiny-models .cache/tiny-models        # or build_tiny_models(Path(".cache/tiny-models"))
 
 Hardware: 2 CPU cores are enough (~2 minutes when nothing else runs); no GPU is used. The result is
-cached under `out_dir`, keyed on the seed and the sources that determine it, and written atomically, so
-a second call returns at once and a killed build leaves no half-written cache behind.
+cached under `out_dir`, keyed on the seed, the torch thread count, torch's CPU kernel level and the
+sources that determine it, and written atomically, so a second call returns at once and a killed build
+leaves no half-written cache behind.
+
+Reproducibility: one machine, seed, thread count and kernel level give the same weights every time.
+Another CPU gives other weights: torch picks vectorised kernels by the CPU's instruction set
+(`torch.backends.cpu.get_cpu_capability()`: AVX2, AVX512, ...), and another vector width rounds sums
+differently. `ATEN_CPU_CAPABILITY=default` reproduces that on one machine. (The thread count, measured
+on a 2-core AMD EPYC, left every weight bit-identical between 1 and 2 threads.) What holds everywhere is
+the contract: every phase trains to a target, not to a step count, so the teacher reaches
+`TEACHER_TARGET_EM` and the student lands at most half of it on any x86-64 CPU; the manifest records
+what this build reached, where and how.
 
 Recipe, in order (see `training` for why each phase exists):
 1. a byte-level BPE tokenizer trained on the rendered training conversations;
@@ -24,6 +34,7 @@ import hashlib
 import json
 import logging
 import os
+import platform
 import shutil
 import time
 from collections.abc import Iterator
@@ -47,7 +58,7 @@ from opd_trainer.tool_routing import evaluator, task
 logger = logging.getLogger(__name__)
 
 # Bump when a change outside the hashed sources (e.g. a dependency's behaviour) must invalidate caches.
-FACTORY_VERSION = 1
+FACTORY_VERSION = 2
 _HASHED_SOURCES = (
     Path(__file__),
     Path(training.__file__),
@@ -100,7 +111,12 @@ TEACHER = ModelSpec(layers=2, hidden=128, heads=4, intermediate=512)
 STUDENT = TEACHER
 COPY = CopyConfig()
 TAILS = SftConfig(max_steps=400, learning_rate=2e-3, with_system_prompt=False)
-FULL = SftConfig(max_steps=400, learning_rate=1e-3, warmup_steps=10)
+# The full phase stops on the teacher's target (~100-150 steps measured); its learning rate decays over 400
+# steps and the cap is three times that, so a slower build keeps training at the floor rate.
+FULL = SftConfig(max_steps=1200, schedule_steps=400, learning_rate=1e-3, warmup_steps=10)
+# Torch threads of a build (env OPD_TINY_MODELS_THREADS): part of the cache key, since it changes the weights.
+DEFAULT_THREADS = 2
+THREADS_ENV = "OPD_TINY_MODELS_THREADS"
 # Validation in the full phase: every 5 steps while looking for the student (exact match climbs ~0.02 a
 # step there), then every 40 until the teacher reaches its target; one validation costs ~20 steps.
 STUDENT_SEARCH = range(10, 45, 5)
@@ -117,26 +133,43 @@ class TinyModels:
     manifest: dict[str, Any]
 
 
-def cache_key(seed: int) -> str:
-    """Hash of the seed, `FACTORY_VERSION` and every source file that determines the build."""
-    digest = hashlib.sha256(f"tiny-models:v{FACTORY_VERSION}:seed={seed}".encode())
+def default_threads() -> int:
+    """`OPD_TINY_MODELS_THREADS` if set (a positive integer), else `DEFAULT_THREADS`."""
+    raw = os.environ.get(THREADS_ENV, "").strip()
+    if not raw:
+        return DEFAULT_THREADS
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{THREADS_ENV} must be a positive integer, got {raw!r}")
+    return int(raw)
+
+
+def cache_key(seed: int, threads: int = DEFAULT_THREADS) -> str:
+    """Hash of the seed, thread count, CPU kernel level, `FACTORY_VERSION` and every source of the build."""
+    build = f"seed={seed}:threads={threads}:kernels={torch.backends.cpu.get_cpu_capability()}"
+    digest = hashlib.sha256(f"tiny-models:v{FACTORY_VERSION}:{build}".encode())
     for path in _HASHED_SOURCES:
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:16]
 
 
 def build_tiny_models(
-    out_dir: Path, seed: int = 0, force: bool = False, progress: ProgressFn | None = None
+    out_dir: Path,
+    seed: int = 0,
+    force: bool = False,
+    progress: ProgressFn | None = None,
+    threads: int | None = None,
 ) -> TinyModels:
     """Return the tiny teacher/student under `out_dir`, building them unless a matching cache exists.
 
     Layout: `teacher/`, `student/` (HF checkpoints with tokenizer and chat template), `data/train.jsonl`,
     `data/validation.jsonl` and `manifest.json`. Concurrent callers wait on a lock file next to
     `out_dir`, so only one of them builds. `progress`, if given, gets one dict per training step:
-    `phase`, `step`, `loss`, plus the validation metrics on the steps that were validated.
+    `phase`, `step`, `loss`, plus the validation metrics on the steps that were validated. `threads`
+    (default: `default_threads()`) is the torch thread count the build trains with.
     """
     out_dir = Path(out_dir).resolve()
-    key = cache_key(seed)
+    threads = default_threads() if threads is None else threads
+    key = cache_key(seed, threads)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with _locked(out_dir.parent / f".{out_dir.name}.lock"):
         cached = _load_cached(out_dir, key)
@@ -148,7 +181,7 @@ def build_tiny_models(
             shutil.rmtree(leftover, ignore_errors=True)
         staging = out_dir.parent / f".{out_dir.name}.building-{os.getpid()}"
         try:
-            _build(staging, seed, key, progress)
+            _build(staging, seed, threads, key, progress)
             _replace_dir(staging, out_dir)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -197,7 +230,7 @@ def _torch_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-def _build(staging: Path, seed: int, key: str, progress: ProgressFn | None) -> None:
+def _build(staging: Path, seed: int, threads: int, key: str, progress: ProgressFn | None) -> None:
     started = time.perf_counter()
     staging.mkdir(parents=True)
     train_samples = task.make_samples("train", N_TRAIN, seed=seed)
@@ -224,7 +257,7 @@ def _build(staging: Path, seed: int, key: str, progress: ProgressFn | None) -> N
     )
 
     cpu_started = time.process_time()
-    with _torch_threads(2):
+    with _torch_threads(threads):
         torch.manual_seed(seed)
         teacher = Qwen2ForCausalLM(config)
         copy_phase = training.pretrain_copying(teacher, tokenizer.get_vocab_size(), COPY, seed, progress)
@@ -244,6 +277,13 @@ def _build(staging: Path, seed: int, key: str, progress: ProgressFn | None) -> N
         "cache_key": key,
         "factory_version": FACTORY_VERSION,
         "seed": seed,
+        # Where and how it was built: weights differ across CPUs and thread counts, the targets do not.
+        "build": {
+            "threads": threads,
+            "cpu_kernels": torch.backends.cpu.get_cpu_capability(),
+            "machine": platform.machine(),
+            "cpu": _cpu_model(),
+        },
         "wall_time_s": round(time.perf_counter() - started, 1),
         # Both threads' CPU time: about 2x the wall time on an idle 2-core machine, whatever else runs.
         "cpu_time_s": round(time.process_time() - cpu_started, 1),
@@ -272,6 +312,7 @@ def _build(staging: Path, seed: int, key: str, progress: ProgressFn | None) -> N
             name: _phase_summary(p) for name, p in (("copy", copy_phase), ("tails", tails), ("full", full))
         },
         "teacher": {
+            "target_exact_match": TEACHER_TARGET_EM,
             "training_steps": {"copy": copy_phase.steps, "tails": tails.steps, "full": full.steps},
             "validation": full.metrics,
         },
@@ -336,7 +377,12 @@ def _train_teacher(
         progress=progress,
     )
     if full.metrics["exact_match"] < TEACHER_TARGET_EM:
-        logger.warning("teacher stopped at the step cap with exact match %.3f", full.metrics["exact_match"])
+        # The cap is 3x the steps the phase has ever needed: reaching it means the recipe broke, and a
+        # teacher below its target would make every test and demo downstream measure the wrong thing.
+        raise RuntimeError(
+            f"teacher stopped at the step cap ({full.steps}) with validation exact match "
+            f"{full.metrics['exact_match']:.3f} < target {TEACHER_TARGET_EM}"
+        )
     return tails, full, _pick_student(candidates, full.metrics["exact_match"])
 
 
@@ -369,6 +415,16 @@ def _save_model(model: Qwen2ForCausalLM, tokenizer: Tokenizer, out: Path) -> Non
         out
     )
     tiny_tokenizer.save_tokenizer(tokenizer, out, model.config.max_position_embeddings)
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
 
 
 def _phase_summary(phase: PhaseResult) -> dict[str, Any]:

@@ -65,7 +65,7 @@ class Dataset:
 class CopyConfig:
     """Synthetic copy phase: stop once the running loss on the repeated half is below `target_loss`."""
 
-    max_steps: int = 1500
+    max_steps: int = 4000  # a safety cap only: the phase stops on the target (~900 steps measured)
     target_loss: float = 0.5
     batch_size: int = 32
     learning_rate: float = 1e-3
@@ -76,9 +76,16 @@ class CopyConfig:
 
 @dataclass(frozen=True)
 class SftConfig:
-    """Supervised phase on the reference replies; `with_system_prompt=False` trains on the tails alone."""
+    """Supervised phase on the reference replies; `with_system_prompt=False` trains on the tails alone.
+
+    The learning rate follows warm-up + cosine decay over `schedule_steps` and then stays at its floor;
+    `max_steps` only caps a phase that stops on a validation target, so a build whose float rounding
+    makes it learn a little slower (another CPU, another thread count) trains longer instead of
+    stopping short of the target.
+    """
 
     max_steps: int
+    schedule_steps: int | None = None  # None: decay over max_steps
     batch_size: int = 32
     learning_rate: float = 2e-3
     with_system_prompt: bool = True
@@ -306,7 +313,8 @@ def train_replies(
     prefix_ids = data.prefix_ids if config.with_system_prompt else ()
     optimizer = _optimizer(model, config.learning_rate, config.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, _warmup_cosine(config.warmup_steps, config.max_steps, config.min_lr_ratio)
+        optimizer,
+        _warmup_cosine(config.warmup_steps, config.schedule_steps or config.max_steps, config.min_lr_ratio),
     )
     lengths = [len(e.prompt_ids) + len(e.reply_ids) for e in data.train]
     result = PhaseResult(name, 0, 0.0, float("nan"))

@@ -181,9 +181,10 @@ def test_pool_scales_to_max_under_burst_and_back_to_min(ray_session: None, works
     )
 
     async def body(p: RolloutPool) -> list[int]:
-        await asyncio.gather(*(_rollout(p, i) for i in range(12)))
+        # 24 one-second calls: a loaded machine that starts a worker in 10 s still reaches the maximum.
+        await asyncio.gather(*(_rollout(p, i) for i in range(24)))
         peak = max(h["workers"] for h in p.history)
-        for _ in range(60):
+        for _ in range(120):
             if p.size == 1:
                 break
             await asyncio.sleep(0.25)

@@ -10,6 +10,7 @@ from torch.testing import assert_close
 
 from opd_trainer.loss import (
     distillation_metrics,
+    full_vocab_reverse_kl,
     gather_token_logprobs,
     group_reward_advantages,
     kl_to_reference,
@@ -330,3 +331,29 @@ def test_bad_arguments_raise_value_error_naming_them() -> None:
         gather_token_logprobs(torch.zeros(2, 3, 5), torch.zeros(2, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="temperature"):
         gather_token_logprobs(torch.zeros(2, 3, 5), torch.zeros(2, 3, dtype=torch.long), temperature=0.0)
+
+
+# --- full_vocab_reverse_kl ---------------------------------------------------------------------------
+
+
+def test_full_vocab_reverse_kl_hand_computed() -> None:
+    # Position 0: student (1/2, 1/2), teacher (1/4, 3/4): KL = 1/2·ln 2 + 1/2·ln(2/3).
+    # Position 1: identical distributions, KL 0. Position 2: masked, garbage logits.
+    student = torch.log(_t([[[0.5, 0.5], [0.3, 0.7], [1.0, 1.0]]]))
+    teacher = torch.log(_t([[[0.25, 0.75], [0.3, 0.7], [NAN, INF]]]))
+    mask = _t([[1, 1, 0]])
+    expected = (0.5 * LN2 + 0.5 * math.log(2 / 3)) / 2
+    assert full_vocab_reverse_kl(student, teacher, mask).item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_full_vocab_reverse_kl_is_zero_for_equal_models_and_empty_masks() -> None:
+    logits = torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(0))
+    assert full_vocab_reverse_kl(logits, logits, torch.ones(2, 3)).item() == pytest.approx(0.0, abs=1e-6)
+    assert full_vocab_reverse_kl(logits, logits + 1.0, torch.zeros(2, 3)).item() == 0.0
+
+
+def test_full_vocab_reverse_kl_checks_shapes() -> None:
+    with pytest.raises(ValueError, match="teacher_logits_B_T_V"):
+        full_vocab_reverse_kl(torch.zeros(1, 2, 3), torch.zeros(1, 2, 4), torch.ones(1, 2))
+    with pytest.raises(ValueError, match="mask_B_T"):
+        full_vocab_reverse_kl(torch.zeros(1, 2, 3), torch.zeros(1, 2, 3), torch.ones(1, 3))
