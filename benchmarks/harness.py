@@ -69,14 +69,14 @@ def example_rewards() -> list[dict[str, Any]]:
 def job_spec(
     job_file: Path = EXAMPLE_JOB, functions: list[dict[str, Any]] | None = None, **hyper: Any
 ) -> Any:
-    """The example job with `hyper_parameters` overridden; checkpoints only at the end."""
+    """The example job with `hyper_parameters` overridden and `functions` added to its own components
+    (the example's evaluator, which reports exact match); checkpoints only at the end."""
     from opd_trainer.job_spec import load_job_spec
 
     spec = load_job_spec(job_file)
     data = spec.model_dump()
     data["hyper_parameters"].update(save_steps=10**6, **hyper)
-    if functions is not None:
-        data["functions"] = functions
+    data["functions"] = [*data["functions"], *(functions or [])]
     # Re-validated, so overrides get the spec's checks and components their defaults.
     return type(spec).model_validate(data)
 

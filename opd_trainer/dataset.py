@@ -1,7 +1,9 @@
 """Training/validation JSONL: line-by-line validation with line numbers, and a seeded epoch cursor.
 
 One record: `{"messages": [...], "tools": [...]?, "rollout_extra": {...}?}` where `messages` is an
-OpenAI chat history ending where the model answers next (a user or tool message).
+OpenAI chat history ending where the model answers next (a user or tool message). `rollout_extra` is
+the user's: any JSON object, handed to their processors as it is (`solution` / `ground_truth` may be
+any JSON value); only `sample_id`, if present, is read here.
 """
 
 from __future__ import annotations
@@ -31,11 +33,6 @@ class Sample:
     @property
     def sample_id(self) -> str:
         return str(self.rollout_extra.get("sample_id", f"{Path(self.source).name}:{self.line}"))
-
-    @property
-    def solution(self) -> str | None:
-        solution = self.rollout_extra.get("solution")
-        return solution if isinstance(solution, str) else None
 
 
 def record_problem(record: Any) -> str | None:
@@ -77,8 +74,6 @@ def record_problem(record: Any) -> str | None:
     extra = record.get("rollout_extra", {})
     if not isinstance(extra, dict):
         return "rollout_extra: must be an object"
-    if "solution" in extra and not isinstance(extra["solution"], str):
-        return "rollout_extra.solution: must be a string"
     return None
 
 

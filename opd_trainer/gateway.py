@@ -7,7 +7,9 @@ that rollout's training segments. Unknown or closed keys get 401.
 
 Two policies differ from a plain OpenAI server, on purpose:
 - `temperature` / `top_p` come from the job, not the request: the learner's importance ratio needs
-  the distribution the tokens were really sampled from.
+  the distribution the tokens were really sampled from. A rollout key may carry its own temperature
+  (validation opens greedy keys) and a seed: calls that send none get `seed + call index`, so an
+  agent that never passes a seed still resamples identically when a run is repeated or resumed.
 - `max_tokens` is capped at the job's `max_tokens`.
 Streaming responses are sent once the completion is generated (chunked per the OpenAI protocol).
 
@@ -78,7 +80,10 @@ class RecordedCall:
 class RolloutSession:
     rollout_id: str
     expires_at: float
+    temperature: float | None = None
+    seed: int | None = None
     calls: list[RecordedCall] = field(default_factory=list)
+    started_calls: int = 0
 
 
 def _text_content(content: Any) -> str:
@@ -158,7 +163,11 @@ def _error(status: int, message: str, code: str, param: str | None = None) -> JS
 
 
 class Gateway:
-    """Routes chat completions to the least-loaded student engine replica and records them per key."""
+    """Routes chat completions to the least-loaded replica of one model's engines; records them per key.
+
+    The job's student gateway is what rollouts train on; validation also puts one in front of the
+    teacher, so the teacher's baseline is measured by the same rollout code.
+    """
 
     def __init__(
         self,
@@ -187,10 +196,22 @@ class Gateway:
 
     # -- keys -----------------------------------------------------------------------------------
 
-    def open_rollout(self, rollout_id: str, ttl_s: float | None = None) -> str:
-        """A fresh API key for one rollout; calls made with it are recorded under it."""
+    def open_rollout(
+        self,
+        rollout_id: str,
+        ttl_s: float | None = None,
+        *,
+        temperature: float | None = None,
+        seed: int | None = None,
+    ) -> str:
+        """A fresh API key for one rollout; calls made with it are recorded under it.
+
+        `temperature` (None: the job's) applies to every call made with the key; `seed`, if given, seeds
+        the calls that bring no seed of their own (the n-th call started gets `seed + n`).
+        """
         key = f"opd-{secrets.token_urlsafe(24)}"
-        self._sessions[key] = RolloutSession(rollout_id, time.monotonic() + (ttl_s or self.key_ttl_s))
+        expires = time.monotonic() + (ttl_s or self.key_ttl_s)
+        self._sessions[key] = RolloutSession(rollout_id, expires, temperature=temperature, seed=seed)
         return key
 
     def close_rollout(self, key: str) -> list[RecordedCall]:
@@ -232,11 +253,16 @@ class Gateway:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit max_length={self.max_length}")
         asked = request.max_completion_tokens or request.max_tokens or self.max_tokens
         max_tokens = min(asked, self.max_tokens, self.max_length - len(prompt_ids))
+        seed = request.seed
+        if seed is None and session.seed is not None:
+            seed = session.seed + session.started_calls
+        session.started_calls += 1
+        temperature = self.temperature if session.temperature is None else session.temperature
         replica = min(range(len(self.engines)), key=self._in_flight.__getitem__)
         self._in_flight[replica] += 1
         try:
             completion = await self.engines[replica].generate.remote(
-                prompt_ids, max_tokens=max_tokens, temperature=self.temperature, seed=request.seed
+                prompt_ids, max_tokens=max_tokens, temperature=temperature, seed=seed
             )
         finally:
             self._in_flight[replica] -= 1

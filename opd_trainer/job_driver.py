@@ -5,6 +5,12 @@ tokens → the learner takes a reverse-KL (+ reward) step → new weights are sy
 engines. It validates every `eval_steps`, checkpoints every `save_steps` and at the end, and resumes
 from the latest checkpoint in its run directory.
 
+Validation measures what every job has, never a particular task: the reverse KL to the teacher on
+validation prompts (seeded student samples, scored by the teacher), and the job's own rollout, reward
+and evaluator components run on one greedy rollout per validation sample, for the student and, as the
+baseline, for the teacher (through a gateway of its own). A sample that cannot be scored is counted and
+named in the events; the job goes on.
+
 Launch: through `opd train job.yaml` (local Ray) or the job server; never imports user code.
 """
 
@@ -29,19 +35,23 @@ from opd_trainer.gateway import GatewayActor
 from opd_trainer.job_spec import EngineResources, FunctionComponent, JobSpec
 from opd_trainer.learner import LearnerGroup, LearnerSettings, TrainSegment
 from opd_trainer.metrics_log import MetricsLog
-from opd_trainer.preflight import check_drift, check_same_tokenizer
+from opd_trainer.preflight import check_drift, check_same_tokenizer, resolve_max_length
 from opd_trainer.rollouts import (
     STUDENT_MODEL_NAME,
     RolloutResult,
     RolloutRunner,
     failure_message,
     rollout_step_metrics,
+    scoring_failures,
+    validation_metrics,
 )
 
 logger = logging.getLogger(__name__)
 
 
 TRAJECTORIES_PER_STEP = 16
+# Samples named in one validation's failure event (the count is always complete).
+REPORTED_FAILURES = 20
 
 
 def request_seed(job_seed: int, step: int, index: int) -> int:
@@ -93,7 +103,10 @@ class JobDriver:
         self._learner: LearnerGroup | None = None
         self._gateway: Any = None
         self._runner: RolloutRunner | None = None
+        self._teacher_gateway: Any = None
+        self._teacher_runner: RolloutRunner | None = None
         self._pools: list[Any] = []
+        self._max_length = 0
         self._tokenizer: Any = None
 
     # -- observation ----------------------------------------------------------------------------
@@ -141,6 +154,7 @@ class JobDriver:
 
         spec, hp = self.spec, self.spec.hyper_parameters
         check_same_tokenizer(spec.model, spec.teacher_model)
+        self._max_length = resolve_max_length(hp.max_length, spec.model, spec.teacher_model)
         self._tokenizer = AutoTokenizer.from_pretrained(spec.model)
         on_gpu = torch.cuda.is_available()
         world_size = max(1, spec.resources.learner_gpus) if on_gpu else 1
@@ -170,7 +184,14 @@ class JobDriver:
         self._learner = LearnerGroup(settings, world_size, learner_gpus)
 
         def engines(model: str, resources: EngineResources, role: str) -> Awaitable[EngineGroup]:
-            config = EngineConfig(model=model, max_model_len=hp.max_length, resources=resources, seed=hp.seed)
+            config = EngineConfig(
+                model=model,
+                max_model_len=self._max_length,
+                resources=resources,
+                seed=hp.seed,
+                concurrent_sequences=hp.batch_size * hp.n_rollouts,
+                role=role,
+            )
             return EngineGroup.start(config, f"{self.job_id}-{role}")
 
         self._student, self._teacher, _ = await asyncio.gather(
@@ -192,24 +213,32 @@ class JobDriver:
             raise ConfigError(f"{path} does not exist", field=f"functions.{component.name}.fcmodel.zipdir")
         return path
 
-    async def _start_rollout_path(self) -> None:
-        """The recording gateway in front of the student, and the user's worker pools if any."""
-        from reward_workers.pool import RewardPool
-        from rollout_workers.pool import RolloutPool
-
-        assert self._student is not None
-        spec, hp = self.spec, self.spec.hyper_parameters
-        self._gateway = GatewayActor.options(num_cpus=0).remote(  # type: ignore[attr-defined]
-            STUDENT_MODEL_NAME,
-            spec.model,
-            self._student.actors,
+    async def _start_gateway(self, name: str, model: str, engines: EngineGroup) -> tuple[Any, str]:
+        hp = self.spec.hyper_parameters
+        gateway = GatewayActor.options(num_cpus=0).remote(  # type: ignore[attr-defined]
+            name,
+            model,
+            engines.actors,
             max_tokens=hp.max_tokens,
             temperature=hp.temperature,
-            max_length=hp.max_length,
+            max_length=self._max_length,
         )
         # On a cluster the rollout workers may sit on other nodes: listen on every interface there.
         host = "127.0.0.1" if self._single_node() else "0.0.0.0"
-        base_url = await self._gateway.serve.remote(host)
+        return gateway, await gateway.serve.remote(host)
+
+    async def _start_rollout_path(self) -> None:
+        """The recording gateway in front of the student, and the user's worker pools if any.
+
+        With validation data, a second gateway fronts the teacher, so the teacher's baseline runs through
+        the same rollout, reward and evaluator code as the student's validation.
+        """
+        from reward_workers.pool import RewardPool
+        from rollout_workers.pool import RolloutPool
+
+        assert self._student is not None and self._teacher is not None
+        spec, hp = self.spec, self.spec.hyper_parameters
+        self._gateway, base_url = await self._start_gateway(STUDENT_MODEL_NAME, spec.model, self._student)
 
         def on_event(event: dict[str, Any]) -> None:
             message = f"{event['pool']}: {event['from']} -> {event['to']} workers ({event['reason']})"
@@ -221,21 +250,31 @@ class JobDriver:
         reward_pools = [
             RewardPool(self.job_id, c, self._workspace(c), on_event=on_event) for c in spec.reward_components
         ]
-        self._pools = [p for p in (rollout_pool, *reward_pools) if p is not None]
+        evaluator_pool = None
+        if self.validation_samples:
+            for component in spec.evaluator_components:
+                evaluator_pool = RewardPool(
+                    self.job_id, component, self._workspace(component), on_event=on_event
+                )
+        self._pools = [p for p in (rollout_pool, *reward_pools, evaluator_pool) if p is not None]
         if self._pools:
             self.emit(
                 "status", "loading user processors: " + ", ".join(p.component.name for p in self._pools)
             )
         await asyncio.gather(*(pool.start() for pool in self._pools))
-        self._runner = RolloutRunner(
-            self.job_id,
-            self._gateway,
-            base_url,
-            max_tokens=hp.max_tokens,
-            temperature=hp.temperature,
-            rollout_pool=rollout_pool,
-            reward_pools=reward_pools,
-        )
+        options: dict[str, Any] = {
+            "max_tokens": hp.max_tokens,
+            "temperature": hp.temperature,
+            "rollout_pool": rollout_pool,
+            "reward_pools": reward_pools,
+            "evaluator_pool": evaluator_pool,
+        }
+        self._runner = RolloutRunner(self.job_id, self._gateway, base_url, **options)
+        if self.validation_samples:
+            self._teacher_gateway, teacher_url = await self._start_gateway(
+                STUDENT_MODEL_NAME, spec.teacher_model, self._teacher
+            )
+            self._teacher_runner = RolloutRunner(self.job_id, self._teacher_gateway, teacher_url, **options)
 
     @staticmethod
     def _single_node() -> bool:
@@ -243,18 +282,20 @@ class JobDriver:
 
     async def shutdown(self) -> None:
         """Stops everything this job started; vLLM engines take seconds each, so in parallel."""
-        if self._runner is not None:
-            await self._runner.close()
+        for runner in (self._runner, self._teacher_runner):
+            if runner is not None:
+                await runner.close()
+        gateways = [g for g in (self._gateway, self._teacher_gateway) if g is not None]
         stops = [pool.shutdown() for pool in self._pools]
         stops += [group.shutdown() for group in (self._student, self._teacher) if group is not None]
-        if self._gateway is not None:
-            stops.append(self._gateway.shutdown.remote())
+        stops += [gateway.shutdown.remote() for gateway in gateways]
         await asyncio.gather(*stops, return_exceptions=True)
-        if self._gateway is not None:
-            ray.kill(self._gateway)
+        for gateway in gateways:
+            ray.kill(gateway)
         if self._learner is not None:
             self._learner.shutdown()
-        self._runner, self._pools, self._gateway = None, [], None
+        self._runner, self._teacher_runner, self._pools = None, None, []
+        self._gateway = self._teacher_gateway = None
         self._student = self._teacher = self._learner = None
 
     # -- one step -------------------------------------------------------------------------------
@@ -339,45 +380,33 @@ class JobDriver:
 
     # -- evaluation -----------------------------------------------------------------------------
 
-    async def evaluate(self, engines: EngineGroup, label: str) -> dict[str, float]:
-        """Greedy accuracies (tool-routing evaluator, when `solution` is present) and reverse KL."""
-        from opd_trainer.tool_routing import evaluator
-
-        assert self._teacher is not None
-        hp = self.spec.hyper_parameters
+    async def evaluate(self, policy: str, label: str) -> dict[str, float]:
+        """One validation pass of `policy` ("student" or "teacher"); see the module docstring."""
+        assert self._teacher is not None and self._student is not None
         samples = self.validation_samples
         if not samples:
             return {}
-        prompts = [self._prompt(s) for s in samples]
-        greedy, sampled = await asyncio.gather(
-            engines.generate_many(prompts, max_tokens=hp.max_tokens, temperature=0.0),
-            engines.generate_many(
-                prompts,
-                seeds=[request_seed(hp.seed, -1, i) for i in range(len(prompts))],
-                max_tokens=hp.max_tokens,
-                temperature=hp.temperature,
-            ),
+        runner = self._runner if policy == "student" else self._teacher_runner
+        assert runner is not None
+        hp = self.spec.hyper_parameters
+        seeds = [request_seed(hp.seed, -1, i) for i in range(len(samples))]
+        tag = "eval-" + "".join(c if c.isalnum() else "-" for c in label)
+        results, reverse_kl = await asyncio.gather(
+            runner.validate(samples, tag, seeds),
+            self._validation_reverse_kl() if policy == "student" else asyncio.sleep(0, 0.0),
         )
-        metrics: dict[str, float] = {}
-        with_solution = [(s, c) for s, c in zip(samples, greedy, strict=True) if s.solution is not None]
-        if with_solution:
-            scores = [
-                evaluator.score_reply(evaluator.parse_reply(c.text), s.solution) for s, c in with_solution
-            ]
-            metrics.update({k: v for k, v in evaluator.aggregate(scores).items() if k != "n"})
-        if engines is self._teacher:
-            metrics["reverse_kl"] = 0.0
-        else:
-            scored = [c for c in sampled if c.completion_token_ids]
-            teacher = await self._teacher.score_many(
-                [(c.prompt_token_ids, c.completion_token_ids) for c in scored]
+        metrics = validation_metrics(results, has_rewards=bool(self.spec.reward_components))
+        metrics["reverse_kl"] = reverse_kl
+        failures = scoring_failures(results)
+        if failures:
+            shown = ", ".join(f"{f['sample_id']} ({f['error'][:120]})" for f in failures[:REPORTED_FAILURES])
+            self.emit(
+                "eval_failures",
+                f"{label}: {len(failures)}/{len(results)} validation samples could not be scored: {shown}",
+                label=label,
+                failures=failures[:REPORTED_FAILURES],
+                count=len(failures),
             )
-            diffs = [
-                s - t
-                for c, ts in zip(scored, teacher, strict=True)
-                for s, t in zip(c.logprobs, ts, strict=True)
-            ]
-            metrics["reverse_kl"] = _mean(diffs)
         self.emit(
             "eval",
             f"{label}: " + ", ".join(f"{k}={v:.3f}" for k, v in sorted(metrics.items())),
@@ -385,6 +414,30 @@ class JobDriver:
             **metrics,
         )
         return metrics
+
+    async def _validation_reverse_kl(self) -> float:
+        """Mean `logp_student − logp_teacher` per token of seeded student samples on validation prompts.
+
+        Sampled at the job's temperature straight from the student engines (no user code), so it
+        estimates the same reverse KL the training signal minimises, on prompts it never trains on.
+        """
+        assert self._teacher is not None and self._student is not None
+        hp = self.spec.hyper_parameters
+        prompts = [self._prompt(s) for s in self.validation_samples]
+        sampled = await self._student.generate_many(
+            prompts,
+            seeds=[request_seed(hp.seed, -1, i) for i in range(len(prompts))],
+            max_tokens=hp.max_tokens,
+            temperature=hp.temperature,
+        )
+        scored = [c for c in sampled if c.completion_token_ids]
+        teacher = await self._teacher.score_many(
+            [(c.prompt_token_ids, c.completion_token_ids) for c in scored]
+        )
+        diffs = [
+            s - t for c, ts in zip(scored, teacher, strict=True) for s, t in zip(c.logprobs, ts, strict=True)
+        ]
+        return _mean(diffs)
 
     # -- checkpoints ----------------------------------------------------------------------------
 
@@ -431,8 +484,8 @@ class JobDriver:
                     **drift,
                 )
                 if self.validation_samples:
-                    summary["teacher"] = await self.evaluate(self._teacher, "teacher")
-                    summary["student_before"] = await self.evaluate(self._student, "student before")
+                    summary["teacher"] = await self.evaluate("teacher", "teacher")
+                    summary["student_before"] = await self.evaluate("student", "student before")
                     self.log.eval(0, summary["student_before"])
                 self.log.save_summary(summary)
             hp = self.spec.hyper_parameters
@@ -454,7 +507,7 @@ class JobDriver:
                     and self.step % hp.eval_steps == 0
                     and self.step < self.total_steps
                 ):
-                    self.log.eval(self.step, await self.evaluate(self._student, f"step {self.step}"))
+                    self.log.eval(self.step, await self.evaluate("student", f"step {self.step}"))
                 stopping = self._stop_requested or (stop_after is not None and self.step >= stop_after)
                 if self.step % hp.save_steps == 0 or stopping:
                     await self.save_checkpoint()
@@ -463,7 +516,7 @@ class JobDriver:
                     self.emit("status", f"stopped after step {self.step}", step=self.step)
                     return summary
             if self.validation_samples:
-                summary["student_after"] = await self.evaluate(self._student, "student after")
+                summary["student_after"] = await self.evaluate("student", "student after")
                 self.log.eval(self.step, summary["student_after"])
             if self.checkpoints.latest_step() != self.step:
                 await self.save_checkpoint()

@@ -6,6 +6,8 @@ job files port unchanged; `kl_coef`, `reward_coef`, `temperature`, `max_tokens`,
 message naming the field (`load_job_spec` turns pydantic's errors into one `ConfigError`).
 
 A job with no rollout component is Model OPD (the built-in one-call rollout); with one it is Agentic OPD.
+Reward components score every rollout (training and validation); an evaluator component, if any, scores
+validation rollouts only. Rewards enter the loss by default (`reward_coef`, see `opd_trainer.loss`).
 """
 
 from __future__ import annotations
@@ -69,16 +71,22 @@ class FunctionRuntime(_Strict):
 
 
 class FunctionComponent(_Strict):
-    """A user processor: the rollout (at most one) or a reward (any number)."""
+    """A user processor: the rollout (at most one), a reward (any number) or an evaluator (at most one)."""
 
     name: str = Field(min_length=1, description="Component name, unique in the job.")
-    type: Literal["rollout", "reward"] = Field(description="Which processor interface the class implements.")
+    type: Literal["rollout", "reward", "evaluator"] = Field(
+        description="rollout: drives the student (AbstractRolloutProcessor). reward: scores every rollout "
+        "(AbstractRewardProcessor). evaluator: scores validation rollouts only, with the reward interface; "
+        "the means of its reward_metrics are reported under their own names, its reward_score as eval_score."
+    )
     fcmodel: FcModel = Field(description="Code location and classpath.")
     timeout: float = Field(
         default=600.0, gt=0, description="Seconds one call may take before it counts FAILED."
     )
     weight: float = Field(
-        default=1.0, description="Reward components: task reward = Σ weight · reward_score."
+        default=1.0,
+        description="Reward components: task reward R = Σ weight · (reward_score + Σ reward_metric_weight[m] "
+        "· reward_metrics[m]), Bailian's meaning; R enters the loss scaled by hyper_parameters.reward_coef.",
     )
     reward_metric_weight: dict[str, float] | None = Field(
         default=None, description="Reward components: weights of named reward_metrics folded into the score."
@@ -107,14 +115,24 @@ class HyperParameters(_Strict):
     ppo_mini_batch_size: int = Field(
         default=8, ge=1, description="Rollout samples per optimizer update; a step makes ceil(samples/this)."
     )
-    max_length: int = Field(default=2048, ge=16, description="Longest prompt + completion, in tokens.")
+    max_length: int | None = Field(
+        default=None,
+        ge=16,
+        description="Longest prompt + completion, in tokens. None: the model's context (the smaller "
+        "max_position_embeddings of student and teacher); larger than that is rejected by pre-flight.",
+    )
     max_tokens: int = Field(default=256, ge=1, description="Most tokens sampled per LLM call.")
     temperature: float = Field(default=1.0, gt=0, description="Student sampling temperature.")
     kl_coef: float = Field(
         default=1.0, ge=0, description="Weight of the per-token reverse KL to the teacher."
     )
     kl_loss_coef: float = Field(default=0.0, ge=0, description="Weight of KL(learner ‖ initial student).")
-    reward_coef: float = Field(default=0.0, ge=0, description="Weight of the group-baselined task reward.")
+    reward_coef: float = Field(
+        default=1.0,
+        ge=0,
+        description="Weight of the group-baselined task reward in each token's advantage (the formula is in "
+        "opd_trainer/loss.py). Rewards count by default; 0 keeps them as logged monitoring only.",
+    )
     normalize_reward_by_std: bool = Field(default=False, description="Divide reward advantages by group std.")
     ratio_cap: float = Field(
         default=2.0,
@@ -146,7 +164,10 @@ class EngineResources(_Strict):
     replicas: int = Field(default=1, ge=1, description="Independent engine replicas.")
     tensor_parallel_size: int = Field(default=1, ge=1, description="GPUs per replica (CUDA only).")
     kv_cache_memory_bytes: int | None = Field(
-        default=None, gt=0, description="KV-cache bytes per replica; required on CPU, None sizes it on GPU."
+        default=None,
+        gt=0,
+        description="KV-cache bytes per replica. None: on GPU vLLM sizes it (see gpu_fraction); on CPU it "
+        "holds batch_size × n_rollouts sequences of max_length, capped at a share of the node's free memory.",
     )
     dtype: str = Field(default="auto", description="Engine weight dtype; 'auto' takes the checkpoint's.")
     gpu_fraction: float = Field(
@@ -205,6 +226,10 @@ class JobSpec(_Strict):
     def _components(self) -> JobSpec:
         if len(self.rollout_components) > 1:
             raise ValueError("at most one rollout component")
+        if len(self.evaluator_components) > 1:
+            raise ValueError("at most one evaluator component")
+        if self.evaluator_components and not self.validation_datasets:
+            raise ValueError("an evaluator component scores validation rollouts: give validation_datasets")
         names = [f.name for f in self.functions]
         if len(names) != len(set(names)):
             raise ValueError("component names must be unique")
@@ -217,6 +242,10 @@ class JobSpec(_Strict):
     @property
     def reward_components(self) -> list[FunctionComponent]:
         return [f for f in self.functions if f.type == "reward"]
+
+    @property
+    def evaluator_components(self) -> list[FunctionComponent]:
+        return [f for f in self.functions if f.type == "evaluator"]
 
     @property
     def is_agentic(self) -> bool:

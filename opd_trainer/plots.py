@@ -1,9 +1,23 @@
-"""PNG curves of a run (reverse KL, reward, validation accuracy) from its metrics.jsonl records."""
+"""PNG curves of a run (reverse KL, reward, validation metrics) from its metrics.jsonl records."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+# Validation keys that are bookkeeping or already plotted elsewhere.
+_NOT_VALIDATION_CURVES = frozenset({"kind", "step", "reverse_kl", "samples", "failed_samples"})
+MAX_VALIDATION_CURVES = 4
+
+
+def validation_curve_keys(evals: list[dict[str, Any]]) -> list[str]:
+    """What the validation panel plots: the evaluator's score and metrics, else the mean reward.
+
+    Taken from the records themselves (first reported first), since each job's evaluator names its own.
+    """
+    keys = list(dict.fromkeys(k for r in evals for k in r if k not in _NOT_VALIDATION_CURVES))
+    task = [k for k in keys if not k.startswith("reward")]
+    return (task or [k for k in keys if k == "reward_mean"])[:MAX_VALIDATION_CURVES]
 
 
 def plot_curves(records: list[dict[str, Any]], out_path: Path, title: str = "") -> Path:
@@ -19,15 +33,14 @@ def plot_curves(records: list[dict[str, Any]], out_path: Path, title: str = "") 
             "reverse KL per token",
             [("train (own samples)", train, "reverse_kl"), ("validation", evals, "reverse_kl")],
         ),
-        (
-            "validation accuracy",
-            [("exact match", evals, "exact_match"), ("decision", evals, "decision_accuracy")],
-        ),
     ]
+    curves = validation_curve_keys(evals)
+    if curves:
+        panels.append(("validation", [(key, evals, key) for key in curves]))
     if any("reward_mean" in r for r in train):
         panels.insert(1, ("task reward", [("mean", train, "reward_mean")]))
-    figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6))
-    for axis, (name, series) in zip(axes, panels, strict=True):
+    figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
+    for axis, (name, series) in zip(axes[0], panels, strict=True):
         for label, rows, key in series:
             points = [(r["step"], r[key]) for r in rows if key in r]
             if points:

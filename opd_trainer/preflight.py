@@ -2,9 +2,67 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from opd_trainer.errors import ConfigError
+
+# Config keys different model families use for their context window, most common first.
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
+def model_context_length(model_path: str, field: str) -> int | None:
+    """The model's context window from its `config.json` (top level or `text_config`); None if unstated.
+
+    Read as JSON rather than through `AutoConfig`, so a model whose architecture this transformers does
+    not know still gets its context checked, and nothing is imported or downloaded.
+    """
+    path = Path(model_path) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}", field=field) from None
+    for section in (config, config.get("text_config") or {}):
+        for key in _CONTEXT_KEYS:
+            value = section.get(key)
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
+
+
+def resolve_max_length(max_length: int | None, student_path: str, teacher_path: str) -> int:
+    """`hyper_parameters.max_length`, defaulting to the models' context; beyond it is a `ConfigError`.
+
+    Both engines hold the whole prompt + completion (the teacher scores the student's exact tokens), so
+    the smaller of the two windows bounds the job. Checked before any engine starts: vLLM would
+    otherwise refuse the length only after seconds of start-up, with an error naming its own setting.
+    """
+    windows = {
+        field: model_context_length(path, field)
+        for field, path in (("model", student_path), ("teacher_model", teacher_path))
+    }
+    known = {field: window for field, window in windows.items() if window is not None}
+    if not known:
+        if max_length is None:
+            raise ConfigError(
+                "the models' config.json states no context length (max_position_embeddings); set it",
+                field="hyper_parameters.max_length",
+            )
+        return max_length
+    field, context = min(known.items(), key=lambda item: item[1])
+    if max_length is None:
+        return context
+    if max_length > context:
+        which = "student" if field == "model" else "teacher"
+        raise ConfigError(
+            f"{max_length} tokens exceeds the {which}'s context of {context} "
+            f"(max_position_embeddings in its config.json); set at most {context}, or leave it unset",
+            field="hyper_parameters.max_length",
+        )
+    return max_length
 
 
 def check_same_tokenizer(student_path: str, teacher_path: str) -> None:

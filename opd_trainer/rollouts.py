@@ -10,6 +10,10 @@ Task reward R = Σ_c weight_c · (reward_score_c + Σ_m reward_metric_weight_c[m
 `ground_truth` is `rollout_extra.ground_truth`, else `rollout_extra.solution`. Failed rollouts
 (FAILED status, `ROLLOUT_ERROR:` content, timeout, no recorded call) and rollouts whose reward failed
 are counted and carry no loss.
+
+Validation runs the same rollouts (one per sample, greedy) and, when the job has an evaluator
+component, scores each with it too; `validation_metrics` aggregates what every job has (rewards,
+the evaluator's metrics) and `scoring_failures` names the samples that could not be scored.
 """
 
 from __future__ import annotations
@@ -53,6 +57,9 @@ class RolloutResult:
     rollout_metrics: dict[str, float] = field(default_factory=dict)
     spans: list[dict[str, Any]] = field(default_factory=list)
     agent_output: AgentOutput | None = None
+    eval_score: float | None = None
+    eval_metrics: dict[str, float] = field(default_factory=dict)
+    eval_error: str = ""
 
     @property
     def failed(self) -> bool:
@@ -110,6 +117,7 @@ class RolloutRunner:
         temperature: float,
         rollout_pool: RolloutPool | None = None,
         reward_pools: list[RewardPool] | None = None,
+        evaluator_pool: RewardPool | None = None,
     ) -> None:
         self.job_id = job_id
         self.gateway = gateway
@@ -118,6 +126,7 @@ class RolloutRunner:
         self.temperature = temperature
         self.rollout_pool = rollout_pool
         self.reward_pools = reward_pools or []
+        self.evaluator_pool = evaluator_pool
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=256))
 
     async def close(self) -> None:
@@ -169,9 +178,13 @@ class RolloutRunner:
         if is_rollout_failure(output):
             result.error = output.error or "rollout reported failure"
 
-    async def _one(self, step: int, group: int, index: int, sample: Sample, seed: int) -> RolloutResult:
-        result = RolloutResult(group, index, f"{self.job_id}-s{step}-r{index}", sample)
-        key = await self.gateway.open_rollout.remote(result.rollout_id)
+    async def _one(
+        self, tag: str, group: int, index: int, sample: Sample, seed: int, *, validating: bool = False
+    ) -> RolloutResult:
+        result = RolloutResult(group, index, f"{self.job_id}-{tag}-r{index}", sample)
+        # Validation is greedy, so the same weights always give the same validation numbers.
+        temperature = 0.0 if validating else None
+        key = await self.gateway.open_rollout.remote(result.rollout_id, temperature=temperature, seed=seed)
         try:
             if self.rollout_pool is None:
                 await self._builtin(result, key, seed)
@@ -181,9 +194,35 @@ class RolloutRunner:
             result.error = f"{type(exc).__name__}: {exc}"
         finally:
             result.calls = await self.gateway.close_rollout.remote(key)
-        if not result.failed:
-            await self._score(result)
+        if result.failed:
+            return result
+        # The evaluator first: a reward that fails must not hide the sample from the evaluator.
+        if validating and self.evaluator_pool is not None:
+            await self._evaluate(result)
+        await self._score(result)
         return result
+
+    async def _evaluate(self, result: RolloutResult) -> None:
+        assert self.evaluator_pool is not None
+        output, spans = await self.evaluator_pool.score(
+            sample_id=result.sample.sample_id,
+            rollout_id=result.rollout_id,
+            ground_truth=ground_truth_of(result.sample),
+            agent_output=result.agent_output or AgentOutput(messages=result.messages),
+        )
+        result.spans.extend(spans)
+        name = self.evaluator_pool.component.name
+        if output.status == TaskStatus.FAILED or output.reward is None:
+            result.eval_error = f"evaluator {name} failed: {output.error or 'no score'}"
+            return
+        values = {"eval_score": float(output.reward.reward_score)}
+        values |= {k: float(v) for k, v in output.reward.reward_metrics.items()}
+        bad = [k for k, v in values.items() if not math.isfinite(v)]
+        if bad:
+            result.eval_error = f"evaluator {name} returned non-finite {', '.join(bad)}"
+            return
+        result.eval_score = values.pop("eval_score")
+        result.eval_metrics = values
 
     async def _score(self, result: RolloutResult) -> None:
         agent_output = result.agent_output or AgentOutput(messages=result.messages)
@@ -227,8 +266,19 @@ class RolloutRunner:
         return list(
             await asyncio.gather(
                 *(
-                    self._one(step, group, index, sample, seeds[index])
+                    self._one(f"s{step}", group, index, sample, seeds[index])
                     for index, (group, sample) in enumerate(jobs)
+                )
+            )
+        )
+
+    async def validate(self, samples: list[Sample], tag: str, seeds: list[int]) -> list[RolloutResult]:
+        """One greedy rollout per sample, scored by the rewards and the evaluator (if any)."""
+        return list(
+            await asyncio.gather(
+                *(
+                    self._one(tag, index, index, sample, seeds[index], validating=True)
+                    for index, sample in enumerate(samples)
                 )
             )
         )
@@ -262,6 +312,45 @@ def rollout_step_metrics(results: list[RolloutResult], has_rewards: bool) -> dic
             values = [getattr(r, source)[name] for r in good if name in getattr(r, source)]
             metrics[f"{prefix}/{name}"] = _mean(values)
     return metrics
+
+
+def validation_metrics(results: list[RolloutResult], has_rewards: bool) -> dict[str, float]:
+    """Means over the samples each part could score: rewards as in training, the evaluator's metrics
+    under their own names plus `eval_score`; `failed_samples` counts samples something could not score.
+    """
+    metrics: dict[str, float] = {
+        "samples": float(len(results)),
+        "failed_samples": float(sum(1 for r in results if r.failed or r.eval_error)),
+    }
+    good = [r for r in results if not r.failed]
+    if has_rewards and good:
+        metrics["reward_mean"] = _mean([r.reward for r in good])
+        for name in sorted({k for r in good for k in r.component_rewards}):
+            metrics[f"reward/{name}"] = _mean(
+                [r.component_rewards[name] for r in good if name in r.component_rewards]
+            )
+        for name in sorted({k for r in good for k in r.reward_metrics}):
+            metrics[f"reward/{name}"] = _mean(
+                [r.reward_metrics[name] for r in good if name in r.reward_metrics]
+            )
+    evaluated = [r for r in results if r.eval_score is not None]
+    if evaluated:
+        metrics["eval_score"] = _mean([r.eval_score for r in evaluated if r.eval_score is not None])
+        for name in sorted({k for r in evaluated for k in r.eval_metrics}):
+            metrics[name] = _mean([r.eval_metrics[name] for r in evaluated if name in r.eval_metrics])
+    return metrics
+
+
+def scoring_failures(results: list[RolloutResult]) -> list[dict[str, str]]:
+    """Each sample that failed its rollout, a reward or the evaluator: its id and the first error."""
+    failures = []
+    for r in results:
+        errors = [e for e in (r.error, r.eval_error) if e]
+        if r.failed and not errors:
+            errors = ["no completion recorded"]
+        if errors:
+            failures.append({"sample_id": r.sample.sample_id, "error": "; ".join(errors)[:500]})
+    return failures
 
 
 def failure_message(results: list[RolloutResult]) -> str:

@@ -20,48 +20,45 @@ from opd_trainer.errors import OPDError
 from opd_trainer.job_spec import JobSpec, load_job_spec
 from opd_trainer.metrics_log import MetricsLog
 from opd_trainer.plots import plot_curves
-from opd_trainer.preflight import check_same_tokenizer
+from opd_trainer.preflight import check_same_tokenizer, resolve_max_length
 
-TABLE_COLUMNS = [
-    ("exact_match", "exact match"),
-    ("decision_accuracy", "decision"),
-    ("tool_name_accuracy", "tool name"),
-    ("argument_accuracy", "arguments"),
-    ("format_validity", "format"),
-    ("reverse_kl", "reverse KL"),
-]
+# Per-validation bookkeeping, not a measurement: left out of the table.
+_NOT_IN_TABLE = frozenset({"samples"})
 
 
 def preflight_local(spec: JobSpec) -> None:
-    """Cheap checks before anything starts: datasets parse, tokenizers match."""
+    """Cheap checks before anything starts: datasets parse, tokenizers match, max_length fits."""
     load_samples(spec.training_datasets, "training_datasets")
     if spec.validation_datasets:
         load_samples(spec.validation_datasets, "validation_datasets")
     check_same_tokenizer(spec.model, spec.teacher_model)
+    resolve_max_length(spec.hyper_parameters.max_length, spec.model, spec.teacher_model)
 
 
 def format_final_table(summary: dict[str, Any]) -> str:
+    """Teacher / student before / student after, one column per metric the validations reported.
+
+    The columns are whatever the job measured (the evaluator's metrics, rewards, reverse KL), in the
+    order the first row reports them: the trainer knows no task's metric names.
+    """
     rows = [
-        (label, summary.get(key))
+        (label, summary[key])
         for key, label in (
             ("teacher", "teacher"),
             ("student_before", "student before"),
             ("student_after", "student after"),
         )
+        if summary.get(key)
     ]
-    header = f"{'':<16}" + "".join(f"{label:>12}" for _, label in TABLE_COLUMNS)
+    columns = list(dict.fromkeys(k for _, metrics in rows for k in metrics if k not in _NOT_IN_TABLE))
+    widths = [max(9, len(c)) + 2 for c in columns]
+    header = f"{'':<16}" + "".join(f"{c:>{w}}" for c, w in zip(columns, widths, strict=True))
     lines = [header, "-" * len(header)]
     for label, metrics in rows:
-        if not metrics:
-            continue
-        cells = []
-        for key, _ in TABLE_COLUMNS:
-            value = metrics.get(key)
-            cells.append(
-                f"{'—':>12}"
-                if value is None
-                else (f"{value:>12.3f}" if key == "reverse_kl" else f"{value:>12.1%}")
-            )
+        cells = [
+            f"{'—':>{w}}" if not isinstance(metrics.get(c), int | float) else f"{metrics[c]:>{w}.3f}"
+            for c, w in zip(columns, widths, strict=True)
+        ]
         lines.append(f"{label:<16}" + "".join(cells))
     return "\n".join(lines)
 

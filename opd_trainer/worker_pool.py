@@ -222,7 +222,8 @@ class WorkerPool:
     ) -> None:
         self.job_id = job_id
         self.component = component
-        self.kind: Kind = component.type
+        # An evaluator implements the reward interface (RewardInput -> RewardOutput).
+        self.kind: Kind = "rollout" if component.type == "rollout" else "reward"
         self.workspace = workspace
         self.autoscale_interval_s = autoscale_interval_s
         self.autoscaler = Autoscaler(

@@ -1,4 +1,8 @@
-"""Reward pool: runs one user `AbstractRewardProcessor` component on finished rollouts."""
+"""Reward pool: runs one user `AbstractRewardProcessor` component on finished rollouts.
+
+Evaluator components use the same interface (they score validation rollouts only), so they run in a
+reward pool too.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +16,8 @@ from opd_trainer.worker_pool import WorkerPool
 
 class RewardPool(WorkerPool):
     def __init__(self, job_id: str, component: FunctionComponent, workspace: Path, **options: Any) -> None:
-        if component.type != "reward":
-            raise ValueError(f"{component.name} is a {component.type} component, not a reward")
+        if component.type not in ("reward", "evaluator"):
+            raise ValueError(f"{component.name} is a {component.type} component, not a reward or evaluator")
         super().__init__(job_id, component, workspace, **options)
 
     async def score(

@@ -39,7 +39,7 @@ from opd_trainer.checkpoint import CheckpointStore
 from opd_trainer.classpath import validate_workspace
 from opd_trainer.errors import ConfigError
 from opd_trainer.job_spec import JobSpec
-from opd_trainer.preflight import check_same_tokenizer
+from opd_trainer.preflight import check_same_tokenizer, resolve_max_length
 
 # -- helpers shared with the scheduler --------------------------------------------------------------
 
@@ -154,6 +154,7 @@ def preflight(resolved: JobSpec) -> None:
         if not Path(getattr(resolved, field)).is_dir():
             raise ConfigError(f"model folder {getattr(resolved, field)} not found on the server", field=field)
     check_same_tokenizer(resolved.model, resolved.teacher_model)
+    resolve_max_length(resolved.hyper_parameters.max_length, resolved.model, resolved.teacher_model)
 
 
 def create(session: Session, settings: Settings, tenant_id: str, body: JobCreate) -> JobPublic:

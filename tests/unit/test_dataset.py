@@ -28,7 +28,6 @@ GOOD = {"messages": [{"role": "system", "content": "s"}, {"role": "user", "conte
         ({"messages": [{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}]}, "tool message"),
         ({**GOOD, "tools": "x"}, "tools"),
         ({**GOOD, "rollout_extra": []}, "rollout_extra"),
-        ({**GOOD, "rollout_extra": {"solution": {"a": 1}}}, "rollout_extra.solution"),
         ({**GOOD, "extra": 1}, "unknown field"),
     ],
 )
@@ -52,6 +51,15 @@ def test_good_record_passes() -> None:
     }
     assert record_problem(GOOD) is None
     assert record_problem(tool_turn) is None
+
+
+@pytest.mark.parametrize("solution", ["42", 42, {"answer": 7}, ["a", "b"], None, "not json {", 1.5])
+def test_rollout_extra_is_the_users_any_json(solution: object) -> None:
+    """The trainer never assumes the demo's `solution` shape; processors read it as they like."""
+    record = {**GOOD, "rollout_extra": {"solution": solution, "ground_truth": solution}}
+    assert record_problem(record) is None
+    [sample] = parse_jsonl(json.dumps(record), "/data/x.jsonl")
+    assert sample.rollout_extra["solution"] == solution
 
 
 def test_bad_lines_reported_with_numbers() -> None:

@@ -19,6 +19,10 @@ def test_minimal_spec_gets_documented_defaults() -> None:
     assert spec.hyper_parameters.max_staleness == 0
     assert spec.resources.zero_stage == 2
     assert not spec.is_agentic
+    # Rewards count when given; the context decides max_length; CPU engines size their own KV cache.
+    assert spec.hyper_parameters.reward_coef == 1.0
+    assert spec.hyper_parameters.max_length is None
+    assert spec.resources.student.kv_cache_memory_bytes is None
 
 
 def test_every_field_has_a_description() -> None:
@@ -87,6 +91,23 @@ def test_two_rollout_components_rejected() -> None:
     rollout = {"type": "rollout", "fcmodel": {"zipdir": "w", "classpath": "a.B"}}
     with pytest.raises(ConfigError, match="at most one rollout"):
         parse_job_spec({**MINIMAL, "functions": [{"name": "a", **rollout}, {"name": "b", **rollout}]})
+
+
+def _component(name: str, kind: str) -> dict:
+    return {"name": name, "type": kind, "fcmodel": {"zipdir": "w", "classpath": "f.C"}}
+
+
+def test_evaluator_component_rules() -> None:
+    with_validation = {**MINIMAL, "validation_datasets": ["v.jsonl"]}
+    spec = parse_job_spec({**with_validation, "functions": [_component("ev", "evaluator")]})
+    assert [c.name for c in spec.evaluator_components] == ["ev"]
+    assert not spec.is_agentic and spec.reward_components == []
+    with pytest.raises(ConfigError, match="at most one evaluator"):
+        parse_job_spec(
+            {**with_validation, "functions": [_component("a", "evaluator"), _component("b", "evaluator")]}
+        )
+    with pytest.raises(ConfigError, match="validation_datasets"):
+        parse_job_spec({**MINIMAL, "functions": [_component("ev", "evaluator")]})
 
 
 def test_yaml_file_paths_resolve_against_its_folder(tmp_path: Path) -> None:

@@ -1,0 +1,66 @@
+"""Validation aggregates and reports that assume no task: any metric names, any failure."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from opd_trainer.dataset import Sample
+from opd_trainer.gateway import RecordedCall
+from opd_trainer.plots import plot_curves, validation_curve_keys
+from opd_trainer.rollouts import RolloutResult, scoring_failures, validation_metrics
+from opd_trainer.train_cli import format_final_table
+
+
+def _result(index: int, **fields: object) -> RolloutResult:
+    extra = {"sample_id": f"v{index}"}
+    sample = Sample("v.jsonl", index + 1, [{"role": "user", "content": "q"}], None, extra)
+    call = RecordedCall([1, 2], [3], [-0.5], 0, "stop", [], {"role": "assistant", "content": "a"}, 0.01)
+    result = RolloutResult(index, index, f"r{index}", sample, calls=[call])
+    for name, value in fields.items():
+        setattr(result, name, value)
+    return result
+
+
+def test_means_over_what_each_part_could_score() -> None:
+    results = [
+        _result(0, reward=1.0, component_rewards={"r": 1.0}, eval_score=1.0, eval_metrics={"accuracy": 1.0}),
+        _result(1, reward=0.0, component_rewards={"r": 0.0}, eval_error="evaluator e failed: KeyError"),
+        _result(2, error="reward r failed: TypeError", eval_score=0.0, eval_metrics={"accuracy": 0.0}),
+        _result(3, calls=[]),  # the rollout itself produced nothing
+    ]
+    metrics = validation_metrics(results, has_rewards=True)
+    assert metrics["samples"] == 4 and metrics["failed_samples"] == 3
+    assert metrics["reward_mean"] == pytest.approx(0.5) and metrics["reward/r"] == pytest.approx(0.5)
+    assert metrics["eval_score"] == pytest.approx(0.5) and metrics["accuracy"] == pytest.approx(0.5)
+    failures = {f["sample_id"]: f["error"] for f in scoring_failures(results)}
+    assert set(failures) == {"v1", "v2", "v3"}
+    assert "KeyError" in failures["v1"] and "TypeError" in failures["v2"]
+    assert failures["v3"] == "no completion recorded"
+
+
+def test_without_rewards_or_evaluator_only_counts() -> None:
+    assert validation_metrics([_result(0)], has_rewards=False) == {"samples": 1.0, "failed_samples": 0.0}
+
+
+def test_final_table_has_a_column_per_reported_metric() -> None:
+    summary = {
+        "teacher": {"samples": 4.0, "bleu": 0.9, "reverse_kl": 0.0},
+        "student_before": {"samples": 4.0, "bleu": 0.25, "reward_mean": 0.1, "reverse_kl": 0.75},
+        "student_after": {"samples": 4.0, "bleu": 0.5, "reward_mean": 0.4, "reverse_kl": 0.2},
+    }
+    lines = format_final_table(summary).splitlines()
+    assert lines[0].split() == ["bleu", "reverse_kl", "reward_mean"]
+    assert lines[2].split() == ["teacher", "0.900", "0.000", "—"]
+    assert lines[4].split() == ["student", "after", "0.500", "0.200", "0.400"]
+
+
+def test_validation_curves_follow_the_records(tmp_path: Path) -> None:
+    evals = [{"kind": "eval", "step": 0, "samples": 4.0, "reverse_kl": 0.7, "reward_mean": 0.1, "f1": 0.2}]
+    assert validation_curve_keys(evals) == ["f1"]
+    without_evaluator = [{k: v for k, v in e.items() if k != "f1"} for e in evals]
+    assert validation_curve_keys(without_evaluator) == ["reward_mean"]
+    train = [{"kind": "train", "step": 1, "reverse_kl": 0.6}]
+    out = plot_curves([*train, *evals], tmp_path / "curves.png")
+    assert out.stat().st_size > 0
