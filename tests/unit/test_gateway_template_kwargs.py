@@ -6,7 +6,6 @@ import inspect
 
 import pytest
 from fastapi.testclient import TestClient
-from transformers import PreTrainedTokenizerBase
 
 from opd_trainer.gateway import RESERVED_TEMPLATE_KWARGS, ChatCompletionRequest, Gateway
 
@@ -94,6 +93,8 @@ def test_template_arguments_the_gateway_sets_are_refused_over_http(gateway: Gate
 
 
 def test_reserved_names_cover_apply_chat_template_arguments() -> None:
+    from transformers import PreTrainedTokenizerBase
+
     parameters = set(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters)
     assert parameters - {"self", "kwargs"} <= RESERVED_TEMPLATE_KWARGS
 

@@ -1,15 +1,18 @@
-"""The job driver reports a Bailian job's ignored fields once per job, also across a resumed run."""
+"""The job driver reports a Bailian job's ignored fields once per job, also across a resumed run.
+
+`opd_trainer.job_driver` pulls in transformers, so it is imported inside the tests: unit tests must
+not be affected by it being imported at collection time (see tests/conftest.py).
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from opd_trainer.job_driver import JobDriver
-from opd_trainer.job_spec import parse_job_spec
+from opd_trainer.job_spec import JobSpec, parse_job_spec
 
 
-def _spec(tmp_path: Path, **extra: object) -> object:
+def _spec(tmp_path: Path, **extra: object) -> JobSpec:
     train = tmp_path / "train.jsonl"
     train.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     return parse_job_spec(
@@ -18,6 +21,8 @@ def _spec(tmp_path: Path, **extra: object) -> object:
 
 
 def test_ignored_fields_are_one_warning_per_job(tmp_path: Path) -> None:
+    from opd_trainer.job_driver import JobDriver
+
     spec = _spec(
         tmp_path,
         resources={"charge_type": "mtu_postpaid", "mtu_spec_code": "MTU4", "mtu_capacity": 24},
@@ -40,6 +45,8 @@ def test_ignored_fields_are_one_warning_per_job(tmp_path: Path) -> None:
 
 
 def test_a_job_without_them_reports_nothing(tmp_path: Path) -> None:
+    from opd_trainer.job_driver import JobDriver
+
     driver = JobDriver(_spec(tmp_path), str(tmp_path / "run"))
     driver._report_ignored_fields()
     assert driver.events() == []
