@@ -574,9 +574,10 @@ def trace_client(client: C) -> C:
     Works on `openai.OpenAI`/`AsyncOpenAI` (and anything with `.chat.completions.create`), LangChain's
     `ChatOpenAI` and a LangChain binding of one (`llm.bind_tools(...)`). Both Bailian's
     `trace_client(llm)` and `llm = trace_client(llm)` therefore work, and so do bindings made before or
-    after the call. Only this object is changed (its own `create`/`parse`, never the class), so a client
-    it was copied from, or that is copied from it with other credentials, is not affected; clients
-    derived from it with `with_options`/`copy` are traced too. Tracing an object twice is a no-op.
+    after the call. Only this object is changed (its own `create`/`parse`, never the class): a client
+    it was copied from (like the shared one behind `ModelResource.openai_client()`) stays untraced,
+    while clients later derived from it with `with_options`/`copy` are traced as well. Tracing an
+    object twice is a no-op.
     """
     if not _safely(_instrument, client):
         logger.warning(
