@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -11,13 +12,15 @@ def prompt_token_ids(
     tokenizer: PreTrainedTokenizerBase,
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[int]:
     """The model's chat template with the assistant generation prompt appended, tokenized.
 
     Rendered to text first and encoded without extra special tokens: the template already places
-    every special token, and this is exactly what vLLM's chat endpoint does.
+    every special token, and this is exactly what vLLM's chat endpoint does. `template_kwargs` are
+    extra template variables (`enable_thinking`, ...), as vLLM's `chat_template_kwargs`.
     """
     text = tokenizer.apply_chat_template(
-        messages, tools=tools or None, add_generation_prompt=True, tokenize=False
+        messages, tools=tools or None, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
     )
     return list(tokenizer.encode(text, add_special_tokens=False))

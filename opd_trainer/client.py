@@ -180,13 +180,17 @@ class OPDClient:
         job_name: str,
         model: str,
         teacher_model: str,
-        training_datasets: list[str],
-        validation_datasets: list[str] | None = None,
+        training_datasets: list[str | dict[str, Any]],
+        validation_datasets: list[str | dict[str, Any]] | None = None,
         functions: list[dict[str, Any]] | None = None,
         hyper_parameters: dict[str, Any] | None = None,
         resources: dict[str, Any] | None = None,
     ) -> str:
-        """Bailian's `AgenticRL().run(...)`: submits the job (uploading local files) and returns its id."""
+        """Bailian's `AgenticRL().run(...)`: submits the job (uploading local files) and returns its id.
+
+        Datasets are paths, file ids or Bailian's `{data_source_type, file_name}` objects. The async,
+        Bailian-shaped `AgenticRL` (`opd_trainer.agentic_rl`) runs this in a thread.
+        """
         spec: dict[str, Any] = {
             "job_name": job_name,
             "model": model,

@@ -12,6 +12,9 @@ Two policies differ from a plain OpenAI server, on purpose:
   agent that never passes a seed still resamples identically when a run is repeated or resumed.
 - `max_tokens` is capped at the job's `max_tokens`.
 Streaming responses are sent once the completion is generated (chunked per the OpenAI protocol).
+Template variables reach the chat template as they do on vLLM and Bailian: `chat_template_kwargs`
+(vLLM's field) and a top-level `enable_thinking` (what `extra_body={"enable_thinking": False}` sends,
+Bailian's convention); an entry in `chat_template_kwargs` wins over the top-level one.
 
 Launch: started by the job driver as `GatewayActor` (uvicorn inside the actor's event loop).
 """
@@ -33,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from opd_trainer.errors import EngineError
 
@@ -43,6 +46,28 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+# apply_chat_template's own arguments: the gateway sets them, a client's template kwargs may not.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 
 
 class ChatCompletionRequest(BaseModel):
@@ -60,6 +85,21 @@ class ChatCompletionRequest(BaseModel):
     stream_options: dict[str, Any] | None = None
     seed: int | None = None
     n: int = Field(default=1, ge=1, le=1)
+    chat_template_kwargs: dict[str, Any] | None = None
+    enable_thinking: bool | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _not_reserved(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(value or {}))
+        if reserved:
+            raise ValueError(f"{', '.join(reserved)} cannot be set here: the gateway renders the prompt")
+        return value
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """Extra variables for the chat template."""
+        top_level = {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
+        return {**top_level, **(self.chat_template_kwargs or {})}
 
 
 @dataclass(frozen=True)
@@ -241,7 +281,7 @@ class Gateway:
             self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
         messages = normalize_messages(request.messages)
         tools = request.tools if request.tool_choice != "none" else None
-        return messages, prompt_token_ids(self._tokenizer, messages, tools)
+        return messages, prompt_token_ids(self._tokenizer, messages, tools, request.template_kwargs())
 
     async def complete(self, key: str, request: ChatCompletionRequest) -> tuple[dict[str, Any], RecordedCall]:
         session = self._session(key)

@@ -17,6 +17,7 @@ Launch: through `opd train job.yaml` (local Ray) or the job server; never import
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import time
@@ -470,6 +471,7 @@ class JobDriver:
         """Trains to the end (or `stop_after` steps / a stop request) and returns the summary."""
         self.status = "running"
         self._started_at = time.time()
+        self._report_ignored_fields()
         try:
             await self._start_components()
             assert self._student is not None and self._teacher is not None and self._learner is not None
@@ -534,6 +536,21 @@ class JobDriver:
             raise
         finally:
             await self.shutdown()
+
+    def _report_ignored_fields(self) -> None:
+        """One `warning` event per job for the Bailian-only settings it gave (a resumed run finds it)."""
+        ignored = self.spec.ignored_fields
+        if not ignored:
+            return
+        path = self.log.events_path
+        lines = path.read_text().splitlines() if path.exists() else []
+        if any("ignored_fields" in json.loads(line).get("data", {}) for line in lines if line):
+            return
+        self.emit(
+            "warning",
+            "ignored Bailian-only fields, they have no meaning here: " + ", ".join(sorted(ignored)),
+            ignored_fields=ignored,
+        )
 
     async def _probe_segments(self) -> list[TrainSegment]:
         """A few student samples, to compare the learner's logprobs with the sampler's (drift)."""

@@ -8,22 +8,90 @@ message naming the field (`load_job_spec` turns pydantic's errors into one `Conf
 A job with no rollout component is Model OPD (the built-in one-call rollout); with one it is Agentic OPD.
 Reward components score every rollout (training and validation); an evaluator component, if any, scores
 validation rollouts only. Rewards enter the loss by default (`reward_coef`, see `opd_trainer.loss`).
+
+Bailian job documents are accepted as written: a dataset may be Bailian's
+`{data_source_type: FILE_ID, file_name}` object (normalised here, once, to its `file_name`), and
+Bailian-only settings with no meaning here (`resources.charge_type`, `resources.mtu_spec_code`,
+`resources.mtu_capacity`, `hyper_parameters.opd_teacher_*` deployment keys) are moved to
+`ignored_fields`, which the job driver reports once in the job's events. Anything else unknown is
+still an error naming the field.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from enum import Enum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    JsonValue,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from opd_trainer.errors import ConfigError
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# Bailian settings that have no meaning for this trainer: billing and Bailian's own teacher deployment.
+BAILIAN_ONLY_RESOURCES = frozenset({"charge_type", "mtu_spec_code", "mtu_capacity"})
+BAILIAN_ONLY_HYPER_PARAMETER_PREFIX = "opd_teacher_"
+
+
+def is_bailian_only(path: str) -> bool:
+    """True for `resources.{charge_type,mtu_spec_code,mtu_capacity}` and `hyper_parameters.opd_teacher_*`."""
+    section, _, name = path.partition(".")
+    if section == "resources":
+        return name in BAILIAN_ONLY_RESOURCES
+    return section == "hyper_parameters" and name.startswith(BAILIAN_ONLY_HYPER_PARAMETER_PREFIX)
+
+
+class DataSourceType(str, Enum):  # noqa: UP042 -- `str, Enum` like Bailian's, so it compares to "FILE_ID"
+    """Where a Bailian dataset object's `file_name` points; FILE_ID: a file (a local path or a file id)."""
+
+    FILE_ID = "FILE_ID"
+
+
+class DatasetSource(_Strict):
+    """Bailian's dataset object; in a job spec it stands for its `file_name`."""
+
+    data_source_type: DataSourceType = Field(
+        default=DataSourceType.FILE_ID, description="FILE_ID: `file_name` is a local path or a file id."
+    )
+    file_name: str = Field(min_length=1, description="A local JSONL path (uploaded on submit) or a file id.")
+
+    @field_validator("data_source_type", mode="before")
+    @classmethod
+    def _any_case(cls, value: Any) -> Any:
+        return value.upper() if isinstance(value, str) else value
+
+
+def _dataset_file(value: Any) -> Any:
+    """A dataset entry in its one stored form, the string: Bailian's object becomes its `file_name`."""
+    if isinstance(value, DatasetSource):
+        return value.file_name
+    if isinstance(value, Mapping):
+        try:
+            return DatasetSource.model_validate(value).file_name
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            raise ValueError(f"{_field_path(first['loc'])}: {first['msg']}") from None
+    return value
+
+
+# The schema (and so the API's OpenAPI document) shows both accepted forms; the value is the string.
+DatasetFile = Annotated[str, BeforeValidator(_dataset_file, json_schema_input_type=str | DatasetSource)]
 
 
 class FcModel(_Strict):
@@ -212,15 +280,55 @@ class JobSpec(_Strict):
     teacher_model: str = Field(
         min_length=1, description="Teacher: same tokenizer and chat template as the student."
     )
-    training_datasets: list[str] = Field(min_length=1, description="JSONL files (paths or file ids).")
-    validation_datasets: list[str] = Field(default_factory=list, description="JSONL files for evaluation.")
+    training_datasets: list[DatasetFile] = Field(
+        min_length=1,
+        description="JSONL files (paths or file ids, or Bailian's {data_source_type, file_name}).",
+    )
+    validation_datasets: list[DatasetFile] = Field(
+        default_factory=list, description="JSONL files for evaluation, in the same forms."
+    )
     functions: list[FunctionComponent] = Field(
-        default_factory=list, description="At most one rollout component and any number of reward components."
+        default_factory=list,
+        description="At most one rollout component, any number of reward components and at most one "
+        "evaluator component (validation only).",
     )
     hyper_parameters: HyperParameters = Field(
         default_factory=HyperParameters, description="Training settings."
     )
     resources: Resources = Field(default_factory=Resources, description="Engine and learner placement.")
+    ignored_fields: dict[str, JsonValue] = Field(
+        default_factory=dict,
+        description="Bailian-only settings with no meaning here, by path (`resources.charge_type`, "
+        "`resources.mtu_spec_code`, `resources.mtu_capacity`, `hyper_parameters.opd_teacher_*`): "
+        "set aside from the document as given and reported once in the job's events.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _set_aside_bailian_only(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping):
+            return data
+        data, moved = dict(data), {}
+        for section in ("resources", "hyper_parameters"):
+            values = data.get(section)
+            if not isinstance(values, Mapping):
+                continue
+            ignored = {k: v for k, v in values.items() if is_bailian_only(f"{section}.{k}")}
+            if ignored:
+                data[section] = {k: v for k, v in values.items() if k not in ignored}
+                moved.update({f"{section}.{k}": v for k, v in ignored.items()})
+        if moved:
+            earlier = data.get("ignored_fields")
+            data["ignored_fields"] = {**(earlier if isinstance(earlier, Mapping) else {}), **moved}
+        return data
+
+    @field_validator("ignored_fields")
+    @classmethod
+    def _only_bailian_fields(cls, value: dict[str, JsonValue]) -> dict[str, JsonValue]:
+        unknown = sorted(path for path in value if not is_bailian_only(path))
+        if unknown:
+            raise ValueError(f"{', '.join(unknown)}: not a Bailian-only field this trainer ignores")
+        return value
 
     @model_validator(mode="after")
     def _components(self) -> JobSpec:

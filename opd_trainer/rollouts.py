@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import httpx
+from pydantic import JsonValue
 
 from opd_trainer.dataset import Sample
 from opd_trainer.gateway import RecordedCall
@@ -93,9 +94,9 @@ class RolloutResult:
         }
 
 
-def ground_truth_of(sample: Sample) -> str | None:
-    value = sample.rollout_extra.get("ground_truth", sample.rollout_extra.get("solution"))
-    return None if value is None else str(value)
+def ground_truth_of(sample: Sample) -> JsonValue:
+    """The sample's reference answer as stored: Bailian rewards `json.loads` a string, use a dict as is."""
+    return sample.rollout_extra.get("ground_truth", sample.rollout_extra.get("solution"))
 
 
 def component_reward(component: FunctionComponent, reward_score: float, metrics: dict[str, float]) -> float:

@@ -22,6 +22,9 @@ runs a plain `def` in a thread so it cannot stall the worker's event loop.
 Inputs accept unknown fields (a newer trainer may send more); outputs reject them, so a misspelt
 field (`reward_scores=`) fails loudly instead of being dropped. Every model pickles (Ray ships them
 between processes); `api_key` is a `SecretStr`, so it never shows in a repr, log line or JSON dump.
+`ground_truth` arrives exactly as the dataset stores it (a JSON string stays a string, an object is a
+dict), and `request_metadata` is optional so a local test can build an input by hand, as Bailian's
+local-test advice does; the trainer's workers always set it.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import weakref
 from enum import Enum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, SecretStr
 
 from opd_trainer.tracing import observe_processor, trace_client
 
@@ -135,13 +138,16 @@ class RolloutInput(_Input):
 
     messages: list[dict[str, Any]] = Field(description="The sample's chat messages (OpenAI format).")
     tools: list[dict[str, Any]] | None = Field(default=None, description="The sample's tool schemas.")
-    ground_truth: str | None = Field(default=None, description="The sample's reference answer, if any.")
+    ground_truth: JsonValue = Field(
+        default=None, description="The sample's reference answer as stored (string, number, object, ...)."
+    )
     rollout_extra: dict[str, Any] = Field(default_factory=dict, description="The sample's extra data.")
     sampling_params: dict[str, Any] = Field(
         default_factory=dict, description="Sampling settings to pass to the student (temperature, ...)."
     )
     model_resource: ModelResource = Field(description="The student endpoint.")
-    request_metadata: RequestMetadata = Field(description="Ids of this rollout attempt.")
+    # Optional, as in Bailian's SDK: a local test builds a RolloutInput without it; workers always set it.
+    request_metadata: RequestMetadata | None = Field(default=None, description="Ids of this rollout attempt.")
 
 
 class AgentOutput(_Output):
@@ -164,8 +170,12 @@ class RolloutOutput(_Output):
 class RewardInput(_Input):
     """What a reward processor receives: one finished rollout."""
 
-    ground_truth: str | None = Field(default=None, description="The sample's reference answer, if any.")
-    request_metadata: RequestMetadata = Field(description="Ids of the rollout being scored.")
+    ground_truth: JsonValue = Field(
+        default=None, description="The sample's reference answer as stored (string, number, object, ...)."
+    )
+    request_metadata: RequestMetadata | None = Field(
+        default=None, description="Ids of the rollout being scored."
+    )
     agent_output: AgentOutput = Field(description="The rollout's conversation.")
 
 

@@ -5,10 +5,12 @@
   `opd.rollout_id`, `opd.attempt_id`; a FAILED output or an exception sets the span's status to
   ERROR (the exception still propagates). Workers call `ensure_observed(processor)`, which applies it
   unless the user already did (the wrapper carries the marker attribute `__opd_observed__`).
-- `trace_client(client)` returns a proxy of an `openai.OpenAI`/`AsyncOpenAI` client (or anything
-  with `.chat.completions.create`) that opens an `llm.call` child span per chat completion:
-  `llm.model`, `llm.num_messages`, `llm.num_tools`, and from the response `llm.tool_calls`,
-  `llm.finish_reasons`, `llm.usage.{prompt,completion,total}_tokens` when present.
+- `trace_client(client)` instruments, in place, an `openai.OpenAI`/`AsyncOpenAI` client (or anything
+  with `.chat.completions.create`) or a LangChain `ChatOpenAI` (also through `bind_tools`), and
+  returns it: each chat completion opens an `llm.call` child span with `llm.model`,
+  `llm.num_messages`, `llm.num_tools`, and from the response `llm.tool_calls`, `llm.finish_reasons`,
+  `llm.usage.{prompt,completion,total}_tokens` when present. In place, because Bailian's documented
+  call `trace_client(llm)` discards the return value.
 - Every finished span that belongs to a rollout (it or an ancestor carries `opd.rollout_id`) is kept
   in memory until `collect_spans(rollout_id)` hands it out as a plain dict, so a worker can attach a
   rollout's spans to its result; the store holds at most `max_spans` spans and drops the oldest.
@@ -44,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "OBSERVED_MARKER",
+    "TRACED_MARKER",
     "collect_spans",
     "configure_tracing",
     "ensure_observed",
@@ -53,6 +56,8 @@ __all__ = [
 
 OBSERVED_MARKER = "__opd_observed__"
 """Attribute set to True on functions wrapped by `observe_processor`."""
+TRACED_MARKER = "__opd_traced__"
+"""Attribute set to True on client methods `trace_client` replaced."""
 
 JOB_ID, SAMPLE_ID, ROLLOUT_ID, ATTEMPT_ID = "opd.job_id", "opd.sample_id", "opd.rollout_id", "opd.attempt_id"
 DEFAULT_MAX_SPANS = 20_000
@@ -416,7 +421,20 @@ def _request_attributes(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def _parsed(response: Any) -> Any:
+    """The completion inside an openai raw response (`with_raw_response`, what LangChain calls)."""
+    parse = getattr(response, "parse", None)
+    if _get(response, "choices") is None and hasattr(response, "http_response") and callable(parse):
+        # Only the legacy raw response parses synchronously, and it caches the result, so the caller's
+        # own `.parse()` gets the same object; an async one is left alone (nothing here awaits it).
+        if not inspect.iscoroutinefunction(parse):
+            return parse()
+        return None
+    return response
+
+
 def _response_attributes(response: Any) -> dict[str, Any]:
+    response = _parsed(response)
     choices = _get(response, "choices") or []
     usage = _get(response, "usage")
     return {
@@ -462,95 +480,108 @@ def _traced_call(fn: Callable[..., Any]) -> Callable[..., Any]:
             _close_llm_span(span, token, kwargs, response=response)
             return response
 
-        return async_call
+        wrapper: Any = async_call
+    else:
 
-    @functools.wraps(fn)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        span, token = _open_llm_span(kwargs)
-        try:
-            response = fn(*args, **kwargs)
-        except BaseException as exc:
-            _close_llm_span(span, token, kwargs, error=exc)
-            raise
-        _close_llm_span(span, token, kwargs, response=response)
-        return response
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            span, token = _open_llm_span(kwargs)
+            try:
+                response = fn(*args, **kwargs)
+            except BaseException as exc:
+                _close_llm_span(span, token, kwargs, error=exc)
+                raise
+            _close_llm_span(span, token, kwargs, response=response)
+            return response
 
-    return call
-
-
-class _Proxy:
-    """Forwards every attribute read and write to the wrapped object."""
-
-    __slots__ = ("_target",)
-
-    def __init__(self, target: Any) -> None:
-        object.__setattr__(self, "_target", target)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._target, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._target, name, value)
-
-    def __dir__(self) -> list[str]:
-        return sorted(set(dir(self._target)) | set(super().__dir__()))
-
-    def __repr__(self) -> str:
-        return f"<traced {self._target!r}>"
+        wrapper = call
+    setattr(wrapper, TRACED_MARKER, True)
+    return wrapper
 
 
-class _TracedCompletions(_Proxy):
-    __slots__ = ()
-
-    def __getattr__(self, name: str) -> Any:
-        attribute = getattr(self._target, name)
-        if name in _TRACED_METHODS and callable(attribute):
-            return _traced_call(attribute)
-        return attribute
-
-
-class _TracedChat(_Proxy):
-    __slots__ = ()
-
-    @property
-    def completions(self) -> _TracedCompletions:
-        return _TracedCompletions(self._target.completions)
+def _instrument_method(owner: Any, name: str) -> bool:
+    """Shadows `owner.name` with a traced wrapper on this instance only; True if it is traced now."""
+    method = getattr(owner, name, None)
+    if not callable(method):
+        return False
+    if getattr(method, TRACED_MARKER, False):
+        return True  # already traced: a second trace_client must not add a second span per call
+    try:
+        setattr(owner, name, _traced_call(method))
+    except (AttributeError, TypeError):  # a frozen or slotted object
+        return False
+    return True
 
 
-class _TracedClient(_Proxy):
-    __slots__ = ()
+def _instrument_completions(completions: Any) -> bool:
+    """Traces `create` and `parse` of one `chat.completions` resource, and of its raw-response view."""
+    traced = [_instrument_method(completions, name) for name in _TRACED_METHODS]
+    # openai builds `with_raw_response` (LangChain's path) on first use around the `create` it sees
+    # then: built later it wraps the traced method, but one built before this call holds the plain
+    # one and needs its own wrapper.
+    raw_view = getattr(completions, "__dict__", {}).get("with_raw_response")
+    if raw_view is not None:
+        for name in _TRACED_METHODS:
+            _instrument_method(raw_view, name)
+    return any(traced)
 
-    @property
-    def chat(self) -> _TracedChat:
-        return _TracedChat(self._target.chat)
 
-    def with_options(self, *args: Any, **kwargs: Any) -> _TracedClient:
-        return _TracedClient(self._target.with_options(*args, **kwargs))
+def _instrument_openai_client(client: Any) -> bool:
+    """Traces an `openai.OpenAI`/`AsyncOpenAI` (or anything with `.chat.completions.create`) in place."""
+    completions = _get(_get(client, "chat"), "completions")
+    if completions is None or not _instrument_completions(completions):
+        return False
+    # `with_options`/`copy` build a new client with fresh resources: keep those traced too, so
+    # `trace_client(client).with_options(timeout=5)` still records. The original is left as it was.
+    for name in ("copy", "with_options"):
+        derive = getattr(client, name, None)
+        if callable(derive) and not getattr(derive, TRACED_MARKER, False):
+            _safely(setattr, client, name, _tracing_derivation(derive))
+    return True
 
-    def copy(self, *args: Any, **kwargs: Any) -> _TracedClient:
-        return _TracedClient(self._target.copy(*args, **kwargs))
 
-    def __enter__(self) -> _TracedClient:
-        self._target.__enter__()
-        return self
+def _tracing_derivation(derive: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(derive)
+    def traced_derive(*args: Any, **kwargs: Any) -> Any:
+        return trace_client(derive(*args, **kwargs))
 
-    def __exit__(self, *exc_info: Any) -> Any:
-        return self._target.__exit__(*exc_info)
+    setattr(traced_derive, TRACED_MARKER, True)
+    return traced_derive
 
-    async def __aenter__(self) -> _TracedClient:
-        await self._target.__aenter__()
-        return self
 
-    async def __aexit__(self, *exc_info: Any) -> Any:
-        return await self._target.__aexit__(*exc_info)
+def _instrument(client: Any, depth: int = 0) -> bool:
+    if _instrument_openai_client(client):
+        return True
+    # LangChain's ChatOpenAI (and AzureChatOpenAI) keep their openai clients in these fields; `client`
+    # and `async_client` are the same `chat.completions` resources as the roots', traced once.
+    traced = False
+    for name in ("root_client", "root_async_client"):
+        traced |= _instrument_openai_client(_get(client, name))
+    for name in ("client", "async_client"):
+        resource = _get(client, name)
+        if resource is not None and callable(getattr(resource, "create", None)):
+            traced |= _instrument_completions(resource)
+    if traced:
+        return True
+    # A LangChain binding (`llm.bind_tools(...)`) calls the model it wraps.
+    bound = _get(client, "bound")
+    return bound is not None and depth < 8 and _instrument(bound, depth + 1)
 
 
 def trace_client(client: C) -> C:
-    """A proxy of `client` whose `chat.completions.create` (and `.parse`) calls are `llm.call` spans.
+    """Traces `client` in place, so each chat completion it makes is an `llm.call` span; returns it.
 
-    Everything else reads and writes through to the client, so the proxy is used exactly like it
-    (`isinstance` checks against the client class are the one exception). Wrapping twice is a no-op.
+    Works on `openai.OpenAI`/`AsyncOpenAI` (and anything with `.chat.completions.create`), LangChain's
+    `ChatOpenAI` and a LangChain binding of one (`llm.bind_tools(...)`). Both Bailian's
+    `trace_client(llm)` and `llm = trace_client(llm)` therefore work, and so do bindings made before or
+    after the call. Only this object is changed (its own `create`/`parse`, never the class): a client
+    it was copied from (like the shared one behind `ModelResource.openai_client()`) stays untraced,
+    while clients later derived from it with `with_options`/`copy` are traced as well. Tracing an
+    object twice is a no-op.
     """
-    if isinstance(client, _TracedClient):
-        return client
-    return _TracedClient(client)  # type: ignore[return-value]
+    if not _safely(_instrument, client):
+        logger.warning(
+            "trace_client: %s has no OpenAI chat.completions client to trace; its calls record no spans",
+            type(client).__qualname__,
+        )
+    return client

@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from pydantic import JsonValue
+
 from opd_trainer.job_spec import FunctionComponent
 from opd_trainer.sdk import AgentOutput, RequestMetadata, RewardInput, RewardOutput
 from opd_trainer.worker_pool import WorkerPool
@@ -21,7 +23,7 @@ class RewardPool(WorkerPool):
         super().__init__(job_id, component, workspace, **options)
 
     async def score(
-        self, *, sample_id: str, rollout_id: str, ground_truth: str | None, agent_output: AgentOutput
+        self, *, sample_id: str, rollout_id: str, ground_truth: JsonValue, agent_output: AgentOutput
     ) -> tuple[RewardOutput, list[dict[str, Any]]]:
         def payload(attempt_id: int) -> RewardInput:
             return RewardInput(

@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from pydantic import JsonValue
+
 from opd_trainer.job_spec import FunctionComponent
 from opd_trainer.sdk import ModelResource, RequestMetadata, RolloutInput, RolloutOutput
 from opd_trainer.worker_pool import WorkerPool
@@ -27,7 +29,7 @@ class RolloutPool(WorkerPool):
         rollout_id: str,
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None,
-        ground_truth: str | None,
+        ground_truth: JsonValue,
         rollout_extra: dict[str, Any],
         sampling_params: dict[str, Any],
         model_resource: ModelResource,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -163,3 +164,68 @@ def test_langchain_bind_tools_works_through_the_gateway(
     for got, want in zip(reply.tool_calls, recorded.get("tool_calls", []), strict=True):
         assert got["name"] == want["function"]["name"]
         assert got["args"] == json.loads(want["function"]["arguments"])
+
+
+# Qwen3's thinking switch, appended to the tiny template (which has none): an empty think block.
+THINKING_SWITCH = (
+    "{%- if add_generation_prompt and enable_thinking is defined and enable_thinking is false -%}"
+    '{{- "<think>\\n\\n</think>\\n\\n" -}}'
+    "{%- endif -%}"
+)
+
+
+def test_enable_thinking_from_extra_body_reaches_the_chat_template(
+    student_engine: Any, tiny_models: TinyModels, tmp_path: Path
+) -> None:
+    from langchain_openai import ChatOpenAI
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_models.student))
+    tokenizer.chat_template = tokenizer.chat_template + THINKING_SWITCH
+    tokenizer.save_pretrained(str(tmp_path / "thinking"))
+    actor = GatewayActor.remote(  # type: ignore[attr-defined]
+        "student",
+        str(tmp_path / "thinking"),
+        [student_engine],
+        max_tokens=4,
+        temperature=1.0,
+        max_length=1024,
+    )
+    base_url = ray.get(actor.serve.remote())
+    messages = [{"role": "user", "content": "Can you look up item K-6747 for me?"}]
+
+    def recorded_prompt(rollout: str, call: Any) -> list[int]:
+        key = ray.get(actor.open_rollout.remote(rollout))
+        call(key)
+        [recorded] = ray.get(actor.close_rollout.remote(key))
+        return list(recorded.prompt_token_ids)
+
+    try:
+        plain = recorded_prompt(
+            "r-plain",
+            lambda key: OpenAI(base_url=base_url, api_key=key).chat.completions.create(
+                model="student", messages=messages
+            ),
+        )
+        # Bailian's rollout template: ChatOpenAI(extra_body={"enable_thinking": False}).
+        langchain = recorded_prompt(
+            "r-langchain",
+            lambda key: ChatOpenAI(
+                model="student", base_url=base_url, api_key=key, extra_body={"enable_thinking": False}
+            ).invoke(messages[0]["content"]),
+        )
+        # vLLM's spelling of the same switch.
+        kwargs = recorded_prompt(
+            "r-kwargs",
+            lambda key: OpenAI(base_url=base_url, api_key=key).chat.completions.create(
+                model="student",
+                messages=messages,
+                extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+            ),
+        )
+    finally:
+        ray.get(actor.shutdown.remote())
+        ray.kill(actor)
+    assert langchain == kwargs
+    assert langchain[: len(plain)] == plain
+    assert tokenizer.decode(langchain[len(plain) :]) == "<think>\n\n</think>\n\n"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -134,3 +135,95 @@ def test_unreadable_or_invalid_job_files(tmp_path: Path) -> None:
     listing.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="mapping"):
         load_job_spec(listing)
+
+
+# -- Bailian job documents ------------------------------------------------------------------------
+
+BAILIAN = {
+    **MINIMAL,
+    "training_datasets": [{"data_source_type": "FILE_ID", "file_name": "data/train.jsonl"}],
+    "validation_datasets": [{"data_source_type": "FILE_ID", "file_name": "file-abc"}, "val.jsonl"],
+    "hyper_parameters": {"batch_size": 4, "opd_teacher_replicas": 2, "opd_teacher_spec": {"gpu": "A10"}},
+    "resources": {
+        "charge_type": "mtu_postpaid",
+        "mtu_spec_code": "MTU4",
+        "mtu_capacity": 24,
+        "learner_gpus": 0,
+    },
+}
+IGNORED = {
+    "resources.charge_type": "mtu_postpaid",
+    "resources.mtu_spec_code": "MTU4",
+    "resources.mtu_capacity": 24,
+    "hyper_parameters.opd_teacher_replicas": 2,
+    "hyper_parameters.opd_teacher_spec": {"gpu": "A10"},
+}
+
+
+def test_bailian_job_is_accepted_with_its_only_fields_set_aside() -> None:
+    spec = parse_job_spec(BAILIAN)
+    assert spec.training_datasets == ["data/train.jsonl"]
+    assert spec.validation_datasets == ["file-abc", "val.jsonl"]
+    assert spec.ignored_fields == IGNORED
+    assert (spec.hyper_parameters.batch_size, spec.resources.learner_gpus) == (4, 0)  # the rest applies
+    assert parse_job_spec(MINIMAL).ignored_fields == {}
+
+
+def test_bailian_job_survives_the_servers_storage_round_trip() -> None:
+    spec = parse_job_spec(BAILIAN)
+    stored = json.loads(json.dumps(spec.model_dump(mode="json", exclude_none=True)))  # as api/ keeps it
+    assert stored["ignored_fields"] == IGNORED and stored["training_datasets"] == ["data/train.jsonl"]
+    assert JobSpec.model_validate(stored) == spec
+
+
+def test_dataset_objects_in_any_case_and_as_objects() -> None:
+    from opd_trainer.job_spec import DatasetSource, DataSourceType
+
+    spec = parse_job_spec(
+        {
+            **MINIMAL,
+            "training_datasets": [
+                {"data_source_type": "file_id", "file_name": "a.jsonl"},
+                {"file_name": "b.jsonl"},
+                DatasetSource(data_source_type=DataSourceType.FILE_ID, file_name="c.jsonl"),
+            ],
+        }
+    )
+    assert spec.training_datasets == ["a.jsonl", "b.jsonl", "c.jsonl"]
+
+
+@pytest.mark.parametrize(
+    ("patch", "field", "named"),
+    [
+        ({"resources": {"charge": "mtu_postpaid"}}, "resources.charge", "Extra inputs"),
+        ({"hyper_parameters": {"opd_student_replicas": 2}}, "hyper_parameters.opd_student_replicas", "Extra"),
+        ({"mtu_capacity": 24}, "mtu_capacity", "Extra inputs"),  # only under resources, as in Bailian
+        (
+            {"training_datasets": [{"data_source_type": "OSS", "file_name": "a"}]},
+            "training_datasets.0",
+            "data_source_type",
+        ),
+        ({"training_datasets": [{"file_name": "a", "path": "b"}]}, "training_datasets.0", "path"),
+        ({"validation_datasets": [{"data_source_type": "FILE_ID"}]}, "validation_datasets.0", "file_name"),
+        ({"ignored_fields": {"resources.zero_stage": 1}}, "ignored_fields", "resources.zero_stage"),
+    ],
+)
+def test_unknown_fields_are_still_errors_naming_the_field(patch: dict, field: str, named: str) -> None:
+    with pytest.raises(ConfigError) as raised:
+        parse_job_spec({**BAILIAN, **patch})
+    assert raised.value.field == field
+    assert named in str(raised.value)
+
+
+def test_yaml_dataset_objects_resolve_against_its_folder(tmp_path: Path) -> None:
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text("{}\n")
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        "job_name: j\nmodel: m\nteacher_model: t\n"
+        "training_datasets:\n- {data_source_type: FILE_ID, file_name: data/train.jsonl}\n"
+        "resources: {charge_type: mtu_postpaid}\n"
+    )
+    spec = load_job_spec(job)
+    assert spec.training_datasets == [str((tmp_path / "data" / "train.jsonl").resolve())]
+    assert spec.ignored_fields == {"resources.charge_type": "mtu_postpaid"}

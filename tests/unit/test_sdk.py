@@ -85,6 +85,61 @@ def test_field_names_follow_bailian() -> None:
     assert callable(observe_processor) and callable(trace_client)
 
 
+def test_bailian_local_test_input_needs_no_request_metadata() -> None:
+    # Bailian's local-test advice, verbatim: three fields plus rollout_extra, no request_metadata.
+    mock_input = RolloutInput(
+        model_resource=ModelResource(model_name="", base_url="", api_key=""),
+        sampling_params={"temperature": 0.2, "max_tokens": 512, "timeout": 60.0},
+        messages=[{"role": "user", "content": "查询项目 P100 的状态"}],
+        rollout_extra={"sample_id": "test-001"},
+    )
+    assert mock_input.request_metadata is None and mock_input.ground_truth is None
+    reward_input = RewardInput(ground_truth=None, agent_output=_agent_output())
+    assert reward_input.request_metadata is None
+    assert pickle.loads(pickle.dumps(mock_input)) == mock_input
+
+
+GROUND_TRUTHS = [
+    '{"decision": "clarify", "mentions": ["编号"]}',
+    42,
+    4.5,
+    True,
+    {"decision": "tool_call", "tool_calls": [{"name": "query_status", "arguments": {"item_id": "P100"}}]},
+    ["a", 1, None],
+    None,
+]
+
+
+@pytest.mark.parametrize("value", GROUND_TRUTHS)
+def test_ground_truth_is_any_json_value_kept_as_given(value: object) -> None:
+    rollout_input = RolloutInput.model_validate({**_rollout_input().model_dump(), "ground_truth": value})
+    reward_input = RewardInput(ground_truth=value, agent_output=_agent_output())
+    for model in (rollout_input, reward_input):
+        assert model.ground_truth == value and type(model.ground_truth) is type(value)
+        assert pickle.loads(pickle.dumps(model)).ground_truth == value
+    assert RewardInput.model_validate_json(reward_input.model_dump_json()).ground_truth == value
+
+
+def test_ground_truth_must_be_json() -> None:
+    with pytest.raises(ValidationError, match="ground_truth"):
+        RewardInput(ground_truth=object(), agent_output=_agent_output())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", GROUND_TRUTHS)
+def test_the_trainer_passes_the_stored_ground_truth_through(value: object) -> None:
+    from opd_trainer.dataset import Sample
+    from opd_trainer.rollouts import ground_truth_of
+
+    def sample(extra: dict[str, object]) -> Sample:
+        return Sample("train.jsonl", 1, [{"role": "user", "content": "hi"}], None, extra)
+
+    assert ground_truth_of(sample({"solution": value})) == value
+    assert type(ground_truth_of(sample({"solution": value}))) is type(value)
+    # An explicit ground_truth wins over solution, as documented in opd_trainer/rollouts.py.
+    assert ground_truth_of(sample({"ground_truth": value, "solution": "other"})) == value
+    assert ground_truth_of(sample({})) is None
+
+
 def test_inputs_accept_unknown_fields_outputs_reject_them() -> None:
     data = _rollout_input().model_dump()
     data["model_resource"]["api_key"] = SECRET

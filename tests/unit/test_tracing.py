@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
+import json
 import threading
 import uuid
 from types import SimpleNamespace
@@ -225,14 +227,220 @@ def test_tracing_failure_never_breaks_user_code(monkeypatch: pytest.MonkeyPatch)
     assert collect_spans(rid) == []
 
 
-def test_trace_client_is_a_transparent_proxy() -> None:
+def test_trace_client_instruments_in_place_and_returns_the_client() -> None:
+    rid = new_id()
     client = fake_client(FakeSyncCompletions())
-    traced = trace_client(client)
-    assert trace_client(traced) is traced
-    assert traced.api_key == "k"
-    traced.api_key = "k2"
-    assert client.api_key == "k2"
-    assert traced.chat.completions.create(model="m", messages=[]) is RESPONSE
+    assert trace_client(client) is client  # Bailian's `trace_client(llm)` discards this
+    assert trace_client(client) is client  # a second call must not add a second span per call
+    assert getattr(client.chat.completions.create, tracing.TRACED_MARKER) is True
+
+    @observe_processor
+    def process(rollout_input: RolloutInput) -> RolloutOutput:
+        assert client.chat.completions.create(model="m", messages=[]) is RESPONSE
+        return RolloutOutput(agent_output=AgentOutput(messages=[]))
+
+    process(rollout_input(rid))
+    assert [s["name"] for s in collect_spans(rid)] == ["process", "llm.call"]
+
+
+def test_trace_client_leaves_what_it_cannot_trace_alone(caplog: pytest.LogCaptureFixture) -> None:
+    thing = SimpleNamespace(answer=42)
+    assert trace_client(thing) is thing and vars(thing) == {"answer": 42}
+    assert "no OpenAI chat.completions client" in caplog.text
+
+
+# -- real openai / LangChain clients -----------------------------------------------------------
+
+# openai >= 3 talks through `httpx2`, earlier versions through `httpx`: the transport below must come
+# from the library the installed openai uses.
+openai_http = importlib.import_module(openai.DefaultAsyncHttpxClient.__mro__[1].__module__.split(".")[0])
+
+COMPLETION = {
+    "id": "chatcmpl-1",
+    "object": "chat.completion",
+    "created": 1,
+    "model": "student",
+    "choices": [
+        {
+            "index": 0,
+            "message": {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call-1",
+                        "type": "function",
+                        "function": {"name": "query_status", "arguments": '{"item_id": "P100"}'},
+                    }
+                ],
+            },
+            "finish_reason": "tool_calls",
+        }
+    ],
+    "usage": {"prompt_tokens": 11, "completion_tokens": 7, "total_tokens": 18},
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "query_status",
+            "parameters": {"type": "object", "properties": {"item_id": {"type": "string"}}},
+        },
+    }
+]
+
+
+class CannedHTTP:
+    """The HTTP layer answered in-process with one fixed completion, so the real openai and LangChain
+    client code (request building, raw responses, parsing) runs without a server; every request's
+    key and JSON body are kept in `requests`."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, dict[str, Any]]] = []
+        transport = openai_http.MockTransport(self._answer)
+        self.sync = openai_http.Client(transport=transport)
+        self.async_ = openai_http.AsyncClient(transport=transport)
+
+    def _answer(self, request: Any) -> Any:
+        self.requests.append((request.headers["authorization"], json.loads(request.content)))
+        return openai_http.Response(200, json=COMPLETION)
+
+
+def llm_spans(rid: str) -> list[dict[str, Any]]:
+    return [s for s in collect_spans(rid) if s["name"] == "llm.call"]
+
+
+def run_in_rollout(rid: str, call: Any) -> None:
+    """Runs `call()` (a coroutine function) inside a processor span for rollout `rid`."""
+
+    @observe_processor
+    async def process(rollout_input: RolloutInput) -> RolloutOutput:
+        await call()
+        return RolloutOutput(agent_output=AgentOutput(messages=[]))
+
+    asyncio.run(process(rollout_input(rid)))
+
+
+def chat_openai(http: CannedHTTP) -> Any:
+    from langchain_openai import ChatOpenAI
+
+    # Constructed as Bailian's rollout template does (openai_api_key / openai_api_base, extra_body).
+    return ChatOpenAI(
+        model="student",
+        openai_api_key="per-rollout-key",
+        openai_api_base="http://gateway/v1",
+        temperature=0.2,
+        max_tokens=32,
+        extra_body={"enable_thinking": False},
+        streaming=False,
+        http_client=http.sync,
+        http_async_client=http.async_,
+    )
+
+
+@pytest.mark.parametrize("style", ["discard", "assign"])
+def test_langchain_chat_openai_bind_tools_records_one_span_per_call(style: str) -> None:
+    from langchain_core.messages import HumanMessage
+
+    http = CannedHTTP()
+    llm = chat_openai(http)
+    if style == "discard":
+        trace_client(llm)  # Bailian's documented call
+    else:
+        llm = trace_client(llm)
+    model = llm.bind_tools(TOOLS, tool_choice="auto")  # bound after tracing, as in the template
+    rid = new_id()
+
+    async def calls() -> None:
+        response = await model.ainvoke([HumanMessage(content="查询项目 P100 的状态")])
+        assert response.tool_calls[0]["args"] == {"item_id": "P100"}
+        await model.ainvoke([HumanMessage(content="again")])
+        assert model.invoke([HumanMessage(content="sync")]).tool_calls  # LangChain's sync path
+
+    run_in_rollout(rid, calls)
+    spans = llm_spans(rid)
+    assert len(spans) == 3 == len(http.requests)
+    assert all(s["attributes"]["opd.rollout_id"] == rid for s in spans)
+    assert spans[0]["attributes"] | {"llm.num_tools": 1, "llm.tool_calls": 1} == spans[0]["attributes"]
+    assert spans[0]["attributes"]["llm.usage.total_tokens"] == 18  # parsed from LangChain's raw response
+    assert http.requests[0][1]["enable_thinking"] is False  # extra_body reaches the request body
+
+
+def test_langchain_binding_made_before_tracing_and_tracing_a_binding() -> None:
+    http = CannedHTTP()
+    llm = chat_openai(http)
+    early = llm.bind_tools(TOOLS)
+    trace_client(llm.bind_tools(TOOLS))  # tracing a binding traces the model it wraps
+    trace_client(llm)  # and tracing the model again is a no-op
+    rid = new_id()
+
+    async def calls() -> None:
+        await early.ainvoke("hi")
+        await llm.ainvoke("hi")
+
+    run_in_rollout(rid, calls)
+    assert len(llm_spans(rid)) == 2 == len(http.requests)
+
+
+def test_openai_clients_traced_in_place_including_raw_responses() -> None:
+    http = CannedHTTP()
+    client = openai.AsyncOpenAI(base_url="http://gateway/v1", api_key="k", http_client=http.async_)
+    raw_before = client.chat.completions.with_raw_response  # a view built before tracing
+    trace_client(client)
+    rid = new_id()
+
+    async def calls() -> None:
+        await client.chat.completions.create(model="student", messages=[{"role": "user", "content": "a"}])
+        raw = await raw_before.create(model="student", messages=[{"role": "user", "content": "b"}])
+        assert raw.parse().choices[0].finish_reason == "tool_calls"
+        await client.with_raw_response.chat.completions.create(model="student", messages=[])
+
+    run_in_rollout(rid, calls)
+    spans = llm_spans(rid)
+    assert len(spans) == 3 == len(http.requests)
+    assert [s["attributes"]["llm.tool_calls"] for s in spans] == [1, 1, 1]
+
+
+def test_a_client_derived_from_a_traced_one_is_traced_and_the_original_untouched() -> None:
+    http = CannedHTTP()
+    plain = openai.OpenAI(base_url="http://gateway/v1", api_key="k0", http_client=http.sync)
+    traced = trace_client(plain.with_options(api_key="k1"))
+    derived = traced.with_options(api_key="k2", timeout=5)
+    rid = new_id()
+
+    async def calls() -> None:
+        for client in (plain, traced, derived):
+            client.chat.completions.create(model="student", messages=[])
+
+    run_in_rollout(rid, calls)
+    assert [key for key, _ in http.requests] == ["Bearer k0", "Bearer k1", "Bearer k2"]
+    assert len(llm_spans(rid)) == 2  # `plain` was never traced
+    assert not hasattr(plain.chat.completions.create, tracing.TRACED_MARKER)
+
+
+def test_model_resource_clients_share_a_pool_trace_once_and_keep_their_keys(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from opd_trainer import sdk
+
+    http = CannedHTTP()
+    monkeypatch.setattr(sdk, "_http_client", lambda: http.async_)
+    rid = new_id()
+
+    def resource(key: str) -> ModelResource:
+        return ModelResource(model_name="student", base_url="http://gateway/v1", api_key=key)
+
+    async def calls() -> None:
+        first, second = resource("k1").openai_client(), resource("k2").openai_client()
+        trace_client(first)  # user code tracing an already traced client again
+        for client in (first, second, trace_client(first)):
+            await client.chat.completions.create(model="student", messages=[])
+        [shared] = sdk._SHARED_CLIENTS[asyncio.get_running_loop()].values()
+        assert not hasattr(shared.chat.completions.create, tracing.TRACED_MARKER)
+
+    run_in_rollout(rid, calls)
+    assert [key for key, _ in http.requests] == ["Bearer k1", "Bearer k2", "Bearer k1"]
+    assert len(llm_spans(rid)) == 3
 
 
 def test_real_async_openai_client_error_is_recorded() -> None:

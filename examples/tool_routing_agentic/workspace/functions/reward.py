@@ -53,7 +53,8 @@ class ArgumentReward(AbstractRewardProcessor):
             return RewardOutput(status=TaskStatus.FAILED, error="no ground truth")
         parsed = evaluator.message_to_parsed(first_reply(reward_input))
         score = evaluator.score_reply(parsed, reward_input.ground_truth)
-        expected = json.loads(reward_input.ground_truth)["decision"]
+        solution = reward_input.ground_truth  # the dataset's value as stored: a JSON string or an object
+        expected = (json.loads(solution) if isinstance(solution, str) else solution)["decision"]
         unconfirmed = expected == "confirm" and any(call.name in DESTRUCTIVE for call in parsed.tool_calls)
         return RewardOutput(
             reward=Reward(

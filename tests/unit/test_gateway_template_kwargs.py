@@ -1,0 +1,106 @@
+"""Chat-template variables sent by a client (`enable_thinking`, `chat_template_kwargs`) reach the template."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+from fastapi.testclient import TestClient
+
+from opd_trainer.gateway import RESERVED_TEMPLATE_KWARGS, ChatCompletionRequest, Gateway
+
+# Qwen3's switch, reduced to its essentials: an empty think block when thinking is turned off.
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+    "{% endif %}"
+)
+MESSAGES = [{"role": "user", "content": "hello world"}]
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Gateway:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = [
+        "[UNK]",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<think>",
+        "</think>",
+        "user",
+        "assistant",
+        "hello",
+        "world",
+    ]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        unk_token="[UNK]",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>", "<think>", "</think>"],
+    )
+    fast.chat_template = THINKING_TEMPLATE
+    folder = tmp_path_factory.mktemp("thinking-tokenizer")
+    fast.save_pretrained(str(folder))
+    # No engine: these tests stop at the rendered prompt, before anything is generated.
+    return Gateway("student", str(folder), [], max_tokens=16, temperature=1.0, max_length=512)
+
+
+def prompt(gateway: Gateway, **body: object) -> list[int]:
+    _, ids = gateway._prompt_ids(ChatCompletionRequest.model_validate({"messages": MESSAGES, **body}))
+    return ids
+
+
+def think_id(gateway: Gateway) -> int:
+    return int(gateway._tokenizer.convert_tokens_to_ids("<think>"))
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"enable_thinking": False},  # what `extra_body={"enable_thinking": False}` sends (Bailian)
+        {"chat_template_kwargs": {"enable_thinking": False}},  # vLLM's field
+        {"enable_thinking": True, "chat_template_kwargs": {"enable_thinking": False}},  # the field wins
+    ],
+)
+def test_thinking_switch_reaches_the_template(gateway: Gateway, body: dict[str, object]) -> None:
+    plain = prompt(gateway)
+    assert think_id(gateway) not in plain
+    switched = prompt(gateway, **body)
+    assert switched[: len(plain)] == plain and think_id(gateway) in switched[len(plain) :]
+
+
+def test_thinking_left_on_renders_as_without_the_switch(gateway: Gateway) -> None:
+    assert prompt(gateway, enable_thinking=True) == prompt(gateway)
+    assert prompt(gateway, chat_template_kwargs={}) == prompt(gateway)
+
+
+def test_template_arguments_the_gateway_sets_are_refused_over_http(gateway: Gateway) -> None:
+    key = gateway.open_rollout("r-1")
+    with TestClient(gateway.app()) as http:
+        response = http.post(
+            "/v1/chat/completions",
+            json={"messages": MESSAGES, "chat_template_kwargs": {"tokenize": True}},
+            headers={"Authorization": f"Bearer {key}"},
+        )
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "chat_template_kwargs" and "tokenize" in error["message"]
+    assert gateway.close_rollout(key) == []
+
+
+def test_reserved_names_cover_apply_chat_template_arguments() -> None:
+    from transformers import PreTrainedTokenizerBase
+
+    parameters = set(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters)
+    assert parameters - {"self", "kwargs"} <= RESERVED_TEMPLATE_KWARGS
+
+
+def test_prompt_token_ids_passes_template_kwargs(gateway: Gateway) -> None:
+    from opd_trainer.chat import prompt_token_ids
+
+    expected = prompt(gateway, enable_thinking=False)  # also loads the gateway's tokenizer
+    assert prompt_token_ids(gateway._tokenizer, MESSAGES, None, {"enable_thinking": False}) == expected
