@@ -125,8 +125,12 @@ WORKSPACE = {
 }
 
 
+MODEL_CONTEXT = 4096
+
+
 def make_tokenizer(folder: Path, words: str = "hello world user assistant") -> Path:
-    """A tiny real Hugging Face tokenizer folder, enough for the server's same-tokenizer pre-flight."""
+    """A tiny real Hugging Face tokenizer folder, plus the `config.json` entry the server's pre-flight
+    reads (the context length, which bounds max_length); enough for every pre-flight but the engines."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -136,6 +140,7 @@ def make_tokenizer(folder: Path, words: str = "hello world user assistant") -> P
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", eos_token="<|im_end|>")
     fast.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}<|im_end|>{% endfor %}"
     fast.save_pretrained(str(folder))
+    (folder / "config.json").write_text(json.dumps({"max_position_embeddings": MODEL_CONTEXT}))
     return folder
 
 

@@ -257,6 +257,13 @@ CASES = [
     ),
     Case("spec: model folder missing", submit(model="/nonexistent/student"), 400, "model", "not found"),
     Case(
+        "spec: max_length beyond the models' context",
+        submit(hyper_parameters={"max_steps": 3, "batch_size": 2, "max_length": 8192}),
+        400,
+        "hyper_parameters.max_length",
+        "context of 4096",
+    ),
+    Case(
         "spec: teacher tokenizer differs",
         submit_raw(lambda t, s: {**s, "teacher_model": t.models["other"]}),
         400,
