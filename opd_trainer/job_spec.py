@@ -224,6 +224,15 @@ class HyperParameters(_Strict):
     max_drift: float = Field(
         default=0.05, gt=0, description="Pre-flight: largest allowed mean |learner − sampler| logprob drift."
     )
+    teacher_top_k: int = Field(
+        default=0,
+        ge=0,
+        # The teacher's scores are unpacked per (position, rank) in Python; beyond a few hundred that
+        # costs more than the teacher's forward pass.
+        le=256,
+        description="Teacher tokens scored per completion position: the sampled token's logprob plus the "
+        "teacher's teacher_top_k most likely tokens (temperature 1). 0: the sampled token only.",
+    )
 
 
 class EngineResources(_Strict):

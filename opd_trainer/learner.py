@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import ray
 
 from opd_trainer.errors import WeightSyncError
@@ -33,7 +34,9 @@ logger = logging.getLogger(__name__)
 class TrainSegment:
     """One LLM call of a rollout: the prompt is context, the completion is trained.
 
-    `sampler_logprobs` / `teacher_logprobs` hold one value per completion token.
+    `sampler_logprobs` / `teacher_logprobs` hold one value per completion token; with
+    `hyper_parameters.teacher_top_k` = K > 0, `teacher_top_ids` / `teacher_top_logprobs` hold the
+    teacher's K most likely tokens at each completion position ([T, K] int32 / float32), else None.
     """
 
     prompt_token_ids: list[int]
@@ -43,6 +46,8 @@ class TrainSegment:
     group_id: int
     rollout_id: int
     reward: float = 0.0
+    teacher_top_ids: np.ndarray | None = None
+    teacher_top_logprobs: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -189,7 +194,7 @@ class Learner:
             sampler[row, start:end] = torch.tensor(segment.sampler_logprobs)
             teacher[row, start:end] = torch.tensor(segment.teacher_logprobs)
         device = self._device
-        return {
+        batch = {
             # Position whose logits predict the earliest completion token of the batch.
             "first_scored_position": torch.tensor(min(len(s.prompt_token_ids) for s in segments) - 1),
             "input_ids_B_T": ids.to(device),
@@ -198,6 +203,32 @@ class Learner:
             "mask_B_T": mask.to(device),
             "sampler_B_T": sampler.to(device),
             "teacher_B_T": teacher.to(device),
+        }
+        if segments[0].teacher_top_ids is not None:
+            batch.update(self._pad_top_k(segments, width - 1))
+        return batch
+
+    def _pad_top_k(self, segments: list[TrainSegment], width: int) -> dict[str, torch.Tensor]:
+        """The teacher's top-k ids / logprobs, [B, T, K], aligned with `targets_B_T` like `_pad`'s tensors.
+
+        Positions without a teacher score hold id 0 and logprob 0: the loss mask is 0 there, and the
+        loss functions never read masked positions.
+        """
+        import torch
+
+        top_k = segments[0].teacher_top_ids.shape[1]  # type: ignore[union-attr]
+        ids_B_T_K = torch.zeros(len(segments), width, top_k, dtype=torch.long)
+        logprobs_B_T_K = torch.zeros(len(segments), width, top_k)
+        for row, segment in enumerate(segments):
+            if segment.teacher_top_ids is None or segment.teacher_top_logprobs is None:
+                raise ValueError("every segment of a batch needs the teacher's top-k, or none does")
+            start = len(segment.prompt_token_ids) - 1
+            end = start + len(segment.completion_token_ids)
+            ids_B_T_K[row, start:end] = torch.from_numpy(segment.teacher_top_ids).long()
+            logprobs_B_T_K[row, start:end] = torch.from_numpy(segment.teacher_top_logprobs)
+        return {
+            "teacher_top_ids_B_T_K": ids_B_T_K.to(self._device),
+            "teacher_top_logprobs_B_T_K": logprobs_B_T_K.to(self._device),
         }
 
     def _token_logprobs(self, model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
