@@ -179,6 +179,8 @@ class JobDriver:
             ratio_cap=hp.ratio_cap,
             zero_stage=spec.resources.zero_stage,
             seed=hp.seed,
+            distill_loss=hp.distill_loss,
+            jsd_beta=hp.jsd_beta,
         )
         self.emit("status", "starting engines and learner")
         learner_gpus = spec.resources.learner_gpu_fraction if on_gpu else 0.0

@@ -70,6 +70,9 @@ class LearnerSettings:
     ratio_cap: float
     zero_stage: int
     seed: int
+    distill_loss: str = "sampled"
+    """Estimator, as `hyper_parameters.distill_loss` (the job driver always passes it)."""
+    jsd_beta: float = 0.5
 
 
 def lr_multiplier(update: int, total_updates: int, warmup_updates: int, schedule: str) -> float:
@@ -231,11 +234,8 @@ class Learner:
             "teacher_top_logprobs_B_T_K": logprobs_B_T_K.to(self._device),
         }
 
-    def _token_logprobs(self, model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        import torch
-
-        from opd_trainer.loss import gather_token_logprobs
-
+    def _scored_logits(self, model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """float32 logits [B, S, V] of the positions from `first_scored_position` on (S = T − that)."""
         # Logits only from the first completion-predicting position on: prompts are ~95 % of a tiny
         # model's tokens, and their LM head + log-softmax was wasted work (prompt positions carry no loss).
         ids_B_T = batch["input_ids_B_T"]
@@ -243,11 +243,25 @@ class Learner:
         logits = model(
             input_ids=ids_B_T, attention_mask=batch["attention_B_T"], logits_to_keep=ids_B_T.shape[1] - first
         ).logits
+        return logits[:, :-1].float()
+
+    def _logprobs_of_targets(
+        self, logits_B_S_V: torch.Tensor, batch: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """[B, T] logprob of each target token at the sampling temperature, from `_scored_logits`."""
+        import torch
+
+        from opd_trainer.loss import gather_token_logprobs
+
+        first = int(batch["first_scored_position"])
         scored = gather_token_logprobs(
-            logits[:, :-1].float(), batch["targets_B_T"][:, first:], self.settings.temperature
+            logits_B_S_V, batch["targets_B_T"][:, first:], self.settings.temperature
         )
         # Back to full width (zeros where nothing is scored; the loss mask is 0 there).
         return torch.nn.functional.pad(scored, (first, 0))
+
+    def _token_logprobs(self, model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self._logprobs_of_targets(self._scored_logits(model, batch), batch)
 
     def compute_logprobs(self, segments: list[TrainSegment]) -> list[list[float]]:
         """The learner's logprob of each completion token (pre-flight drift probe, tests)."""
@@ -289,17 +303,10 @@ class Learner:
                 torch.tensor([s.rollout_id for s in minibatch], device=self._device),
                 self.settings.normalize_reward_by_std,
             )
-            advantages_B_T = opd_loss.opd_advantages(
-                batch["sampler_B_T"],
-                batch["teacher_B_T"],
-                batch["mask_B_T"],
-                self.settings.kl_coef,
-                reward_adv_B if self.settings.reward_coef > 0 else None,
-                self.settings.reward_coef,
-            )
-            learner_B_T = self._token_logprobs(self._engine, batch)
-            policy, stats = opd_loss.policy_loss(
-                learner_B_T, batch["sampler_B_T"], advantages_B_T, batch["mask_B_T"], self.settings.ratio_cap
+            logits_B_S_V = self._scored_logits(self._engine, batch)
+            learner_B_T = self._logprobs_of_targets(logits_B_S_V, batch)
+            policy, stats = self._distillation_loss(
+                batch, logits_B_S_V, learner_B_T, reward_adv_B if self.settings.reward_coef > 0 else None
             )
             total = policy
             if self._reference is not None:
@@ -315,9 +322,9 @@ class Learner:
                 grad_norms.append(float(grad_norm))
             totals["loss"] = totals.get("loss", 0.0) + float(total.detach())
             totals["ratio_mean"] = totals.get("ratio_mean", 0.0) + float(stats["ratio_mean"])
-            totals["ratio_truncated_frac"] = totals.get("ratio_truncated_frac", 0.0) + float(
-                stats["ratio_truncated_frac"]
-            )
+            for name in ("ratio_truncated_frac", "signal_std", "teacher_topk_mass", "student_topk_mass"):
+                if name in stats:
+                    totals[name] = totals.get(name, 0.0) + float(stats[name])
             ratio_max = max(ratio_max, float(stats["ratio_max"]))
         metrics = {name: value / len(minibatches) for name, value in totals.items()}
         metrics["ratio_max"] = ratio_max
@@ -329,6 +336,82 @@ class Learner:
             sum(len(s.prompt_token_ids) + len(s.completion_token_ids) for mb in minibatches for s in mb)
         )
         return metrics
+
+    def _distillation_loss(
+        self,
+        batch: dict[str, torch.Tensor],
+        logits_B_S_V: torch.Tensor,
+        learner_B_T: torch.Tensor,
+        reward_adv_B: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The `distill_loss` estimator plus the reward term, and its stats (see opd_trainer/loss.py).
+
+        `signal_std` is the spread over trained tokens of the per-token distillation signal: the sampled
+        log-ratio (minus the baseline for `sampled_baseline`), or the per-position divergence of a top-k
+        estimator. The top-k estimators and diagnostics see both models at temperature 1.
+        """
+        import torch
+
+        from opd_trainer import loss as opd_loss
+
+        settings = self.settings
+        mask_B_T, sampler_B_T, teacher_B_T = batch["mask_B_T"], batch["sampler_B_T"], batch["teacher_B_T"]
+        first = int(batch["first_scored_position"])
+        top_k = None
+        extra: dict[str, torch.Tensor] = {}
+        if "teacher_top_ids_B_T_K" in batch:
+            # The scored slice, aligned with logits_B_S_V.
+            top_k = (
+                batch["teacher_top_ids_B_T_K"][:, first:],
+                batch["teacher_top_logprobs_B_T_K"][:, first:],
+                mask_B_T[:, first:],
+            )
+            extra = opd_loss.topk_metrics(logits_B_S_V.detach(), *top_k)
+
+        def full_width(values_B_S: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.pad(values_B_S, (first, 0))
+
+        if settings.distill_loss == "sampled":
+            advantages_B_T = opd_loss.opd_advantages(
+                sampler_B_T, teacher_B_T, mask_B_T, settings.kl_coef, reward_adv_B, settings.reward_coef
+            )
+            loss, stats = opd_loss.policy_loss(
+                learner_B_T, sampler_B_T, advantages_B_T, mask_B_T, settings.ratio_cap
+            )
+            signal_B_T = sampler_B_T - teacher_B_T
+        elif top_k is None:
+            raise ValueError(f"distill_loss {settings.distill_loss} needs the teacher's top-k in the batch")
+        elif settings.distill_loss == "sampled_baseline":
+            baseline_B_T = full_width(opd_loss.topk_signal_baseline(logits_B_S_V.detach(), *top_k))
+            distill_B_T = opd_loss.sampled_baseline_advantages(
+                sampler_B_T, teacher_B_T, baseline_B_T, mask_B_T, settings.kl_coef
+            )
+            advantages_B_T = opd_loss.add_reward_advantages(
+                distill_B_T, mask_B_T, reward_adv_B, settings.reward_coef
+            )
+            loss, stats = opd_loss.policy_loss(
+                learner_B_T, sampler_B_T, advantages_B_T, mask_B_T, settings.ratio_cap
+            )
+            signal_B_T = sampler_B_T - teacher_B_T - baseline_B_T
+        else:
+            if settings.distill_loss == "topk_reverse":
+                divergence, per_token_B_S = opd_loss.topk_reverse_kl_loss(logits_B_S_V, *top_k)
+            elif settings.distill_loss == "topk_forward":
+                divergence, per_token_B_S = opd_loss.topk_forward_kl_loss(logits_B_S_V, *top_k)
+            else:
+                divergence, per_token_B_S = opd_loss.topk_jsd_loss(
+                    logits_B_S_V, *top_k, beta=settings.jsd_beta
+                )
+            # The reward still reaches the student through the policy gradient (zero when there is none).
+            advantages_B_T = opd_loss.add_reward_advantages(
+                torch.zeros_like(learner_B_T), mask_B_T, reward_adv_B, settings.reward_coef
+            )
+            policy, stats = opd_loss.policy_loss(
+                learner_B_T, sampler_B_T, advantages_B_T, mask_B_T, settings.ratio_cap
+            )
+            loss = policy + settings.kl_coef * divergence
+            signal_B_T = full_width(per_token_B_S)
+        return loss, {**stats, **extra, "signal_std": opd_loss.signal_std(signal_B_T.detach(), mask_B_T)}
 
     # -- weights and checkpoints ----------------------------------------------------------------
 
