@@ -227,8 +227,9 @@ class Learner:
                 raise ValueError("every segment of a batch needs the teacher's top-k, or none does")
             start = len(segment.prompt_token_ids) - 1
             end = start + len(segment.completion_token_ids)
-            ids_B_T_K[row, start:end] = torch.from_numpy(segment.teacher_top_ids).long()
-            logprobs_B_T_K[row, start:end] = torch.from_numpy(segment.teacher_top_logprobs)
+            # torch.tensor copies: arrays that arrive through Ray are read-only views of its object store.
+            ids_B_T_K[row, start:end] = torch.tensor(segment.teacher_top_ids, dtype=torch.long)
+            logprobs_B_T_K[row, start:end] = torch.tensor(segment.teacher_top_logprobs)
         return {
             "teacher_top_ids_B_T_K": ids_B_T_K.to(self._device),
             "teacher_top_logprobs_B_T_K": logprobs_B_T_K.to(self._device),
