@@ -70,9 +70,9 @@ class LearnerSettings:
     ratio_cap: float
     zero_stage: int
     seed: int
-    distill_loss: str = "sampled"
-    """Estimator, as `hyper_parameters.distill_loss` (the job driver always passes it)."""
-    jsd_beta: float = 0.5
+    distill_loss: str
+    """`hyper_parameters.distill_loss`: which estimator `_distillation_loss` applies."""
+    jsd_beta: float
 
 
 def lr_multiplier(update: int, total_updates: int, warmup_updates: int, schedule: str) -> float:
