@@ -75,6 +75,84 @@ class LearnerSettings:
     jsd_beta: float
 
 
+def distillation_loss(
+    settings: LearnerSettings,
+    batch: dict[str, torch.Tensor],
+    logits_B_S_V: torch.Tensor,
+    learner_B_T: torch.Tensor,
+    reward_adv_B: torch.Tensor | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The `settings.distill_loss` estimator plus the reward term, and its stats (see opd_trainer/loss.py).
+
+    `batch` is `Learner._pad`'s; `logits_B_S_V` the learner's float logits from `first_scored_position`
+    on and `learner_B_T` its logprobs of the targets at the sampling temperature (`Learner._scored_logits`,
+    `Learner._logprobs_of_targets`). A plain function so that it is tested without DeepSpeed.
+
+    `signal_std` is the spread over trained tokens of the per-token distillation signal: the sampled
+    log-ratio (minus the baseline for `sampled_baseline`), or the per-position divergence of a top-k
+    estimator. The top-k estimators and diagnostics see both models at temperature 1.
+    """
+    import torch
+
+    from opd_trainer import loss as opd_loss
+
+    mask_B_T, sampler_B_T, teacher_B_T = batch["mask_B_T"], batch["sampler_B_T"], batch["teacher_B_T"]
+    first = int(batch["first_scored_position"])
+    top_k = None
+    extra: dict[str, torch.Tensor] = {}
+    if "teacher_top_ids_B_T_K" in batch:
+        # The scored slice, aligned with logits_B_S_V.
+        top_k = (
+            batch["teacher_top_ids_B_T_K"][:, first:],
+            batch["teacher_top_logprobs_B_T_K"][:, first:],
+            mask_B_T[:, first:],
+        )
+        extra = opd_loss.topk_metrics(logits_B_S_V.detach(), *top_k)
+
+    def full_width(values_B_S: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(values_B_S, (first, 0))
+
+    if settings.distill_loss == "sampled":
+        advantages_B_T = opd_loss.opd_advantages(
+            sampler_B_T, teacher_B_T, mask_B_T, settings.kl_coef, reward_adv_B, settings.reward_coef
+        )
+        loss, stats = opd_loss.policy_loss(
+            learner_B_T, sampler_B_T, advantages_B_T, mask_B_T, settings.ratio_cap
+        )
+        signal_B_T = sampler_B_T - teacher_B_T
+    elif top_k is None:
+        raise ValueError(f"distill_loss {settings.distill_loss} needs the teacher's top-k in the batch")
+    elif settings.distill_loss == "sampled_baseline":
+        baseline_B_T = full_width(opd_loss.topk_signal_baseline(logits_B_S_V.detach(), *top_k))
+        distill_B_T = opd_loss.sampled_baseline_advantages(
+            sampler_B_T, teacher_B_T, baseline_B_T, mask_B_T, settings.kl_coef
+        )
+        advantages_B_T = opd_loss.add_reward_advantages(
+            distill_B_T, mask_B_T, reward_adv_B, settings.reward_coef
+        )
+        loss, stats = opd_loss.policy_loss(
+            learner_B_T, sampler_B_T, advantages_B_T, mask_B_T, settings.ratio_cap
+        )
+        signal_B_T = sampler_B_T - teacher_B_T - baseline_B_T
+    else:
+        if settings.distill_loss == "topk_reverse":
+            divergence, per_token_B_S = opd_loss.topk_reverse_kl_loss(logits_B_S_V, *top_k)
+        elif settings.distill_loss == "topk_forward":
+            divergence, per_token_B_S = opd_loss.topk_forward_kl_loss(logits_B_S_V, *top_k)
+        else:
+            divergence, per_token_B_S = opd_loss.topk_jsd_loss(logits_B_S_V, *top_k, beta=settings.jsd_beta)
+        # The reward still reaches the student through the policy gradient (zero when there is none).
+        advantages_B_T = opd_loss.add_reward_advantages(
+            torch.zeros_like(learner_B_T), mask_B_T, reward_adv_B, settings.reward_coef
+        )
+        policy, stats = opd_loss.policy_loss(
+            learner_B_T, sampler_B_T, advantages_B_T, mask_B_T, settings.ratio_cap
+        )
+        loss = policy + settings.kl_coef * divergence
+        signal_B_T = full_width(per_token_B_S)
+    return loss, {**stats, **extra, "signal_std": opd_loss.signal_std(signal_B_T.detach(), mask_B_T)}
+
+
 def lr_multiplier(update: int, total_updates: int, warmup_updates: int, schedule: str) -> float:
     """Linear warm-up, then cosine / linear decay to 0 at `total_updates`, or constant."""
     if warmup_updates > 0 and update < warmup_updates:
@@ -306,8 +384,12 @@ class Learner:
             )
             logits_B_S_V = self._scored_logits(self._engine, batch)
             learner_B_T = self._logprobs_of_targets(logits_B_S_V, batch)
-            policy, stats = self._distillation_loss(
-                batch, logits_B_S_V, learner_B_T, reward_adv_B if self.settings.reward_coef > 0 else None
+            policy, stats = distillation_loss(
+                self.settings,
+                batch,
+                logits_B_S_V,
+                learner_B_T,
+                reward_adv_B if self.settings.reward_coef > 0 else None,
             )
             total = policy
             if self._reference is not None:
@@ -337,82 +419,6 @@ class Learner:
             sum(len(s.prompt_token_ids) + len(s.completion_token_ids) for mb in minibatches for s in mb)
         )
         return metrics
-
-    def _distillation_loss(
-        self,
-        batch: dict[str, torch.Tensor],
-        logits_B_S_V: torch.Tensor,
-        learner_B_T: torch.Tensor,
-        reward_adv_B: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The `distill_loss` estimator plus the reward term, and its stats (see opd_trainer/loss.py).
-
-        `signal_std` is the spread over trained tokens of the per-token distillation signal: the sampled
-        log-ratio (minus the baseline for `sampled_baseline`), or the per-position divergence of a top-k
-        estimator. The top-k estimators and diagnostics see both models at temperature 1.
-        """
-        import torch
-
-        from opd_trainer import loss as opd_loss
-
-        settings = self.settings
-        mask_B_T, sampler_B_T, teacher_B_T = batch["mask_B_T"], batch["sampler_B_T"], batch["teacher_B_T"]
-        first = int(batch["first_scored_position"])
-        top_k = None
-        extra: dict[str, torch.Tensor] = {}
-        if "teacher_top_ids_B_T_K" in batch:
-            # The scored slice, aligned with logits_B_S_V.
-            top_k = (
-                batch["teacher_top_ids_B_T_K"][:, first:],
-                batch["teacher_top_logprobs_B_T_K"][:, first:],
-                mask_B_T[:, first:],
-            )
-            extra = opd_loss.topk_metrics(logits_B_S_V.detach(), *top_k)
-
-        def full_width(values_B_S: torch.Tensor) -> torch.Tensor:
-            return torch.nn.functional.pad(values_B_S, (first, 0))
-
-        if settings.distill_loss == "sampled":
-            advantages_B_T = opd_loss.opd_advantages(
-                sampler_B_T, teacher_B_T, mask_B_T, settings.kl_coef, reward_adv_B, settings.reward_coef
-            )
-            loss, stats = opd_loss.policy_loss(
-                learner_B_T, sampler_B_T, advantages_B_T, mask_B_T, settings.ratio_cap
-            )
-            signal_B_T = sampler_B_T - teacher_B_T
-        elif top_k is None:
-            raise ValueError(f"distill_loss {settings.distill_loss} needs the teacher's top-k in the batch")
-        elif settings.distill_loss == "sampled_baseline":
-            baseline_B_T = full_width(opd_loss.topk_signal_baseline(logits_B_S_V.detach(), *top_k))
-            distill_B_T = opd_loss.sampled_baseline_advantages(
-                sampler_B_T, teacher_B_T, baseline_B_T, mask_B_T, settings.kl_coef
-            )
-            advantages_B_T = opd_loss.add_reward_advantages(
-                distill_B_T, mask_B_T, reward_adv_B, settings.reward_coef
-            )
-            loss, stats = opd_loss.policy_loss(
-                learner_B_T, sampler_B_T, advantages_B_T, mask_B_T, settings.ratio_cap
-            )
-            signal_B_T = sampler_B_T - teacher_B_T - baseline_B_T
-        else:
-            if settings.distill_loss == "topk_reverse":
-                divergence, per_token_B_S = opd_loss.topk_reverse_kl_loss(logits_B_S_V, *top_k)
-            elif settings.distill_loss == "topk_forward":
-                divergence, per_token_B_S = opd_loss.topk_forward_kl_loss(logits_B_S_V, *top_k)
-            else:
-                divergence, per_token_B_S = opd_loss.topk_jsd_loss(
-                    logits_B_S_V, *top_k, beta=settings.jsd_beta
-                )
-            # The reward still reaches the student through the policy gradient (zero when there is none).
-            advantages_B_T = opd_loss.add_reward_advantages(
-                torch.zeros_like(learner_B_T), mask_B_T, reward_adv_B, settings.reward_coef
-            )
-            policy, stats = opd_loss.policy_loss(
-                learner_B_T, sampler_B_T, advantages_B_T, mask_B_T, settings.ratio_cap
-            )
-            loss = policy + settings.kl_coef * divergence
-            signal_B_T = full_width(per_token_B_S)
-        return loss, {**stats, **extra, "signal_std": opd_loss.signal_std(signal_B_T.detach(), mask_B_T)}
 
     # -- weights and checkpoints ----------------------------------------------------------------
 
