@@ -71,7 +71,7 @@ class LearnerSettings:
     zero_stage: int
     seed: int
     distill_loss: str
-    """`hyper_parameters.distill_loss`: which estimator `_distillation_loss` applies."""
+    """`hyper_parameters.distill_loss`: which estimator `distillation_loss` applies."""
     jsd_beta: float
 
 
