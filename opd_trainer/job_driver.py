@@ -179,6 +179,8 @@ class JobDriver:
             ratio_cap=hp.ratio_cap,
             zero_stage=spec.resources.zero_stage,
             seed=hp.seed,
+            distill_loss=hp.distill_loss,
+            jsd_beta=hp.jsd_beta,
         )
         self.emit("status", "starting engines and learner")
         learner_gpus = spec.resources.learner_gpu_fraction if on_gpu else 0.0
@@ -192,6 +194,8 @@ class JobDriver:
                 seed=hp.seed,
                 concurrent_sequences=hp.batch_size * hp.n_rollouts,
                 role=role,
+                # vLLM refuses a request for more top-k logprobs than this; 20 is its own default.
+                max_logprobs=max(20, hp.teacher_top_k) if role == "teacher" else 20,
             )
             return EngineGroup.start(config, f"{self.job_id}-{role}")
 
@@ -308,18 +312,21 @@ class JobDriver:
         """One segment per recorded LLM call of every successful rollout, scored by the teacher."""
         assert self._teacher is not None
         calls = [(r, c) for r in results if not r.failed for c in r.calls if c.completion_token_ids]
-        teacher = await self._teacher.score_many(
-            [(c.prompt_token_ids, c.completion_token_ids) for _, c in calls]
+        top_k = self.spec.hyper_parameters.teacher_top_k
+        teacher = await self._teacher.score_top_k_many(
+            [(c.prompt_token_ids, c.completion_token_ids) for _, c in calls], top_k
         )
         return [
             TrainSegment(
                 prompt_token_ids=c.prompt_token_ids,
                 completion_token_ids=c.completion_token_ids,
                 sampler_logprobs=c.logprobs,
-                teacher_logprobs=scores,
+                teacher_logprobs=scores.logprobs.tolist(),
                 group_id=r.group_id,
                 rollout_id=r.index,
                 reward=r.reward,
+                teacher_top_ids=scores.top_ids if top_k else None,
+                teacher_top_logprobs=scores.top_logprobs if top_k else None,
             )
             for (r, c), scores in zip(calls, teacher, strict=True)
         ]

@@ -33,6 +33,7 @@ from pydantic import (
     Field,
     JsonValue,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -224,6 +225,43 @@ class HyperParameters(_Strict):
     max_drift: float = Field(
         default=0.05, gt=0, description="Pre-flight: largest allowed mean |learner − sampler| logprob drift."
     )
+    distill_loss: Literal["sampled", "sampled_baseline", "topk_reverse", "topk_forward", "jsd"] = Field(
+        default="sampled",
+        description="Distillation estimator (formulas in opd_trainer/loss.py). sampled: the per-token "
+        "log-ratio logp_student − logp_teacher of the sampled token as a policy-gradient advantage. "
+        "sampled_baseline: the same minus a per-position baseline computed from the teacher's top-k "
+        "(unbiased, lower variance). topk_reverse / topk_forward: KL(student ‖ teacher) / KL(teacher ‖ "
+        "student) over the teacher's top-k tokens plus one tail bucket, differentiated through the "
+        "student's logits. jsd: GKD's generalized JSD on the same buckets (jsd_beta). All but sampled "
+        "need teacher_top_k >= 1; all are weighted by kl_coef.",
+    )
+    jsd_beta: float = Field(
+        default=0.5,
+        gt=0,
+        lt=1,
+        description="distill_loss jsd: β of JSD_β = β·KL(teacher ‖ m) + (1 − β)·KL(student ‖ m), "
+        "m = β·teacher + (1 − β)·student (use topk_forward / topk_reverse for the end points).",
+    )
+    teacher_top_k: int = Field(
+        default=0,
+        validate_default=True,
+        ge=0,
+        # The teacher's scores are unpacked per (position, rank) in Python; beyond a few hundred that
+        # costs more than the teacher's forward pass.
+        le=256,
+        description="Teacher tokens scored per completion position: the sampled token's logprob plus the "
+        "teacher's teacher_top_k most likely tokens (temperature 1). 0: the sampled token only.",
+    )
+
+    @field_validator("teacher_top_k")
+    @classmethod
+    def _top_k_for_the_estimator(cls, value: int, info: ValidationInfo) -> int:
+        estimator = info.data.get("distill_loss")
+        if estimator not in (None, "sampled") and value < 1:
+            raise ValueError(
+                f"distill_loss {estimator} needs hyper_parameters.teacher_top_k >= 1, got {value}"
+            )
+        return value
 
 
 class EngineResources(_Strict):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import ray
 
 from opd_trainer.errors import WeightSyncError
@@ -33,7 +34,9 @@ logger = logging.getLogger(__name__)
 class TrainSegment:
     """One LLM call of a rollout: the prompt is context, the completion is trained.
 
-    `sampler_logprobs` / `teacher_logprobs` hold one value per completion token.
+    `sampler_logprobs` / `teacher_logprobs` hold one value per completion token; with
+    `hyper_parameters.teacher_top_k` = K > 0, `teacher_top_ids` / `teacher_top_logprobs` hold the
+    teacher's K most likely tokens at each completion position ([T, K] int32 / float32), else None.
     """
 
     prompt_token_ids: list[int]
@@ -43,6 +46,8 @@ class TrainSegment:
     group_id: int
     rollout_id: int
     reward: float = 0.0
+    teacher_top_ids: np.ndarray | None = None
+    teacher_top_logprobs: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,87 @@ class LearnerSettings:
     ratio_cap: float
     zero_stage: int
     seed: int
+    distill_loss: str
+    """`hyper_parameters.distill_loss`: which estimator `distillation_loss` applies."""
+    jsd_beta: float
+
+
+def distillation_loss(
+    settings: LearnerSettings,
+    batch: dict[str, torch.Tensor],
+    logits_B_S_V: torch.Tensor,
+    learner_B_T: torch.Tensor,
+    reward_adv_B: torch.Tensor | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The `settings.distill_loss` estimator plus the reward term, and its stats (see opd_trainer/loss.py).
+
+    `batch` is `Learner._pad`'s; `logits_B_S_V` the learner's float logits from `first_scored_position`
+    on and `learner_B_T` its logprobs of the targets at the sampling temperature (`Learner._scored_logits`,
+    `Learner._logprobs_of_targets`). A plain function so that it is tested without DeepSpeed.
+
+    `signal_std` is the spread over trained tokens of the per-token distillation signal: the sampled
+    log-ratio (minus the baseline for `sampled_baseline`), or the per-position divergence of a top-k
+    estimator. The top-k estimators and diagnostics see both models at temperature 1.
+    """
+    import torch
+
+    from opd_trainer import loss as opd_loss
+
+    mask_B_T, sampler_B_T, teacher_B_T = batch["mask_B_T"], batch["sampler_B_T"], batch["teacher_B_T"]
+    first = int(batch["first_scored_position"])
+    top_k = None
+    extra: dict[str, torch.Tensor] = {}
+    if "teacher_top_ids_B_T_K" in batch:
+        # The scored slice, aligned with logits_B_S_V.
+        top_k = (
+            batch["teacher_top_ids_B_T_K"][:, first:],
+            batch["teacher_top_logprobs_B_T_K"][:, first:],
+            mask_B_T[:, first:],
+        )
+        extra = opd_loss.topk_metrics(logits_B_S_V.detach(), *top_k)
+
+    def full_width(values_B_S: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(values_B_S, (first, 0))
+
+    if settings.distill_loss == "sampled":
+        advantages_B_T = opd_loss.opd_advantages(
+            sampler_B_T, teacher_B_T, mask_B_T, settings.kl_coef, reward_adv_B, settings.reward_coef
+        )
+        loss, stats = opd_loss.policy_loss(
+            learner_B_T, sampler_B_T, advantages_B_T, mask_B_T, settings.ratio_cap
+        )
+        signal_B_T = sampler_B_T - teacher_B_T
+    elif top_k is None:
+        raise ValueError(f"distill_loss {settings.distill_loss} needs the teacher's top-k in the batch")
+    elif settings.distill_loss == "sampled_baseline":
+        baseline_B_T = full_width(opd_loss.topk_signal_baseline(logits_B_S_V.detach(), *top_k))
+        distill_B_T = opd_loss.sampled_baseline_advantages(
+            sampler_B_T, teacher_B_T, baseline_B_T, mask_B_T, settings.kl_coef
+        )
+        advantages_B_T = opd_loss.add_reward_advantages(
+            distill_B_T, mask_B_T, reward_adv_B, settings.reward_coef
+        )
+        loss, stats = opd_loss.policy_loss(
+            learner_B_T, sampler_B_T, advantages_B_T, mask_B_T, settings.ratio_cap
+        )
+        signal_B_T = sampler_B_T - teacher_B_T - baseline_B_T
+    else:
+        if settings.distill_loss == "topk_reverse":
+            divergence, per_token_B_S = opd_loss.topk_reverse_kl_loss(logits_B_S_V, *top_k)
+        elif settings.distill_loss == "topk_forward":
+            divergence, per_token_B_S = opd_loss.topk_forward_kl_loss(logits_B_S_V, *top_k)
+        else:
+            divergence, per_token_B_S = opd_loss.topk_jsd_loss(logits_B_S_V, *top_k, beta=settings.jsd_beta)
+        # The reward still reaches the student through the policy gradient (zero when there is none).
+        advantages_B_T = opd_loss.add_reward_advantages(
+            torch.zeros_like(learner_B_T), mask_B_T, reward_adv_B, settings.reward_coef
+        )
+        policy, stats = opd_loss.policy_loss(
+            learner_B_T, sampler_B_T, advantages_B_T, mask_B_T, settings.ratio_cap
+        )
+        loss = policy + settings.kl_coef * divergence
+        signal_B_T = full_width(per_token_B_S)
+    return loss, {**stats, **extra, "signal_std": opd_loss.signal_std(signal_B_T.detach(), mask_B_T)}
 
 
 def lr_multiplier(update: int, total_updates: int, warmup_updates: int, schedule: str) -> float:
@@ -189,7 +275,7 @@ class Learner:
             sampler[row, start:end] = torch.tensor(segment.sampler_logprobs)
             teacher[row, start:end] = torch.tensor(segment.teacher_logprobs)
         device = self._device
-        return {
+        batch = {
             # Position whose logits predict the earliest completion token of the batch.
             "first_scored_position": torch.tensor(min(len(s.prompt_token_ids) for s in segments) - 1),
             "input_ids_B_T": ids.to(device),
@@ -199,12 +285,36 @@ class Learner:
             "sampler_B_T": sampler.to(device),
             "teacher_B_T": teacher.to(device),
         }
+        if segments[0].teacher_top_ids is not None:
+            batch.update(self._pad_top_k(segments, width - 1))
+        return batch
 
-    def _token_logprobs(self, model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _pad_top_k(self, segments: list[TrainSegment], width: int) -> dict[str, torch.Tensor]:
+        """The teacher's top-k ids / logprobs, [B, T, K], aligned with `targets_B_T` like `_pad`'s tensors.
+
+        Positions without a teacher score hold id 0 and logprob 0: the loss mask is 0 there, and the
+        loss functions never read masked positions.
+        """
         import torch
 
-        from opd_trainer.loss import gather_token_logprobs
+        top_k = segments[0].teacher_top_ids.shape[1]  # type: ignore[union-attr]
+        ids_B_T_K = torch.zeros(len(segments), width, top_k, dtype=torch.long)
+        logprobs_B_T_K = torch.zeros(len(segments), width, top_k)
+        for row, segment in enumerate(segments):
+            if segment.teacher_top_ids is None or segment.teacher_top_logprobs is None:
+                raise ValueError("every segment of a batch needs the teacher's top-k, or none does")
+            start = len(segment.prompt_token_ids) - 1
+            end = start + len(segment.completion_token_ids)
+            # torch.tensor copies: arrays that arrive through Ray are read-only views of its object store.
+            ids_B_T_K[row, start:end] = torch.tensor(segment.teacher_top_ids, dtype=torch.long)
+            logprobs_B_T_K[row, start:end] = torch.tensor(segment.teacher_top_logprobs)
+        return {
+            "teacher_top_ids_B_T_K": ids_B_T_K.to(self._device),
+            "teacher_top_logprobs_B_T_K": logprobs_B_T_K.to(self._device),
+        }
 
+    def _scored_logits(self, model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """float32 logits [B, S, V] of the positions from `first_scored_position` on (S = T − that)."""
         # Logits only from the first completion-predicting position on: prompts are ~95 % of a tiny
         # model's tokens, and their LM head + log-softmax was wasted work (prompt positions carry no loss).
         ids_B_T = batch["input_ids_B_T"]
@@ -212,11 +322,25 @@ class Learner:
         logits = model(
             input_ids=ids_B_T, attention_mask=batch["attention_B_T"], logits_to_keep=ids_B_T.shape[1] - first
         ).logits
+        return logits[:, :-1].float()
+
+    def _logprobs_of_targets(
+        self, logits_B_S_V: torch.Tensor, batch: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """[B, T] logprob of each target token at the sampling temperature, from `_scored_logits`."""
+        import torch
+
+        from opd_trainer.loss import gather_token_logprobs
+
+        first = int(batch["first_scored_position"])
         scored = gather_token_logprobs(
-            logits[:, :-1].float(), batch["targets_B_T"][:, first:], self.settings.temperature
+            logits_B_S_V, batch["targets_B_T"][:, first:], self.settings.temperature
         )
         # Back to full width (zeros where nothing is scored; the loss mask is 0 there).
         return torch.nn.functional.pad(scored, (first, 0))
+
+    def _token_logprobs(self, model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self._logprobs_of_targets(self._scored_logits(model, batch), batch)
 
     def compute_logprobs(self, segments: list[TrainSegment]) -> list[list[float]]:
         """The learner's logprob of each completion token (pre-flight drift probe, tests)."""
@@ -258,17 +382,14 @@ class Learner:
                 torch.tensor([s.rollout_id for s in minibatch], device=self._device),
                 self.settings.normalize_reward_by_std,
             )
-            advantages_B_T = opd_loss.opd_advantages(
-                batch["sampler_B_T"],
-                batch["teacher_B_T"],
-                batch["mask_B_T"],
-                self.settings.kl_coef,
+            logits_B_S_V = self._scored_logits(self._engine, batch)
+            learner_B_T = self._logprobs_of_targets(logits_B_S_V, batch)
+            policy, stats = distillation_loss(
+                self.settings,
+                batch,
+                logits_B_S_V,
+                learner_B_T,
                 reward_adv_B if self.settings.reward_coef > 0 else None,
-                self.settings.reward_coef,
-            )
-            learner_B_T = self._token_logprobs(self._engine, batch)
-            policy, stats = opd_loss.policy_loss(
-                learner_B_T, batch["sampler_B_T"], advantages_B_T, batch["mask_B_T"], self.settings.ratio_cap
             )
             total = policy
             if self._reference is not None:
@@ -284,9 +405,9 @@ class Learner:
                 grad_norms.append(float(grad_norm))
             totals["loss"] = totals.get("loss", 0.0) + float(total.detach())
             totals["ratio_mean"] = totals.get("ratio_mean", 0.0) + float(stats["ratio_mean"])
-            totals["ratio_truncated_frac"] = totals.get("ratio_truncated_frac", 0.0) + float(
-                stats["ratio_truncated_frac"]
-            )
+            for name in ("ratio_truncated_frac", "signal_std", "teacher_topk_mass", "student_topk_mass"):
+                if name in stats:
+                    totals[name] = totals.get(name, 0.0) + float(stats[name])
             ratio_max = max(ratio_max, float(stats["ratio_max"]))
         metrics = {name: value / len(minibatches) for name, value in totals.items()}
         metrics["ratio_max"] = ratio_max

@@ -10,6 +10,12 @@ One optimizer step of online policy distillation, in the order a learner calls t
    plus optionally `kl_loss_coef · kl_to_reference` (KL to the initial student).
 4. `distillation_metrics`: what to log.
 
+That is `distill_loss: sampled`. The other estimators live at the end of this module, over the teacher's
+top-k plus one tail bucket (suffix `K` / `J`): `topk_reverse_kl_loss`, `topk_forward_kl_loss`,
+`topk_jsd_loss` (direct losses on the student's logits) and `topk_signal_baseline` with
+`sampled_baseline_advantages` (the sampled estimator with a per-position baseline); the reward term then
+joins through `add_reward_advantages` and `policy_loss`.
+
 Shape suffixes (tinker-cookbook convention):
 
 - `B`: rows of the batch. One row is one trained segment = one LLM call's prompt + completion,
@@ -27,10 +33,18 @@ gradient.
 
 from __future__ import annotations
 
+import functools
+import math
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
 __all__ = [
+    "add_reward_advantages",
+    "bucket_forward_kl",
+    "bucket_jsd",
+    "bucket_reverse_kl",
     "distillation_metrics",
     "full_vocab_reverse_kl",
     "gather_token_logprobs",
@@ -39,6 +53,15 @@ __all__ = [
     "opd_advantages",
     "policy_loss",
     "reverse_kl_advantages",
+    "sampled_baseline_advantages",
+    "signal_std",
+    "student_bucket_logprobs",
+    "teacher_bucket_logprobs",
+    "topk_forward_kl_loss",
+    "topk_jsd_loss",
+    "topk_metrics",
+    "topk_reverse_kl_loss",
+    "topk_signal_baseline",
 ]
 
 
@@ -404,3 +427,320 @@ def full_vocab_reverse_kl(
     kl_B_T = (student_B_T_V.exp() * (student_B_T_V - teacher_B_T_V)).sum(-1)
     mask_B_T = mask_B_T.float()
     return (mask_B_T * torch.where(mask_B_T > 0, kl_B_T, 0.0)).sum() / mask_B_T.sum().clamp(min=1.0)
+
+
+# --- distribution-level estimators over the teacher's top-k ---------------------------------------------
+#
+# Suffix `K`: the teacher's top-k tokens at a position; `J` = K + 1 buckets: those K tokens, then one tail
+# bucket holding all remaining probability mass. Both distributions are taken at temperature 1 (vLLM's
+# prompt logprobs skip its sampling processors, so the teacher's scores always are). The tail bucket is
+# what keeps each side a proper distribution: a divergence over the top-k alone can be lowered by moving
+# the student's mass *off* the measured tokens.
+
+LOG_TAIL_FLOOR = -80.0
+"""Tail-bucket logprobs are clamped here (exp ≈ 2e-35): with k = vocabulary the true tail is 0 (log −inf),
+and 0·(−inf − −inf) would be nan; below the floor the tail carries no gradient, which is what it is worth."""
+
+
+def _at_least_float32(tensor: Tensor) -> Tensor:
+    """float32 for bf16/fp16 inputs (a softmax over a vocabulary needs it); float64 stays (gradcheck)."""
+    return tensor if tensor.dtype == torch.float64 else tensor.float()
+
+
+def _log1mexp(x: Tensor) -> Tensor:
+    """`log(1 − exp(x))` for x <= 0, accurate near 0 and far below it (Mächler 2012's log1mexp)."""
+    x = x.clamp(max=0.0)
+    return torch.where(x > -0.6931471805599453, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def _inert_top_k(
+    top_ids_B_T_K: Tensor, top_logprobs_B_T_K: Tensor, mask_B_T: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Top-k ids / logprobs with masked positions replaced by harmless values (id 0, uniform logprobs).
+
+    Masked positions may hold garbage (out-of-range ids, nan); the per-token divergences are computed at
+    every position, and a nan there would reach the gradient as 0·nan even though the result is masked.
+    """
+    trained_B_T_1 = (mask_B_T > 0).unsqueeze(-1)
+    ids_B_T_K = torch.where(trained_B_T_1, top_ids_B_T_K.long(), 0)
+    uniform = -math.log(top_logprobs_B_T_K.shape[-1] + 1)
+    logprobs_B_T_K = torch.where(trained_B_T_1, _at_least_float32(top_logprobs_B_T_K), uniform)
+    return ids_B_T_K, logprobs_B_T_K
+
+
+def teacher_bucket_logprobs(top_logprobs_B_T_K: Tensor) -> Tensor:
+    """Teacher logprobs of the J = K + 1 buckets: its top-k logprobs, then `log(1 − Σ_k p_k)` (floored).
+
+    Returns:
+        [B, T, K+1] float32, constant (detached).
+    """
+    top_B_T_K = _at_least_float32(top_logprobs_B_T_K.detach())
+    tail_B_T = _log1mexp(torch.logsumexp(top_B_T_K, dim=-1)).clamp(min=LOG_TAIL_FLOOR)
+    return torch.cat([top_B_T_K, tail_B_T.unsqueeze(-1)], dim=-1)
+
+
+def student_bucket_logprobs(logits_B_T_V: Tensor, top_ids_B_T_K: Tensor) -> Tensor:
+    """Student logprobs (temperature 1) of the J = K + 1 buckets of the teacher's top-k ids, differentiable.
+
+    The tail is `logsumexp(logits outside the top-k) − logsumexp(all logits)`, computed from the logits
+    rather than as `log(1 − Σ_k p_k)`, which loses the tail to cancellation when the top-k holds nearly
+    all the mass. The ids of one position must be distinct (vLLM's top-k are).
+
+    Args:
+        logits_B_T_V: [B, T, V] student logits at the positions the teacher scored.
+        top_ids_B_T_K: [B, T, K] the teacher's top-k token ids.
+
+    Returns:
+        [B, T, K+1] float32 logprobs, differentiable w.r.t. `logits_B_T_V`.
+    """
+    _check_ndim("logits_B_T_V", logits_B_T_V, 3, "[batch, time, vocab]")
+    if top_ids_B_T_K.dim() != 3 or top_ids_B_T_K.shape[:2] != logits_B_T_V.shape[:2]:
+        raise ValueError(
+            f"top_ids_B_T_K has shape {tuple(top_ids_B_T_K.shape)}, expected "
+            f"({', '.join(map(str, logits_B_T_V.shape[:2]))}, K) (the first two dims of logits_B_T_V)"
+        )
+    logits_B_T_V = _at_least_float32(logits_B_T_V)
+    top_ids_B_T_K = top_ids_B_T_K.long()
+    log_normaliser_B_T_1 = torch.logsumexp(logits_B_T_V, dim=-1, keepdim=True)
+    top_B_T_K = logits_B_T_V.gather(-1, top_ids_B_T_K) - log_normaliser_B_T_1
+    in_top_B_T_V = torch.zeros_like(logits_B_T_V, dtype=torch.bool).scatter_(-1, top_ids_B_T_K, True)
+    # The most negative finite float, not −inf: logsumexp over an all −inf row has a nan gradient.
+    outside_B_T_V = logits_B_T_V.masked_fill(in_top_B_T_V, torch.finfo(logits_B_T_V.dtype).min)
+    tail_B_T_1 = torch.logsumexp(outside_B_T_V, dim=-1, keepdim=True) - log_normaliser_B_T_1
+    return torch.cat([top_B_T_K, tail_B_T_1.clamp(min=LOG_TAIL_FLOOR)], dim=-1)
+
+
+def bucket_reverse_kl(student_B_T_J: Tensor, teacher_B_T_J: Tensor) -> Tensor:
+    """Per-position reverse KL(student ‖ teacher), `Σ_j p_s,j·(log p_s,j − log p_t,j)`: [B, T]."""
+    return (student_B_T_J.exp() * (student_B_T_J - teacher_B_T_J)).sum(-1)
+
+
+def bucket_forward_kl(student_B_T_J: Tensor, teacher_B_T_J: Tensor) -> Tensor:
+    """Per-position forward KL(teacher ‖ student), `Σ_j p_t,j·(log p_t,j − log p_s,j)`: [B, T]."""
+    return (teacher_B_T_J.exp() * (teacher_B_T_J - student_B_T_J)).sum(-1)
+
+
+def bucket_jsd(student_B_T_J: Tensor, teacher_B_T_J: Tensor, beta: float) -> Tensor:
+    """Per-position generalized JSD of GKD (Agarwal et al. 2024) over buckets, [B, T].
+
+    `JSD_β = β·KL(p_t ‖ m) + (1 − β)·KL(p_s ‖ m)` with the mixture `m = β·p_t + (1 − β)·p_s`; it tends to
+    the forward KL's behaviour as β → 0 and the reverse KL's as β → 1 (use `bucket_forward_kl` /
+    `bucket_reverse_kl` for the end points, where the mixture degenerates).
+    """
+    if not 0.0 < beta < 1.0:
+        raise ValueError(f"beta must be in (0, 1), got {beta}")
+    mixture_B_T_J = torch.logsumexp(
+        torch.stack([teacher_B_T_J + math.log(beta), student_B_T_J + math.log(1.0 - beta)]), dim=0
+    )
+    to_teacher_B_T = (teacher_B_T_J.exp() * (teacher_B_T_J - mixture_B_T_J)).sum(-1)
+    to_student_B_T = (student_B_T_J.exp() * (student_B_T_J - mixture_B_T_J)).sum(-1)
+    return beta * to_teacher_B_T + (1.0 - beta) * to_student_B_T
+
+
+def _check_top_k_inputs(
+    logits_B_T_V: Tensor, top_ids_B_T_K: Tensor, top_logprobs_B_T_K: Tensor, mask_B_T: Tensor
+) -> None:
+    _check_ndim("logits_B_T_V", logits_B_T_V, 3, "[batch, time, vocab]")
+    _check_shape("mask_B_T", mask_B_T, "logits_B_T_V[..., 0]", logits_B_T_V[..., 0])
+    _check_ndim("top_ids_B_T_K", top_ids_B_T_K, 3, "[batch, time, k]")
+    _check_shape("top_logprobs_B_T_K", top_logprobs_B_T_K, "top_ids_B_T_K", top_ids_B_T_K)
+
+
+def _masked_mean(values_B_T: Tensor, mask_B_T: Tensor, num_tokens: float | None) -> Tensor:
+    mask_B_T = mask_B_T.to(values_B_T.dtype)
+    return (mask_B_T * torch.where(mask_B_T > 0, values_B_T, 0.0)).sum() / _token_count(mask_B_T, num_tokens)
+
+
+def _top_k_loss(
+    divergence: Callable[[Tensor, Tensor], Tensor],
+    logits_B_T_V: Tensor,
+    top_ids_B_T_K: Tensor,
+    top_logprobs_B_T_K: Tensor,
+    mask_B_T: Tensor,
+    num_tokens: float | None,
+) -> tuple[Tensor, Tensor]:
+    _check_top_k_inputs(logits_B_T_V, top_ids_B_T_K, top_logprobs_B_T_K, mask_B_T)
+    _check_num_tokens(num_tokens)
+    ids_B_T_K, logprobs_B_T_K = _inert_top_k(top_ids_B_T_K, top_logprobs_B_T_K, mask_B_T)
+    student_B_T_J = student_bucket_logprobs(logits_B_T_V, ids_B_T_K)
+    teacher_B_T_J = teacher_bucket_logprobs(logprobs_B_T_K)
+    per_token_B_T = torch.where(mask_B_T > 0, divergence(student_B_T_J, teacher_B_T_J), 0.0)
+    return _masked_mean(per_token_B_T, mask_B_T, num_tokens), per_token_B_T.detach()
+
+
+def topk_reverse_kl_loss(
+    logits_B_T_V: Tensor,
+    top_ids_B_T_K: Tensor,
+    top_logprobs_B_T_K: Tensor,
+    mask_B_T: Tensor,
+    num_tokens: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Reverse KL(student ‖ teacher) over the teacher's top-k + one tail bucket, masked token mean.
+
+    `L = Σ_{b,t} mask_t · Σ_j p_s,j·(log p_s,j − log p_t,j) / N` over the J = K + 1 buckets
+    (`student_bucket_logprobs`, `teacher_bucket_logprobs`). Differentiated directly through the student's
+    logits: no sampling, no importance ratio. With K = V it is the exact full-vocabulary reverse KL
+    (`full_vocab_reverse_kl`).
+
+    Args:
+        logits_B_T_V: [B, T, V] student logits (temperature 1) at the scored positions.
+        top_ids_B_T_K: [B, T, K] the teacher's top-k ids at those positions.
+        top_logprobs_B_T_K: [B, T, K] their teacher logprobs (temperature 1).
+        mask_B_T: [B, T] 1.0 on trained completion tokens, 0.0 elsewhere (never read there).
+        num_tokens: the normaliser N, as in `policy_loss`; None uses `mask_B_T.sum()`.
+
+    Returns:
+        `(loss, per_token_B_T)`: the 0-dim loss with grad, and the detached per-position divergence
+        (0 at masked positions), for metrics.
+    """
+    return _top_k_loss(
+        bucket_reverse_kl, logits_B_T_V, top_ids_B_T_K, top_logprobs_B_T_K, mask_B_T, num_tokens
+    )
+
+
+def topk_forward_kl_loss(
+    logits_B_T_V: Tensor,
+    top_ids_B_T_K: Tensor,
+    top_logprobs_B_T_K: Tensor,
+    mask_B_T: Tensor,
+    num_tokens: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Forward KL(teacher ‖ student) over the teacher's top-k + one tail bucket, masked token mean.
+
+    `L = Σ mask_t · Σ_j p_t,j·(log p_t,j − log p_s,j) / N` (mass-covering; same buckets, arguments and
+    returns as `topk_reverse_kl_loss`).
+    """
+    return _top_k_loss(
+        bucket_forward_kl, logits_B_T_V, top_ids_B_T_K, top_logprobs_B_T_K, mask_B_T, num_tokens
+    )
+
+
+def topk_jsd_loss(
+    logits_B_T_V: Tensor,
+    top_ids_B_T_K: Tensor,
+    top_logprobs_B_T_K: Tensor,
+    mask_B_T: Tensor,
+    beta: float,
+    num_tokens: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """GKD's generalized JSD (`bucket_jsd`, β in (0, 1)) over the teacher's top-k + one tail bucket.
+
+    Same buckets, arguments and returns as `topk_reverse_kl_loss`, plus `beta`.
+    """
+    if not 0.0 < beta < 1.0:
+        raise ValueError(f"beta must be in (0, 1), got {beta}")
+    jsd = functools.partial(bucket_jsd, beta=beta)
+    return _top_k_loss(jsd, logits_B_T_V, top_ids_B_T_K, top_logprobs_B_T_K, mask_B_T, num_tokens)
+
+
+@torch.no_grad()
+def topk_signal_baseline(
+    logits_B_T_V: Tensor, top_ids_B_T_K: Tensor, top_logprobs_B_T_K: Tensor, mask_B_T: Tensor
+) -> Tensor:
+    """Per-position baseline `b_t` for the sampled signal `f(y) = logp_s(y) − logp_t(y)`, from the top-k.
+
+    Any `b_t` that depends on the context but not on the sampled token `y_t` leaves the policy gradient
+    `E[(f(y) − b)·∇log p_s(y)]` unbiased, because `E[∇log p_s(y)] = 0`. This one is the variance-minimising
+    constant for the gradient w.r.t. the logits, `g(y) = e_y − p_s`:
+    `b* = E[f(y)·|g(y)|²] / E[|g(y)|²]`, with `|g(y)|² = 1 − 2·p_y + S`, `S = Σ_v p_v²`, and
+    `E[|g|²] = 1 − S`. (For the LM-head weights the gradient is `g(y)·hᵀ` with `h` independent of `y`, so
+    there it is the exact optimum.) `f` is known exactly on the teacher's top-k; a tail token gets its
+    bucket's `log p_s,tail − log p_t,tail`, with the tail's weight `Σ_{v∉top-k} p_v·|g(v)|²` exact. With
+    k = V it is `b*` itself and can only lower the variance; with a small k the tail's one shared value
+    can miss `b*` by more than `|b*|` and raise it a little (k = 1 in tests/unit/test_topk_loss.py). The
+    plain mean `E[f]` (the KL) is not a safe choice either: at positions where `f` is large for tokens
+    with a small gradient it raises the variance.
+
+    Returns:
+        [B, T] detached, 0 at masked positions.
+    """
+    _check_top_k_inputs(logits_B_T_V, top_ids_B_T_K, top_logprobs_B_T_K, mask_B_T)
+    ids_B_T_K, logprobs_B_T_K = _inert_top_k(top_ids_B_T_K, top_logprobs_B_T_K, mask_B_T)
+    logits_B_T_V = _at_least_float32(logits_B_T_V)
+    squared_mass_B_T = torch.softmax(logits_B_T_V, dim=-1).square().sum(-1)
+    student_B_T_J = student_bucket_logprobs(logits_B_T_V, ids_B_T_K)
+    signal_B_T_J = student_B_T_J - teacher_bucket_logprobs(logprobs_B_T_K)
+    top_p_B_T_K = student_B_T_J[..., :-1].exp()
+    top_weight_B_T_K = top_p_B_T_K * (1.0 - 2.0 * top_p_B_T_K + squared_mass_B_T.unsqueeze(-1))
+    tail_p_B_T = (1.0 - top_p_B_T_K.sum(-1)).clamp(min=0.0)
+    tail_squared_mass_B_T = (squared_mass_B_T - top_p_B_T_K.square().sum(-1)).clamp(min=0.0)
+    tail_weight_B_T = tail_p_B_T * (1.0 + squared_mass_B_T) - 2.0 * tail_squared_mass_B_T
+    numerator_B_T = (signal_B_T_J[..., :-1] * top_weight_B_T_K).sum(-1) + signal_B_T_J[
+        ..., -1
+    ] * tail_weight_B_T
+    # 1 − S → 0 only for a near-deterministic student, whose every gradient g(y) is then ~0 as well.
+    baseline_B_T = numerator_B_T / (1.0 - squared_mass_B_T).clamp(min=1e-6)
+    return torch.where(mask_B_T > 0, baseline_B_T, 0.0)
+
+
+def sampled_baseline_advantages(
+    sampler_logprobs_B_T: Tensor,
+    teacher_logprobs_B_T: Tensor,
+    baseline_B_T: Tensor,
+    mask_B_T: Tensor,
+    kl_coef: float,
+) -> Tensor:
+    """Per-token distillation advantage with a baseline: `A_t = −kl_coef·(logp_s_t − logp_t_t − b_t)`.
+
+    `b_t` from `topk_signal_baseline`. Detached, 0 at masked positions; add the reward term with
+    `add_reward_advantages`.
+    """
+    _check_rows(
+        "sampler_logprobs_B_T",
+        sampler_logprobs_B_T,
+        teacher_logprobs_B_T=teacher_logprobs_B_T,
+        baseline_B_T=baseline_B_T,
+        mask_B_T=mask_B_T,
+    )
+    advantages_B_T = reverse_kl_advantages(sampler_logprobs_B_T, teacher_logprobs_B_T, kl_coef)
+    advantages_B_T = advantages_B_T + kl_coef * baseline_B_T.detach()
+    return torch.where(mask_B_T > 0, advantages_B_T, 0.0)
+
+
+def add_reward_advantages(
+    advantages_B_T: Tensor, mask_B_T: Tensor, reward_advantages_B: Tensor | None, reward_coef: float
+) -> Tensor:
+    """`advantages_B_T + reward_coef·Â_row` on trained tokens, 0 elsewhere, detached (as in `opd_advantages`).
+
+    Used by the estimators whose distillation term is not an advantage (top-k losses: pass zeros) or
+    carries a baseline (`sampled_baseline_advantages`).
+    """
+    _check_rows("advantages_B_T", advantages_B_T, mask_B_T=mask_B_T)
+    advantages_B_T = advantages_B_T.detach()
+    if reward_advantages_B is not None:
+        if reward_advantages_B.shape != advantages_B_T.shape[:1]:
+            raise ValueError(
+                f"reward_advantages_B has shape {tuple(reward_advantages_B.shape)}, expected "
+                f"({advantages_B_T.shape[0]},) (one value per row of advantages_B_T)"
+            )
+        advantages_B_T = advantages_B_T + reward_coef * reward_advantages_B.detach()[:, None]
+    return torch.where(mask_B_T > 0, advantages_B_T, 0.0)
+
+
+@torch.no_grad()
+def topk_metrics(
+    logits_B_T_V: Tensor, top_ids_B_T_K: Tensor, top_logprobs_B_T_K: Tensor, mask_B_T: Tensor
+) -> dict[str, Tensor]:
+    """Token means over `mask_B_T` of how much the teacher's top-k covers (0.0 when nothing is trained).
+
+    - `teacher_topk_mass`: `Σ_k p_t,k`, the teacher's own mass on its top-k (low: k too small for it).
+    - `student_topk_mass`: the student's mass on the teacher's top-k (low: the pair disagree).
+
+    Returns 0-dim detached tensors (no device sync per micro-batch; `.item()` when logging).
+    """
+    _check_top_k_inputs(logits_B_T_V, top_ids_B_T_K, top_logprobs_B_T_K, mask_B_T)
+    ids_B_T_K, logprobs_B_T_K = _inert_top_k(top_ids_B_T_K, top_logprobs_B_T_K, mask_B_T)
+    student_B_T_J = student_bucket_logprobs(logits_B_T_V, ids_B_T_K)
+    return {
+        "teacher_topk_mass": _masked_mean(logprobs_B_T_K.exp().sum(-1), mask_B_T, None),
+        "student_topk_mass": _masked_mean(student_B_T_J[..., :-1].exp().sum(-1), mask_B_T, None),
+    }
+
+
+@torch.no_grad()
+def signal_std(signal_B_T: Tensor, mask_B_T: Tensor) -> Tensor:
+    """Standard deviation (population) of a per-token signal over trained tokens; 0 with < 1 token."""
+    _check_rows("signal_B_T", signal_B_T, mask_B_T=mask_B_T)
+    signal_B_T = torch.where(mask_B_T > 0, _at_least_float32(signal_B_T), 0.0)
+    mean = _masked_mean(signal_B_T, mask_B_T, None)
+    return _masked_mean((signal_B_T - mean).square(), mask_B_T, None).sqrt()

@@ -1,4 +1,4 @@
-"""PNG curves of a run (reverse KL, reward, validation metrics) from its metrics.jsonl records."""
+"""PNG curves of a run (reverse KL, reward, validation metrics, signal diagnostics) from metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -20,6 +20,28 @@ def validation_curve_keys(evals: list[dict[str, Any]]) -> list[str]:
     return (task or [k for k in keys if k == "reward_mean"])[:MAX_VALIDATION_CURVES]
 
 
+Series = list[tuple[str, list[dict[str, Any]], str]]
+
+
+def signal_panels(train: list[dict[str, Any]]) -> list[tuple[str, Series]]:
+    """Diagnostics of the distillation signal, for the steps that logged them (see docs/architecture.md).
+
+    The teacher's mass on its own top-k and the student's mass on it share a [0, 1] panel; the spread of
+    the per-token signal has its own scale.
+    """
+    panels: list[tuple[str, Series]] = []
+    if any("teacher_topk_mass" in r for r in train):
+        panels.append(
+            (
+                "mass on the teacher's top-k",
+                [("teacher", train, "teacher_topk_mass"), ("student", train, "student_topk_mass")],
+            )
+        )
+    if any("signal_std" in r for r in train):
+        panels.append(("per-token signal std", [("train", train, "signal_std")]))
+    return panels
+
+
 def plot_curves(records: list[dict[str, Any]], out_path: Path, title: str = "") -> Path:
     import matplotlib
 
@@ -28,7 +50,7 @@ def plot_curves(records: list[dict[str, Any]], out_path: Path, title: str = "") 
 
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]
-    panels: list[tuple[str, list[tuple[str, list[dict[str, Any]], str]]]] = [
+    panels: list[tuple[str, Series]] = [
         (
             "reverse KL per token",
             [("train (own samples)", train, "reverse_kl"), ("validation", evals, "reverse_kl")],
@@ -39,6 +61,7 @@ def plot_curves(records: list[dict[str, Any]], out_path: Path, title: str = "") 
         panels.append(("validation", [(key, evals, key) for key in curves]))
     if any("reward_mean" in r for r in train):
         panels.insert(1, ("task reward", [("mean", train, "reward_mean")]))
+    panels += signal_panels(train)
     figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
     for axis, (name, series) in zip(axes[0], panels, strict=True):
         for label, rows, key in series:

@@ -119,3 +119,36 @@ def test_update_weights_with_wrong_shapes_fails_cleanly_and_engine_survives(
         assert ray.get(student_engine.update_weights.remote(handoff)) == version_before + 1
     after = ray.get(student_engine.score_many.remote(pair))
     assert max(abs(a - b) for a, b in zip(after[0], before[0], strict=True)) < 1e-5
+
+
+def test_teacher_top_k_is_the_teachers_own_top_k_as_compact_arrays(
+    teacher_engine: Any, student_engine: Any, tiny_models: TinyModels, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """vLLM's prompt logprobs with k, unpacked, agree with the teacher's full softmax in transformers."""
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    prompts = _validation_prompts(tiny_models, tokenizer, 3)
+    completions = ray.get(
+        student_engine.generate_many.remote(prompts, max_tokens=16, temperature=1.0, seed=5)
+    )
+    pairs = [(c.prompt_token_ids, c.completion_token_ids) for c in completions]
+    top_k = 8
+    scores = ray.get(teacher_engine.score_top_k_many.remote(pairs, top_k))
+    sampled_only = ray.get(teacher_engine.score_many.remote(pairs))
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_models.teacher), dtype=torch.float32)
+    for (prompt, completion), got, plain in zip(pairs, scores, sampled_only, strict=True):
+        count = len(completion)
+        assert got.top_ids.dtype == np.int32 and got.top_ids.shape == (count, top_k)
+        assert got.top_logprobs.dtype == np.float32 and got.top_logprobs.shape == (count, top_k)
+        # The sampled token's logprob is what plain scoring returns.
+        assert got.logprobs.tolist() == pytest.approx(plain, abs=1e-6)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1]
+        want_B_V = torch.log_softmax(logits.float(), dim=-1)
+        want_values, _ = want_B_V.topk(top_k, dim=-1)
+        # Values by rank, and the transformers logprob of each returned id (ids may swap on exact ties).
+        assert np.abs(got.top_logprobs - want_values.numpy()).max() < 1e-3
+        at_ids = want_B_V.gather(-1, torch.tensor(got.top_ids, dtype=torch.long)).numpy()
+        assert np.abs(got.top_logprobs - at_ids).max() < 1e-3
+        assert all(len(set(row)) == top_k for row in got.top_ids.tolist())

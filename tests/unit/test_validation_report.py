@@ -8,7 +8,7 @@ import pytest
 
 from opd_trainer.dataset import Sample
 from opd_trainer.gateway import RecordedCall
-from opd_trainer.plots import plot_curves, validation_curve_keys
+from opd_trainer.plots import plot_curves, signal_panels, validation_curve_keys
 from opd_trainer.rollouts import RolloutResult, scoring_failures, validation_metrics
 from opd_trainer.train_cli import format_final_table
 
@@ -64,3 +64,14 @@ def test_validation_curves_follow_the_records(tmp_path: Path) -> None:
     train = [{"kind": "train", "step": 1, "reverse_kl": 0.6}]
     out = plot_curves([*train, *evals], tmp_path / "curves.png")
     assert out.stat().st_size > 0
+
+
+def test_signal_diagnostics_get_panels_when_logged(tmp_path: Path) -> None:
+    sampled = [{"kind": "train", "step": 1, "reverse_kl": 0.6, "signal_std": 0.9}]
+    assert [name for name, _ in signal_panels(sampled)] == ["per-token signal std"]
+    top_k = [{**sampled[0], "teacher_topk_mass": 0.97, "student_topk_mass": 0.6}]
+    panels = signal_panels(top_k)
+    assert [name for name, _ in panels] == ["mass on the teacher's top-k", "per-token signal std"]
+    assert [key for _, _, key in panels[0][1]] == ["teacher_topk_mass", "student_topk_mass"]
+    assert signal_panels([{"kind": "train", "step": 1, "reverse_kl": 0.6}]) == []
+    assert plot_curves(top_k, tmp_path / "curves.png").stat().st_size > 0
