@@ -18,11 +18,13 @@ from api.observability import LatencyMiddleware, ServerMetrics
 from api.routes import files, health, jobs, keys
 from api.services.keys import AuthCache
 from api.services.scheduler import Scheduler
-from api.settings import Settings
+from api.settings import Settings, withhold_secrets_from_children
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
-    settings = settings or Settings()
+    if settings is None:
+        settings = Settings()
+        withhold_secrets_from_children()
     db = Database(settings.sqlalchemy_url)
     metrics = ServerMetrics(db)
     scheduler = Scheduler(settings, db) if settings.scheduler_enabled else None

@@ -2,7 +2,8 @@
 
 Job numbers are read from the database at scrape time (one query), so they are right after a restart
 and need no bookkeeping; request latency is a histogram labelled by route template, not raw path, so
-ids do not explode the label set.
+ids do not explode the label set. Series labelled by job id are rendered only for a scrape that presents
+the admin key: anyone may see how busy the server is, not which jobs it runs.
 """
 
 from __future__ import annotations
@@ -30,14 +31,15 @@ JOB_GAUGES = {
 }
 
 
-class JobCollector(Collector):
+class JobCountCollector(Collector):
+    """Jobs by status and the queue depth: no job ids."""
+
     def __init__(self, db: Database) -> None:
         self.db = db
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         with self.db.session() as session:
             counts = dict(session.execute(select(Job.status, func.count()).group_by(Job.status)).all())
-            running = session.scalars(select(Job).where(Job.status.in_(WITH_DRIVER))).all()
         by_status = GaugeMetricFamily("opd_jobs", "Jobs by status.", labels=["status"])
         for status in STATUSES:
             by_status.add_metric([status], counts.get(status, 0))
@@ -45,6 +47,17 @@ class JobCollector(Collector):
         yield GaugeMetricFamily(
             "opd_queue_depth", "Jobs waiting for a driver.", value=counts.get("queued", 0)
         )
+
+
+class JobProgressCollector(Collector):
+    """Per running job, labelled by job id: steps, tokens, the latest step's metrics, pool sizes."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        with self.db.session() as session:
+            running = session.scalars(select(Job).where(Job.status.in_(WITH_DRIVER))).all()
         step = GaugeMetricFamily("opd_job_step", "Steps done.", labels=["job_id"])
         total = GaugeMetricFamily("opd_job_total_steps", "Steps planned.", labels=["job_id"])
         tokens = GaugeMetricFamily(
@@ -82,10 +95,14 @@ class ServerMetrics:
             registry=self.registry,
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1, 2.5, 5, 10),
         )
-        self.registry.register(JobCollector(db))
+        self.registry.register(JobCountCollector(db))
+        self.job_registry = CollectorRegistry()
+        self.job_registry.register(JobProgressCollector(db))
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, include_jobs: bool = False) -> bytes:
+        """The public series; with `include_jobs` (the admin's scrape) also those labelled by job id."""
+        payload = generate_latest(self.registry)
+        return payload + generate_latest(self.job_registry) if include_jobs else payload
 
 
 class LatencyMiddleware:

@@ -6,6 +6,7 @@ name managed PostgreSQL offerings and Helm charts set.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
@@ -45,6 +46,11 @@ class Settings(BaseSettings):
     )
     workspace_max_compression_ratio: float = Field(
         default=200.0, gt=1, description="Largest uncompressed/compressed ratio of one zip entry (zip bombs)."
+    )
+    model_dirs: list[Path] = Field(
+        default_factory=list,
+        description="Operator-approved model folders (JSON list): a job's model and teacher_model must lie "
+        "under one of them or in one of the tenant's own jobs' checkpoints. Empty means <data_dir>/models.",
     )
     ray_address: str | None = Field(
         default=None, description="Ray cluster to join; None starts an embedded local Ray (or $RAY_ADDRESS)."
@@ -88,6 +94,15 @@ class Settings(BaseSettings):
             raise ValueError("max_body_bytes must not exceed max_upload_bytes")
         return self
 
+    @field_validator("model_dirs")
+    @classmethod
+    def _absolute_model_dirs(cls, value: list[Path]) -> list[Path]:
+        return [folder.expanduser().resolve() for folder in value]
+
+    @property
+    def approved_model_dirs(self) -> list[Path]:
+        return self.model_dirs or [self.data_dir / "models"]
+
     @property
     def sqlalchemy_url(self) -> str:
         return self.database_url or f"sqlite:///{self.data_dir / 'opd.db'}"
@@ -107,3 +122,19 @@ class Settings(BaseSettings):
     @property
     def scheduler_enabled(self) -> bool:
         return self.max_concurrent_jobs > 0
+
+
+# Environment variables that carry the server's secrets (the admin key, database credentials).
+SECRET_ENV_VARS = ("OPD_ADMIN_KEY", "OPD_DATABASE_URL", "DATABASE_URL")
+
+
+def withhold_secrets_from_children() -> list[str]:
+    """Removes the server's secrets from this process's environment once `Settings` has read them.
+
+    Everything the server starts afterwards inherits its environment: the embedded Ray, its job
+    drivers and the workers that run user processors. Returns the names removed.
+    """
+    removed = [name for name in SECRET_ENV_VARS if name in os.environ]
+    for name in removed:
+        del os.environ[name]
+    return removed

@@ -46,7 +46,7 @@ def _free_port() -> int:
 
 def _tokenizer_dir(models_dir: Path, scratch: Path) -> str:
     if (models_dir / "student" / "tokenizer.json").is_file():
-        return str(models_dir / "student")
+        return str((models_dir / "student").resolve())
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -57,8 +57,9 @@ def _tokenizer_dir(models_dir: Path, scratch: Path) -> str:
     return str(scratch / "tokenizer")
 
 
-def _start_server(data_dir: Path, port: int) -> subprocess.Popen[bytes]:
+def _start_server(data_dir: Path, port: int, model: str) -> subprocess.Popen[bytes]:
     env = {**os.environ, "OPD_ADMIN_KEY": ADMIN_KEY, "OPD_MAX_CONCURRENT_JOBS": "0"}
+    env["OPD_MODEL_DIRS"] = json.dumps([str(Path(model).resolve().parent)])
     env["OPD_TENANT_MAX_ACTIVE_JOBS"] = "1000"
     command = [sys.executable, "-m", "opd_trainer.cli", "serve", "--port", str(port)]
     command += ["--data-dir", str(data_dir), "--log-level", "warning"]
@@ -172,7 +173,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as scratch:
         model = _tokenizer_dir(Path(args.models_dir), Path(scratch))
         port = _free_port()
-        server = _start_server(Path(scratch) / "data", port)
+        server = _start_server(Path(scratch) / "data", port, model)
         try:
             rows = asyncio.run(
                 _measure(

@@ -30,7 +30,7 @@ def _serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from api.main import create_app
-    from api.settings import Settings
+    from api.settings import Settings, withhold_secrets_from_children
 
     overrides: dict[str, Any] = {}
     if args.data_dir:
@@ -46,6 +46,8 @@ def _serve(args: argparse.Namespace) -> int:
         field = "OPD_" + ".".join(str(p) for p in first["loc"]).upper()
         print(f"error: {field}: {first['msg']}", file=sys.stderr)
         return USAGE_ERROR
+    # Read once into `settings`; nothing started from here on (Ray, drivers, user code) inherits them.
+    withhold_secrets_from_children()
     if settings.scheduler_enabled:
         from opd_trainer.ray_runtime import init_ray
 

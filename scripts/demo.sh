@@ -12,6 +12,8 @@ port=$("$bin/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1"
 export OPD_ADMIN_KEY
 OPD_ADMIN_KEY=$("$bin/python" -c 'import secrets; print(secrets.token_urlsafe(32))')
 export OPD_BASE_URL="http://127.0.0.1:${port}"
+# The server takes models only from approved folders (and its tenants' own checkpoints).
+export OPD_MODEL_DIRS="[\"$(pwd)/.cache/tiny-models\"]"
 
 mkdir -p "$data_dir"
 "$bin/opd" serve --host 127.0.0.1 --port "$port" --data-dir "$data_dir" --log-level warning \

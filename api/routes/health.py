@@ -1,4 +1,7 @@
-"""Health, readiness (database and Ray reachable) and Prometheus metrics; no key needed."""
+"""Health, readiness (database and Ray reachable) and Prometheus metrics; no key needed.
+
+`/metrics` with the admin key as bearer token adds the series labelled by job id.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +11,9 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from api.db import ping
-from api.deps import DatabaseDep, SchedulerDep
+from api.deps import Credentials, DatabaseDep, SchedulerDep, SettingsDep
 from api.schemas import Health
+from api.services import keys
 
 router = APIRouter(tags=["health"])
 
@@ -34,6 +38,8 @@ async def readyz(db: DatabaseDep, scheduler: SchedulerDep) -> JSONResponse:
 
 
 @router.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
-async def metrics(request: Request) -> Response:
-    payload = await run_in_threadpool(request.app.state.metrics.render)
+async def metrics(request: Request, settings: SettingsDep, credentials: Credentials) -> Response:
+    admin = settings.admin_key.get_secret_value() if settings.admin_key else None
+    include_jobs = credentials is not None and keys.is_admin(credentials.credentials, admin)
+    payload = await run_in_threadpool(request.app.state.metrics.render, include_jobs)
     return Response(payload, media_type=CONTENT_TYPE_LATEST)

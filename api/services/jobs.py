@@ -142,6 +142,32 @@ def resolve_files(session: Session, tenant_id: str, spec: JobSpec) -> tuple[JobS
     return resolved, used
 
 
+MODEL_FIELDS = ("model", "teacher_model")
+
+
+def check_model_access(session: Session, settings: Settings, tenant_id: str, spec: JobSpec) -> None:
+    """`model` / `teacher_model` may name only folders under an operator-approved model directory
+    (`OPD_MODEL_DIRS`) or inside one of this tenant's own jobs (its checkpoints).
+
+    Checked before anything looks at the path, with one message whether or not the path exists, so the
+    answer reveals nothing about the server's filesystem or other tenants' jobs.
+    """
+    own_runs = session.scalars(select(Job.run_dir).where(Job.tenant_id == tenant_id)).all()
+    roots = [*settings.approved_model_dirs, *(Path(run_dir) for run_dir in own_runs)]
+    for field in MODEL_FIELDS:
+        value = getattr(spec, field)
+        path = Path(value)
+        # resolve() follows symlinks, so a link inside an approved folder cannot point out of it.
+        if not (path.is_absolute() and any(path.resolve().is_relative_to(root.resolve()) for root in roots)):
+            raise APIError(
+                400,
+                "model_not_allowed",
+                f"{field} {value!r} is not an approved model: use a folder under the server's model "
+                "directories (OPD_MODEL_DIRS) or a checkpoint of one of your own jobs",
+                field,
+            )
+
+
 def preflight(resolved: JobSpec) -> None:
     """Static checks on the resolved spec; raises `ConfigError` naming the field."""
     for component in resolved.functions:
@@ -149,7 +175,7 @@ def preflight(resolved: JobSpec) -> None:
         problems = validate_workspace(Path(component.fcmodel.zipdir), component.fcmodel.classpath)
         if problems:
             raise ConfigError("; ".join(problems), field=f"functions.{component.name}.fcmodel.classpath")
-    for field in ("model", "teacher_model"):
+    for field in MODEL_FIELDS:
         # Only local model folders: a hub name would make transformers try the network from the API.
         if not Path(getattr(resolved, field)).is_dir():
             raise ConfigError(f"model folder {getattr(resolved, field)} not found on the server", field=field)
@@ -168,6 +194,7 @@ def create(session: Session, settings: Settings, tenant_id: str, body: JobCreate
             "job_limit_reached",
             f"tenant already has {active} unfinished jobs (limit {settings.tenant_max_active_jobs})",
         )
+    check_model_access(session, settings, tenant_id, spec)
     resolved, used = resolve_files(session, tenant_id, spec)
     preflight(resolved)
     hp = spec.hyper_parameters

@@ -21,6 +21,7 @@ from opd_trainer.client import OPDClient
 
 REPO = Path(__file__).resolve().parents[2]
 ADMIN_KEY = "test-admin-key-0123456789"
+TINY_MODELS_DIR = Path(os.environ.get("OPD_TINY_MODELS_DIR", REPO / ".cache" / "tiny-models"))
 
 
 def free_port() -> int:
@@ -35,6 +36,8 @@ class Server:
 
     data_dir: Path
     env: dict[str, str] = field(default_factory=dict)
+    # OPD_MODEL_DIRS: the folders jobs may take models from (besides their own jobs' checkpoints).
+    model_dirs: list[Path] = field(default_factory=lambda: [TINY_MODELS_DIR])
     port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
@@ -48,6 +51,7 @@ class Server:
             **os.environ,
             "OPD_ADMIN_KEY": ADMIN_KEY,
             "OPD_POLL_INTERVAL_S": "0.5",
+            "OPD_MODEL_DIRS": json.dumps([str(folder) for folder in self.model_dirs]),
             "PYTHONUNBUFFERED": "1",
             **self.env,
         }

@@ -26,15 +26,22 @@ SERVER_ENV = {
 
 
 @pytest.fixture(scope="session")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = Server(tmp_path_factory.mktemp("api") / "data", env=SERVER_ENV).start()
+def models_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shared server's approved model directory (OPD_MODEL_DIRS)."""
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory, models_root: Path) -> Iterator[Server]:
+    data_dir = tmp_path_factory.mktemp("api") / "data"
+    server = Server(data_dir, env=SERVER_ENV, model_dirs=[models_root]).start()
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="session")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("models")
+def models(models_root: Path) -> dict[str, str]:
+    root = models_root
     return {
         "student": str(make_tokenizer(root / "student")),
         "teacher": str(make_tokenizer(root / "teacher")),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -255,7 +256,27 @@ CASES = [
         400,
         "functions.score.fcmodel.classpath",
     ),
-    Case("spec: model folder missing", submit(model="/nonexistent/student"), 400, "model", "not found"),
+    Case(
+        "spec: model outside the approved folders",
+        submit(model="/nonexistent/student"),
+        400,
+        "model",
+        "approved",
+    ),
+    Case(
+        "spec: teacher outside the approved folders",
+        submit(teacher_model="/etc"),
+        400,
+        "teacher_model",
+        "approved",
+    ),
+    Case(
+        "spec: model folder missing in an approved folder",
+        submit_raw(lambda t, s: {**s, "model": str(Path(t.models["student"]).parent / "missing")}),
+        400,
+        "model",
+        "not found",
+    ),
     Case(
         "spec: max_length beyond the models' context",
         submit(hyper_parameters={"max_steps": 3, "batch_size": 2, "max_length": 8192}),

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from apiserver import Server, create_key, jsonl, make_tokenizer, record
+from apiserver import TINY_MODELS_DIR, Server, create_key, jsonl, make_tokenizer, record
 
 from opd_trainer.client import OPDClient
 
@@ -75,7 +75,10 @@ def _run_args(tiny_models: TinyModels, tmp_path: Path, max_steps: int, save_step
 
 
 def _server(tmp_path: Path) -> Server:
-    return Server(tmp_path / "data", env={"OPD_MAX_CONCURRENT_JOBS": "1"})
+    # Jobs take models from the tiny models and from folders the tests make in tmp_path.
+    return Server(
+        tmp_path / "data", env={"OPD_MAX_CONCURRENT_JOBS": "1"}, model_dirs=[TINY_MODELS_DIR, tmp_path]
+    )
 
 
 def _wait(client: OPDClient, job_id: str, done: Any, timeout_s: float) -> dict[str, Any]:

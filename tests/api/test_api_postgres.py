@@ -22,7 +22,11 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_job_lifecycle_on_postgresql(tmp_path: Path, models: dict[str, str]) -> None:
-    server = Server(tmp_path / "data", env={"OPD_MAX_CONCURRENT_JOBS": "0", "DATABASE_URL": DATABASE_URL})
+    server = Server(
+        tmp_path / "data",
+        env={"OPD_MAX_CONCURRENT_JOBS": "0", "DATABASE_URL": DATABASE_URL},
+        model_dirs=[Path(models["student"]).parent],
+    )
     server.start()
     try:
         key = create_key(server.url, f"pg-{uuid.uuid4().hex[:8]}")

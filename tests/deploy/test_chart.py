@@ -368,6 +368,8 @@ def test_external_postgres_install(rendered_by_scenario: dict[str, Rendered]) ->
     monitor = rendered.one("ServiceMonitor")
     assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     assert monitor["spec"]["endpoints"][0]["path"] == "/metrics"
+    # Per-job series are served only to the admin key: the scrape presents it from its Secret.
+    assert monitor["spec"]["endpoints"][0]["bearerTokenSecret"] == {"name": "opd-admin", "key": "admin-key"}
     assert monitor["spec"]["selector"]["matchLabels"] == rendered.one("Service")["spec"]["selector"]
     data = configmap_data(rendered)
     # Whole numbers stay whole: YAML hands Helm floats, and 1e10 must not reach the server.

@@ -1,0 +1,43 @@
+"""Which models a job may name: the operator's approved folders and the tenant's own jobs, nothing else.
+
+The answer for a refused path is the same whether it exists or not, so it tells nobody what is on the
+server or which jobs other tenants run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from apiserver import Server, Tenant, jsonl, record
+
+
+def _submit(tenant: Tenant, **overrides: str) -> dict:
+    dataset = tenant.upload(jsonl([record()]))
+    response = tenant.http.post("/v1/opd/jobs", json=tenant.spec(dataset["id"], **overrides))
+    return {"status": response.status_code, **response.json().get("error", {})}
+
+
+def test_refusal_does_not_tell_whether_a_server_path_exists(tenant: Tenant) -> None:
+    existing, missing = _submit(tenant, model="/etc"), _submit(tenant, model="/no/such/folder")
+    assert existing["status"] == missing["status"] == 400
+    assert existing["code"] == missing["code"] == "model_not_allowed" and existing["param"] == "model"
+    assert existing["message"].replace("/etc", "X") == missing["message"].replace("/no/such/folder", "X")
+
+
+def test_a_tenant_may_name_its_own_jobs_checkpoints_but_not_another_tenants(
+    server: Server, tenant: Tenant, other_tenant: Tenant
+) -> None:
+    job = other_tenant.job()
+    checkpoint = server.data_dir.resolve() / "runs" / job["id"] / "checkpoints" / "step-1" / "student"
+    refused = _submit(tenant, model=str(checkpoint))
+    assert (refused["status"], refused["code"], refused["param"]) == (400, "model_not_allowed", "model")
+    # The owner passes the access check; this queued job has no checkpoint yet, so the folder is missing.
+    owner = _submit(other_tenant, model=str(checkpoint))
+    assert (owner["status"], owner["param"]) == (400, "model") and "not found" in owner["message"]
+
+
+def test_a_link_inside_an_approved_folder_cannot_point_out_of_it(tenant: Tenant, models_root: Path) -> None:
+    link = models_root / f"escape-{tenant.name}"
+    link.symlink_to("/etc", target_is_directory=True)
+    refused = _submit(tenant, model=str(link))
+    assert (refused["status"], refused["code"]) == (400, "model_not_allowed")
