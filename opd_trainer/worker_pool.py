@@ -3,8 +3,13 @@
 Each `ProcessorWorkerActor` loads the user's class by classpath from the component's workspace, runs
 `setup()` once and then
 up to `concurrency` `process` calls at once, each bounded by the component `timeout`. User failures are
-contained: an exception or a timeout becomes a FAILED output, never a crashed job. A worker that dies is
-replaced and its in-flight calls retried with `attempt_id + 1`, a bounded number of times.
+contained: an exception or a timeout becomes a FAILED output with one line naming the component and the
+cause (the traceback goes to the worker's log), never a crashed job. The pool enforces what the worker
+cannot: a call whose worker does not answer within `timeout` + a grace period (synchronous code blocking
+the worker's event loop) fails and that worker is killed and replaced; a worker whose resident memory
+exceeds `memory_size` (checked every `autoscale_interval_s`) is killed and its calls fail naming the
+limit. A worker that dies is replaced (one replacement per worker, never beyond `max_capacity`) and its
+in-flight calls are retried with `attempt_id + 1`, a bounded number of times.
 
 The workspace travels as a zip through Ray's object store (so workers on any node get it; Ray refuses
 local directories in per-actor runtime environments) and is unpacked into the worker's own folder,
@@ -41,6 +46,20 @@ logger = logging.getLogger(__name__)
 Kind = Literal["rollout", "reward"]
 MAX_ATTEMPTS = 3
 MB = 1024 * 1024
+# A call's answer may come this long after the worker's own `timeout` before the pool gives up on it
+# (Ray round trip and a loaded machine); then the worker is taken to be blocked and is killed.
+TIMEOUT_GRACE_S = 10.0
+TIMEOUT_GRACE_FRACTION = 0.25
+# Starting a worker: placing it, building its runtime environment (pip) and loading the user's class.
+START_TIMEOUT_S = 120.0
+START_TIMEOUT_WITH_PIP_S = 900.0
+STATS_TIMEOUT_S = 5.0
+
+
+def one_line(exc: BaseException) -> str:
+    """`Type: message` on one line (the first line of the message; tracebacks belong in logs)."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
 class ProcessorWorker:
@@ -103,8 +122,12 @@ class ProcessorWorker:
             except TimeoutError:
                 output = self._failed(f"{self.component}: timed out after {self.timeout_s:g}s")
             except Exception as exc:
-                trace = "".join(traceback.format_exception(exc, limit=-6))
-                output = self._failed(f"{self.component}: {type(exc).__name__}: {exc}\n{trace}")
+                logger.error(
+                    "%s: process() raised\n%s",
+                    self.component,
+                    "".join(traceback.format_exception(exc, limit=-8)),
+                )
+                output = self._failed(f"{self.component}: {one_line(exc)}")
             finally:
                 self._in_flight -= 1
         return {
@@ -234,6 +257,9 @@ class WorkerPool:
         )
         self._workers: list[Any] = []
         self._in_flight: dict[Any, int] = {}
+        # Workers the pool killed on purpose, and why: their calls fail with that reason, not a retry.
+        self._killed: dict[Any, str] = {}
+        self._starting = 0  # workers being started: they count against max_capacity
         self._queued = 0
         self._free = asyncio.Condition()
         self._workspace_ref: Any = None
@@ -247,12 +273,19 @@ class WorkerPool:
     def field(self) -> str:
         return f"functions.{self.component.name}.fcmodel"
 
+    @property
+    def call_timeout_s(self) -> float:
+        """How long the pool waits for one call's answer before it kills the worker."""
+        timeout = self.component.timeout
+        return timeout + max(TIMEOUT_GRACE_S, TIMEOUT_GRACE_FRACTION * timeout)
+
     async def _new_worker(self) -> Any:
         runtime = self.component.runtime
+        runtime_env = runtime_env_for(self.component, self.workspace)
         worker = ProcessorWorkerActor.options(  # type: ignore[attr-defined]
             num_cpus=runtime.cpu,
             memory=runtime.memory_size * MB,
-            runtime_env=runtime_env_for(self.component, self.workspace),
+            runtime_env=runtime_env,
             max_concurrency=max(16, runtime.concurrency * 2),
         ).remote(
             self._workspace_ref,
@@ -263,8 +296,16 @@ class WorkerPool:
             self.component.timeout,
             runtime.memory_size,
         )
+        start_timeout = START_TIMEOUT_WITH_PIP_S if runtime_env and "pip" in runtime_env else START_TIMEOUT_S
         try:
-            await worker.load.remote()
+            await asyncio.wait_for(worker.load.remote(), start_timeout)
+        except TimeoutError:
+            ray.kill(worker)
+            raise ProcessorLoadError(
+                f"a worker did not start within {start_timeout:.0f}s: Ray could not place it "
+                f"(cpu {runtime.cpu}, memory_size {runtime.memory_size} MB) or its setup() did not return",
+                field=self.field,
+            ) from None
         except RuntimeEnvSetupError as exc:
             ray.kill(worker)
             raise ProcessorLoadError(
@@ -306,24 +347,60 @@ class WorkerPool:
                 self._in_flight[worker] -= 1
             self._free.notify_all()
 
-    async def _replace(self, dead: Any) -> None:
+    async def _add_worker_within_max(self) -> bool:
+        """Starts one worker unless running + starting workers already reach `max_capacity`."""
         async with self._free:
-            if dead in self._in_flight:
-                self._workers.remove(dead)
-                del self._in_flight[dead]
-        logger.warning("[%s] %s worker died; starting a replacement", self.job_id, self.component.name)
-        await self._new_worker()
+            if len(self._workers) + self._starting >= self.autoscaler.settings.max_capacity:
+                return False
+            self._starting += 1
+        try:
+            await self._new_worker()
+        finally:
+            self._starting -= 1
         async with self._free:
             self._free.notify_all()
+        return True
+
+    async def _replace(self, dead: Any, reason: str = "died") -> None:
+        """Drops `dead` and starts one replacement; calls that lost the same worker start none."""
+        async with self._free:
+            if dead not in self._in_flight:
+                return
+            self._workers.remove(dead)
+            del self._in_flight[dead]
+        logger.warning("[%s] %s worker %s; starting a replacement", self.job_id, self.component.name, reason)
+        try:
+            await self._add_worker_within_max()
+        except Exception as exc:  # the autoscaler retries from min_capacity on its next tick
+            logger.error("[%s] replacing a %s worker failed: %s", self.job_id, self.component.name, exc)
+
+    async def _kill(self, worker: Any, reason: str) -> None:
+        """Kills a worker on purpose (blocked or over its memory), records why, and replaces it."""
+        self._killed[worker] = reason
+        ray.kill(worker)
+        await self._replace(worker, reason)
 
     async def run(self, make_payload: Callable[[int], Any], rollout_id: str) -> dict[str, Any]:
         """Runs one call; `make_payload(attempt_id)` builds the input. Retries on worker death."""
         for attempt in range(MAX_ATTEMPTS):
             worker = await self._acquire()
+            started = time.perf_counter()
             try:
-                result = await worker.call.remote(make_payload(attempt), rollout_id)
+                result = await asyncio.wait_for(
+                    worker.call.remote(make_payload(attempt), rollout_id), self.call_timeout_s
+                )
+            except TimeoutError:
+                await self._release(worker)
+                reason = (
+                    f"timed out after {self.component.timeout:g}s and its worker did not answer "
+                    "(synchronous code blocking the event loop?); the worker was restarted"
+                )
+                await self._kill(worker, reason)
+                return self._failure(reason, attempt, time.perf_counter() - started)
             except RayActorError:
                 await self._release(worker)
+                if worker in self._killed:  # killed on purpose: the call caused it, do not retry
+                    return self._failure(self._killed[worker], attempt, time.perf_counter() - started)
                 self.retries += 1
                 await self._replace(worker)
                 continue
@@ -331,22 +408,43 @@ class WorkerPool:
             self.calls += 1
             result["attempt_id"] = attempt
             return result
-        self.calls += 1
-        self.failures += 1
+        return self._failure(f"worker died {MAX_ATTEMPTS} times", MAX_ATTEMPTS - 1, 0.0)
+
+    def _failure(self, reason: str, attempt: int, seconds: float) -> dict[str, Any]:
         from opd_trainer.sdk import RewardOutput, RolloutOutput, TaskStatus
 
+        self.calls += 1
+        self.failures += 1
         output_type = RolloutOutput if self.kind == "rollout" else RewardOutput
-        message = f"{self.component.name}: worker died {MAX_ATTEMPTS} times"
         return {
-            "output": output_type(status=TaskStatus.FAILED, error=message),
+            "output": output_type(status=TaskStatus.FAILED, error=f"{self.component.name}: {reason}"),
             "spans": [],
-            "seconds": 0.0,
-            "attempt_id": MAX_ATTEMPTS - 1,
+            "seconds": seconds,
+            "attempt_id": attempt,
         }
 
-    async def _snapshot(self) -> PoolSnapshot:
-        stats = await asyncio.gather(*(w.stats.remote() for w in self._workers), return_exceptions=True)
-        memory = [s["memory_fraction"] for s in stats if isinstance(s, dict)]
+    async def _stats(self, worker: Any) -> dict[str, float] | None:
+        try:  # a worker whose event loop is blocked does not answer; its call's timeout handles it
+            return await asyncio.wait_for(worker.stats.remote(), STATS_TIMEOUT_S)  # type: ignore[no-any-return]
+        except (TimeoutError, RayActorError):
+            return None
+
+    async def _worker_stats(self) -> dict[Any, dict[str, float] | None]:
+        workers = list(self._workers)
+        return dict(zip(workers, await asyncio.gather(*(self._stats(w) for w in workers)), strict=True))
+
+    async def _enforce_memory(self, stats: dict[Any, dict[str, float] | None]) -> None:
+        """Kills (and replaces) every worker whose resident memory exceeds the component's memory_size."""
+        limit = self.component.runtime.memory_size
+        for worker, stat in stats.items():
+            if stat is not None and stat["memory_fraction"] > 1.0:
+                used = stat["memory_fraction"] * limit
+                await self._kill(
+                    worker, f"exceeded memory_size {limit} MB (resident {used:.0f} MB); worker killed"
+                )
+
+    def _snapshot(self, stats: dict[Any, dict[str, float] | None]) -> PoolSnapshot:
+        memory = [s["memory_fraction"] for w, s in stats.items() if s is not None and w in self._in_flight]
         in_flight = sum(self._in_flight.values())
         idle = sum(1 for w in self._workers if self._in_flight[w] == 0)
         return PoolSnapshot(
@@ -354,7 +452,9 @@ class WorkerPool:
         )
 
     async def autoscale_once(self) -> None:
-        decision = self.autoscaler.decide(await self._snapshot())
+        stats = await self._worker_stats()
+        await self._enforce_memory(stats)
+        decision = self.autoscaler.decide(self._snapshot(stats))
         self.history.append(
             {
                 "time": time.time(),
@@ -366,7 +466,7 @@ class WorkerPool:
         )
         if decision.action == "up":
             await asyncio.gather(
-                *(self._new_worker() for _ in range(decision.desired - decision.current)),
+                *(self._add_worker_within_max() for _ in range(decision.desired - decision.current)),
                 return_exceptions=True,
             )
         elif decision.action == "down":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,25 @@ class DiesOnFirstAttempt(AbstractRolloutProcessor):
         if rollout_input.request_metadata.attempt_id == 0:
             os._exit(1)
         return _reply(rollout_input, "survived")
+
+
+class BlocksOnFirstSample(AbstractRolloutProcessor):
+    async def process(self, rollout_input):
+        if rollout_input.request_metadata.sample_id == "s0":
+            time.sleep(120)  # synchronous: the worker's event loop stops, asyncio's timeout cannot fire
+        return _reply(rollout_input, "not blocked")
+
+
+class AlwaysDies(AbstractRolloutProcessor):
+    async def process(self, rollout_input):
+        os._exit(1)
+
+
+class HogsMemory(AbstractRolloutProcessor):
+    async def process(self, rollout_input):
+        hog = b"x" * (1536 * 1024 * 1024)  # written, so resident
+        await asyncio.sleep(60)
+        return _reply(rollout_input, str(len(hog)))
 
 
 class Sleeps(AbstractRolloutProcessor):
@@ -142,7 +162,7 @@ def test_async_and_sync_processors_run(ray_session: None, workspace: Path, class
 def test_raising_and_hanging_processors_are_contained(ray_session: None, workspace: Path) -> None:
     raising = RolloutPool("job", _component("functions.procs.Raises"), workspace)
     [(output, _, _)] = _run_pool(raising, lambda p: asyncio.gather(_rollout(p, 0)))
-    assert output.status == TaskStatus.FAILED and "boom from user code" in output.error
+    assert output.status == TaskStatus.FAILED and output.error == "c: RuntimeError: boom from user code"
 
     hanging = RolloutPool("job", _component("functions.procs.Hangs", timeout=1.0), workspace)
     [(output, _, _)] = _run_pool(hanging, lambda p: asyncio.gather(_rollout(p, 0)))
@@ -155,6 +175,51 @@ def test_worker_killed_mid_call_is_replaced_and_retried(ray_session: None, works
     assert output.status == TaskStatus.SUCCESS and attempt == 1
     assert output.agent_output.rollout_metrics["attempt"] == 1.0
     assert pool.retries == 1
+
+
+def test_a_processor_blocking_its_event_loop_fails_its_call_and_the_worker_is_replaced(
+    ray_session: None, workspace: Path
+) -> None:
+    pool = RolloutPool("job", _component("functions.procs.BlocksOnFirstSample", timeout=1.0), workspace)
+
+    async def body(p: RolloutPool) -> tuple[Any, Any, float, int]:
+        started = time.monotonic()
+        blocked = await _rollout(p, 0)
+        elapsed = time.monotonic() - started
+        return blocked, await _rollout(p, 1), elapsed, p.size
+
+    (blocked, _, _), (after, _, _), elapsed, size = _run_pool(pool, body)
+    assert blocked.status == TaskStatus.FAILED and "did not answer" in blocked.error, blocked.error
+    assert elapsed < pool.call_timeout_s + 10  # not the 120 s the processor blocks for
+    assert after.status == TaskStatus.SUCCESS  # served by the replacement worker
+    assert pool.failures == 1 and size == 1
+
+
+def test_workers_that_keep_dying_are_replaced_within_max_capacity(ray_session: None, workspace: Path) -> None:
+    component = _component("functions.procs.AlwaysDies", concurrency=2, capacity=1, max_capacity=2)
+    pool = RolloutPool("job", component, workspace)
+    sizes: list[int] = []
+
+    async def body(p: RolloutPool) -> list[Any]:
+        calls = asyncio.gather(*(_rollout(p, i) for i in range(8)))
+        while not calls.done():
+            sizes.append(p.size)
+            await asyncio.sleep(0.05)
+        return await calls
+
+    outputs = _run_pool(pool, body)
+    assert all(o.status == TaskStatus.FAILED and "worker died 3 times" in o.error for o, _, _ in outputs)
+    assert max(sizes) <= 2, sizes
+    assert pool.failures == 8
+
+
+def test_a_worker_over_its_memory_size_is_killed_and_its_call_fails(
+    ray_session: None, workspace: Path
+) -> None:
+    pool = RolloutPool("job", _component("functions.procs.HogsMemory", memory_size=1024), workspace)
+    [(output, _, _)] = _run_pool(pool, lambda p: asyncio.gather(_rollout(p, 0)))
+    assert output.status == TaskStatus.FAILED and "exceeded memory_size 1024 MB" in output.error, output.error
+    assert pool.retries == 0  # the call caused it: not retried on another worker
 
 
 def test_reward_pool_scores(ray_session: None, workspace: Path) -> None:
