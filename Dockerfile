@@ -50,7 +50,7 @@ FROM ${PYTHON_IMAGE} AS cpu
 # login), so that login shells, whose /etc/profile resets PATH, still find the venv first.
 # hadolint ignore=DL3008,SC2016
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends libnuma1 \
+    && apt-get install -y --no-install-recommends libnuma1 bubblewrap \
     && rm -rf /var/lib/apt/lists/* \
     && groupadd --gid 1000 opd \
     && useradd --uid 1000 --gid 1000 --create-home --shell /bin/bash opd \
@@ -81,7 +81,7 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends ca-certificates gpg-agent software-properties-common \
     && add-apt-repository -y ppa:deadsnakes/ppa \
     && apt-get update \
-    && apt-get install -y --no-install-recommends python3.11 python3.11-venv libnuma1 \
+    && apt-get install -y --no-install-recommends python3.11 python3.11-venv libnuma1 bubblewrap \
     && apt-get purge -y --auto-remove gpg-agent software-properties-common \
     && rm -rf /var/lib/apt/lists/*
 

@@ -46,6 +46,7 @@ from opd_trainer.rollouts import (
     scoring_failures,
     validation_metrics,
 )
+from opd_trainer.sandbox import unconfined_reason
 
 logger = logging.getLogger(__name__)
 
@@ -266,6 +267,9 @@ class JobDriver:
             self.emit(
                 "status", "loading user processors: " + ", ".join(p.component.name for p in self._pools)
             )
+            unconfined = unconfined_reason()
+            if unconfined is not None:
+                self.emit("warning", f"user processors run without a sandbox: {unconfined}", sandbox="none")
         await asyncio.gather(*(pool.start() for pool in self._pools))
         options: dict[str, Any] = {
             "max_tokens": hp.max_tokens,

@@ -136,6 +136,12 @@ class ProcessorWorker:
             "seconds": time.perf_counter() - started,
         }
 
+    def confinement(self) -> str | None:
+        """ "bwrap" when this worker runs inside the sandbox (`opd_trainer.sandbox`), else None."""
+        from opd_trainer.sandbox import SANDBOXED_ENV
+
+        return os.environ.get(SANDBOXED_ENV)
+
     def stats(self) -> dict[str, float]:
         import psutil
 
@@ -216,10 +222,13 @@ def check_requirements_install(requirements: list[str], field: str, timeout_s: f
         raise ProcessorLoadError("requirements.txt failed to install: " + " ".join(errors), field=field)
 
 
-def runtime_env_for(component: FunctionComponent, workspace: Path) -> dict[str, Any] | None:
-    """Ray runtime environment of a component's workers: its pip requirements and env vars.
+def runtime_env_for(
+    component: FunctionComponent, workspace: Path, sandbox: str | None = None
+) -> dict[str, Any] | None:
+    """Ray runtime environment of a component's workers: its pip requirements, env vars and, with
+    `sandbox` (from `opd_trainer.sandbox.worker_py_executable`), the launcher that confines them.
 
-    None when there is neither, so Ray can reuse its already started worker processes.
+    None when there is none of these, so Ray can reuse its already started worker processes.
     """
     env: dict[str, Any] = {}
     if component.runtime.env:
@@ -227,6 +236,8 @@ def runtime_env_for(component: FunctionComponent, workspace: Path) -> dict[str, 
     requirements = requirements_of(workspace)
     if requirements:
         env["pip"] = {"packages": requirements, "pip_check": False}
+    if sandbox:
+        env["py_executable"] = sandbox
     return env or None
 
 
@@ -260,6 +271,7 @@ class WorkerPool:
         # Workers the pool killed on purpose, and why: their calls fail with that reason, not a retry.
         self._killed: dict[Any, str] = {}
         self._starting = 0  # workers being started: they count against max_capacity
+        self._sandbox: str | None = None  # the confining launcher, set by start()
         self._queued = 0
         self._free = asyncio.Condition()
         self._workspace_ref: Any = None
@@ -281,7 +293,7 @@ class WorkerPool:
 
     async def _new_worker(self) -> Any:
         runtime = self.component.runtime
-        runtime_env = runtime_env_for(self.component, self.workspace)
+        runtime_env = runtime_env_for(self.component, self.workspace, self._sandbox)
         worker = ProcessorWorkerActor.options(  # type: ignore[attr-defined]
             num_cpus=runtime.cpu,
             memory=runtime.memory_size * MB,
@@ -314,12 +326,24 @@ class WorkerPool:
         except ProcessorLoadError:
             ray.kill(worker)
             raise
+        if self._sandbox and await worker.confinement.remote() != "bwrap":
+            ray.kill(worker)
+            raise ProcessorLoadError(
+                "the worker started outside its sandbox (Ray did not use the confining launcher)",
+                field=self.field,
+            )
         self._workers.append(worker)
         self._in_flight[worker] = 0
         return worker
 
     async def start(self) -> None:
         """Starts `capacity` workers (at least one: load errors surface before training) + the autoscaler."""
+        from opd_trainer.sandbox import SandboxUnavailable, worker_py_executable
+
+        try:
+            self._sandbox = worker_py_executable()
+        except SandboxUnavailable as exc:
+            raise ProcessorLoadError(str(exc), field=self.field) from None
         await asyncio.to_thread(check_requirements_install, requirements_of(self.workspace), self.field)
         self._workspace_ref = ray.put(pack_workspace(self.workspace))
         initial = max(1, self.autoscaler.initial_workers())

@@ -18,6 +18,17 @@ fi
 if [[ ",${extras}," == *",cpu,"* ]]; then
     "$venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
+# User processors run inside bubblewrap when it is there (opd_trainer/sandbox.py). It is a Debian/Ubuntu
+# package: installed here when this is root on an apt system, otherwise say how to get it.
+if ! command -v bwrap >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        (apt-get install -y -q bubblewrap >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 \
+            && apt-get install -y -q bubblewrap >/dev/null 2>&1)) \
+            || echo "note: could not apt-get install bubblewrap; user processors will run unconfined"
+    else
+        echo "note: bubblewrap (bwrap) not found; user processors will run unconfined (apt-get install bubblewrap)"
+    fi
+fi
 "$venv/bin/python" - <<'PY'
 import torch, transformers  # noqa: F401  (fail set-up early if the stack cannot import)
 print(f"venv ready: torch {torch.__version__}, transformers {transformers.__version__}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import textwrap
 import time
@@ -19,6 +20,7 @@ from rollout_workers.pool import RolloutPool
 pytestmark = pytest.mark.integration
 
 PROCESSORS = """
+import ast
 import asyncio
 import os
 import time
@@ -79,6 +81,24 @@ class HogsMemory(AbstractRolloutProcessor):
         hog = b"x" * (1536 * 1024 * 1024)  # written, so resident
         await asyncio.sleep(60)
         return _reply(rollout_input, str(len(hog)))
+
+
+class Probes(AbstractRolloutProcessor):
+    # Reports what user code can reach: the file at $PROBE_PATH, its workspace, where it may write.
+
+    async def process(self, rollout_input):
+        seen = {"cwd": os.getcwd(), "sandboxed": os.environ.get("OPD_SANDBOXED")}
+        try:
+            seen["secret"] = open(os.environ["PROBE_PATH"]).read()
+        except OSError as exc:
+            seen["secret"] = type(exc).__name__
+        seen["workspace"] = open("functions/procs.py").read()[:6]
+        try:
+            open(os.path.join(os.path.dirname(os.environ["PROBE_PATH"]), "written-by-user-code"), "w").close()
+            seen["wrote_outside"] = True
+        except OSError:
+            seen["wrote_outside"] = False
+        return _reply(rollout_input, repr(seen))
 
 
 class Sleeps(AbstractRolloutProcessor):
@@ -220,6 +240,27 @@ def test_a_worker_over_its_memory_size_is_killed_and_its_call_fails(
     [(output, _, _)] = _run_pool(pool, lambda p: asyncio.gather(_rollout(p, 0)))
     assert output.status == TaskStatus.FAILED and "exceeded memory_size 1024 MB" in output.error, output.error
     assert pool.retries == 0  # the call caused it: not retried on another worker
+
+
+def test_user_code_runs_confined_to_its_workspace_and_scratch(
+    ray_session: None, workspace: Path, tmp_path: Path
+) -> None:
+    from opd_trainer.sandbox import bwrap_problem
+
+    problem = bwrap_problem()
+    if problem is not None:  # `make setup` installs bubblewrap where it can (root + apt-get)
+        pytest.skip(f"no sandbox on this machine: {problem}")
+    secret_dir = tmp_path / "data-dir"
+    secret_dir.mkdir()
+    (secret_dir / "opd.db").write_text("tenant key hashes")
+    component = _component("functions.procs.Probes", env={"PROBE_PATH": str(secret_dir / "opd.db")})
+    pool = RolloutPool("job", component, workspace)
+    [(output, _, _)] = _run_pool(pool, lambda p: asyncio.gather(_rollout(p, 0)))
+    seen = ast.literal_eval(output.agent_output.messages[-1]["content"])
+    assert seen["sandboxed"] == "bwrap" and seen["cwd"].startswith("/tmp/opd-c-"), seen
+    assert seen["secret"] == "FileNotFoundError", seen  # the data dir is not in the sandbox at all
+    assert seen["workspace"] == "\nimpor" and seen["wrote_outside"] is False, seen
+    assert not (secret_dir / "written-by-user-code").exists()
 
 
 def test_reward_pool_scores(ray_session: None, workspace: Path) -> None:
