@@ -3,9 +3,12 @@
 Same tiny teacher and student, same data, steps and seeds for every arm:
 - `opd`: kl_coef 1, reward_coef 0 (dense per-token teacher signal, no reward functions);
 - `rl`: kl_coef 0, reward_coef 1 with the example's rewards (decision + arguments, group baseline);
-- `opd+rl`: kl_coef 1, reward_coef 1 with the same rewards.
+- `opd+rl`: kl_coef 1, reward_coef 1 with the same rewards;
+- `opd:<estimator>` (one per `--distill-losses`): the `opd` arm with `hyper_parameters.distill_loss`
+  set to that estimator (and `teacher_top_k` to `--teacher-top-k` unless it is `sampled`).
 
-Per arm: validation exact match and reverse KL against step (mean and spread over seeds, plotted), and a
+Per arm: validation exact match and reverse KL against step, and exact match against training seconds
+(mean and spread over seeds, plotted), and a
 table of start, end, teacher, fraction of the teacher–student gap closed, steps and training seconds to
 close 90 % of the gap (the first validation at or above start + 0.9·(teacher − start)). Training seconds
 sum the steps' wall time; evaluations and start-up are excluded and reported apart.
@@ -33,7 +36,30 @@ ARMS: dict[str, dict[str, Any]] = {
 GAP_LEVELS = (0.5, 0.9)
 
 
-def arm_spec(arm: str, seed: int, steps: int, eval_steps: int) -> Any:
+ESTIMATOR_ARM = "opd:"
+
+
+def estimator_arm(distill_loss: str) -> str:
+    return f"{ESTIMATOR_ARM}{distill_loss}"
+
+
+def headline_opd_arm(arms: dict[str, Any]) -> str | None:
+    """The arm the headline numbers quote: `opd` (the job's own estimator) or the default estimator's."""
+    from opd_trainer.job_spec import DEFAULT_DISTILL_LOSS
+
+    for name in ("opd", estimator_arm(DEFAULT_DISTILL_LOSS)):
+        if name in arms:
+            return name
+    return None
+
+
+def arm_spec(arm: str, seed: int, steps: int, eval_steps: int, teacher_top_k: int = 8) -> Any:
+    estimator: dict[str, Any] = {}
+    if arm.startswith(ESTIMATOR_ARM):
+        distill_loss = arm.removeprefix(ESTIMATOR_ARM)
+        top_k = 0 if distill_loss == "sampled" else teacher_top_k
+        estimator = {"distill_loss": distill_loss, "teacher_top_k": top_k}
+        arm = "opd"
     settings = ARMS[arm]
     return job_spec(
         functions=example_rewards() if settings["rewards"] else [],
@@ -42,6 +68,7 @@ def arm_spec(arm: str, seed: int, steps: int, eval_steps: int) -> Any:
         seed=seed,
         kl_coef=settings["kl_coef"],
         reward_coef=settings["reward_coef"],
+        **estimator,
     )
 
 
@@ -105,7 +132,7 @@ def summarize_arm(seeds: list[dict[str, Any]]) -> dict[str, Any]:
 
 def format_table(arms: dict[str, dict[str, Any]], steps: int) -> str:
     levels = "".join(f"{'steps→' + format(level, '.0%'):>12}{'reached':>8}" for level in GAP_LEVELS)
-    header = f"{'arm':<8}{'start':>7}{'end':>13}{'teacher':>9}{'gap closed':>12}{levels}{'train s→90%':>13}"
+    header = f"{'arm':<22}{'start':>7}{'end':>13}{'teacher':>9}{'gap closed':>12}{levels}{'train s→90%':>13}"
     lines = [header, "-" * len(header)]
     for name, arm in arms.items():
         cells = ""
@@ -116,7 +143,7 @@ def format_table(arms: dict[str, dict[str, Any]], steps: int) -> str:
             cells += f"{shown:>12}{arm[f'seeds_reaching_{tag}']:>8}"
         secs_90 = f"{arm['train_s_to_90']:.0f}" if arm["train_s_to_90"] is not None else "—"
         lines.append(
-            f"{name:<8}{arm['start']:>7.3f}{arm['end']:>8.3f}±{arm['end_std']:<4.3f}{arm['teacher']:>9.3f}"
+            f"{name:<22}{arm['start']:>7.3f}{arm['end']:>8.3f}±{arm['end_std']:<4.3f}{arm['teacher']:>9.3f}"
             f"{arm['gap_closed']:>11.0%} {cells}{secs_90:>13}"
         )
     return "\n".join(lines)
@@ -125,7 +152,8 @@ def format_table(arms: dict[str, dict[str, Any]], steps: int) -> str:
 def step_ratio(arms: dict[str, dict[str, Any]], steps: int, level: float) -> str:
     """How many times fewer steps OPD needs than reward-only RL to close `level` of the gap."""
     tag = f"{level:.0%}".rstrip("%")
-    opd, rl = arms.get("opd"), arms.get("rl")
+    headline = headline_opd_arm(arms)
+    opd, rl = arms.get(headline) if headline else None, arms.get("rl")
     if not opd or not rl or opd[f"steps_to_{tag}"] is None:
         return f"{level:.0%} of the gap: OPD did not reach it, no step ratio"
     if rl[f"steps_to_{tag}"] is None:
@@ -142,20 +170,36 @@ def plot(per_arm: dict[str, list[dict[str, Any]]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
     for name, seeds in per_arm.items():
         steps = [p["step"] for p in seeds[0]["curve"]]
-        for ax, key in zip(axes, ("exact_match", "reverse_kl"), strict=True):
+        for ax, key in zip(axes, ("exact_match", "reverse_kl"), strict=False):
             values = [[p[key] for p in s["curve"]] for s in seeds]
             mean = [statistics.fmean(column) for column in zip(*values, strict=True)]
             low = [min(column) for column in zip(*values, strict=True)]
             high = [max(column) for column in zip(*values, strict=True)]
             (line,) = ax.plot(steps, mean, marker="o", label=f"{name} (mean of {len(seeds)} seeds)")
             ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.2)
+        # Wall time: each seed's own training seconds at its validations (steps' time, no evaluation).
+        seconds = [
+            statistics.fmean(column)
+            for column in zip(*([p["train_s"] for p in s["curve"]] for s in seeds), strict=True)
+        ]
+        accuracy = [
+            statistics.fmean(column)
+            for column in zip(*([p["exact_match"] for p in s["curve"]] for s in seeds), strict=True)
+        ]
+        axes[2].plot(seconds, accuracy, marker="o", label=name)
     teacher = statistics.fmean(s["teacher"] for seeds in per_arm.values() for s in seeds)
-    axes[0].axhline(teacher, color="black", linestyle="--", label="teacher")
+    for ax in (axes[0], axes[2]):
+        ax.axhline(teacher, color="black", linestyle="--", label="teacher")
     axes[0].set(xlabel="step", ylabel="validation exact match", title="Accuracy (band: min–max over seeds)")
     axes[1].set(xlabel="step", ylabel="reverse KL per token", title="Reverse KL(student ‖ teacher)")
+    axes[2].set(
+        xlabel="training seconds (mean over seeds)",
+        ylabel="validation exact match",
+        title="Accuracy by wall time",
+    )
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -169,6 +213,16 @@ def plot(per_arm: dict[str, list[dict[str, Any]]], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument(
+        "--distill-losses",
+        nargs="*",
+        default=[],
+        choices=["sampled", "sampled_baseline", "topk_reverse", "topk_forward", "jsd"],
+        help="add one `opd:<estimator>` arm per distill_loss (the `opd` arm keeps the job's own)",
+    )
+    parser.add_argument(
+        "--teacher-top-k", type=int, default=8, help="teacher_top_k of every estimator arm but sampled"
+    )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--eval-steps", type=int, default=5)
@@ -182,8 +236,10 @@ def main() -> None:
         saved = json.loads(args.from_json.read_text())
         per_arm, settings = saved["runs"], saved["settings"]
     else:
-        per_arm = train_arms(args.arms, args.seeds, args.steps, args.eval_steps)
+        arm_names = [*args.arms, *(estimator_arm(name) for name in args.distill_losses)]
+        per_arm = train_arms(arm_names, args.seeds, args.steps, args.eval_steps, args.teacher_top_k)
         settings = {
+            "teacher_top_k": args.teacher_top_k,
             "steps": args.steps,
             "eval_steps": args.eval_steps,
             "seeds": args.seeds,
@@ -194,17 +250,20 @@ def main() -> None:
     for level in GAP_LEVELS:
         print(step_ratio(arms, settings["steps"], level))
     plot(per_arm, args.plot)
-    write_json(args.out, {"settings": settings, "arms": arms, "runs": per_arm})
+    write_json(
+        args.out,
+        {"settings": settings, "headline_opd_arm": headline_opd_arm(arms), "arms": arms, "runs": per_arm},
+    )
 
 
 def train_arms(
-    arms: list[str], seeds: list[int], steps: int, eval_steps: int
+    arms: list[str], seeds: list[int], steps: int, eval_steps: int, teacher_top_k: int = 8
 ) -> dict[str, list[dict[str, Any]]]:
     per_arm: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
     # Seeds outermost: a run cut short still has every arm at the first seeds.
     for seed in seeds:
         for arm in arms:
-            run = run_job(arm_spec(arm, seed, steps, eval_steps))
+            run = run_job(arm_spec(arm, seed, steps, eval_steps, teacher_top_k))
             per_arm[arm].append(summarize_seed(run))
             last = per_arm[arm][-1]
             print(

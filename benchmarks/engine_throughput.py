@@ -4,6 +4,9 @@
   `vllm.LLM.generate` on the same model, prompts and greedy sampling (target >= 0.9).
 - score: scored tokens/s of `EngineActor.score_many` (teacher forcing of given completions) over raw
   `vllm.LLM.generate` with `prompt_logprobs=0` on the same prompt + completion sequences (target >= 0.9);
+- teacher top-k: seconds of `EngineActor.score_top_k_many` at `--teacher-top-k` over seconds of
+  `score_many` (the sampled token only) on the same pairs: what `hyper_parameters.teacher_top_k` costs
+  the teacher (target <= 1.3);
 - weight update: seconds of `update_weights` (shared-memory handoff + in-place reload + cache reset)
   over the seconds of one in-memory copy of the same weights (`tensor.clone()` of every tensor).
 
@@ -106,6 +109,18 @@ async def _actor_score_tokens_per_s(actor: Any, pairs: list[tuple[list[int], lis
     return sum(len(s) for s in scores) / elapsed
 
 
+async def _actor_top_k_score_s(actor: Any, pairs: list[tuple[list[int], list[int]]], top_k: int) -> float:
+    started = time.perf_counter()
+    await actor.score_top_k_many.remote(pairs, top_k)
+    return time.perf_counter() - started
+
+
+async def _actor_score_s(actor: Any, pairs: list[tuple[list[int], list[int]]]) -> float:
+    started = time.perf_counter()
+    await actor.score_many.remote(pairs)
+    return time.perf_counter() - started
+
+
 async def _weight_update_ratio(actor: Any, weights_path: Path, rounds: int) -> tuple[float, float]:
     weights = load_file(str(weights_path))
     update_s, copy_s = [], []
@@ -122,7 +137,12 @@ async def _weight_update_ratio(actor: Any, weights_path: Path, rounds: int) -> t
 
 
 async def run(
-    models_dir: Path, num_prompts: int, max_tokens: int, rounds: int, device: str = "cpu"
+    models_dir: Path,
+    num_prompts: int,
+    max_tokens: int,
+    rounds: int,
+    device: str = "cpu",
+    teacher_top_k: int = 8,
 ) -> dict[str, Any]:
     models = build_tiny_models(models_dir) if device == "cpu" else open_models_dir(models_dir)
     config = engine_config(models.student, device)
@@ -147,6 +167,10 @@ async def run(
     for _ in range(rounds):
         raw_score.append(_raw_score_tokens_per_s(llm, pairs))
         ours_score.append(await _actor_score_tokens_per_s(actor, pairs))
+    sampled_only_s, top_k_s = [], []
+    for _ in range(rounds):
+        sampled_only_s.append(await _actor_score_s(actor, pairs))
+        top_k_s.append(await _actor_top_k_score_s(actor, pairs, teacher_top_k))
     update_s, copy_s = await _weight_update_ratio(actor, models.student / "model.safetensors", rounds)
     await actor.shutdown.remote()
     ray.kill(actor)
@@ -165,6 +189,11 @@ async def run(
         "raw_vllm_score_tokens_per_s": raw_score_tps,
         "engine_actor_score_tokens_per_s": ours_score_tps,
         "score_ratio": ours_score_tps / raw_score_tps,
+        "teacher_top_k": teacher_top_k,
+        "score_sampled_only_s": statistics.median(sampled_only_s),
+        "score_top_k_s": statistics.median(top_k_s),
+        "top_k_score_over_sampled": statistics.median(top_k_s) / statistics.median(sampled_only_s),
+        "top_k_score_target": 1.3,
         "weight_update_s": update_s,
         "memory_copy_s": copy_s,
         "weight_update_over_copy": update_s / copy_s,
@@ -179,6 +208,10 @@ def format_table(result: dict[str, Any]) -> str:
         ("score tokens/s: engine actor", f"{result['engine_actor_score_tokens_per_s']:.0f}"),
         ("score tokens/s: raw prompt_logprobs", f"{result['raw_vllm_score_tokens_per_s']:.0f}"),
         ("ratio actor / raw (target >= 0.90)", f"{result['score_ratio']:.2f}"),
+        (
+            f"score s with top-{result['teacher_top_k']} / sampled only (target <= 1.30)",
+            f"{result['top_k_score_over_sampled']:.2f}x",
+        ),
         ("weight update s (shm handoff + reload)", f"{result['weight_update_s']:.4f}"),
         ("one in-memory copy of the weights s", f"{result['memory_copy_s']:.4f}"),
         ("weight update / memory copy", f"{result['weight_update_over_copy']:.1f}x"),
@@ -193,6 +226,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--teacher-top-k", type=int, default=8, help="k of the top-k scoring measured against sampled-only"
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/engine_throughput.json"))
     parser.add_argument(
         "--device",
@@ -204,7 +240,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA GPU (install the `gpu` extra on a GPU box)")
-    result = asyncio.run(run(args.models_dir, args.prompts, args.max_tokens, args.rounds, args.device))
+    result = asyncio.run(
+        run(args.models_dir, args.prompts, args.max_tokens, args.rounds, args.device, args.teacher_top_k)
+    )
     print(format_table(result))
     write_json(args.out, result)
 

@@ -163,6 +163,12 @@ class FunctionComponent(_Strict):
     runtime: FunctionRuntime = Field(default_factory=FunctionRuntime, description="Worker pool size/scaling.")
 
 
+# Defaults chosen from benchmarks/vs_trl_gkd.py and benchmarks/efficacy.py (docs/benchmarks.md).
+DistillLoss = Literal["sampled", "sampled_baseline", "topk_reverse", "topk_forward", "jsd"]
+DEFAULT_DISTILL_LOSS: DistillLoss = "sampled"
+DEFAULT_TEACHER_TOP_K = 8
+
+
 class HyperParameters(_Strict):
     """Optimisation and sampling settings."""
 
@@ -225,8 +231,8 @@ class HyperParameters(_Strict):
     max_drift: float = Field(
         default=0.05, gt=0, description="Pre-flight: largest allowed mean |learner − sampler| logprob drift."
     )
-    distill_loss: Literal["sampled", "sampled_baseline", "topk_reverse", "topk_forward", "jsd"] = Field(
-        default="sampled",
+    distill_loss: DistillLoss = Field(
+        default=DEFAULT_DISTILL_LOSS,
         description="Distillation estimator (formulas in opd_trainer/loss.py). sampled: the per-token "
         "log-ratio logp_student − logp_teacher of the sampled token as a policy-gradient advantage. "
         "sampled_baseline: the same minus a per-position baseline computed from the teacher's top-k "
@@ -250,8 +256,17 @@ class HyperParameters(_Strict):
         # costs more than the teacher's forward pass.
         le=256,
         description="Teacher tokens scored per completion position: the sampled token's logprob plus the "
-        "teacher's teacher_top_k most likely tokens (temperature 1). 0: the sampled token only.",
+        "teacher's teacher_top_k most likely tokens (temperature 1). 0: the sampled token only. Unset: "
+        f"{DEFAULT_TEACHER_TOP_K} for the estimators that read the top-k, 0 for sampled.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _top_k_default_follows_the_estimator(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("teacher_top_k") is None:
+            estimator = data.get("distill_loss", DEFAULT_DISTILL_LOSS)
+            data = {**data, "teacher_top_k": 0 if estimator == "sampled" else DEFAULT_TEACHER_TOP_K}
+        return data
 
     @field_validator("teacher_top_k")
     @classmethod

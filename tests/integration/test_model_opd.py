@@ -72,7 +72,7 @@ def uninterrupted(
     ray_session: None, tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory
 ) -> Path:
     tmp = tmp_path_factory.mktemp("uninterrupted")
-    _run(_job(tiny_models, tmp), tmp / "run")
+    _run(_job(tiny_models, tmp, distill_loss="sampled"), tmp / "run")
     return tmp / "run"
 
 

@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 
 from opd_trainer.errors import ConfigError
-from opd_trainer.job_spec import JobSpec, load_job_spec, parse_job_spec
+from opd_trainer.job_spec import (
+    DEFAULT_DISTILL_LOSS,
+    DEFAULT_TEACHER_TOP_K,
+    JobSpec,
+    load_job_spec,
+    parse_job_spec,
+)
 
 MINIMAL = {"job_name": "j", "model": "s", "teacher_model": "t", "training_datasets": ["train.jsonl"]}
 
@@ -229,18 +235,23 @@ def test_yaml_dataset_objects_resolve_against_its_folder(tmp_path: Path) -> None
     assert spec.ignored_fields == {"resources.charge_type": "mtu_postpaid"}
 
 
-def test_distillation_defaults_keep_the_sampled_estimator() -> None:
+def test_the_teachers_top_k_defaults_to_what_the_estimator_reads() -> None:
     hp = parse_job_spec(MINIMAL).hyper_parameters
-    assert (hp.distill_loss, hp.teacher_top_k, hp.jsd_beta) == ("sampled", 0, 0.5)
+    assert (hp.distill_loss, hp.jsd_beta) == (DEFAULT_DISTILL_LOSS, 0.5)
+    assert hp.teacher_top_k == (0 if DEFAULT_DISTILL_LOSS == "sampled" else DEFAULT_TEACHER_TOP_K)
+    for estimator in ("sampled_baseline", "topk_reverse", "topk_forward", "jsd"):
+        hp = parse_job_spec({**MINIMAL, "hyper_parameters": {"distill_loss": estimator}}).hyper_parameters
+        assert hp.teacher_top_k == DEFAULT_TEACHER_TOP_K
+    sampled = parse_job_spec({**MINIMAL, "hyper_parameters": {"distill_loss": "sampled"}}).hyper_parameters
+    assert sampled.teacher_top_k == 0  # not paid for where nothing reads it
 
 
 @pytest.mark.parametrize("estimator", ["sampled_baseline", "topk_reverse", "topk_forward", "jsd"])
 def test_top_k_estimators_need_the_teachers_top_k(estimator: str) -> None:
-    for hyper in ({"distill_loss": estimator}, {"distill_loss": estimator, "teacher_top_k": 0}):
-        with pytest.raises(ConfigError) as raised:
-            parse_job_spec({**MINIMAL, "hyper_parameters": hyper})
-        assert raised.value.field == "hyper_parameters.teacher_top_k"
-        assert f"distill_loss {estimator} needs hyper_parameters.teacher_top_k >= 1" in raised.value.message
+    with pytest.raises(ConfigError) as raised:
+        parse_job_spec({**MINIMAL, "hyper_parameters": {"distill_loss": estimator, "teacher_top_k": 0}})
+    assert raised.value.field == "hyper_parameters.teacher_top_k"
+    assert f"distill_loss {estimator} needs hyper_parameters.teacher_top_k >= 1" in raised.value.message
     spec = parse_job_spec({**MINIMAL, "hyper_parameters": {"distill_loss": estimator, "teacher_top_k": 8}})
     assert spec.hyper_parameters.teacher_top_k == 8
 
