@@ -6,6 +6,7 @@ Hardware: none beyond a CPU; jobs run as Ray actors (embedded local Ray, or `OPD
 
 from __future__ import annotations
 
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -51,6 +52,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.settings = settings
+    # Set when the server is asked to stop (opd serve's signal handler): event streams end on it.
+    app.state.shutting_down = threading.Event()
     app.state.db = db
     app.state.metrics = metrics
     app.state.scheduler = scheduler

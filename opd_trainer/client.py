@@ -255,6 +255,8 @@ class OPDClient:
                     if kind == "end":
                         yield {"type": "end", "job": data}
                         return
+                    if kind == "shutdown":  # the server is restarting: reconnect like after a drop
+                        raise httpx.RemoteProtocolError("the server shut down the event stream")
                     after = max(after, int(data["id"]))
                     yield data
                 return  # the server closed the stream without an end event: nothing more to follow

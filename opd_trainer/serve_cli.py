@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from opd_trainer.errors import ConfigError, OPDError
@@ -23,6 +24,9 @@ USAGE_ERROR = 2
 
 
 # -- opd serve ------------------------------------------------------------------------------------
+
+# After SIGTERM/SIGINT, requests still open this long are cancelled (streams end by themselves sooner).
+GRACEFUL_SHUTDOWN_S = 10
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -61,7 +65,23 @@ def _serve(args: argparse.Namespace) -> int:
         f"max concurrent jobs {settings.max_concurrent_jobs}",
         flush=True,
     )
-    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level)
+    app = create_app(settings)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            # Open event streams see this and end with a `shutdown` event (clients reconnect); uvicorn
+            # alone would wait for them forever before shutting down.
+            app.state.shutting_down.set()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
+    Server(config).run()
     return 0
 
 

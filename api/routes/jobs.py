@@ -141,6 +141,10 @@ async def _stream(request: Request, db: Database, job_id: str, after: int) -> As
             last_sent = time.monotonic()
         if await request.is_disconnected():
             return
+        if request.app.state.shutting_down.is_set():
+            # The server is stopping (a restart, a rolling update): say so; clients reconnect.
+            yield f"event: shutdown\ndata: {json.dumps({'id': job_id, 'after': after})}\n\n"
+            return
         if not events:
             await asyncio.sleep(STREAM_POLL_S)
 
