@@ -227,8 +227,8 @@ def _import(workspace: Path, target: _Target, classpath: str, field: str, isolat
                 field=field,
             ) from None
         raise ProcessorLoadError(
-            f"cannot load classpath {classpath!r}: importing it failed (a dependency missing from "
-            f"requirements.txt?)\n{user_traceback(exc, workspace)}",
+            f"cannot load classpath {classpath!r}: it imports {exc.name!r}, which is not installed "
+            f"(add it to the workspace's requirements.txt)\n{user_traceback(exc, workspace)}",
             field=field,
         ) from None
     except (Exception, SystemExit) as exc:  # a stray sys.exit() at import must not end the worker

@@ -332,3 +332,18 @@ def test_validate_workspace(tmp_path: Path) -> None:
     assert any(p.startswith("folder functions/deep/ holds .py files") for p in problems)
     assert any("module functions.missing not found" in p for p in problems)
     assert validate_workspace(tmp_path / "nope") == [f"workspace {tmp_path / 'nope'} does not exist"]
+
+
+def test_a_missing_package_is_named_on_the_first_line(tmp_path: Path) -> None:
+    workspace = standard(tmp_path)
+    make_workspace(
+        workspace, {"functions/needs.py": "import not_a_real_package_xyz\nclass Needs:\n    pass\n"}
+    )
+    error = load_error(workspace, "functions.needs.Needs", component="agent")
+    first_line = error.message.splitlines()[0]
+    assert error.field == "functions.agent.fcmodel.classpath"
+    assert (
+        "'functions.needs.Needs'" in first_line
+        and "'not_a_real_package_xyz', which is not installed" in first_line
+    )
+    assert "requirements.txt" in first_line
