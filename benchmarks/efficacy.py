@@ -212,7 +212,7 @@ def plot(per_arm: dict[str, list[dict[str, Any]]], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--arms", nargs="*", default=list(ARMS), choices=list(ARMS))
     parser.add_argument(
         "--distill-losses",
         nargs="*",

@@ -153,7 +153,7 @@ def check_model_access(session: Session, settings: Settings, tenant_id: str, spe
     answer reveals nothing about the server's filesystem or other tenants' jobs.
     """
     own_runs = session.scalars(select(Job.run_dir).where(Job.tenant_id == tenant_id)).all()
-    roots = [*settings.approved_model_dirs, *(Path(run_dir) for run_dir in own_runs)]
+    roots = [*settings.approved_model_dirs, *(Path(run_dir) for run_dir in own_runs if run_dir)]
     for field in MODEL_FIELDS:
         value = getattr(spec, field)
         path = Path(value)
