@@ -27,6 +27,8 @@ from typing import Any
 
 from harness import JobRun, example_rewards, job_spec, run_job, write_json
 
+from opd_trainer.job_spec import DEFAULT_TEACHER_TOP_K
+
 ARMS: dict[str, dict[str, Any]] = {
     "opd": {"kl_coef": 1.0, "reward_coef": 0.0, "rewards": False},
     "rl": {"kl_coef": 0.0, "reward_coef": 1.0, "rewards": True},
@@ -221,7 +223,10 @@ def main() -> None:
         help="add one `opd:<estimator>` arm per distill_loss (the `opd` arm keeps the job's own)",
     )
     parser.add_argument(
-        "--teacher-top-k", type=int, default=8, help="teacher_top_k of every estimator arm but sampled"
+        "--teacher-top-k",
+        type=int,
+        default=DEFAULT_TEACHER_TOP_K,
+        help="teacher_top_k of every estimator arm but sampled",
     )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=40)

@@ -35,6 +35,7 @@ from transformers import AutoTokenizer
 
 from opd_trainer.chat import prompt_token_ids
 from opd_trainer.engine import EngineConfig, start_engines
+from opd_trainer.job_spec import DEFAULT_TEACHER_TOP_K
 from opd_trainer.ray_runtime import init_ray
 from opd_trainer.tiny_models import build_tiny_models
 from opd_trainer.tool_routing import read_jsonl
@@ -227,7 +228,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
-        "--teacher-top-k", type=int, default=8, help="k of the top-k scoring measured against sampled-only"
+        "--teacher-top-k",
+        type=int,
+        default=DEFAULT_TEACHER_TOP_K,
+        help="k of the top-k scoring measured against sampled-only",
     )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/engine_throughput.json"))
     parser.add_argument(

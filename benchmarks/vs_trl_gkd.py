@@ -29,6 +29,7 @@ from typing import Any
 from harness import JobRun, job_spec, run_job, write_json
 from trl_gkd import TrlRun, run_trl_gkd
 
+from opd_trainer.job_spec import DEFAULT_DISTILL_LOSS, DEFAULT_TEACHER_TOP_K
 from opd_trainer.tool_routing import read_jsonl, write_jsonl
 
 
@@ -133,7 +134,15 @@ def crossover(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for batch in args.crossover_batches:
         our_run = ours(
-            args.models_dir, args.crossover_steps, batch, args.max_new_tokens, args.lr, 10**6, None
+            args.models_dir,
+            args.crossover_steps,
+            batch,
+            args.max_new_tokens,
+            args.lr,
+            10**6,
+            None,
+            DEFAULT_DISTILL_LOSS,
+            top_k_for(DEFAULT_DISTILL_LOSS, args.teacher_top_k),
         )
         their_run = run_trl_gkd(
             args.models_dir,
@@ -205,12 +214,16 @@ def main() -> None:
     parser.add_argument(
         "--estimators",
         nargs="+",
-        default=["sampled"],
+        default=[DEFAULT_DISTILL_LOSS, "sampled"],
         choices=["sampled", "sampled_baseline", "topk_reverse", "topk_forward", "jsd"],
-        help="our distill_loss values, each run against the same TRL run (the first also feeds report.py)",
+        help="our distill_loss values, each run against the same TRL run (the first also feeds report.py); "
+        "default: the job spec's default and sampled",
     )
     parser.add_argument(
-        "--teacher-top-k", type=int, default=8, help="teacher_top_k of every estimator but sampled"
+        "--teacher-top-k",
+        type=int,
+        default=DEFAULT_TEACHER_TOP_K,
+        help="teacher_top_k of every estimator but sampled",
     )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/vs_trl_gkd.json"))
     args = parser.parse_args()
