@@ -60,10 +60,12 @@ bench: setup
 bench-gpu: setup
 	bash benchmarks/gpu_check.sh
 
-# OPD vs reward-only RL vs both, 3 seeds x 40 steps (35 minutes measured on 2 cores); its rows join `benchmarks/report.py`.
+# OPD (the default estimator) vs reward-only RL vs OPD with topk_reverse and with sampled, 3 seeds x 40
+# steps: 12 runs of 4-8 minutes each on 2 cores (about 35 minutes for 9 runs on 2026-11-29, 7.5 minutes a
+# run on the slower 2026-12-01); its rows join `benchmarks/report.py`.
 bench-efficacy: setup
 	$(BIN)/opd make-tiny-models $(TINY_MODELS_DIR)
-	$(BIN)/python benchmarks/efficacy.py
+	$(BIN)/python benchmarks/efficacy.py --arms opd rl --distill-losses topk_reverse sampled
 	$(BIN)/python benchmarks/report.py
 
 clean:
