@@ -89,7 +89,10 @@ def test_keys_create(
             lambda s: s["functions"][0]["fcmodel"].update(classpath="functions.nope.X"),
             "error: functions.score.fcmodel.classpath: ",
         ),
-        (lambda s: s.update(teacher_model="/nonexistent"), "error: teacher_model: model folder /nonexistent"),
+        (
+            lambda s: s.update(teacher_model="/nonexistent"),
+            "error: teacher_model: teacher_model '/nonexistent' is not an approved model",
+        ),
     ],
 )
 def test_bad_job_files_print_one_error_line_and_exit_2(
