@@ -116,7 +116,12 @@ class FunctionRuntime(_Strict):
 
     cpu: float = Field(default=1.0, gt=0, description="CPU cores per worker.")
     memory_size: int = Field(default=2048, gt=0, description="Memory per worker, MB.")
-    disk_size: int = Field(default=1024, gt=0, description="Scratch disk per worker, MB.")
+    disk_size: int = Field(
+        default=1024,
+        gt=0,
+        description="Scratch disk per worker, MB: the size of the sandbox's private /tmp, which holds the "
+        "workspace and anything the processor writes (not enforced when processors run unconfined).",
+    )
     concurrency: int = Field(default=8, ge=1, description="Calls one worker runs at once.")
     capacity: int = Field(default=1, ge=0, description="Workers at start.")
     min_capacity: int = Field(default=1, ge=0, description="Fewest workers the autoscaler keeps.")

@@ -1,7 +1,8 @@
 """Confines the Ray workers that run user processors with bubblewrap (`bwrap`, Debian's `bubblewrap`).
 
 A processor worker sees, read-only, the system (`/usr`, `/etc`, ...), the Python installation and
-this service's own packages; read-write, a private `/tmp` (its workspace and scratch), Ray's session
+this service's own packages; read-write, a private `/tmp` (its workspace and scratch, a tmpfs of the
+component's `runtime.disk_size`), Ray's session
 directory and `/dev/shm` (both Ray needs to run the worker at all). It does not see the server's data
 directory (other tenants' uploads, run directories, checkpoints), the SQLite database, the model
 folders, home directories or the source checkout beyond the packages. Secrets are not in its
@@ -38,6 +39,7 @@ from typing import Literal
 SANDBOX_ENV = "OPD_PROCESSOR_SANDBOX"
 # Set inside the sandbox, so a worker can tell (and the pool can check) that it is confined.
 SANDBOXED_ENV = "OPD_SANDBOXED"
+SCRATCH_OPTION = "--scratch-mb"
 Mode = Literal["auto", "bwrap", "none"]
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc", "/opt")
 # Imported by processor workers; bound one by one, because an editable install's source checkout may
@@ -76,9 +78,10 @@ def bwrap_problem() -> str | None:
     return None
 
 
-def worker_py_executable(mode: Mode | None = None) -> str | None:
+def worker_py_executable(scratch_mb: int | None = None, mode: Mode | None = None) -> str | None:
     """The `runtime_env.py_executable` that confines a processor worker, or None to run it unconfined.
 
+    `scratch_mb` caps the private /tmp (workspace + scratch; the component's `runtime.disk_size`).
     Raises `SandboxUnavailable` when the mode is `bwrap` and bubblewrap cannot run here.
     """
     mode = mode or configured_mode()
@@ -89,7 +92,8 @@ def worker_py_executable(mode: Mode | None = None) -> str | None:
         if mode == "bwrap":
             raise SandboxUnavailable(f"{SANDBOX_ENV}=bwrap but {problem}")
         return None
-    return f"{sys.executable} -m opd_trainer.sandbox"
+    scratch = f" {SCRATCH_OPTION} {scratch_mb}" if scratch_mb else ""
+    return f"{sys.executable} -m opd_trainer.sandbox{scratch}"
 
 
 def _package_dirs() -> list[Path]:
@@ -114,10 +118,11 @@ def unconfined_reason(mode: Mode | None = None) -> str | None:
     return bwrap_problem()
 
 
-def bwrap_command(worker_args: list[str], python: str) -> list[str]:
+def bwrap_command(worker_args: list[str], python: str, scratch_mb: int | None = None) -> list[str]:
     """The bwrap command line that runs `python worker_args...` confined (see the module docstring)."""
     # The private /tmp first: binds below may lie under /tmp (a checkout or venv there) and must stay.
-    command = ["bwrap", "--die-with-parent", "--tmpfs", "/tmp"]
+    size = ["--size", str(scratch_mb * 1024 * 1024)] if scratch_mb else []
+    command = ["bwrap", "--die-with-parent", *size, "--tmpfs", "/tmp"]
     for folder in SYSTEM_DIRS:
         command += ["--ro-bind-try", folder, folder]
     # The interpreter and its libraries: the venv and the base installation it was made from.
@@ -142,10 +147,14 @@ def bwrap_command(worker_args: list[str], python: str) -> list[str]:
 
 
 def main() -> None:
-    """`python -m opd_trainer.sandbox default_worker.py ARGS`: exec the worker inside bwrap."""
+    """`python -m opd_trainer.sandbox [--scratch-mb N] default_worker.py ARGS`: exec the worker in bwrap."""
+    args = sys.argv[1:]
+    scratch_mb = None
+    if args[:1] == [SCRATCH_OPTION]:
+        scratch_mb, args = int(args[1]), args[2:]
     virtualenv = os.environ.get("VIRTUAL_ENV")
     python = str(Path(virtualenv) / "bin" / "python") if virtualenv else sys.executable
-    command = bwrap_command(sys.argv[1:], python)
+    command = bwrap_command(args, python, scratch_mb)
     os.execvp(command[0], command)
 
 

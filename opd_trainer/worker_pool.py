@@ -341,7 +341,7 @@ class WorkerPool:
         from opd_trainer.sandbox import SandboxUnavailable, worker_py_executable
 
         try:
-            self._sandbox = worker_py_executable()
+            self._sandbox = worker_py_executable(scratch_mb=self.component.runtime.disk_size)
         except SandboxUnavailable as exc:
             raise ProcessorLoadError(str(exc), field=self.field) from None
         await asyncio.to_thread(check_requirements_install, requirements_of(self.workspace), self.field)

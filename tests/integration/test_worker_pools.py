@@ -98,6 +98,12 @@ class Probes(AbstractRolloutProcessor):
             seen["wrote_outside"] = True
         except OSError:
             seen["wrote_outside"] = False
+        try:
+            with open("scratch.bin", "wb") as scratch:  # beyond the component's disk_size
+                scratch.write(b"x" * (48 * 1024 * 1024))
+            seen["big_write"] = "fits"
+        except OSError as exc:
+            seen["big_write"] = exc.strerror
         return _reply(rollout_input, repr(seen))
 
 
@@ -253,7 +259,9 @@ def test_user_code_runs_confined_to_its_workspace_and_scratch(
     secret_dir = tmp_path / "data-dir"
     secret_dir.mkdir()
     (secret_dir / "opd.db").write_text("tenant key hashes")
-    component = _component("functions.procs.Probes", env={"PROBE_PATH": str(secret_dir / "opd.db")})
+    component = _component(
+        "functions.procs.Probes", env={"PROBE_PATH": str(secret_dir / "opd.db")}, disk_size=32
+    )
     pool = RolloutPool("job", component, workspace)
     [(output, _, _)] = _run_pool(pool, lambda p: asyncio.gather(_rollout(p, 0)))
     seen = ast.literal_eval(output.agent_output.messages[-1]["content"])
@@ -261,6 +269,7 @@ def test_user_code_runs_confined_to_its_workspace_and_scratch(
     assert seen["secret"] == "FileNotFoundError", seen  # the data dir is not in the sandbox at all
     assert seen["workspace"] == "\nimpor" and seen["wrote_outside"] is False, seen
     assert not (secret_dir / "written-by-user-code").exists()
+    assert seen["big_write"] == "No space left on device", seen  # /tmp is disk_size (32 MB)
 
 
 def test_reward_pool_scores(ray_session: None, workspace: Path) -> None:
