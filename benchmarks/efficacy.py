@@ -27,7 +27,7 @@ from typing import Any
 
 from harness import JobRun, example_rewards, job_spec, run_job, write_json
 
-from opd_trainer.job_spec import DEFAULT_TEACHER_TOP_K
+from opd_trainer.job_spec import DEFAULT_DISTILL_LOSS, DEFAULT_TEACHER_TOP_K
 
 ARMS: dict[str, dict[str, Any]] = {
     "opd": {"kl_coef": 1.0, "reward_coef": 0.0, "rewards": False},
@@ -47,8 +47,6 @@ def estimator_arm(distill_loss: str) -> str:
 
 def headline_opd_arm(arms: dict[str, Any]) -> str | None:
     """The arm the headline numbers quote: `opd` (the job's own estimator) or the default estimator's."""
-    from opd_trainer.job_spec import DEFAULT_DISTILL_LOSS
-
     for name in ("opd", estimator_arm(DEFAULT_DISTILL_LOSS)):
         if name in arms:
             return name

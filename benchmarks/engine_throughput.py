@@ -104,10 +104,7 @@ def _raw_score_tokens_per_s(llm: Any, pairs: list[tuple[list[int], list[int]]]) 
 
 
 async def _actor_score_tokens_per_s(actor: Any, pairs: list[tuple[list[int], list[int]]]) -> float:
-    started = time.perf_counter()
-    scores = await actor.score_many.remote(pairs)
-    elapsed = time.perf_counter() - started
-    return sum(len(s) for s in scores) / elapsed
+    return sum(len(c) for _, c in pairs) / await _actor_score_s(actor, pairs)  # one score per token
 
 
 async def _actor_top_k_score_s(actor: Any, pairs: list[tuple[list[int], list[int]]], top_k: int) -> float:

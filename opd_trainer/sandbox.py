@@ -85,12 +85,10 @@ def worker_py_executable(scratch_mb: int | None = None, mode: Mode | None = None
     Raises `SandboxUnavailable` when the mode is `bwrap` and bubblewrap cannot run here.
     """
     mode = mode or configured_mode()
-    if mode == "none":
-        return None
-    problem = bwrap_problem()
-    if problem is not None:
+    reason = unconfined_reason(mode)
+    if reason is not None:
         if mode == "bwrap":
-            raise SandboxUnavailable(f"{SANDBOX_ENV}=bwrap but {problem}")
+            raise SandboxUnavailable(f"{SANDBOX_ENV}=bwrap but {reason}")
         return None
     scratch = f" {SCRATCH_OPTION} {scratch_mb}" if scratch_mb else ""
     return f"{sys.executable} -m opd_trainer.sandbox{scratch}"
