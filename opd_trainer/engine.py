@@ -15,7 +15,6 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -102,19 +101,22 @@ class Completion:
     weight_version: int
 
 
-def top_k_of_position(entries: Mapping[int, Any], top_k: int) -> tuple[list[int], list[float]]:
-    """The `top_k` (id, logprob) pairs, by rank, of one position of vLLM's prompt logprobs.
+def completion_rows(flat: Any, first: int, count: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids [count, width] and logprobs [count, width] of `count` positions from `first` on.
 
-    vLLM lists the scored token first, then ranks 1..k; when the scored token is itself in the top k the
-    dict merges the two, so it has k entries instead of k + 1, and the first one is then a top-k token.
+    `flat` is vLLM's `FlatLogprobs` (SamplingParams(flat_logprobs=True)): every scored position holds
+    `width` = k + 1 entries, the scored token first and then ranks 1..k, duplicates kept, so the
+    completion positions are one contiguous block that reshapes without a Python object per entry.
     """
-    ranked = list(entries.items())
-    if len(ranked) == top_k + 1:
-        ranked = ranked[1:]
-    elif len(ranked) != top_k:
-        raise EngineError(f"expected {top_k} or {top_k + 1} prompt logprobs at a position, got {len(ranked)}")
-    ranked.sort(key=lambda item: item[1].rank)
-    return [token_id for token_id, _ in ranked], [float(entry.logprob) for _, entry in ranked]
+    start = flat.start_indices[first]
+    end = flat.end_indices[first + count - 1]
+    if end - start != count * width:
+        raise EngineError(
+            f"expected {width} prompt logprobs at each of {count} positions, got {end - start} in all"
+        )
+    ids = np.asarray(flat.token_ids[start:end], dtype=np.int32).reshape(count, width)
+    logprobs = np.asarray(flat.logprobs[start:end], dtype=np.float32).reshape(count, width)
+    return ids, logprobs
 
 
 def _on_gpu() -> bool:
@@ -272,8 +274,10 @@ class Engine:
 
     async def _prompt_logprobs(
         self, prompt_token_ids: list[int], completion_token_ids: list[int], top_k: int
-    ) -> list[Any]:
-        """vLLM's prompt logprobs of the completion positions of prompt + completion (teacher forcing)."""
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Teacher forcing of prompt + completion: per completion position, the scored token's and the
+        `top_k` most likely tokens' (ids, logprobs), as [T, 1 + top_k] arrays (column 0: the scored
+        token; then by rank). Prompt logprobs skip vLLM's sampling processors: temperature 1."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -287,11 +291,13 @@ class Engine:
             max_tokens=1,
             temperature=1.0,
             prompt_logprobs=top_k,
+            flat_logprobs=True,
             detokenize=False,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
         final = await self._run(sequence, params)
-        return list(final.prompt_logprobs[len(prompt_token_ids) : len(sequence)])
+        first, count = len(prompt_token_ids), len(completion_token_ids)
+        return completion_rows(final.prompt_logprobs, first, count, top_k + 1)
 
     async def score(self, prompt_token_ids: list[int], completion_token_ids: list[int]) -> list[float]:
         """This model's logprob of each completion token given the prompt (teacher forcing).
@@ -300,32 +306,24 @@ class Engine:
         """
         if not completion_token_ids:
             return []
-        positions = await self._prompt_logprobs(prompt_token_ids, completion_token_ids, 0)
-        pairs = zip(positions, completion_token_ids, strict=True)
-        return [float(entries[token].logprob) for entries, token in pairs]
+        _, logprobs = await self._prompt_logprobs(prompt_token_ids, completion_token_ids, 0)
+        return logprobs[:, 0].tolist()
 
     async def score_top_k(
         self, prompt_token_ids: list[int], completion_token_ids: list[int], top_k: int
     ) -> TeacherScores:
-        """`score` plus this model's `top_k` most likely tokens and their logprobs at each position.
-
-        Prompt logprobs skip vLLM's sampling processors, so these are temperature-1 logprobs whatever
-        the engine's `logprobs_mode`.
-        """
+        """`score` plus this model's `top_k` most likely tokens and their logprobs at each position
+        (temperature 1 whatever the engine's `logprobs_mode`)."""
         if top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {top_k}")
         count = len(completion_token_ids)
-        top_ids = np.zeros((count, top_k), dtype=np.int32)
-        top_logprobs = np.zeros((count, top_k), dtype=np.float32)
-        logprobs = np.zeros(count, dtype=np.float32)
         if not count:
-            return TeacherScores(logprobs, top_ids, top_logprobs)
-        positions = await self._prompt_logprobs(prompt_token_ids, completion_token_ids, top_k)
-        for row, (entries, token) in enumerate(zip(positions, completion_token_ids, strict=True)):
-            logprobs[row] = entries[token].logprob
-            if top_k:
-                top_ids[row], top_logprobs[row] = top_k_of_position(entries, top_k)
-        return TeacherScores(logprobs, top_ids, top_logprobs)
+            empty = np.zeros((0, top_k), dtype=np.float32)
+            return TeacherScores(np.zeros(0, dtype=np.float32), empty.astype(np.int32), empty)
+        ids, logprobs = await self._prompt_logprobs(prompt_token_ids, completion_token_ids, top_k)
+        return TeacherScores(
+            logprobs[:, 0].copy(), np.ascontiguousarray(ids[:, 1:]), np.ascontiguousarray(logprobs[:, 1:])
+        )
 
     async def score_many(self, pairs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
         return list(await asyncio.gather(*(self.score(p, c) for p, c in pairs)))

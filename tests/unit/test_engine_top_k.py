@@ -1,33 +1,54 @@
-"""Unit tests for unpacking vLLM's per-position prompt logprobs into the teacher's top-k."""
+"""Unit tests for unpacking vLLM's flat prompt logprobs into the teacher's sampled-token and top-k rows."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
-from vllm.logprobs import Logprob
+from vllm.logprobs import FlatLogprobs, append_logprobs_for_next_position
 
-from opd_trainer.engine import top_k_of_position
+from opd_trainer.engine import completion_rows
 from opd_trainer.errors import EngineError
 
 
-def _entry(logprob: float, rank: int) -> Logprob:
-    return Logprob(logprob=logprob, rank=rank, decoded_token=None)
+def _flat(positions: list[tuple[list[int], list[float], int]], top_k: int) -> FlatLogprobs:
+    """FlatLogprobs built by vLLM's own appender: per position (ids, logprobs, rank of the scored token),
+    with ids/logprobs = [scored token, top 1..k]; the first prompt position has none."""
+    flat = FlatLogprobs()
+    flat.append(None)
+    for ids, logprobs, rank in positions:
+        append_logprobs_for_next_position(flat, ids, logprobs, [None] * len(ids), rank, top_k)
+    return flat
 
 
-def test_scored_token_outside_the_top_k_is_dropped() -> None:
-    # As vLLM builds it: the scored token (id 9, rank 5) first, then ranks 1..3.
-    entries = {9: _entry(-4.0, 5), 3: _entry(-0.5, 1), 7: _entry(-1.5, 2), 1: _entry(-2.0, 3)}
-    assert top_k_of_position(entries, 3) == ([3, 7, 1], [-0.5, -1.5, -2.0])
+def test_completion_positions_reshape_to_scored_token_then_ranks() -> None:
+    # Prompt of 2 tokens, completion of 2: positions 1 (prompt), 2 and 3 (completion).
+    flat = _flat(
+        [
+            ([5, 5, 6, 7], [-0.1, -0.1, -2.5, -3.0], 1),
+            # scored token 9 is outside the top 3 (rank 5): its entry comes first, then ranks 1..3
+            ([9, 3, 7, 1], [-4.0, -0.5, -1.5, -2.0], 5),
+            # scored token 7 is rank 2: it appears twice, as vLLM sends it
+            ([7, 3, 7, 1], [-1.5, -0.5, -1.5, -2.0], 2),
+        ],
+        3,
+    )
+    ids, logprobs = completion_rows(flat, 2, 2, 4)
+    assert ids.dtype == np.int32 and logprobs.dtype == np.float32
+    assert ids.tolist() == [[9, 3, 7, 1], [7, 3, 7, 1]]
+    np.testing.assert_allclose(logprobs, [[-4.0, -0.5, -1.5, -2.0], [-1.5, -0.5, -1.5, -2.0]])
 
 
-def test_scored_token_inside_the_top_k_is_kept_once_in_rank_order() -> None:
-    # The scored token 7 is rank 2: vLLM's dict keeps its first slot, with the top-k entry's value.
-    entries = {7: _entry(-1.5, 2), 3: _entry(-0.5, 1), 1: _entry(-2.0, 3)}
-    assert top_k_of_position(entries, 3) == ([3, 7, 1], [-0.5, -1.5, -2.0])
+def test_sampled_token_only_is_one_column() -> None:
+    flat = _flat([([4], [-0.7], 3), ([8], [-0.2], 1)], 0)
+    ids, logprobs = completion_rows(flat, 1, 2, 1)
+    assert ids.tolist() == [[4], [8]]
+    np.testing.assert_allclose(logprobs[:, 0], [-0.7, -0.2])
 
 
 def test_unexpected_entry_count_is_an_error() -> None:
-    with pytest.raises(EngineError, match="expected 3 or 4"):
-        top_k_of_position({3: _entry(-0.5, 1)}, 3)
+    flat = _flat([([4, 4], [-0.7, -0.7], 1)], 1)
+    with pytest.raises(EngineError, match="expected 3 prompt logprobs"):
+        completion_rows(flat, 1, 1, 3)
 
 
 def test_teacher_scores_and_segments_survive_pickling() -> None:
