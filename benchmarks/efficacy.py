@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -239,8 +240,6 @@ def main() -> None:
         saved = json.loads(args.from_json.read_text())
         per_arm, settings = saved["runs"], saved["settings"]
     else:
-        arm_names = [*args.arms, *(estimator_arm(name) for name in args.distill_losses)]
-        per_arm = train_arms(arm_names, args.seeds, args.steps, args.eval_steps, args.teacher_top_k)
         settings = {
             "teacher_top_k": args.teacher_top_k,
             "steps": args.steps,
@@ -248,6 +247,17 @@ def main() -> None:
             "seeds": args.seeds,
             "job": "examples/model_opd_tiny",
         }
+        arm_names = [*args.arms, *(estimator_arm(name) for name in args.distill_losses)]
+        per_arm = train_arms(
+            arm_names,
+            args.seeds,
+            args.steps,
+            args.eval_steps,
+            args.teacher_top_k,
+            # After every run, so a run cut short keeps its curves: `--from-json` summarises them.
+            on_run=lambda runs: write_json(args.out, {"settings": settings, "partial": True, "runs": runs}),
+        )
+    per_arm = {name: seeds for name, seeds in per_arm.items() if seeds}
     arms = {name: summarize_arm(seeds) for name, seeds in per_arm.items()}
     print(format_table(arms, settings["steps"]))
     for level in GAP_LEVELS:
@@ -260,7 +270,12 @@ def main() -> None:
 
 
 def train_arms(
-    arms: list[str], seeds: list[int], steps: int, eval_steps: int, teacher_top_k: int = 8
+    arms: list[str],
+    seeds: list[int],
+    steps: int,
+    eval_steps: int,
+    teacher_top_k: int = 8,
+    on_run: Callable[[dict[str, list[dict[str, Any]]]], None] | None = None,
 ) -> dict[str, list[dict[str, Any]]]:
     per_arm: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
     # Seeds outermost: a run cut short still has every arm at the first seeds.
@@ -273,6 +288,8 @@ def train_arms(
                 f"{arm} seed {seed}: {last['start']:.3f} -> {last['end']:.3f} in {last['wall_s']:.0f}s",
                 flush=True,
             )
+            if on_run is not None:
+                on_run(per_arm)
     return per_arm
 
 
