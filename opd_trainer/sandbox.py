@@ -8,12 +8,13 @@ directory (other tenants' uploads, run directories, checkpoints), the SQLite dat
 folders, home directories or the source checkout beyond the packages. Secrets are not in its
 environment either (`api.settings.withhold_secrets_from_children`).
 
-What it does not stop, and needs the Kubernetes layout instead (worker groups for user code that mount
-no data volume): network access (the worker must reach Ray's GCS and the job's gateway over TCP), other
-processes of the same user (no PID namespace: Ray watches its workers by PID), reading Ray's session
-directory (other workers' logs) and calling Ray itself (a worker holds the cluster's token, so it can
-submit tasks or look up named actors on the cluster it belongs to). CPU time is bounded by the call
-timeout and memory by `memory_size`, both enforced by the pool.
+What it does not stop, and needs the Kubernetes layout instead (the chart's user-code worker group,
+which mounts no data volume: `OPD_USER_CODE_RESOURCE` in `worker_pool`): network access (the worker
+must reach Ray's GCS and the job's gateway over TCP), other processes of the same user (no PID
+namespace: Ray watches its workers by PID), reading Ray's session directory (other workers' logs) and
+calling Ray itself (a worker holds the cluster's token, so it can submit tasks or look up named actors
+on the cluster it belongs to). CPU time is bounded by the call timeout and memory by `memory_size`,
+both enforced by the pool.
 
 How it is wired: Ray launches a worker as `<py_executable> default_worker.py ARGS`; the pool sets the
 component's `runtime_env.py_executable` to `python -m opd_trainer.sandbox`, whose `main` execs

@@ -16,6 +16,11 @@ local directories in per-actor runtime environments) and is unpacked into the wo
 which becomes its working directory. `requirements.txt` is installed by Ray's runtime environment
 (`pip`), per component, together with the component's `env`.
 
+Placement: with `OPD_USER_CODE_RESOURCE` set where the job driver runs (the Helm chart sets it to the
+resource its user-code worker group advertises), every worker requires one unit of that Ray resource,
+so user code runs only on those pods, which mount no data volume. Unset (the embedded default), workers
+go wherever Ray has room.
+
 `WorkerPool` places workers, dispatches calls to the least-loaded one, queues when all are full, and asks
 the shared `Autoscaler` every `autoscale_interval_s` how many workers it should have.
 """
@@ -54,6 +59,13 @@ TIMEOUT_GRACE_FRACTION = 0.25
 START_TIMEOUT_S = 120.0
 START_TIMEOUT_WITH_PIP_S = 900.0
 STATS_TIMEOUT_S = 5.0
+USER_CODE_RESOURCE_ENV = "OPD_USER_CODE_RESOURCE"
+
+
+def user_code_resources() -> dict[str, float]:
+    """The custom Ray resource a processor worker requires (`OPD_USER_CODE_RESOURCE`), if any."""
+    name = os.environ.get(USER_CODE_RESOURCE_ENV, "").strip()
+    return {name: 1.0} if name else {}
 
 
 def one_line(exc: BaseException) -> str:
@@ -272,6 +284,7 @@ class WorkerPool:
         self._killed: dict[Any, str] = {}
         self._starting = 0  # workers being started: they count against max_capacity
         self._sandbox: str | None = None  # the confining launcher, set by start()
+        self._resources = user_code_resources()
         self._queued = 0
         self._free = asyncio.Condition()
         self._workspace_ref: Any = None
@@ -297,6 +310,7 @@ class WorkerPool:
         worker = ProcessorWorkerActor.options(  # type: ignore[attr-defined]
             num_cpus=runtime.cpu,
             memory=runtime.memory_size * MB,
+            resources=self._resources,
             runtime_env=runtime_env,
             max_concurrency=max(16, runtime.concurrency * 2),
         ).remote(
@@ -313,9 +327,12 @@ class WorkerPool:
             await asyncio.wait_for(worker.load.remote(), start_timeout)
         except TimeoutError:
             ray.kill(worker)
+            needs = f"cpu {runtime.cpu}, memory_size {runtime.memory_size} MB"
+            if self._resources:
+                needs += f", Ray resource {next(iter(self._resources))} ({USER_CODE_RESOURCE_ENV})"
             raise ProcessorLoadError(
                 f"a worker did not start within {start_timeout:.0f}s: Ray could not place it "
-                f"(cpu {runtime.cpu}, memory_size {runtime.memory_size} MB) or its setup() did not return",
+                f"({needs}) or its setup() did not return",
                 field=self.field,
             ) from None
         except RuntimeEnvSetupError as exc:

@@ -281,7 +281,9 @@ def test_raycluster_passes_kuberay_admission_checks(
         mounts = {mount["mountPath"]: mount["name"] for mount in container["volumeMounts"]}
         shm = volumes[mounts["/dev/shm"]]["emptyDir"]
         assert shm["medium"] == "Memory" and shm["sizeLimit"], where
-        assert {"name": "data", "mountPath": "/data"} in container["volumeMounts"], where
+        # Every Ray pod but the user-code group's has the data volume (ray.common.mountDataVolume).
+        has_data = {"name": "data", "mountPath": "/data"} in container["volumeMounts"]
+        assert has_data != (where == "ray group user-code"), where
     # The API reaches the head through Ray Client on the head Service KubeRay creates.
     address = env_of(api_container(rendered))["RAY_ADDRESS"]["value"]
     assert address == f"ray://{name}-head-svc.{NAMESPACE}.svc:10001"
@@ -299,8 +301,8 @@ def test_default_install(rendered_by_scenario: dict[str, Rendered]) -> None:
     kinds = sorted(obj["kind"] for obj in rendered.objects)
     assert kinds == ["ConfigMap", "Deployment", "PersistentVolumeClaim", "RayCluster", "Secret", "Service"]
     groups = worker_groups(rendered)
-    assert set(groups) == {"cpu", "gpu"}
-    assert gpus(groups["cpu"]) == 0
+    assert set(groups) == {"cpu", "user-code", "gpu"}
+    assert gpus(groups["cpu"]) == 0 and gpus(groups["user-code"]) == 0
     assert gpus(groups["gpu"]) == 1
     gpu_container = ray_container(groups["gpu"]["template"])
     assert gpu_container["resources"]["requests"]["nvidia.com/gpu"] == 1
@@ -316,16 +318,43 @@ def test_default_install(rendered_by_scenario: dict[str, Rendered]) -> None:
     assert "DATABASE_URL" not in env_of(api_container(rendered))
     assert "DATABASE_URL" not in rendered.one("Secret")["data"]
     # Server settings left null keep the server's defaults: the chart renders none of them.
-    assert set(configmap_data(rendered)) == {"OPD_DATA_DIR"}
+    assert set(configmap_data(rendered)) == {"OPD_DATA_DIR", "OPD_USER_CODE_RESOURCE"}
     assert rendered.one("PersistentVolumeClaim")["spec"]["accessModes"] == ["ReadWriteMany"]
     assert "kubectl" in rendered.notes and "opd keys create --tenant" in rendered.notes
+
+
+def test_user_code_group_has_no_data_volume_and_no_secrets(rendered_by_scenario: dict[str, Rendered]) -> None:
+    from ray.autoscaler._private.kuberay.autoscaling_config import _get_custom_resources
+
+    rendered = rendered_by_scenario["default"]
+    groups = worker_groups(rendered)
+    resource = configmap_data(rendered)["OPD_USER_CODE_RESOURCE"]
+    for name, group in groups.items():
+        spec = group["template"]["spec"]
+        claims = [v for v in spec["volumes"] if "persistentVolumeClaim" in v or v["name"] == "data"]
+        mounts = {m["mountPath"] for m in ray_container(group["template"]).get("volumeMounts", [])}
+        # KubeRay's autoscaler reads the group's custom resources from this parameter (its own parser).
+        advertised = _get_custom_resources({}, group.get("rayStartParams", {}), name)
+        if name == "user-code":
+            assert claims == [] and "/data" not in mounts
+            assert advertised == {resource: 100000}
+        else:
+            assert claims and "/data" in mounts, name
+            assert resource not in advertised, name
+    # Ray pods get no secret at all: env entries are literal values, envFrom only the ConfigMap.
+    for name, group in groups.items():
+        container = ray_container(group["template"])
+        assert all("valueFrom" not in entry for entry in container.get("env", [])), name
+        assert [list(source) for source in container["envFrom"]] == [["configMapRef"]], name
+    assert not {"OPD_ADMIN_KEY", "DATABASE_URL"} & set(configmap_data(rendered))
 
 
 def test_cpu_only_install(rendered_by_scenario: dict[str, Rendered]) -> None:
     rendered = rendered_by_scenario["cpu-only"]
     groups = worker_groups(rendered)
-    assert list(groups) == ["cpu"]
+    assert list(groups) == ["cpu", "user-code"]
     assert (groups["cpu"]["minReplicas"], groups["cpu"]["maxReplicas"]) == (1, 3)
+    assert ray_container(groups["user-code"]["template"])["resources"]["limits"]["cpu"] == "2"
     for where, template in pod_templates(rendered):
         for container in template["spec"]["containers"]:
             assert "nvidia.com/gpu" not in json.dumps(container.get("resources", {})), where
@@ -338,7 +367,12 @@ def test_cpu_only_install(rendered_by_scenario: dict[str, Rendered]) -> None:
 def test_two_gpu_groups_install(rendered_by_scenario: dict[str, Rendered]) -> None:
     rendered = rendered_by_scenario["two-gpu-groups"]
     groups = worker_groups(rendered)
-    assert {name: gpus(group) for name, group in groups.items()} == {"cpu": 0, "gpu": 1, "teacher-tp4": 4}
+    assert {name: gpus(group) for name, group in groups.items()} == {
+        "cpu": 0,
+        "user-code": 0,
+        "gpu": 1,
+        "teacher-tp4": 4,
+    }
     teacher = groups["teacher-tp4"]
     spec = teacher["template"]["spec"]
     assert spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
@@ -382,6 +416,8 @@ def test_existing_ray_cluster_install(rendered_by_scenario: dict[str, Rendered])
     rendered = rendered_by_scenario["existing-ray"]
     address = "ray://shared-ray-head-svc.ray-system.svc:10001"
     assert rendered.of_kind("RayCluster") == []
+    # Not our cluster: no user-code group to require, processors go wherever that cluster has room.
+    assert "OPD_USER_CODE_RESOURCE" not in configmap_data(rendered)
     assert env_of(api_container(rendered))["RAY_ADDRESS"]["value"] == address
     assert arg_after(api_container(rendered), "--ray-address") == address
     assert rendered.of_kind("PersistentVolumeClaim") == []
@@ -454,6 +490,11 @@ def test_schema_rejects(chart: helm.Chart, values: dict[str, Any], expected: str
         ({"ray": {"cpuWorkers": {"minReplicas": 4, "maxReplicas": 2}}}, "greater than maxReplicas"),
         ({"ray": {"gpuWorkerGroups": {"gpu": {"replicas": 5}}}}, "must lie between"),
         ({"ray": {"cpuWorkers": {"groupName": "gpu"}}}, "already used"),
+        ({"ray": {"userCodeWorkers": {"groupName": "cpu"}}}, "already used"),
+        (
+            {"ray": {"userCodeWorkers": {"rayStartParams": {"resources": '"{}"'}}}},
+            "ray.userCodeWorkers.rayStartParams.resources: the chart sets it",
+        ),
     ],
 )
 def test_render_refuses_inconsistent_values(chart: helm.Chart, values: dict[str, Any], expected: str) -> None:

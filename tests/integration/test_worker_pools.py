@@ -359,3 +359,18 @@ def test_requirements_that_fail_to_install_are_reported(
         asyncio.run(pool.start())
     assert "requirements.txt failed to install" in str(raised.value)
     assert raised.value.field == "functions.c.fcmodel"
+
+
+def test_workers_require_the_user_code_resource_when_it_is_configured(
+    ray_session: None, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The Helm chart sets OPD_USER_CODE_RESOURCE to the resource only its user-code pods (no data volume)
+    # advertise. No node here has it, so the worker cannot be placed, and the error names it.
+    from opd_trainer import worker_pool
+
+    monkeypatch.setenv(worker_pool.USER_CODE_RESOURCE_ENV, "opd_user_code_absent")
+    monkeypatch.setattr(worker_pool, "START_TIMEOUT_S", 8.0)
+    pool = RolloutPool("job", _component("functions.procs.Echo"), workspace)
+    with pytest.raises(ProcessorLoadError) as raised:
+        asyncio.run(pool.start())
+    assert "Ray resource opd_user_code_absent (OPD_USER_CODE_RESOURCE)" in str(raised.value)

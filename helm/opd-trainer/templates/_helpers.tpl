@@ -127,10 +127,19 @@ new random one. `lookup` sees nothing under `helm template`, so there it is alwa
 {{- if .Values.ray.cpuWorkers.enabled }}
 {{- $_ := set $groups .Values.ray.cpuWorkers.groupName .Values.ray.cpuWorkers }}
 {{- end }}
+{{- if .Values.ray.userCodeWorkers.enabled }}
+{{- if hasKey $groups .Values.ray.userCodeWorkers.groupName }}
+{{- fail (printf "ray.userCodeWorkers.groupName: %s is already used by ray.cpuWorkers.groupName" .Values.ray.userCodeWorkers.groupName) }}
+{{- end }}
+{{- if hasKey .Values.ray.userCodeWorkers.rayStartParams "resources" }}
+{{- fail "ray.userCodeWorkers.rayStartParams.resources: the chart sets it (the opd_user_code resource)" }}
+{{- end }}
+{{- $_ := set $groups .Values.ray.userCodeWorkers.groupName .Values.ray.userCodeWorkers }}
+{{- end }}
 {{- range $name, $group := .Values.ray.gpuWorkerGroups }}
 {{- if $group.enabled }}
 {{- if hasKey $groups $name }}
-{{- fail (printf "ray.gpuWorkerGroups.%s: the group name is already used by ray.cpuWorkers.groupName" $name) }}
+{{- fail (printf "ray.gpuWorkerGroups.%s: the group name is already used by another worker group" $name) }}
 {{- end }}
 {{- $_ := set $groups $name $group }}
 {{- end }}
@@ -146,10 +155,21 @@ new random one. `lookup` sees nothing under `helm template`, so there it is alwa
 {{- end }}
 {{- end }}
 
+{{/* The Ray resource that only user-code pods advertise; processor workers require one unit. */}}
+{{- define "opd-trainer.userCodeResource" -}}
+opd_user_code
+{{- end }}
+
+{{/* Whether processor workers go to their own group (the RayCluster is ours and has that group). */}}
+{{- define "opd-trainer.userCodeGroup" -}}
+{{- if and .Values.ray.enabled .Values.ray.userCodeWorkers.enabled }}true{{ end }}
+{{- end }}
+
 {{/*
 Volumes every Ray pod gets: the in-memory /dev/shm (Docker's 64 MB default is too small for the
-shared-memory weight handoff and Ray's object store), Ray's session/log dir, and the data volume.
-Call with (dict "root" $ "shmSize" SIZE "extra" LIST).
+shared-memory weight handoff and Ray's object store), Ray's session/log dir, and the data volume
+(unless "noData": the user-code group). Call with (dict "root" $ "shmSize" SIZE "extra" LIST
+["noData" true]).
 */}}
 {{- define "opd-trainer.rayVolumes" -}}
 - name: dshm
@@ -158,7 +178,7 @@ Call with (dict "root" $ "shmSize" SIZE "extra" LIST).
     sizeLimit: {{ .shmSize }}
 - name: ray-tmp
   emptyDir: {}
-{{- if .root.Values.ray.common.mountDataVolume }}
+{{- if and .root.Values.ray.common.mountDataVolume (not .noData) }}
 - name: data
   {{- if .root.Values.persistence.enabled }}
   persistentVolumeClaim:
@@ -177,7 +197,7 @@ Call with (dict "root" $ "shmSize" SIZE "extra" LIST).
   mountPath: /dev/shm
 - name: ray-tmp
   mountPath: /tmp/ray
-{{- if .root.Values.ray.common.mountDataVolume }}
+{{- if and .root.Values.ray.common.mountDataVolume (not .noData) }}
 - name: data
   mountPath: {{ .root.Values.persistence.mountPath }}
 {{- end }}
@@ -196,7 +216,8 @@ env:
 
 {{/*
 One worker group of the RayCluster. Call with
-(dict "root" $ "name" NAME "group" GROUP "image" IMAGE "gpus" N).
+(dict "root" $ "name" NAME "group" GROUP "image" IMAGE "gpus" N ["userCode" true]).
+A user-code group mounts no data volume and advertises the user-code resource.
 */}}
 {{- define "opd-trainer.workerGroup" -}}
 {{- $root := .root -}}
@@ -205,7 +226,14 @@ One worker group of the RayCluster. Call with
   replicas: {{ $group.replicas }}
   minReplicas: {{ $group.minReplicas }}
   maxReplicas: {{ $group.maxReplicas }}
-  {{- with $group.rayStartParams }}
+  {{- $params := deepCopy ($group.rayStartParams | default dict) }}
+  {{- if .userCode }}
+  {{- /* KubeRay's format: a double-quoted, escaped JSON object ("{\"name\": N}"), which both the
+  `ray start` command line and its autoscaler parse. */}}
+  {{- $resources := printf "{\"%s\": 100000}" (include "opd-trainer.userCodeResource" $root) }}
+  {{- $_ := set $params "resources" (printf "%q" $resources) }}
+  {{- end }}
+  {{- with $params }}
   rayStartParams:
     {{- range $key, $value := . }}
     {{ $key }}: {{ $value | quote }}
@@ -257,9 +285,9 @@ One worker group of the RayCluster. Call with
             {{- toYaml . | nindent 12 }}
           {{- end }}
           volumeMounts:
-            {{- include "opd-trainer.rayVolumeMounts" (dict "root" $root "extra" $group.volumeMounts) | nindent 12 }}
+            {{- include "opd-trainer.rayVolumeMounts" (dict "root" $root "extra" $group.volumeMounts "noData" .userCode) | nindent 12 }}
       volumes:
-        {{- include "opd-trainer.rayVolumes" (dict "root" $root "shmSize" $group.shmSize "extra" $group.volumes) | nindent 8 }}
+        {{- include "opd-trainer.rayVolumes" (dict "root" $root "shmSize" $group.shmSize "extra" $group.volumes "noData" .userCode) | nindent 8 }}
       {{- with $group.nodeSelector }}
       nodeSelector:
         {{- toYaml . | nindent 8 }}
