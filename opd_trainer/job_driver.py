@@ -471,9 +471,20 @@ class JobDriver:
         await self._learner.load_checkpoint(str(path))
         self.step = int(state["step"])
         self.cursor.restore(state["cursor"])
-        self.log.truncate_after(self.step)
+        discarded = self.log.truncate_after(self.step)
         await self._learner.publish_weights(self._student.actors, self.step)
-        self.emit("status", f"resumed from checkpoint at step {self.step}", step=self.step)
+        if discarded:
+            # Their step events stay in the event log (ids are never reused); this event says they
+            # were discarded. Metrics, curves and trajectories keep only the checkpointed steps.
+            self.emit(
+                "status",
+                f"resumed from checkpoint at step {self.step}; steps {discarded[0]}-{discarded[-1]} "
+                "after it are discarded and redone",
+                step=self.step,
+                discarded_steps=discarded,
+            )
+        else:
+            self.emit("status", f"resumed from checkpoint at step {self.step}", step=self.step)
         return True
 
     # -- the loop -------------------------------------------------------------------------------

@@ -55,10 +55,18 @@ class MetricsLog:
             return []
         return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
 
-    def truncate_after(self, step: int) -> None:
-        """Drops records of steps past `step` (a resumed run redoes them from its checkpoint)."""
-        kept = [r for r in self.records() if r["step"] <= step]
+    def truncate_after(self, step: int) -> list[int]:
+        """Drops the metrics and trajectories of steps past `step` (a resumed run redoes them from its
+        checkpoint) and returns the steps dropped, so the resume can say which ones it discards."""
+        records = self.records()
+        dropped = sorted({r["step"] for r in records if r["step"] > step and r["kind"] == "train"})
+        kept = [r for r in records if r["step"] <= step]
         self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        if self.trajectories_path.exists():
+            lines = self.trajectories_path.read_text().splitlines()
+            kept_lines = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+            self.trajectories_path.write_text("".join(line + "\n" for line in kept_lines))
+        return dropped
 
     def save_summary(self, summary: dict[str, Any]) -> None:
         self.summary_path.write_text(json.dumps(summary, indent=2))

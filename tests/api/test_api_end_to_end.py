@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -140,10 +141,17 @@ def test_server_killed_mid_job_resumes_and_the_job_succeeds(
         assert any("server restarted" in m for m in messages)
         assert any(m.startswith("resumed from checkpoint at step") for m in messages)
         # Every step's event reached the database at least once (steps after the checkpoint are redone).
-        assert {e["data"]["step"] for e in events if e["type"] == "step"} == {1, 2, 3, 4, 5}
+        step_events = Counter(e["data"]["step"] for e in events if e["type"] == "step")
+        assert set(step_events) == {1, 2, 3, 4, 5}
+        # A step event seen twice belongs to a step the resume discarded, and the resume says so.
+        discarded = {s for e in events for s in e["data"].get("discarded_steps", [])}
+        assert {step for step, count in step_events.items() if count > 1} <= discarded
         metrics = client.metrics(job_id)["data"]
         assert [r["step"] for r in metrics if r["kind"] == "train"] == [1, 2, 3, 4, 5]
         assert [c["step"] for c in client.checkpoints(job_id)] == [1, 2, 3, 4, 5]
+        # Trajectories of discarded steps are gone: every step has one batch (4 prompts x 2 rollouts).
+        per_step = Counter(t["step"] for t in client.trajectories(job_id, limit=200))
+        assert per_step == {step: 8 for step in (1, 2, 3, 4, 5)}
     finally:
         server.stop()
 
