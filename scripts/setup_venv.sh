@@ -29,6 +29,18 @@ if ! command -v bwrap >/dev/null 2>&1; then
         echo "note: bubblewrap (bwrap) not found; user processors will run unconfined (apt-get install bubblewrap)"
     fi
 fi
+# The test suite runs the job server on PostgreSQL too (tests/api/postgres_server.py starts a
+# throwaway server from Debian's `postgresql` binaries); installed here on root + apt machines.
+if [[ ",${extras}," == *",test,"* ]] && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 \
+    && ! command -v initdb >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        (apt-get install -y -q postgresql >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 \
+            && apt-get install -y -q postgresql >/dev/null 2>&1)) \
+            || echo "note: could not apt-get install postgresql; the PostgreSQL tests will be skipped"
+    else
+        echo "note: PostgreSQL's initdb not found; the PostgreSQL tests will be skipped (apt-get install postgresql)"
+    fi
+fi
 "$venv/bin/python" - <<'PY'
 import torch, transformers  # noqa: F401  (fail set-up early if the stack cannot import)
 print(f"venv ready: torch {torch.__version__}, transformers {transformers.__version__}")

@@ -6,13 +6,15 @@ tests that train (`-m integration`) start their own servers with the scheduler o
 
 from __future__ import annotations
 
+import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from apiserver import WORKSPACE, Server, Tenant, create_key, make_tokenizer, zip_bytes
+from postgres_server import PostgresUnavailable, throwaway_postgres
 
 from opd_trainer.client import OPDClient
 
@@ -81,3 +83,18 @@ def workspace_dir(tmp_path: Path) -> Path:
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_bytes(content)
     return root
+
+
+@pytest.fixture(scope="session")
+def postgres_databases() -> Iterator[Callable[[], str]]:
+    """A factory of empty PostgreSQL databases (SQLAlchemy URLs) on a throwaway server, or on
+    `OPD_TEST_DATABASE_URL`'s server when it is set (then every call returns that one database)."""
+    given = os.environ.get("OPD_TEST_DATABASE_URL", "")
+    if given:
+        yield lambda: given
+        return
+    try:
+        with throwaway_postgres() as new_database:
+            yield new_database
+    except PostgresUnavailable as exc:
+        pytest.skip(str(exc))

@@ -1,36 +1,28 @@
-"""The job server on PostgreSQL: runs where a server is reachable.
-
-Set `OPD_TEST_DATABASE_URL=postgresql+psycopg://USER:PW@HOST/DB` (an empty database; needs
-`pip install -e .[postgres]`) to run a file upload, a job's lifecycle and its events against it.
-"""
+"""The job server on PostgreSQL (a throwaway server from Debian's binaries, see `postgres_server.py`,
+or `OPD_TEST_DATABASE_URL`): a file upload, a job's lifecycle and its events."""
 
 from __future__ import annotations
 
-import os
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-import pytest
 from apiserver import Server, create_key, jsonl, record
 
-DATABASE_URL = os.environ.get("OPD_TEST_DATABASE_URL", "")
 
-pytestmark = pytest.mark.skipif(
-    not DATABASE_URL.startswith("postgresql"), reason="set OPD_TEST_DATABASE_URL to a PostgreSQL database"
-)
-
-
-def test_job_lifecycle_on_postgresql(tmp_path: Path, models: dict[str, str]) -> None:
+def test_job_lifecycle_on_postgresql(
+    tmp_path: Path, models: dict[str, str], postgres_databases: Callable[[], str]
+) -> None:
     server = Server(
         tmp_path / "data",
-        env={"OPD_MAX_CONCURRENT_JOBS": "0", "DATABASE_URL": DATABASE_URL},
+        env={"OPD_MAX_CONCURRENT_JOBS": "0", "DATABASE_URL": postgres_databases()},
         model_dirs=[Path(models["student"]).parent],
     )
     server.start()
     try:
         key = create_key(server.url, f"pg-{uuid.uuid4().hex[:8]}")
-        http = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {key}"})
+        http = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
         dataset = http.post(
             "/v1/files", files={"file": ("d.jsonl", jsonl([record()]))}, data={"purpose": "dataset"}
         ).json()
