@@ -96,3 +96,17 @@ class JobEvent(Base):
     type: Mapped[str] = mapped_column(String(32))
     message: Mapped[str] = mapped_column(Text)
     data: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+
+
+class SchedulerLease(Base):
+    """Which server process schedules jobs: one at a time, however many API replicas share the database.
+
+    The holder renews `expires_at` every poll; another replica takes over once it has passed (or at
+    once when the holder released it, or ran on this host and its process is gone).
+    """
+
+    __tablename__ = "scheduler_lease"
+
+    name: Mapped[str] = mapped_column(String(32), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(200))
+    expires_at: Mapped[float] = mapped_column(Float)

@@ -58,6 +58,14 @@ class Settings(BaseSettings):
     poll_interval_s: float = Field(
         default=1.0, gt=0, le=60, description="How often the scheduler polls running job drivers."
     )
+    scheduler_lease_s: float = Field(
+        default=30.0,
+        ge=2,
+        le=3600,
+        description="Seconds the scheduler lease lasts without renewal: with several API replicas on one "
+        "database, one schedules and another takes over this long after it stops renewing (at once after "
+        "a graceful stop, or when the holder ran on the same host and its process is gone).",
+    )
     max_driver_restarts: int = Field(
         default=2, ge=0, description="Times a job's driver that died is restarted from its checkpoint."
     )

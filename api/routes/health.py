@@ -1,4 +1,6 @@
-"""Health, readiness (database and Ray reachable) and Prometheus metrics; no key needed.
+"""Health, readiness (the database; Ray too on the replica that schedules) and Prometheus metrics.
+
+No key needed.
 
 `/metrics` with the admin key as bearer token adds the series labelled by job id.
 """
@@ -31,8 +33,12 @@ async def readyz(db: DatabaseDep, scheduler: SchedulerDep) -> JSONResponse:
         checks["database"] = "ok"
     except Exception as exc:
         checks["database"] = f"error: {type(exc).__name__}"
-    checks["ray"] = "disabled (max_concurrent_jobs=0)" if scheduler is None else scheduler.ray_status
-    ready = checks["database"] == "ok" and (scheduler is None or scheduler.ray_status == "ok")
+    if scheduler is None:
+        checks["ray"] = "disabled (max_concurrent_jobs=0)"
+    else:
+        checks["ray"] = scheduler.ray_status
+        checks["scheduler"] = scheduler.role
+    ready = checks["database"] == "ok" and (scheduler is None or scheduler.ready)
     body = Health(status="ok" if ready else "unavailable", checks=checks)
     return JSONResponse(body.model_dump(), status_code=200 if ready else 503)
 

@@ -10,7 +10,12 @@ It runs in its own thread (Ray's client calls block) and, every `poll_interval_s
    checkpoint);
 3. starts queued jobs, oldest first, while fewer than `max_concurrent_jobs` hold a driver.
 
-Recovery: on start it reconciles every job that should have a driver. A driver still alive
+Replicas: several API processes may share one database; only the holder of the scheduler lease
+(`api.services.lease`, renewed every poll) does any of the above. The others serve requests and wait
+(`role` "standby", no Ray of their own started); when the holder stops renewing, one of them takes over
+and reconciles as below. A holder that finds its lease taken steps down.
+
+Recovery: on start (or takeover) it reconciles every job that should have a driver. A driver still alive
 (`ray.get_actor("opd-job-<id>", namespace="opd")`, e.g. on a Ray cluster that outlived the server) is
 re-attached; otherwise a new driver is started on the same run directory, which resumes from the
 latest checkpoint. Events the lost driver wrote to `events.jsonl` after the last poll are copied from
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 import threading
 import time
@@ -36,6 +42,7 @@ from api.db import Database
 from api.errors import APIError
 from api.models import Job
 from api.services.jobs import add_event, compare_and_set, finite, read_jsonl, resolve_for_driver
+from api.services.lease import Lease, new_holder_id
 from api.services.states import WITH_DRIVER
 from api.settings import Settings
 from opd_trainer.errors import OPDError
@@ -67,6 +74,9 @@ class Scheduler:
         self.settings = settings
         self.db = db
         self.ray_status = "starting"
+        self.lease = Lease(db, new_holder_id(), settings.scheduler_lease_s)
+        self.role = "starting"  # "leader" while holding the lease, else "standby"
+        self._ray_started = False
         self._handles: dict[str, DriverHandle] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -79,35 +89,76 @@ class Scheduler:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stops polling; drivers are detached and keep running for the next server to re-attach."""
+        """Stops polling; drivers are detached and keep running for the next server to re-attach, and
+        the lease is released so that another replica takes over at once."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=CALL_TIMEOUT_S)
+        if self.role == "leader":
+            with contextlib.suppress(Exception):
+                self.lease.release()
+
+    @property
+    def ready(self) -> bool:
+        """A standby replica is ready to serve requests; the leader once Ray answers."""
+        return self.role == "standby" or self.ray_status == "ok"
 
     def _main(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._step()
+            except Exception:
+                logger.exception("scheduler step failed")
+            self._stop.wait(self.settings.poll_interval_s)
+
+    def _step(self) -> None:
+        """One poll: hold the lease (or wait for it), then schedule as its holder."""
+        if not self.lease.acquire():
+            if self.role == "leader":
+                self._step_down()
+            if self.role != "standby":
+                logger.info("scheduler standby: another server holds the lease")
+            self.role = "standby"
+            if not self._ray_started:
+                self.ray_status = "not started (standby)"
+            return
+        if not self._ray_started:
+            self._start_ray()
+            if not self._ray_started:
+                return
+        if self.role != "leader":
+            self.role = "leader"
+            logger.info("scheduler lease taken: reconciling jobs")
+            try:
+                self.reconcile()
+            except Exception:
+                logger.exception("reconciling jobs after start failed")
+        self.tick()
+
+    def _start_ray(self) -> None:
         from opd_trainer.ray_runtime import init_ray
 
-        while not self._stop.is_set():
-            try:
-                init_ray(self.settings.ray_address)
-                self.ray_status = "ok"
-                break
-            except Exception as exc:  # keep the API up and retry: the cluster may come later
-                self.ray_status = f"error: {type(exc).__name__}: {exc}"
-                logger.exception("cannot start or join Ray; retrying")
-                self._stop.wait(10)
-        if self._stop.is_set():
-            return
         try:
-            self.reconcile()
-        except Exception:
-            logger.exception("reconciling jobs after start failed")
-        while not self._stop.is_set():
-            try:
-                self.tick()
-            except Exception:
-                logger.exception("scheduler tick failed")
-            self._stop.wait(self.settings.poll_interval_s)
+            init_ray(self.settings.ray_address)
+        except Exception as exc:  # keep the API up and retry: the cluster may come later
+            self.ray_status = f"error: {type(exc).__name__}: {exc}"
+            logger.exception("cannot start or join Ray; retrying")
+            return
+        self._ray_started = True
+        self.ray_status = "ok"
+
+    def _step_down(self) -> None:
+        """Another replica took the lease (this one failed to renew in time): stop driving jobs. On an
+        embedded Ray our drivers are unreachable to the new holder, so they are stopped rather than
+        left to run twice; on a shared cluster the new holder re-attaches to them."""
+        import ray
+
+        logger.warning("scheduler lease lost to %s: stepping down", self.lease.current_holder())
+        handles, self._handles = self._handles, {}
+        if self.settings.ray_address is None and not os.environ.get("RAY_ADDRESS"):
+            for handle in handles.values():
+                with contextlib.suppress(Exception):
+                    ray.kill(handle.actor)
 
     # -- recovery -------------------------------------------------------------------------------
 

@@ -6,11 +6,13 @@
    the same data dir: it reconciles the job, resumes it from its latest checkpoint, and the job still
    reaches `succeeded` with every step's metrics recorded once and no driver event lost.
 
-3. A driver that fails (here: a model folder with a tokenizer but no weights) fails its job with the
+3. Two servers on one PostgreSQL database and data dir: the one holding the scheduler lease is
+   SIGKILLed mid-job and the standby takes over, resumes the job and finishes it.
+4. A driver that fails (here: a model folder with a tokenizer but no weights) fails its job with the
    driver's reason, and the server keeps scheduling.
 
-1 and 2 need the tiny models (`opd make-tiny-models .cache/tiny-models`): several minutes on 2 CPU
-cores. 3 needs only Ray.
+1 to 3 need the tiny models (`opd make-tiny-models .cache/tiny-models`): several minutes each on 2
+CPU cores; 3 also a PostgreSQL server (tests/api/postgres_server.py). 4 needs only Ray.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -182,6 +185,44 @@ def test_a_failing_driver_fails_its_job_with_the_reason(tmp_path: Path) -> None:
         ] == "failed"
     finally:
         server.stop()
+
+
+def test_a_standby_replica_takes_over_when_the_scheduling_one_is_killed(
+    trained_models: TinyModels, tmp_path: Path, postgres_databases: Callable[[], str]
+) -> None:
+    """Two `opd serve` replicas on one PostgreSQL database and one data dir (as two pods on one
+    ReadWriteMany volume): one schedules, the other waits; the first is SIGKILLed mid-job and the second
+    takes the lease, resumes the job from its checkpoint and finishes it, with the job started once."""
+    env = {"OPD_MAX_CONCURRENT_JOBS": "1", "DATABASE_URL": postgres_databases()}
+    roots = [TINY_MODELS_DIR, tmp_path]
+    first = Server(tmp_path / "data", env=env, model_dirs=roots).start(ready_timeout=300, wait_ready=True)
+    second = Server(tmp_path / "data", env=env, model_dirs=roots)
+    try:
+        second.start(ready_timeout=300, wait_ready=True)
+        assert server_ready_checks(first)["scheduler"] == "leader"
+        assert server_ready_checks(second) == {
+            "database": "ok",
+            "ray": "not started (standby)",
+            "scheduler": "standby",
+        }
+        client = OPDClient(second.url, create_key(second.url, "replicas"))  # any replica takes requests
+        job_id = client.run(**_run_args(trained_models, tmp_path, max_steps=4, save_steps=1))
+        _wait(client, job_id, lambda j: j["step"] >= 2, timeout_s=900)
+        first.kill()
+
+        final = _wait(client, job_id, lambda j: j["status"] in ("succeeded", "failed", "cancelled"), 900)
+        assert final["status"] == "succeeded", second.log()
+        assert server_ready_checks(second)["scheduler"] == "leader"
+        events = client.events(job_id, limit=1000)["data"]
+        messages = [e["message"] for e in events]
+        assert sum(m.startswith("queued -> running") for m in messages) == 1
+        assert any("server restarted; driver gone" in m for m in messages)
+        assert any(m.startswith("resumed from checkpoint at step") for m in messages)
+        metrics = client.metrics(job_id)["data"]
+        assert [r["step"] for r in metrics if r["kind"] == "train"] == [1, 2, 3, 4]
+    finally:
+        second.stop()
+        first.stop()
 
 
 def server_ready_checks(server: Server) -> dict[str, str]:

@@ -391,6 +391,8 @@ def test_two_gpu_groups_install(rendered_by_scenario: dict[str, Rendered]) -> No
 
 def test_external_postgres_install(rendered_by_scenario: dict[str, Rendered]) -> None:
     rendered = rendered_by_scenario["external-postgres"]
+    deployment = rendered.one("Deployment")["spec"]
+    assert deployment["replicas"] == 2 and deployment["strategy"] == {"type": "RollingUpdate"}
     env = env_of(api_container(rendered))
     assert env["DATABASE_URL"]["valueFrom"]["secretKeyRef"] == {"name": "opd-postgres", "key": "url"}
     assert env["OPD_ADMIN_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "opd-admin", "key": "admin-key"}
@@ -460,7 +462,6 @@ def test_wrong_types_are_rejected_by_the_values_schema(chart: helm.Chart) -> Non
         ({"ray": {"enabled": False}}, "/ray/address"),
         ({"ray": {"enabled": False, "address": "10.0.0.1:6379"}}, "/ray/address"),
         ({"api": {"port": 70000}}, "/api/port"),
-        ({"api": {"replicaCount": 2}}, "/api/replicaCount"),
         ({"adminKey": {"value": "short"}}, "/adminKey/value"),
         ({"database": {"url": "mysql://db/opd"}}, "/database/url"),
         ({"api": {"service": {"type": "Internal"}}}, "/api/service/type"),
@@ -487,6 +488,7 @@ def test_schema_rejects(chart: helm.Chart, values: dict[str, Any], expected: str
 @pytest.mark.parametrize(
     ("values", "expected"),
     [
+        ({"api": {"replicaCount": 2}}, "api.replicaCount > 1 needs PostgreSQL"),
         ({"ray": {"cpuWorkers": {"minReplicas": 4, "maxReplicas": 2}}}, "greater than maxReplicas"),
         ({"ray": {"gpuWorkerGroups": {"gpu": {"replicas": 5}}}}, "must lie between"),
         ({"ray": {"cpuWorkers": {"groupName": "gpu"}}}, "already used"),

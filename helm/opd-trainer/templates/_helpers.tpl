@@ -122,6 +122,9 @@ new random one. `lookup` sees nothing under `helm template`, so there it is alwa
 
 {{/* Fails the render on settings that JSON Schema cannot express. */}}
 {{- define "opd-trainer.validate" -}}
+{{- if and (gt (int .Values.api.replicaCount) 1) (not (or .Values.database.url .Values.database.existingSecret)) }}
+{{- fail "api.replicaCount > 1 needs PostgreSQL: set database.url or database.existingSecret (SQLite on a shared volume takes one writer)" }}
+{{- end }}
 {{- if .Values.ray.enabled }}
 {{- $groups := dict }}
 {{- if .Values.ray.cpuWorkers.enabled }}

@@ -1,0 +1,89 @@
+"""The scheduler lease: a row in the database that names the one server process allowed to schedule.
+
+Every replica of the API serves requests; only the lease holder starts, polls and stops job drivers.
+Each step is one conditional `UPDATE` (atomic on SQLite and PostgreSQL alike): take the row if it is
+ours, expired, released, or held by a process of this host that no longer exists (a crashed server
+restarted on the same machine need not wait for the lease to run out).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import uuid
+
+from sqlalchemy import or_, update
+from sqlalchemy.exc import IntegrityError
+
+from api.db import Database
+from api.models import SchedulerLease
+
+LEASE_NAME = "scheduler"
+
+
+def new_holder_id() -> str:
+    """`host:pid:nonce`: unique per process, and tells whether a holder on this host is still alive."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+def _gone_from_this_host(holder: str) -> bool:
+    host, _, rest = holder.partition(":")
+    pid = rest.partition(":")[0]
+    if host != socket.gethostname() or not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
+
+
+class Lease:
+    def __init__(self, db: Database, holder: str, ttl_s: float) -> None:
+        self.db = db
+        self.holder = holder
+        self.ttl_s = ttl_s
+
+    def acquire(self) -> bool:
+        """Takes or renews the lease; False while another live process holds it."""
+        now = time.time()
+        with self.db.session() as session:
+            current = session.get(SchedulerLease, LEASE_NAME)
+            if current is None:
+                session.add(SchedulerLease(name=LEASE_NAME, holder=self.holder, expires_at=now + self.ttl_s))
+                try:
+                    session.commit()
+                    return True
+                except IntegrityError:  # another replica inserted it first
+                    session.rollback()
+                    return False
+            takeable = [SchedulerLease.holder == self.holder, SchedulerLease.expires_at < now]
+            if _gone_from_this_host(current.holder):
+                takeable.append(SchedulerLease.holder == current.holder)
+            result = session.execute(
+                update(SchedulerLease)
+                .where(SchedulerLease.name == LEASE_NAME, or_(*takeable))
+                .values(holder=self.holder, expires_at=now + self.ttl_s)
+                .execution_options(synchronize_session=False)
+            )
+            session.commit()
+            return bool(result.rowcount)  # type: ignore[attr-defined]
+
+    def release(self) -> None:
+        """Lets another replica take over at once (a graceful stop)."""
+        with self.db.session() as session:
+            session.execute(
+                update(SchedulerLease)
+                .where(SchedulerLease.name == LEASE_NAME, SchedulerLease.holder == self.holder)
+                .values(expires_at=0.0)
+                .execution_options(synchronize_session=False)
+            )
+            session.commit()
+
+    def current_holder(self) -> str | None:
+        with self.db.session() as session:
+            row = session.get(SchedulerLease, LEASE_NAME)
+            return row.holder if row is not None and row.expires_at >= time.time() else None
