@@ -14,8 +14,12 @@ logger = logging.getLogger(__name__)
 LOCAL_CPU_SLOTS = 16
 
 
-def init_ray(address: str | None = None) -> None:
-    """Idempotent: joins `address` (or $RAY_ADDRESS) if given, else starts a local Ray."""
+def init_ray(address: str | None = None, reap_on_exit: bool = False) -> None:
+    """Idempotent: joins `address` (or $RAY_ADDRESS) if given, else starts a local Ray.
+
+    `reap_on_exit`: a local Ray's processes are ended when this process dies, even by SIGKILL
+    (`opd_trainer.ray_reaper`); for long-lived owners such as `opd serve`.
+    """
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS")
@@ -31,3 +35,7 @@ def init_ray(address: str | None = None) -> None:
         log_to_driver=os.environ.get("OPD_RAY_LOG_TO_DRIVER", "0") == "1",
     )
     logger.info("started local Ray with %d CPU slots", max(LOCAL_CPU_SLOTS, os.cpu_count() or 1))
+    if reap_on_exit:
+        from opd_trainer.ray_reaper import start_reaper
+
+        start_reaper()

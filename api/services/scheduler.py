@@ -139,7 +139,8 @@ class Scheduler:
         from opd_trainer.ray_runtime import init_ray
 
         try:
-            init_ray(self.settings.ray_address)
+            # An embedded Ray must not outlive this server, however it dies.
+            init_ray(self.settings.ray_address, reap_on_exit=True)
         except Exception as exc:  # keep the API up and retry: the cluster may come later
             self.ray_status = f"error: {type(exc).__name__}: {exc}"
             logger.exception("cannot start or join Ray; retrying")

@@ -1,5 +1,6 @@
 """SIGTERM with an event stream open: the stream ends with a `shutdown` event and the server exits
-promptly (uvicorn alone waits for open streams forever)."""
+promptly (uvicorn alone waits for open streams forever). SIGKILL: no process of its embedded Ray is
+left behind."""
 
 from __future__ import annotations
 
@@ -52,5 +53,42 @@ def test_sigterm_closes_open_event_streams_and_the_server_exits(tmp_path: Path, 
         reader.join(timeout=10)
         assert time.monotonic() - started < 12, "the server waited for the open stream"
         assert not reader.is_alive() and received[-1] == "event: shutdown", received
+    finally:
+        server.kill()
+
+
+def test_no_process_of_the_embedded_ray_outlives_a_sigkilled_server(
+    tmp_path: Path, models_root: Path
+) -> None:
+    import os
+
+    import psutil
+
+    server = Server(tmp_path / "data", env={"OPD_MAX_CONCURRENT_JOBS": "1"}, model_dirs=[models_root])
+    server.start(ready_timeout=300, wait_ready=True)  # ready: the scheduler started its local Ray
+    try:
+        assert server.process is not None
+        main = psutil.Process(server.process.pid)
+        ray_processes = [
+            p for p in main.children(recursive=True) if "ray_reaper" not in " ".join(p.cmdline())
+        ]
+        assert any("raylet" in " ".join(p.cmdline()) for p in ray_processes)
+        os.kill(server.process.pid, signal.SIGKILL)  # the server alone, as the OOM killer would
+        server.process.wait(timeout=30)
+
+        def alive() -> list[str]:
+            left = []
+            for process in ray_processes:
+                try:
+                    if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                        left.append(" ".join(process.cmdline())[:120])
+                except psutil.NoSuchProcess:
+                    continue
+            return left
+
+        deadline = time.monotonic() + 60
+        while alive() and time.monotonic() < deadline:
+            time.sleep(1)
+        assert alive() == []
     finally:
         server.kill()
