@@ -56,6 +56,20 @@ TRAJECTORIES_PER_STEP = 16
 REPORTED_FAILURES = 20
 
 
+def error_event(exc: OPDError) -> tuple[str, dict[str, Any]]:
+    """An error as one line (`field: first line of the message`) plus its details in `data`.
+
+    `exc.message` is the error's own text even when Ray re-raised it from an actor, whose `str()` would
+    be Ray's remote traceback; what follows the first line (e.g. the user's traceback of a processor
+    that failed to import) goes to `data.detail`.
+    """
+    headline, _, detail = exc.message.strip().partition("\n")
+    data: dict[str, Any] = {"field": exc.field}
+    if detail.strip():
+        data["detail"] = detail.strip()
+    return (f"{exc.field}: {headline}" if exc.field else headline), data
+
+
 def request_seed(job_seed: int, step: int, index: int) -> int:
     """A distinct, reproducible sampler seed per (step, request): resumed runs resample identically."""
     return (job_seed * 1_000_003 + step * 10_007 + index) % (2**31 - 1)
@@ -550,7 +564,8 @@ class JobDriver:
             return summary
         except OPDError as exc:
             self.status = "failed"
-            self.emit("error", str(exc), field=exc.field)
+            message, data = error_event(exc)
+            self.emit("error", message, **data)
             raise
         except Exception as exc:
             self.status = "failed"

@@ -261,8 +261,13 @@ def stream_snapshot(session: Session, job_id: str, after: int) -> tuple[list[Eve
 
 
 def format_log_line(event: JobEvent | EventPublic) -> str:
+    """`TIME [type] message`, then an error's `data.detail` (e.g. the user's traceback) indented."""
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(event.time))
-    return f"{stamp}Z [{event.type}] {event.message}"
+    line = f"{stamp}Z [{event.type}] {event.message}"
+    detail = (event.data or {}).get("detail")
+    if isinstance(detail, str) and detail:
+        line += "".join(f"\n    {part}" for part in detail.splitlines())
+    return line
 
 
 def logs(session: Session, tenant_id: str, job_id: str, after: int, limit: int) -> str:
