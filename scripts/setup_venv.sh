@@ -18,28 +18,26 @@ fi
 if [[ ",${extras}," == *",cpu,"* ]]; then
     "$venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
-# User processors run inside bubblewrap when it is there (opd_trainer/sandbox.py). It is a Debian/Ubuntu
-# package: installed here when this is root on an apt system, otherwise say how to get it.
-if ! command -v bwrap >/dev/null 2>&1; then
+# apt_install PACKAGE WHAT-IS-LOST: a Debian/Ubuntu package, installed when this is root on an apt
+# system; otherwise (or if that fails) say what runs without it and how to get it.
+apt_install() {
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-        (apt-get install -y -q bubblewrap >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 \
-            && apt-get install -y -q bubblewrap >/dev/null 2>&1)) \
-            || echo "note: could not apt-get install bubblewrap; user processors will run unconfined"
+        (apt-get install -y -q "$1" >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 \
+            && apt-get install -y -q "$1" >/dev/null 2>&1)) \
+            || echo "note: could not apt-get install $1; $2"
     else
-        echo "note: bubblewrap (bwrap) not found; user processors will run unconfined (apt-get install bubblewrap)"
+        echo "note: $1 is not installed; $2 (apt-get install $1)"
     fi
+}
+# User processors run inside bubblewrap when it is there (opd_trainer/sandbox.py).
+if ! command -v bwrap >/dev/null 2>&1; then
+    apt_install bubblewrap "user processors will run unconfined"
 fi
 # The test suite runs the job server on PostgreSQL too (tests/api/postgres_server.py starts a
-# throwaway server from Debian's `postgresql` binaries); installed here on root + apt machines.
+# throwaway server from Debian's `postgresql` binaries).
 if [[ ",${extras}," == *",test,"* ]] && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 \
     && ! command -v initdb >/dev/null 2>&1; then
-    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-        (apt-get install -y -q postgresql >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 \
-            && apt-get install -y -q postgresql >/dev/null 2>&1)) \
-            || echo "note: could not apt-get install postgresql; the PostgreSQL tests will be skipped"
-    else
-        echo "note: PostgreSQL's initdb not found; the PostgreSQL tests will be skipped (apt-get install postgresql)"
-    fi
+    apt_install postgresql "the PostgreSQL tests will be skipped"
 fi
 "$venv/bin/python" - <<'PY'
 import torch, transformers  # noqa: F401  (fail set-up early if the stack cannot import)
