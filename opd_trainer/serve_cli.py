@@ -59,7 +59,8 @@ def _serve(args: argparse.Namespace) -> int:
         print(
             "starting Ray ..." if not settings.ray_address else f"joining Ray at {settings.ray_address} ..."
         )
-        init_ray(settings.ray_address)
+        # reap_on_exit: an embedded Ray must not outlive this server, however it dies.
+        init_ray(settings.ray_address, reap_on_exit=True)
     print(
         f"OPD job server on http://{args.host}:{args.port}  data dir {settings.data_dir}  "
         f"max concurrent jobs {settings.max_concurrent_jobs}",

@@ -12,8 +12,8 @@ It runs in its own thread (Ray's client calls block) and, every `poll_interval_s
 
 Replicas: several API processes may share one database; only the holder of the scheduler lease
 (`api.services.lease`, renewed every poll) does any of the above. The others serve requests and wait
-(`role` "standby", no Ray of their own started); when the holder stops renewing, one of them takes over
-and reconciles as below. A holder that finds its lease taken steps down.
+(`role` "standby": Ray joined or started, nothing scheduled); when the holder stops renewing, one of them
+takes over and reconciles as below. A holder that finds its lease taken steps down.
 
 Recovery: on start (or takeover) it reconciles every job that should have a driver. A driver still alive
 (`ray.get_actor("opd-job-<id>", namespace="opd")`, e.g. on a Ray cluster that outlived the server) is
@@ -112,20 +112,19 @@ class Scheduler:
             self._stop.wait(self.settings.poll_interval_s)
 
     def _step(self) -> None:
-        """One poll: hold the lease (or wait for it), then schedule as its holder."""
+        """One poll: Ray up (every replica: `opd serve` starts it before the app), the lease held (or
+        waited for), then scheduling as its holder."""
+        if not self._ray_started:
+            self._start_ray()
         if not self.lease.acquire():
             if self.role == "leader":
                 self._step_down()
             if self.role != "standby":
                 logger.info("scheduler standby: another server holds the lease")
             self.role = "standby"
-            if not self._ray_started:
-                self.ray_status = "not started (standby)"
             return
         if not self._ray_started:
-            self._start_ray()
-            if not self._ray_started:
-                return
+            return
         if self.role != "leader":
             self.role = "leader"
             logger.info("scheduler lease taken: reconciling jobs")
