@@ -54,6 +54,7 @@ NAMESPACE = "opd"
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 CALL_TIMEOUT_S = 30.0
 RAY_CHECK_EVERY_S = 10.0
+RAY_RETRY_S = 10.0
 
 
 def actor_name(job_id: str) -> str:
@@ -77,6 +78,7 @@ class Scheduler:
         self.lease = Lease(db, new_holder_id(), settings.scheduler_lease_s)
         self.role = "starting"  # "leader" while holding the lease, else "standby"
         self._ray_started = False
+        self._next_ray_attempt = 0.0
         self._handles: dict[str, DriverHandle] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -114,7 +116,7 @@ class Scheduler:
     def _step(self) -> None:
         """One poll: Ray up (every replica: `opd serve` starts it before the app), the lease held (or
         waited for), then scheduling as its holder."""
-        if not self._ray_started:
+        if not self._ray_started and time.monotonic() >= self._next_ray_attempt:
             self._start_ray()
         if not self.lease.acquire():
             if self.role == "leader":
@@ -142,7 +144,8 @@ class Scheduler:
             init_ray(self.settings.ray_address, reap_on_exit=True)
         except Exception as exc:  # keep the API up and retry: the cluster may come later
             self.ray_status = f"error: {type(exc).__name__}: {exc}"
-            logger.exception("cannot start or join Ray; retrying")
+            logger.exception("cannot start or join Ray; retrying in %.0fs", RAY_RETRY_S)
+            self._next_ray_attempt = time.monotonic() + RAY_RETRY_S
             return
         self._ray_started = True
         self.ray_status = "ok"

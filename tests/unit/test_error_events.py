@@ -1,4 +1,8 @@
-"""Unit tests for how a failed job's error reaches its events: one line, details apart."""
+"""Unit tests for how a failed job's error reaches its events: one line, details apart.
+
+`opd_trainer.job_driver` pulls in transformers, so it is imported inside the tests (see
+tests/conftest.py and test_job_driver_ignored_fields.py).
+"""
 
 from __future__ import annotations
 
@@ -9,12 +13,13 @@ from ray.exceptions import RayTaskError
 from api.schemas import EventPublic
 from api.services.jobs import format_log_line
 from opd_trainer.errors import ConfigError, ProcessorLoadError
-from opd_trainer.job_driver import error_event
 
 TRACEBACK = 'Traceback (most recent call last):\n  File "functions/needs.py", line 1\nModuleNotFoundError: x'
 
 
 def test_a_load_error_re_raised_by_ray_is_one_line_with_the_traceback_in_detail() -> None:
+    from opd_trainer.job_driver import error_event
+
     error = ProcessorLoadError(
         "cannot load classpath 'functions.needs.Needs': it imports 'x', which is not installed\n" + TRACEBACK,
         field="functions.agent.fcmodel.classpath",
@@ -31,6 +36,8 @@ def test_a_load_error_re_raised_by_ray_is_one_line_with_the_traceback_in_detail(
 
 
 def test_a_one_line_error_has_no_detail() -> None:
+    from opd_trainer.job_driver import error_event
+
     assert error_event(ConfigError("max_length too large")) == ("max_length too large", {"field": None})
 
 
