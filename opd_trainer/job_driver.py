@@ -487,18 +487,12 @@ class JobDriver:
         self.cursor.restore(state["cursor"])
         discarded = self.log.truncate_after(self.step)
         await self._learner.publish_weights(self._student.actors, self.step)
+        # Step events of discarded steps stay in the event log (ids are never reused); this event names
+        # them. Metrics, curves and trajectories keep only the checkpointed steps.
+        message = f"resumed from checkpoint at step {self.step}"
         if discarded:
-            # Their step events stay in the event log (ids are never reused); this event says they
-            # were discarded. Metrics, curves and trajectories keep only the checkpointed steps.
-            self.emit(
-                "status",
-                f"resumed from checkpoint at step {self.step}; steps {discarded[0]}-{discarded[-1]} "
-                "after it are discarded and redone",
-                step=self.step,
-                discarded_steps=discarded,
-            )
-        else:
-            self.emit("status", f"resumed from checkpoint at step {self.step}", step=self.step)
+            message += f"; steps {discarded[0]}-{discarded[-1]} after it are discarded and redone"
+        self.emit("status", message, step=self.step, discarded_steps=discarded)
         return True
 
     # -- the loop -------------------------------------------------------------------------------

@@ -14,6 +14,11 @@ logger = logging.getLogger(__name__)
 LOCAL_CPU_SLOTS = 16
 
 
+def embedded_ray(address: str | None = None) -> bool:
+    """Whether `init_ray(address)` starts a local Ray of this process rather than joining a cluster."""
+    return not (address or os.environ.get("RAY_ADDRESS"))
+
+
 def init_ray(address: str | None = None, reap_on_exit: bool = False) -> None:
     """Idempotent: joins `address` (or $RAY_ADDRESS) if given, else starts a local Ray.
 
@@ -22,8 +27,8 @@ def init_ray(address: str | None = None, reap_on_exit: bool = False) -> None:
     """
     if ray.is_initialized():
         return
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
+    if not embedded_ray(address):
+        address = address or os.environ["RAY_ADDRESS"]
         ray.init(address=address, logging_level=logging.WARNING)
         logger.info("joined Ray cluster at %s", address)
         return

@@ -13,6 +13,7 @@ import socket
 import time
 import uuid
 
+import psutil
 from sqlalchemy import or_, update
 from sqlalchemy.exc import IntegrityError
 
@@ -32,13 +33,7 @@ def _gone_from_this_host(holder: str) -> bool:
     pid = rest.partition(":")[0]
     if host != socket.gethostname() or not pid.isdigit() or int(pid) == os.getpid():
         return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # alive, another user's
-        return False
-    return False
+    return not psutil.pid_exists(int(pid))
 
 
 class Lease:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import re
 import threading
 import time
@@ -156,9 +155,11 @@ class Scheduler:
         left to run twice; on a shared cluster the new holder re-attaches to them."""
         import ray
 
+        from opd_trainer.ray_runtime import embedded_ray
+
         logger.warning("scheduler lease lost to %s: stepping down", self.lease.current_holder())
         handles, self._handles = self._handles, {}
-        if self.settings.ray_address is None and not os.environ.get("RAY_ADDRESS"):
+        if embedded_ray(self.settings.ray_address):
             for handle in handles.values():
                 with contextlib.suppress(Exception):
                     ray.kill(handle.actor)
