@@ -1,16 +1,18 @@
 """Database engine and sessions: SQLite under the data dir by default, PostgreSQL via `DATABASE_URL`.
 
-Tables are created at start (`init_db`); there is no migration tool yet, so a schema change means a
-new data dir or a hand-written `ALTER TABLE`.
+The schema is Alembic's (`api/migrations`): `migrate` brings any database to the newest revision at
+server start, including one created before migrations existed (the releases up to 2026-12-01 made
+their tables with `create_all`; such a database is stamped with the revision its tables match first).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy import Engine, create_engine, event, inspect, text
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 from sqlalchemy.pool import NullPool
 
@@ -40,10 +42,29 @@ def make_engine(url: str) -> Engine:
     return engine
 
 
-def init_db(engine: Engine) -> None:
-    from api import models  # noqa: F401  (registers the tables on Base.metadata)
+MIGRATIONS = Path(__file__).parent / "migrations"
+# Any constant: replicas starting together on PostgreSQL take turns to migrate.
+MIGRATION_LOCK_KEY = 0x0BD_7A1E
 
-    Base.metadata.create_all(engine)
+
+def migrate(engine: Engine) -> str:
+    """Upgrades the database to the newest revision; returns it. Safe to run on every start."""
+    from alembic import command
+    from alembic.config import Config
+    from alembic.runtime.migration import MigrationContext
+
+    with engine.begin() as connection:
+        if connection.dialect.name == "postgresql":
+            connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
+        config = Config()
+        config.set_main_option("script_location", str(MIGRATIONS))
+        config.attributes["connection"] = connection
+        tables = set(inspect(connection).get_table_names())
+        if "alembic_version" not in tables and "jobs" in tables:
+            # Made by a release before migrations: its tables say which revision it is at.
+            command.stamp(config, "0002" if "scheduler_lease" in tables else "0001")
+        command.upgrade(config, "head")
+        return str(MigrationContext.configure(connection).get_current_revision())
 
 
 def ping(engine: Engine) -> None:

@@ -6,16 +6,15 @@ Hardware: none beyond a CPU; jobs run as Ray actors (embedded local Ray, or `OPD
 
 from __future__ import annotations
 
-import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from api.db import Database, init_db
+from api.db import Database, migrate
 from api.errors import install_error_handlers
 from api.limits import BodyLimitMiddleware
-from api.observability import LatencyMiddleware, ServerMetrics
+from api.observability import ServerMetrics
 from api.routes import files, health, jobs, keys
 from api.services.keys import AuthCache
 from api.services.scheduler import Scheduler
@@ -34,7 +33,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         for folder in (settings.data_dir, settings.files_dir, settings.workspaces_dir, settings.runs_dir):
             folder.mkdir(parents=True, exist_ok=True)
-        init_db(db.engine)
+        migrate(db.engine)
         if scheduler is not None:
             scheduler.start()
         try:
@@ -52,8 +51,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.settings = settings
-    # Set when the server is asked to stop (opd serve's signal handler): event streams end on it.
-    app.state.shutting_down = threading.Event()
     app.state.db = db
     app.state.metrics = metrics
     app.state.scheduler = scheduler
@@ -61,7 +58,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for router in (health.router, keys.router, files.router, jobs.router):
         app.include_router(router)
     install_error_handlers(app)
-    app.add_middleware(LatencyMiddleware, metrics=metrics)
+    metrics.instrument(app)
     # Added last, so it runs first: nothing reads a body before its size is checked.
     app.add_middleware(
         BodyLimitMiddleware,

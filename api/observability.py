@@ -8,22 +8,22 @@ the admin key: anyone may see how busy the server is, not which jobs it runs.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
-from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_fastapi_instrumentator import Instrumentator
+from prometheus_fastapi_instrumentator.metrics import latency
 from sqlalchemy import func, select
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.db import Database
 from api.models import Job
-from api.schemas import JobStatus
 from api.services.states import WITH_DRIVER
+from opd_trainer.spec.job_status import JobStatus
 
-STATUSES: tuple[str, ...] = JobStatus.__args__  # type: ignore[attr-defined]
+STATUSES: tuple[str, ...] = tuple(JobStatus)
 JOB_GAUGES = {
     "reverse_kl": "Per-token reverse KL to the teacher at the latest step.",
     "reward_mean": "Mean task reward at the latest step.",
@@ -88,47 +88,25 @@ class ServerMetrics:
 
     def __init__(self, db: Database) -> None:
         self.registry = CollectorRegistry()
-        self.request_seconds = Histogram(
-            "opd_http_request_duration_seconds",
-            "Request latency by route template.",
-            ["method", "route", "status"],
-            registry=self.registry,
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1, 2.5, 5, 10),
-        )
         self.registry.register(JobCountCollector(db))
         self.job_registry = CollectorRegistry()
         self.job_registry.register(JobProgressCollector(db))
+
+    def instrument(self, app: FastAPI) -> None:
+        """Request latency, `opd_http_request_duration_seconds{handler,method,status}` by route template
+        (prometheus-fastapi-instrumentator's pure ASGI middleware: streams pass through untouched)."""
+        Instrumentator(
+            should_group_status_codes=False, should_group_untemplated=True, registry=self.registry
+        ).add(
+            latency(
+                metric_namespace="opd",
+                metric_doc="Request latency by route template.",
+                buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1, 2.5, 5, 10),
+                registry=self.registry,
+            )
+        ).instrument(app)
 
     def render(self, include_jobs: bool = False) -> bytes:
         """The public series; with `include_jobs` (the admin's scrape) also those labelled by job id."""
         payload = generate_latest(self.registry)
         return payload + generate_latest(self.job_registry) if include_jobs else payload
-
-
-class LatencyMiddleware:
-    """Times every HTTP request (pure ASGI: streaming responses pass through untouched)."""
-
-    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = time.perf_counter()
-        status: dict[str, Any] = {"code": 500}
-
-        async def send_and_record(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                status["code"] = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_and_record)
-        finally:
-            route = scope.get("route")
-            template = getattr(route, "path", None) or "unmatched"
-            self.metrics.request_seconds.labels(scope["method"], template, str(status["code"])).observe(
-                time.perf_counter() - started
-            )

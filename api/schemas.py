@@ -10,19 +10,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from opd_trainer.job_spec import JobSpec
+from opd_trainer.spec.job_spec import JobSpec
+from opd_trainer.spec.job_status import JobStatus
 
-JobStatus = Literal[
-    "validating_files",
-    "queued",
-    "running",
-    "pausing",
-    "paused",
-    "cancelling",
-    "succeeded",
-    "failed",
-    "cancelled",
-]
 FilePurpose = Literal["dataset", "workspace"]
 
 

@@ -22,7 +22,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,15 +32,11 @@ from typing import Any
 
 import httpx
 
+from opd_trainer.ports import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 ADMIN_KEY = "bench-admin-key-0123456789"
 READ_P99_TARGET_S = 0.2
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _tokenizer_dir(models_dir: Path, scratch: Path) -> str:
@@ -172,7 +167,7 @@ def main() -> int:
     random.seed(0)
     with tempfile.TemporaryDirectory() as scratch:
         model = _tokenizer_dir(Path(args.models_dir), Path(scratch))
-        port = _free_port()
+        port = free_port()
         server = _start_server(Path(scratch) / "data", port, model)
         try:
             rows = asyncio.run(

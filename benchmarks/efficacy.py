@@ -28,7 +28,7 @@ from typing import Any
 
 from harness import JobRun, example_rewards, job_spec, run_job, write_json
 
-from opd_trainer.job_spec import DEFAULT_DISTILL_LOSS, DEFAULT_TEACHER_TOP_K
+from opd_trainer.spec.job_spec import DEFAULT_DISTILL_LOSS, DEFAULT_TEACHER_TOP_K
 
 ARMS: dict[str, dict[str, Any]] = {
     "opd": {"kl_coef": 1.0, "reward_coef": 0.0, "rewards": False},

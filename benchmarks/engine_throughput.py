@@ -27,19 +27,18 @@ from typing import Any
 
 import harness
 import ray
-import torch
 from harness import write_json
 from make_random_model import open_models_dir
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from opd_trainer.chat import prompt_token_ids
-from opd_trainer.engine import EngineConfig, start_engines
-from opd_trainer.job_spec import DEFAULT_TEACHER_TOP_K
-from opd_trainer.ray_runtime import init_ray
-from opd_trainer.tiny_models import build_tiny_models
-from opd_trainer.tool_routing import read_jsonl
-from opd_trainer.weight_sync import shared_memory_weights
+from opd_trainer.demo.tiny_models import build_tiny_models
+from opd_trainer.driver.ray_runtime import init_ray
+from opd_trainer.engine.vllm_engine import EngineConfig, start_engines
+from opd_trainer.engine.weight_sync import shared_memory_weights
+from opd_trainer.jsonl import read_jsonl
+from opd_trainer.rollout.chat import prompt_token_ids
+from opd_trainer.spec.job_spec import DEFAULT_TEACHER_TOP_K
 
 # --device cuda: the engine actor and the raw vllm.LLM are both up at once on the one GPU, since rounds
 # alternate between them. Ray does not stand between them (the raw LLM runs in this driver process,
@@ -231,16 +230,9 @@ def main() -> None:
         help="k of the top-k scoring measured against sampled-only",
     )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/engine_throughput.json"))
-    parser.add_argument(
-        "--device",
-        choices=["cpu", "cuda"],
-        default="cpu",
-        help="cpu: the tiny models, float32, fixed KV cache; cuda: --models-dir from make_random_model.py, "
-        "bfloat16, compiled, both sides on one GPU",
-    )
+    harness.add_device_argument(parser, "both sides on one GPU")
     args = parser.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: torch sees no CUDA GPU (install the `gpu` extra on a GPU box)")
+    harness.check_device(parser, args.device)
     result = asyncio.run(
         run(args.models_dir, args.prompts, args.max_tokens, args.rounds, args.device, args.teacher_top_k)
     )

@@ -6,6 +6,7 @@ and summary, with the wall time of the whole run and of its start-up (everything
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import tempfile
@@ -71,7 +72,7 @@ def job_spec(
 ) -> Any:
     """The example job with `hyper_parameters` overridden and `functions` added to its own components
     (the example's evaluator, which reports exact match); checkpoints only at the end."""
-    from opd_trainer.job_spec import load_job_spec
+    from opd_trainer.spec.job_spec import load_job_spec
 
     spec = load_job_spec(job_file)
     data = spec.model_dump()
@@ -85,9 +86,9 @@ def run_job(spec: Any, keep_dir: Path | None = None) -> JobRun:
     """Runs `spec` to the end on the local Ray (started if needed) and returns what it logged."""
     import ray
 
-    from opd_trainer.job_driver import JobDriverActor
-    from opd_trainer.metrics_log import MetricsLog
-    from opd_trainer.ray_runtime import init_ray
+    from opd_trainer.driver.job_driver import JobDriverActor
+    from opd_trainer.driver.ray_runtime import init_ray
+    from opd_trainer.driver.run_dir import RunDir
 
     run_dir = keep_dir or Path(tempfile.mkdtemp(prefix="opd-bench-"))
     init_ray()
@@ -98,7 +99,7 @@ def run_job(spec: Any, keep_dir: Path | None = None) -> JobRun:
     finally:
         ray.kill(driver)
     wall_s = time.perf_counter() - started
-    records = MetricsLog(run_dir).records()
+    records = RunDir(run_dir).records()
     if keep_dir is None:
         shutil.rmtree(run_dir, ignore_errors=True)
     return JobRun(records, summary or {}, wall_s)
@@ -112,9 +113,9 @@ def engine_config(model_dir: Path, device: str, kv_cache_bytes: int | None = Non
 
     On CUDA `kv_cache_bytes=None` lets vLLM size the cache from the GPU (the engine is alone there).
     """
-    from opd_trainer.engine import EngineConfig
-    from opd_trainer.job_spec import EngineResources
-    from opd_trainer.tiny_models.serving import tiny_engine_config
+    from opd_trainer.demo.tiny_models.serving import tiny_engine_config
+    from opd_trainer.engine.vllm_engine import EngineConfig
+    from opd_trainer.spec.job_spec import EngineResources
 
     if device == "cpu":
         return tiny_engine_config(model_dir)
@@ -124,6 +125,24 @@ def engine_config(model_dir: Path, device: str, kv_cache_bytes: int | None = Non
         resources=EngineResources(kv_cache_memory_bytes=kv_cache_bytes, dtype="bfloat16"),
         enforce_eager=False,
     )
+
+
+def add_device_argument(parser: argparse.ArgumentParser, cuda_engines: str) -> None:
+    """`--device cpu|cuda`; `cuda_engines` says how the engines run on CUDA."""
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cpu: the tiny models, float32, fixed KV cache; cuda: --models-dir from make_random_model.py, "
+        f"bfloat16, compiled, {cuda_engines}",
+    )
+
+
+def check_device(parser: argparse.ArgumentParser, device: str) -> None:
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA GPU (install the `gpu` extra on a GPU box)")
 
 
 def write_json(path: Path, result: Any) -> None:

@@ -85,14 +85,15 @@ def make_config(
 
 def remake_tokenizer_and_data(out: Path) -> None:
     """The tiny models' tokenizer and data, by the factory's own recipe, without training any model."""
-    from opd_trainer.tiny_models import factory, tokenizer
-    from opd_trainer.tool_routing import task
+    from opd_trainer.demo.tiny_models import factory, tokenizer
+    from opd_trainer.demo.tool_routing import task
+    from opd_trainer.jsonl import write_jsonl
 
     train = task.make_samples("train", factory.N_TRAIN, seed=0)
     validation = task.make_samples("validation", factory.N_VALIDATION, seed=0)
     (out / "data").mkdir(parents=True)
-    task.write_jsonl(out / "data" / "train.jsonl", [s.record for s in train])
-    task.write_jsonl(out / "data" / "validation.jsonl", [s.record for s in validation])
+    write_jsonl(out / "data" / "train.jsonl", [s.record for s in train])
+    write_jsonl(out / "data" / "validation.jsonl", [s.record for s in validation])
     corpus = [
         tokenizer.render_chat([*s.record["messages"], s.reference_message], s.record["tools"]) for s in train
     ]
@@ -137,7 +138,7 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
             print(f"{source} missing: remaking the tiny tokenizer and data (no model training)")
             remake_tokenizer_and_data(staging)
             source = staging / "tokenizer-src"
-            tokenizer_source = "remade (opd_trainer.tiny_models recipe, seed 0)"
+            tokenizer_source = "remade (opd_trainer.demo.tiny_models recipe, seed 0)"
         tiny = json.loads((source / "config.json").read_text())
         tokenizer_size = Tokenizer.from_file(str(source / "tokenizer.json")).get_vocab_size()
         vocab_size = args.vocab_size or tokenizer_size
@@ -178,7 +179,7 @@ def open_models_dir(models_dir: Path) -> Any:
     Used by the benchmarks' `--device cuda` path instead of `build_tiny_models`, which would find no
     tiny-models cache key here and rebuild the tiny models into this folder, replacing these.
     """
-    from opd_trainer.tiny_models import TinyModels
+    from opd_trainer.demo.tiny_models import TinyModels
 
     models_dir = models_dir.resolve()
     manifest_path = models_dir / "manifest.json"

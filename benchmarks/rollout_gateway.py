@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import tempfile
 import time
@@ -25,18 +24,17 @@ from typing import Any
 import harness
 import httpx
 import ray
-import torch
 from make_random_model import open_models_dir
 from transformers import AutoTokenizer
 
-from opd_trainer.chat import prompt_token_ids
-from opd_trainer.engine import EngineConfig, start_engines
-from opd_trainer.gateway import GatewayActor
-from opd_trainer.job_spec import FunctionComponent
-from opd_trainer.ray_runtime import init_ray
+from opd_trainer.demo.tiny_models import build_tiny_models
+from opd_trainer.driver.ray_runtime import init_ray
+from opd_trainer.engine.vllm_engine import EngineConfig, start_engines
+from opd_trainer.jsonl import read_jsonl
+from opd_trainer.rollout.chat import prompt_token_ids
+from opd_trainer.rollout.gateway import GatewayActor
 from opd_trainer.sdk import ModelResource
-from opd_trainer.tiny_models import build_tiny_models
-from opd_trainer.tool_routing import read_jsonl
+from opd_trainer.spec.job_spec import FunctionComponent
 from rollout_workers.pool import RolloutPool
 
 ONE_CALL_ROLLOUT = """
@@ -202,22 +200,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--overhead-calls", type=int, default=30)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/rollout_gateway.json"))
-    parser.add_argument(
-        "--device",
-        choices=["cpu", "cuda"],
-        default="cpu",
-        help="cpu: the tiny models, float32, fixed KV cache; cuda: --models-dir from make_random_model.py, "
-        "bfloat16, compiled, KV cache sized by vLLM",
-    )
+    harness.add_device_argument(parser, "KV cache sized by vLLM")
     args = parser.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: torch sees no CUDA GPU (install the `gpu` extra on a GPU box)")
+    harness.check_device(parser, args.device)
     result = asyncio.run(
         run(args.models_dir, args.rollouts, args.max_tokens, args.rounds, args.overhead_calls, args.device)
     )
     print(format_table(result))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    harness.write_json(args.out, result)
     print(f"wrote {args.out}")
 
 

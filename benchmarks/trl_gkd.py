@@ -47,8 +47,9 @@ from transformers import (
     TrainingArguments,
 )
 
-from opd_trainer.chat import prompt_token_ids
-from opd_trainer.tool_routing import evaluator
+from opd_trainer.demo.tool_routing import evaluator
+from opd_trainer.jsonl import read_jsonl
+from opd_trainer.rollout.chat import prompt_token_ids
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -75,11 +76,6 @@ class TrlRun:
     @property
     def train_s(self) -> float:
         return sum(self.step_s)
-
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    with path.open() as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def _prompt_rows(tokenizer: PreTrainedTokenizerBase, records: Sequence[dict[str, Any]]) -> list[list[int]]:
@@ -240,8 +236,8 @@ def run_trl_gkd(
     # the KL summed over the generated tokens divided by their number, i.e. the per-token mean.
     student.accepts_loss_kwargs = False
 
-    train = _train_dataset(tokenizer, _read_jsonl(models_dir / "data" / "train.jsonl"))
-    val_records = _read_jsonl(models_dir / "data" / "validation.jsonl")[:eval_samples]
+    train = _train_dataset(tokenizer, read_jsonl(models_dir / "data" / "train.jsonl"))
+    val_records = read_jsonl(models_dir / "data" / "validation.jsonl")[:eval_samples]
     val_prompts = _prompt_rows(tokenizer, val_records)
     # The solution sits under `rollout_extra` (what reward workers get), where `evaluate_texts` reads it.
     val_solutions = [r.get("solution") or r["rollout_extra"]["solution"] for r in val_records]

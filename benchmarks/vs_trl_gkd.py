@@ -29,8 +29,8 @@ from typing import Any
 from harness import JobRun, job_spec, run_job, write_json
 from trl_gkd import TrlRun, run_trl_gkd
 
-from opd_trainer.job_spec import DEFAULT_DISTILL_LOSS, DEFAULT_TEACHER_TOP_K
-from opd_trainer.tool_routing import read_jsonl, write_jsonl
+from opd_trainer.jsonl import read_jsonl, write_jsonl
+from opd_trainer.spec.job_spec import DEFAULT_DISTILL_LOSS, DEFAULT_TEACHER_TOP_K
 
 
 def ours(

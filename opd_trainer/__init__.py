@@ -1,1 +1,16 @@
-"""OPD trainer engine: job spec, engines, learner, loss, weight sync, tiny models, CLI."""
+"""The OPD trainer, one package per role (see docs/architecture.md for the diagram):
+
+- `sdk`: what user code imports (processor types; tracing on top, loaded on first use).
+- `spec`: the job spec, its datasets and the pre-flight checks of a spec against its models.
+- `engine`: vLLM engines for the student (sampling) and the teacher (scoring), weight sync into them.
+- `rollout`: one rollout step: the OpenAI-compatible gateway that records exact tokens, the runner.
+- `workers`: the autoscaled Ray pools that load user processors from an uploaded workspace.
+- `learner`: the DeepSpeed learner, the distillation losses and checkpoints.
+- `driver`: the job driver actor that runs a job's steps, its run directory and Ray runtime.
+- `client`: the Python client of the job server (and its Bailian-shaped `AgenticRL`).
+- `cli`: the `opd` command.
+- `demo`: the tiny models and the tool-routing task the examples and tests use; nothing else
+  in the trainer imports it.
+
+`errors` holds the exceptions every role raises.
+"""

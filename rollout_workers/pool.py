@@ -11,9 +11,9 @@ from typing import Any
 
 from pydantic import JsonValue
 
-from opd_trainer.job_spec import FunctionComponent
 from opd_trainer.sdk import ModelResource, RequestMetadata, RolloutInput, RolloutOutput
-from opd_trainer.worker_pool import WorkerPool
+from opd_trainer.spec.job_spec import FunctionComponent
+from opd_trainer.workers.pool import WorkerPool
 
 
 class RolloutPool(WorkerPool):

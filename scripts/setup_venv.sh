@@ -29,7 +29,7 @@ apt_install() {
         echo "note: $1 is not installed; $2 (apt-get install $1)"
     fi
 }
-# User processors run inside bubblewrap when it is there (opd_trainer/sandbox.py).
+# User processors run inside bubblewrap when it is there (opd_trainer/workers/sandbox.py).
 if ! command -v bwrap >/dev/null 2>&1; then
     apt_install bubblewrap "user processors will run unconfined"
 fi

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from opd_trainer.tiny_models import TinyModels
+    from opd_trainer.demo.tiny_models import TinyModels
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -21,6 +21,6 @@ def tiny_models() -> TinyModels:
     Imported here, not at module level: unit tests must not pay for (or be affected by) torch and
     transformers being imported at collection time.
     """
-    from opd_trainer.tiny_models import build_tiny_models
+    from opd_trainer.demo.tiny_models import build_tiny_models
 
     return build_tiny_models(Path(os.environ.get("OPD_TINY_MODELS_DIR", REPO / ".cache" / "tiny-models")))

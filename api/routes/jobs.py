@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import AsyncIterator
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Query, Request, status
+import anyio
+from fastapi import APIRouter, Header, Query, status
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import PlainTextResponse, StreamingResponse
+from fastapi.responses import PlainTextResponse
+from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from api.db import Database
 from api.deps import DatabaseDep, SessionDep, SettingsDep, TenantDep
@@ -28,17 +29,19 @@ from api.schemas import (
     JobCreate,
     JobList,
     JobPublic,
-    JobStatus,
     MetricsPublic,
     TrajectoryList,
 )
 from api.services import jobs
 from api.services.states import TERMINAL
+from opd_trainer.spec.job_status import JobStatus
 
 router = APIRouter(prefix="/v1/opd/jobs", tags=["jobs"], responses=ERROR_RESPONSES)
 
 STREAM_POLL_S = 0.5
 KEEPALIVE_S = 15.0
+# Longer than one poll: an open stream sees the shutdown and sends its `shutdown` event in time.
+SHUTDOWN_GRACE_S = 4 * STREAM_POLL_S
 Cursor = Annotated[int, Query(ge=0, le=2**62, description="Return events with id greater than this.")]
 
 
@@ -95,7 +98,6 @@ def delete_job(job_id: str, session: SessionDep, tenant: TenantDep) -> Deleted:
 )
 def list_events(
     job_id: str,
-    request: Request,
     session: SessionDep,
     db: DatabaseDep,
     tenant: TenantDep,
@@ -103,7 +105,7 @@ def list_events(
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     accept: Annotated[str | None, Header(include_in_schema=False)] = None,
     last_event_id: Annotated[str | None, Header(include_in_schema=False)] = None,
-) -> EventList | StreamingResponse:
+) -> EventList | EventSourceResponse:
     page = jobs.list_events(session, tenant.id, job_id, after, limit)
     if accept is None or "text/event-stream" not in accept:
         return page
@@ -112,10 +114,15 @@ def list_events(
     # The stream may last hours: end this request's read transaction now (an open one would keep
     # SQLite from checkpointing its WAL); each turn of the stream uses a short session of its own.
     session.close()
-    return StreamingResponse(
-        _stream(request, db, job_id, after),
-        media_type="text/event-stream",
+    # sse-starlette sets `shutdown` when the server is stopping (a restart, a rolling update) and gives
+    # the stream a grace period to say so before it is closed; clients then reconnect.
+    shutdown = anyio.Event()
+    return EventSourceResponse(
+        _stream(db, job_id, after, shutdown),
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        ping=KEEPALIVE_S,
+        shutdown_event=shutdown,
+        shutdown_grace_period=SHUTDOWN_GRACE_S,
     )
 
 
@@ -124,26 +131,21 @@ def _read(db: Database, job_id: str, after: int) -> tuple[list[EventPublic], Job
         return jobs.stream_snapshot(session, job_id, after)
 
 
-async def _stream(request: Request, db: Database, job_id: str, after: int) -> AsyncIterator[str]:
-    last_sent = time.monotonic()
+async def _stream(
+    db: Database, job_id: str, after: int, shutdown: anyio.Event
+) -> AsyncIterator[ServerSentEvent]:
+    """The job's events after `after`, then `end` (the finished job) or `shutdown` (the server stops)."""
     while True:
         events, job = await run_in_threadpool(_read, db, job_id, after)
         for event in events:
             after = event.id
-            yield f"id: {event.id}\nevent: {event.type}\ndata: {event.model_dump_json()}\n\n"
-            last_sent = time.monotonic()
+            yield ServerSentEvent(data=event.model_dump_json(), event=event.type, id=str(event.id))
         if job is None or (job.status in TERMINAL and not events):
             payload = job.model_dump_json() if job else json.dumps({"id": job_id, "deleted": True})
-            yield f"event: end\ndata: {payload}\n\n"
+            yield ServerSentEvent(data=payload, event="end")
             return
-        if time.monotonic() - last_sent > KEEPALIVE_S:
-            yield ": keep-alive\n\n"
-            last_sent = time.monotonic()
-        if await request.is_disconnected():
-            return
-        if request.app.state.shutting_down.is_set():
-            # The server is stopping (a restart, a rolling update): say so; clients reconnect.
-            yield f"event: shutdown\ndata: {json.dumps({'id': job_id, 'after': after})}\n\n"
+        if shutdown.is_set():
+            yield ServerSentEvent(data=json.dumps({"id": job_id, "after": after}), event="shutdown")
             return
         if not events:
             await asyncio.sleep(STREAM_POLL_S)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import stat
 import zipfile
 from pathlib import Path
 from typing import BinaryIO
@@ -25,84 +24,15 @@ from api.schemas import FilePublic
 from api.services.ids import new_id
 from api.services.states import TERMINAL
 from api.settings import Settings
-from opd_trainer.dataset import parse_jsonl
 from opd_trainer.errors import ConfigError
-
-COPY_CHUNK = 1024 * 1024
-# Small files compress extremely well (a page of spaces); only large entries are judged by ratio.
-RATIO_CHECK_MIN_BYTES = 1024 * 1024
+from opd_trainer.spec.dataset import parse_jsonl
+from opd_trainer.workers.workspace import COPY_CHUNK, check_zip, extract_zip
 
 
 def safe_filename(name: str | None) -> str:
     base = Path((name or "").replace("\\", "/")).name
     cleaned = re.sub(r"[^A-Za-z0-9._-]", "_", base)[:128].lstrip(".")
     return cleaned or "upload"
-
-
-def check_zip(
-    archive: zipfile.ZipFile, *, max_files: int, max_uncompressed: int, max_ratio: float
-) -> list[zipfile.ZipInfo]:
-    """The archive's entries if it is safe to extract; raises `ConfigError(field="file")` otherwise."""
-    infos = archive.infolist()
-    if len(infos) > max_files:
-        raise ConfigError(f"workspace zip holds {len(infos)} entries; the limit is {max_files}", field="file")
-    total = 0
-    for info in infos:
-        name = info.filename
-        parts = re.split(r"[\\/]", name)
-        if name.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", name):
-            raise ConfigError(f"zip entry {name!r} has an absolute path", field="file")
-        if ".." in parts:
-            raise ConfigError(f"zip entry {name!r} leaves the workspace ('..')", field="file")
-        if "\x00" in name:
-            raise ConfigError("zip entry name holds a NUL byte", field="file")
-        mode = info.external_attr >> 16
-        if stat.S_ISLNK(mode):
-            raise ConfigError(f"zip entry {name!r} is a symbolic link; links are not allowed", field="file")
-        # Type bits of 0 (zips made on Windows, or permission bits only) mean a plain entry.
-        if stat.S_IFMT(mode) and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-            raise ConfigError(f"zip entry {name!r} is not a regular file or folder", field="file")
-        if info.flag_bits & 0x1:
-            raise ConfigError(f"zip entry {name!r} is encrypted", field="file")
-        total += info.file_size
-        if total > max_uncompressed:
-            raise ConfigError(
-                f"workspace zip expands to more than {max_uncompressed} bytes (the limit)", field="file"
-            )
-        ratio = info.file_size / max(info.compress_size, 1)
-        if info.file_size >= RATIO_CHECK_MIN_BYTES and ratio > max_ratio:
-            raise ConfigError(
-                f"zip entry {name!r} expands {ratio:.0f}x (limit {max_ratio:.0f}x): refusing a zip bomb",
-                field="file",
-            )
-    return infos
-
-
-def extract_zip(archive: zipfile.ZipFile, infos: list[zipfile.ZipInfo], target: Path) -> None:
-    """Extracts checked entries under `target` (new); a failure leaves nothing behind."""
-    staging = target.with_name(f".staging-{target.name}")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    root = staging.resolve()
-    try:
-        for info in infos:
-            destination = (root / info.filename).resolve()
-            if not destination.is_relative_to(root):
-                raise ConfigError(f"zip entry {info.filename!r} leaves the workspace", field="file")
-            if info.is_dir():
-                destination.mkdir(parents=True, exist_ok=True)
-                continue
-            destination.parent.mkdir(parents=True, exist_ok=True)
-            # ZipExtFile stops at the declared size, so the checked total bounds what is written.
-            with archive.open(info) as source, destination.open("wb") as sink:
-                shutil.copyfileobj(source, sink, COPY_CHUNK)
-        staging.rename(target)
-    except (zipfile.BadZipFile, OSError, EOFError) as exc:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise ConfigError(f"workspace zip cannot be extracted: {exc}", field="file") from None
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
 
 
 def _public(record: File) -> FilePublic:

@@ -9,7 +9,6 @@ from there.
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 import time
@@ -35,11 +34,11 @@ from api.schemas import (
 from api.services.ids import new_id
 from api.services.states import ACTIVE, TERMINAL, next_status
 from api.settings import Settings
-from opd_trainer.checkpoint import CheckpointStore
-from opd_trainer.classpath import validate_workspace
+from opd_trainer.driver.run_dir import RunDir
 from opd_trainer.errors import ConfigError
-from opd_trainer.job_spec import JobSpec
-from opd_trainer.preflight import check_same_tokenizer, resolve_max_length
+from opd_trainer.spec.job_spec import JobSpec
+from opd_trainer.spec.preflight import check_same_tokenizer, resolve_max_length
+from opd_trainer.workers.classpath import validate_workspace
 
 # -- helpers shared with the scheduler --------------------------------------------------------------
 
@@ -208,7 +207,7 @@ def create(session: Session, settings: Settings, tenant_id: str, body: JobCreate
         spec=spec.model_dump(mode="json", exclude_none=True),  # every None is a default
         file_ids=sorted({f.id for f in used}),
         run_dir=str(settings.runs_dir / job_id),
-        total_steps=hp.max_steps or hp.n_epochs * math.ceil(samples / hp.batch_size),
+        total_steps=hp.total_steps(samples),
         queued_at=time.time(),
     )
     session.add(job)
@@ -276,9 +275,7 @@ def logs(session: Session, tenant_id: str, job_id: str, after: int, limit: int) 
 
 
 def checkpoints(session: Session, tenant_id: str, job_id: str) -> CheckpointList:
-    job = get_owned(session, tenant_id, job_id)
-    root = Path(job.run_dir) / "checkpoints"
-    found = CheckpointStore(root).list() if root.is_dir() else []
+    found = RunDir(get_owned(session, tenant_id, job_id).run_dir).checkpoints()
     return CheckpointList(data=[CheckpointPublic(**c) for c in found])
 
 
@@ -293,50 +290,14 @@ def finite(value: Any) -> Any:
     return value
 
 
-def read_jsonl(path: Path, tail: int | None = None) -> list[dict[str, Any]]:
-    """Records of a JSONL file the driver may be appending to; a half-written last line is skipped."""
-    if not path.is_file():
-        return []
-    lines = _tail_lines(path, tail) if tail is not None else path.read_text().splitlines()
-    records = []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict):
-            records.append(finite(record))
-    return records
-
-
-def _tail_lines(path: Path, count: int) -> list[str]:
-    """The last `count` lines, reading backwards in blocks (trajectory files grow large)."""
-    block = 64 * 1024
-    with path.open("rb") as handle:
-        handle.seek(0, 2)
-        end = handle.tell()
-        data = b""
-        while end > 0 and data.count(b"\n") <= count:
-            start = max(0, end - block)
-            handle.seek(start)
-            data = handle.read(end - start) + data
-            end = start
-    return data.decode("utf-8", errors="replace").splitlines()[-count:]
-
-
 def metrics(session: Session, tenant_id: str, job_id: str) -> MetricsPublic:
-    job = get_owned(session, tenant_id, job_id)
-    run_dir = Path(job.run_dir)
-    try:
-        summary = json.loads((run_dir / "summary.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        summary = {}  # not written yet, or caught mid-write
-    return MetricsPublic(data=read_jsonl(run_dir / "metrics.jsonl"), summary=summary)
+    run_dir = RunDir(get_owned(session, tenant_id, job_id).run_dir)
+    return MetricsPublic(data=finite(run_dir.records()), summary=finite(run_dir.load_summary()))
 
 
 def trajectories(session: Session, tenant_id: str, job_id: str, limit: int) -> TrajectoryList:
-    job = get_owned(session, tenant_id, job_id)
-    return TrajectoryList(data=read_jsonl(Path(job.run_dir) / "trajectories.jsonl", tail=limit))
+    run_dir = RunDir(get_owned(session, tenant_id, job_id).run_dir)
+    return TrajectoryList(data=finite(run_dir.recent_trajectories(limit)))
 
 
 # -- user actions -----------------------------------------------------------------------------------

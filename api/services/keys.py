@@ -8,6 +8,7 @@ import secrets
 import threading
 import time
 
+from cachetools import TTLCache
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -70,27 +71,22 @@ def authenticate(session: Session, presented: str) -> Tenant | None:
 class AuthCache:
     """Recently authenticated keys (sha256 → tenant), so status polls skip the key lookup.
 
-    Revocation through this server clears the entry at once; other replicas see it within `ttl_s`.
+    A `cachetools.TTLCache` (least recently used entries go first when full) behind a lock, as
+    request handlers run in threads. Revocation through this server clears it at once; other
+    replicas see a revocation within `ttl_s`.
     """
 
     def __init__(self, ttl_s: float = 5.0, max_entries: int = 10_000) -> None:
-        self.ttl_s = ttl_s
-        self.max_entries = max_entries
-        self._entries: dict[str, tuple[float, Tenant]] = {}
+        self._entries: TTLCache[str, Tenant] = TTLCache(maxsize=max_entries, ttl=ttl_s)
         self._lock = threading.Lock()
 
     def get(self, digest: str) -> Tenant | None:
         with self._lock:
-            entry = self._entries.get(digest)
-        if entry is None or time.monotonic() - entry[0] > self.ttl_s:
-            return None
-        return entry[1]
+            return self._entries.get(digest)
 
     def put(self, digest: str, tenant: Tenant) -> None:
         with self._lock:
-            if len(self._entries) >= self.max_entries:
-                self._entries.clear()
-            self._entries[digest] = (time.monotonic(), tenant)
+            self._entries[digest] = tenant
 
     def clear(self) -> None:
         with self._lock:

@@ -31,7 +31,6 @@ import re
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from sqlalchemy import func, select
@@ -40,10 +39,11 @@ from sqlalchemy.orm import Session
 from api.db import Database
 from api.errors import APIError
 from api.models import Job
-from api.services.jobs import add_event, compare_and_set, finite, read_jsonl, resolve_for_driver
+from api.services.jobs import add_event, compare_and_set, finite, resolve_for_driver
 from api.services.lease import Lease, new_holder_id
 from api.services.states import WITH_DRIVER
 from api.settings import Settings
+from opd_trainer.driver.run_dir import RunDir
 from opd_trainer.errors import OPDError
 
 logger = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ class Scheduler:
         self.tick()
 
     def _start_ray(self) -> None:
-        from opd_trainer.ray_runtime import init_ray
+        from opd_trainer.driver.ray_runtime import init_ray
 
         try:
             # An embedded Ray must not outlive this server, however it dies.
@@ -155,7 +155,7 @@ class Scheduler:
         left to run twice; on a shared cluster the new holder re-attaches to them."""
         import ray
 
-        from opd_trainer.ray_runtime import embedded_ray
+        from opd_trainer.driver.ray_runtime import embedded_ray
 
         logger.warning("scheduler lease lost to %s: stepping down", self.lease.current_holder())
         handles, self._handles = self._handles, {}
@@ -205,7 +205,7 @@ class Scheduler:
 
     def _recover_events_from_disk(self, session: Session, job: Job) -> None:
         """Copies what a lost driver wrote to events.jsonl after our last poll (shared run dirs only)."""
-        records = read_jsonl(Path(job.run_dir) / "events.jsonl")[job.driver_events_offset :]
+        records = finite(RunDir(job.run_dir).events()[job.driver_events_offset :])
         self._ingest(session, job, [r for r in records if r.get("seq", -1) > job.driver_event_seq])
 
     def _driver_lost(self, session: Session, job: Job, *, counts: bool) -> None:
@@ -299,7 +299,7 @@ class Scheduler:
             self._finish(session, job, handle, progress["status"])
 
     def _trained_tokens(self, job: Job, metrics: dict[str, float], new_steps: int) -> float:
-        records = read_jsonl(Path(job.run_dir) / "metrics.jsonl")
+        records = finite(RunDir(job.run_dir).records())
         if records:
             return float(sum(r.get("trained_tokens") or 0 for r in records if r.get("kind") == "train"))
         # Run dir not visible from here (a remote cluster): estimate from the latest step.
@@ -399,7 +399,7 @@ class Scheduler:
 
     def _start_driver(self, session: Session, job: Job) -> None:
         """A new driver incarnation on the job's run dir (it resumes from the latest checkpoint)."""
-        from opd_trainer.job_driver import JobDriverActor
+        from opd_trainer.driver.job_driver import JobDriverActor
 
         try:
             spec = resolve_for_driver(session, job)
@@ -411,7 +411,7 @@ class Scheduler:
         name = actor_name(job.id)
         self._kill_named(name)
         # Counted before the new driver can write: what follows in events.jsonl is its own.
-        job.driver_events_offset = len(read_jsonl(Path(job.run_dir) / "events.jsonl"))
+        job.driver_events_offset = len(RunDir(job.run_dir).events())
         actor = JobDriverActor.options(  # type: ignore[attr-defined]
             name=name, namespace=NAMESPACE, lifetime="detached", num_cpus=0
         ).remote(spec, job.run_dir, job.id)

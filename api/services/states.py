@@ -1,8 +1,5 @@
-"""Job statuses and the transitions users may ask for; anything else is a 409.
-
-    validating_files → queued → running → succeeded | failed | cancelled
-    running → pausing → paused → (resume) queued;   running | pausing → cancelling → cancelled
-    queued | paused → cancelled (no driver to stop);  queued → paused
+"""The status transitions users may ask for (the statuses are `opd_trainer.spec.job_status`); anything
+else is a 409.
 
 Pre-flight runs inside the submit request, so a stored job normally starts at `queued`;
 `validating_files` is the status of a job whose pre-flight is running.
@@ -11,11 +8,9 @@ Pre-flight runs inside the submit request, so a stored job normally starts at `q
 from __future__ import annotations
 
 from api.errors import APIError
+from opd_trainer.spec.job_status import ACTIVE, TERMINAL, WITH_DRIVER
 
-TERMINAL = ("succeeded", "failed", "cancelled")
-# Statuses in which a driver actor exists (or should) and holds a scheduler slot.
-WITH_DRIVER = ("running", "pausing", "cancelling")
-ACTIVE = ("validating_files", "queued", "running", "pausing", "paused", "cancelling")
+__all__ = ["ACTIVE", "TERMINAL", "USER_TRANSITIONS", "WITH_DRIVER", "next_status"]
 
 # action → {from status: to status}
 USER_TRANSITIONS: dict[str, dict[str, str]] = {

@@ -6,7 +6,6 @@ import io
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,17 +16,12 @@ from typing import Any
 
 import httpx
 
-from opd_trainer.client import OPDClient
+from opd_trainer.client.api_client import OPDClient
+from opd_trainer.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 ADMIN_KEY = "test-admin-key-0123456789"
 TINY_MODELS_DIR = Path(os.environ.get("OPD_TINY_MODELS_DIR", REPO / ".cache" / "tiny-models"))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass

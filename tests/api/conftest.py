@@ -16,7 +16,7 @@ import pytest
 from apiserver import WORKSPACE, Server, Tenant, create_key, make_tokenizer, zip_bytes
 from postgres_server import PostgresUnavailable, throwaway_postgres
 
-from opd_trainer.client import OPDClient
+from opd_trainer.client.api_client import OPDClient
 
 # Small limits, so the oversized-upload and body cases need only kilobytes.
 SERVER_ENV = {

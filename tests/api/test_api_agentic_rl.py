@@ -11,7 +11,7 @@ from types import ModuleType
 import pytest
 from apiserver import Server, Tenant, jsonl, record
 
-from opd_trainer.agentic_rl import AgenticRL, SubmissionResult, TrainingDataset
+from opd_trainer.client.agentic_rl import AgenticRL, SubmissionResult, TrainingDataset
 
 PORTED_WORKSPACE = Path(__file__).resolve().parents[1] / "integration" / "bailian_port" / "workspace"
 

@@ -9,8 +9,8 @@ import pytest
 import yaml
 from apiserver import Server, Tenant, jsonl, record
 
-from opd_trainer.cli import main
-from opd_trainer.job_spec import JobSpec
+from opd_trainer.cli.main import main
+from opd_trainer.spec.job_spec import JobSpec
 
 BAILIAN_ONLY = {
     "resources.charge_type": "mtu_postpaid",

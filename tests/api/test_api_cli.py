@@ -9,7 +9,7 @@ import pytest
 import yaml
 from apiserver import ADMIN_KEY, Server, Tenant, jsonl, record
 
-from opd_trainer.cli import main
+from opd_trainer.cli.main import main
 
 
 @pytest.fixture

@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from apiserver import TINY_MODELS_DIR, Server, create_key, jsonl, make_tokenizer, record
 
-from opd_trainer.client import OPDClient
+from opd_trainer.client.api_client import OPDClient
 
 if TYPE_CHECKING:
-    from opd_trainer.tiny_models import TinyModels
+    from opd_trainer.demo.tiny_models import TinyModels
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
 

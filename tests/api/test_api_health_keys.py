@@ -21,7 +21,8 @@ def test_prometheus_metrics_count_jobs_and_time_requests(server: Server, tenant:
     queued = next(line for line in text.splitlines() if line.startswith('opd_jobs{status="queued"}'))
     assert float(queued.split()[-1]) >= 1
     assert "opd_queue_depth" in text
-    assert 'opd_http_request_duration_seconds_count{method="POST",route="/v1/opd/jobs",status="201"}' in text
+    submitted = 'handler="/v1/opd/jobs",method="POST",status="201"'
+    assert f"opd_http_request_duration_seconds_count{{{submitted}}}" in text
 
 
 def test_keys_are_shown_once_listed_per_tenant_and_revocable(server: Server) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from api.db import Database, init_db
+from api.db import Database, migrate
 from api.services.lease import Lease, new_holder_id
 
 
@@ -24,7 +24,7 @@ def database(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Databas
         new_database: Callable[[], str] = request.getfixturevalue("postgres_databases")
         url = new_database()
     db = Database(url)
-    init_db(db.engine)
+    migrate(db.engine)
     yield db
     db.engine.dispose()
 

@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from api.settings import Settings
-from opd_trainer.cli import main
+from opd_trainer.cli.main import main
 
 
 def test_environment_and_database_url_alias(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

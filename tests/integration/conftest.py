@@ -13,12 +13,12 @@ import pytest
 import ray
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from opd_trainer.engine import EngineConfig, start_engines
-from opd_trainer.ray_runtime import init_ray
-from opd_trainer.tiny_models.serving import tiny_engine_config
+from opd_trainer.demo.tiny_models.serving import tiny_engine_config
+from opd_trainer.driver.ray_runtime import init_ray
+from opd_trainer.engine.vllm_engine import EngineConfig, start_engines
 
 if TYPE_CHECKING:
-    from opd_trainer.tiny_models import TinyModels
+    from opd_trainer.demo.tiny_models import TinyModels
 
 
 @pytest.fixture(scope="session")

@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 import ray
 
-from opd_trainer.job_driver import JobDriver
-from opd_trainer.job_spec import JobSpec, parse_job_spec
-from opd_trainer.metrics_log import MetricsLog
-from opd_trainer.tiny_models import TinyModels
-from opd_trainer.tiny_models.serving import TINY_KV_CACHE_BYTES
+from opd_trainer.demo.tiny_models import TinyModels
+from opd_trainer.demo.tiny_models.serving import TINY_KV_CACHE_BYTES
+from opd_trainer.driver.job_driver import JobDriver
+from opd_trainer.driver.run_dir import RunDir
+from opd_trainer.spec.job_spec import JobSpec, parse_job_spec
 
 pytestmark = pytest.mark.integration
 
@@ -116,7 +116,7 @@ def test_agentic_job_with_two_rewards_reports_the_weighted_reward(
     ray_session: None, tiny_models: TinyModels, tmp_path: Path
 ) -> None:
     _run(_spec(tiny_models, EXAMPLE_WORKSPACE, "functions.rollout.ToolRoutingRollout"), tmp_path / "run")
-    records = [r for r in MetricsLog(tmp_path / "run").records() if r["kind"] == "train"]
+    records = [r for r in RunDir(tmp_path / "run").records() if r["kind"] == "train"]
     assert [r["step"] for r in records] == [1, 2]
     for record in records:
         assert {"reward_mean", "reward_std", "reward/decision", "reward/arguments"} <= set(record)
@@ -146,7 +146,7 @@ def test_raising_hanging_and_dying_processors_are_contained(
     (workspace / "functions" / "flaky.py").write_text(FLAKY_ROLLOUT)
     spec = _spec(tiny_models, workspace, "functions.flaky.FlakyRollout", max_failed_ratio=0.6)
     _run(spec, tmp_path / "run")
-    records = [r for r in MetricsLog(tmp_path / "run").records() if r["kind"] == "train"]
+    records = [r for r in RunDir(tmp_path / "run").records() if r["kind"] == "train"]
     assert [r["step"] for r in records] == [1, 2]
     assert sum(r["failed_rollouts"] for r in records) > 0
     trajectories = [

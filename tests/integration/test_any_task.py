@@ -13,12 +13,12 @@ import pytest
 import ray
 import yaml
 
-from opd_trainer.cli import main
-from opd_trainer.job_driver import JobDriver
-from opd_trainer.job_spec import parse_job_spec
-from opd_trainer.metrics_log import MetricsLog
-from opd_trainer.tiny_models import TinyModels
-from opd_trainer.tool_routing import read_jsonl, write_jsonl
+from opd_trainer.cli.main import main
+from opd_trainer.demo.tiny_models import TinyModels
+from opd_trainer.driver.job_driver import JobDriver
+from opd_trainer.driver.run_dir import RunDir
+from opd_trainer.jsonl import read_jsonl, write_jsonl
+from opd_trainer.spec.job_spec import parse_job_spec
 
 pytestmark = pytest.mark.integration
 
@@ -65,7 +65,7 @@ def test_job_file_with_only_the_required_fields_trains(
     job.write_text(yaml.safe_dump(required))
     run_dir = tmp_path / "run"
     assert main(["train", str(job), "--run-dir", str(run_dir)]) == 0
-    records = [r for r in MetricsLog(run_dir).records() if r["kind"] == "train"]
+    records = [r for r in RunDir(run_dir).records() if r["kind"] == "train"]
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["trained_tokens"] > 0 and r["failed_rollouts"] == 0 for r in records)
     assert (run_dir / "checkpoints" / "latest").is_file()
@@ -185,7 +185,7 @@ def test_rewards_enter_the_loss_unless_reward_coef_is_zero(
     _run(_reward_job(tiny_models, train), tmp_path / "default")
     _run(_reward_job(tiny_models, train, reward_coef=0.0), tmp_path / "monitoring")
     default, monitoring = (
-        next(r for r in MetricsLog(tmp_path / name).records() if r["kind"] == "train")
+        next(r for r in RunDir(tmp_path / name).records() if r["kind"] == "train")
         for name in ("default", "monitoring")
     )
     # Same seeds, same samples: both logged the same rewards, and the groups' rewards were not all equal.

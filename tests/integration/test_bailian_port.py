@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from opd_trainer.client import OPDClient
-from opd_trainer.tiny_models.serving import TINY_KV_CACHE_BYTES
+from opd_trainer.client.api_client import OPDClient
+from opd_trainer.demo.tiny_models.serving import TINY_KV_CACHE_BYTES
 
 if TYPE_CHECKING:
-    from opd_trainer.tiny_models import TinyModels
+    from opd_trainer.demo.tiny_models import TinyModels
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
 

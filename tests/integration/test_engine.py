@@ -10,11 +10,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import PreTrainedTokenizerBase
 
-from opd_trainer.chat import prompt_token_ids
+from opd_trainer.demo.tiny_models import TinyModels
+from opd_trainer.engine.weight_sync import SharedMemoryWeights, shared_memory_weights
 from opd_trainer.errors import WeightSyncError
-from opd_trainer.tiny_models import TinyModels
-from opd_trainer.tool_routing import read_jsonl
-from opd_trainer.weight_sync import SharedMemoryWeights, shared_memory_weights
+from opd_trainer.jsonl import read_jsonl
+from opd_trainer.rollout.chat import prompt_token_ids
 
 pytestmark = pytest.mark.integration
 
@@ -40,8 +40,8 @@ def test_generate_many_in_flight_returns_exact_tokens_and_logprobs(
     for prompt, completion in zip(prompts, completions, strict=True):
         assert completion.prompt_token_ids == prompt
         assert 0 < len(completion.completion_token_ids) <= 32
-        assert len(completion.logprobs) == len(completion.completion_token_ids)
-        assert all(lp <= 0.0 for lp in completion.logprobs)
+        assert len(completion.sampler_logprobs) == len(completion.completion_token_ids)
+        assert all(lp <= 0.0 for lp in completion.sampler_logprobs)
         assert completion.text == tokenizer.decode(completion.completion_token_ids, skip_special_tokens=True)
 
 
@@ -56,7 +56,7 @@ def test_sampling_logprobs_equal_score_of_same_tokens(
     student_scores = ray.get(student_engine.score_many.remote(pairs))
     teacher_scores = ray.get(teacher_engine.score_many.remote(pairs))
     for completion, scored, teacher in zip(completions, student_scores, teacher_scores, strict=True):
-        assert _max_abs_diff(completion.logprobs, scored) < 1e-3
+        assert _max_abs_diff(completion.sampler_logprobs, scored) < 1e-3
         assert len(teacher) == len(completion.completion_token_ids)
     # Different models really score differently: the comparison above is not vacuous.
     assert max(_max_abs_diff(s, t) for s, t in zip(student_scores, teacher_scores, strict=True)) > 1e-2

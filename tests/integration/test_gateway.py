@@ -13,10 +13,9 @@ import pytest
 import ray
 from openai import AsyncOpenAI, AuthenticationError, OpenAI
 
-from opd_trainer.gateway import GatewayActor
-from opd_trainer.learner import TrainSegment
-from opd_trainer.tiny_models import TinyModels
-from opd_trainer.tool_routing import read_jsonl
+from opd_trainer.demo.tiny_models import TinyModels
+from opd_trainer.jsonl import read_jsonl
+from opd_trainer.rollout.gateway import GatewayActor
 
 pytestmark = pytest.mark.integration
 
@@ -68,7 +67,7 @@ def test_openai_client_calls_are_recorded_with_exact_tokens(
     assert response.usage.prompt_tokens == len(call.prompt_token_ids)
     # The recorded logprobs are the sampler's: the engine scores the recorded tokens identically.
     [scores] = ray.get(student_engine.score_many.remote([(call.prompt_token_ids, call.completion_token_ids)]))
-    assert max(abs(a - b) for a, b in zip(scores, call.logprobs, strict=True)) < 1e-3
+    assert max(abs(a - b) for a, b in zip(scores, call.sampler_logprobs, strict=True)) < 1e-3
     # A closed key is refused.
     with pytest.raises(AuthenticationError):
         client.chat.completions.create(model="student", messages=tool_call_record["messages"])
@@ -131,17 +130,14 @@ def test_multi_turn_rollout_trains_both_assistant_turns_not_the_tool_result(
     client.chat.completions.create(model="student", messages=messages, tools=tool_call_record["tools"])
     calls = ray.get(actor.close_rollout.remote(key))
     assert len(calls) == 2
-    segments = [
-        TrainSegment(c.prompt_token_ids, c.completion_token_ids, c.logprobs, c.logprobs, 0, 0) for c in calls
-    ]
     # One segment per call: its prompt (holding the tool result) is context, its completion is trained.
-    second_prompt = tokenizer.decode(segments[1].prompt_token_ids)
+    second_prompt = tokenizer.decode(calls[1].prompt_token_ids)
     assert tool_result in second_prompt
-    for segment in segments:
-        assert segment.completion_token_ids, "both assistant turns carry trained tokens"
-        assert "ZZ-UNIQUE-TOOL-RESULT" not in tokenizer.decode(segment.completion_token_ids)
+    for call in calls:
+        assert call.completion_token_ids, "both assistant turns carry trained tokens"
+        assert "ZZ-UNIQUE-TOOL-RESULT" not in tokenizer.decode(call.completion_token_ids)
     # The first turn's prompt is a prefix of the second's: the history was re-rendered, not re-sampled.
-    assert segments[1].prompt_token_ids[: len(segments[0].prompt_token_ids)] == segments[0].prompt_token_ids
+    assert calls[1].prompt_token_ids[: len(calls[0].prompt_token_ids)] == calls[0].prompt_token_ids
 
 
 def test_langchain_bind_tools_works_through_the_gateway(

@@ -11,14 +11,14 @@ from typing import Any
 import pytest
 import ray
 
+from opd_trainer.demo.tiny_models import TinyModels
+from opd_trainer.demo.tiny_models.serving import TINY_KV_CACHE_BYTES
+from opd_trainer.driver.job_driver import JobDriver
+from opd_trainer.driver.run_dir import RunDir
 from opd_trainer.errors import ConfigError
-from opd_trainer.job_driver import JobDriver
-from opd_trainer.job_spec import JobSpec, parse_job_spec
-from opd_trainer.metrics_log import MetricsLog
-from opd_trainer.preflight import check_same_tokenizer
-from opd_trainer.tiny_models import TinyModels
-from opd_trainer.tiny_models.serving import TINY_KV_CACHE_BYTES
-from opd_trainer.tool_routing import read_jsonl, write_jsonl
+from opd_trainer.jsonl import read_jsonl, write_jsonl
+from opd_trainer.spec.job_spec import JobSpec, parse_job_spec
+from opd_trainer.spec.preflight import check_same_tokenizer
 
 pytestmark = pytest.mark.integration
 
@@ -64,7 +64,7 @@ def _run(spec: JobSpec, run_dir: Path, stop_after: int | None = None) -> dict[st
 
 
 def _train_records(run_dir: Path) -> list[dict[str, Any]]:
-    return [r for r in MetricsLog(run_dir).records() if r["kind"] == "train"]
+    return [r for r in RunDir(run_dir).records() if r["kind"] == "train"]
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,7 @@ def _exact_reverse_kl(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from opd_trainer.loss import full_vocab_reverse_kl
+    from opd_trainer.learner.loss import full_vocab_reverse_kl
 
     width = max(len(p) + len(r) for p, r in sequences)
     tokens_B_T = torch.zeros((len(sequences), width), dtype=torch.long)
@@ -247,7 +247,7 @@ def test_teacher_with_different_tokenizer_is_rejected(tiny_models: TinyModels, t
 def test_malformed_dataset_line_is_reported_by_the_cli(
     tiny_models: TinyModels, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from opd_trainer.cli import main
+    from opd_trainer.cli.main import main
 
     lines = (tiny_models.data_dir / "train.jsonl").read_text().splitlines()[:5]
     lines[2] = '{"messages": [{"role": "user"}]}'

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,22 +19,18 @@ import pytest
 from openai import OpenAI
 from transformers import AutoTokenizer
 
-from opd_trainer.tiny_models import TinyModels
-from opd_trainer.tiny_models.serving import TINY_KV_CACHE_BYTES
-from opd_trainer.tool_routing import evaluator, read_jsonl
+from opd_trainer.demo.tiny_models import TinyModels
+from opd_trainer.demo.tiny_models.serving import TINY_KV_CACHE_BYTES
+from opd_trainer.demo.tool_routing import evaluator
+from opd_trainer.jsonl import read_jsonl
+from opd_trainer.ports import free_port
 
 pytestmark = pytest.mark.integration
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def teacher_server(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     log_path = tmp_path_factory.mktemp("vllm-serve") / "server.log"
     max_len = json.loads((tiny_models.teacher / "config.json").read_text())["max_position_embeddings"]
     command = [

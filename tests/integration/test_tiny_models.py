@@ -10,9 +10,10 @@ import torch
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from opd_trainer.tiny_models import TinyModels, build_tiny_models, render_chat
-from opd_trainer.tiny_models.training import generate_replies
-from opd_trainer.tool_routing import evaluator, task
+from opd_trainer.demo.tiny_models import TinyModels, build_tiny_models, render_chat
+from opd_trainer.demo.tiny_models.training import generate_replies
+from opd_trainer.demo.tool_routing import evaluator
+from opd_trainer.jsonl import read_jsonl
 
 pytestmark = pytest.mark.integration
 
@@ -52,7 +53,7 @@ def test_checkpoint_layout(tiny_models: TinyModels) -> None:
     for name in TOKENIZER_FILES:
         assert (tiny_models.teacher / name).read_bytes() == (tiny_models.student / name).read_bytes()
     for split, n in (("train", 4000), ("validation", 200)):
-        assert len(task.read_jsonl(tiny_models.data_dir / f"{split}.jsonl")) == n
+        assert len(read_jsonl(tiny_models.data_dir / f"{split}.jsonl")) == n
 
 
 def test_saved_tokenizer_renders_and_encodes_like_the_build(tiny_models: TinyModels) -> None:
@@ -70,7 +71,7 @@ def test_saved_tokenizer_renders_and_encodes_like_the_build(tiny_models: TinyMod
     # Not special: hermes parsing sees them even when special tokens are skipped.
     call = tokenizer.encode("<tool_call>\n{}\n</tool_call><|im_end|>", add_special_tokens=False)
     assert tokenizer.decode(call, skip_special_tokens=True) == "<tool_call>\n{}\n</tool_call>"
-    for record in task.read_jsonl(tiny_models.data_dir / "validation.jsonl")[:50]:
+    for record in read_jsonl(tiny_models.data_dir / "validation.jsonl")[:50]:
         expected = render_chat(record["messages"], record["tools"], add_generation_prompt=True)
         rendered = tokenizer.apply_chat_template(
             record["messages"], tools=record["tools"], add_generation_prompt=True, tokenize=False
@@ -88,7 +89,7 @@ def test_hf_greedy_decoding_reproduces_the_manifest(tiny_models: TinyModels, rol
     differ; the margins allow a few of those and nothing more. The build's own numbers are the
     reference, so a build on another CPU (other weights, other scores) is held to its own manifest.
     """
-    records = task.read_jsonl(tiny_models.data_dir / "validation.jsonl")
+    records = read_jsonl(tiny_models.data_dir / "validation.jsonl")
     directory = getattr(tiny_models, role)
     model = AutoModelForCausalLM.from_pretrained(str(directory))
     tokenizer = AutoTokenizer.from_pretrained(str(directory), padding_side="left")

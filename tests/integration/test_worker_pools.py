@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from opd_trainer.errors import ProcessorLoadError
-from opd_trainer.job_spec import FunctionComponent
 from opd_trainer.sdk import AgentOutput, ModelResource, RewardOutput, RolloutOutput, TaskStatus
+from opd_trainer.spec.job_spec import FunctionComponent
 from reward_workers.pool import RewardPool
 from rollout_workers.pool import RolloutPool
 
@@ -251,7 +251,7 @@ def test_a_worker_over_its_memory_size_is_killed_and_its_call_fails(
 def test_user_code_runs_confined_to_its_workspace_and_scratch(
     ray_session: None, workspace: Path, tmp_path: Path
 ) -> None:
-    from opd_trainer.sandbox import bwrap_problem
+    from opd_trainer.workers.sandbox import bwrap_problem
 
     problem = bwrap_problem()
     if problem is not None:  # `make setup` installs bubblewrap where it can (root + apt-get)
@@ -366,7 +366,7 @@ def test_workers_require_the_user_code_resource_when_it_is_configured(
 ) -> None:
     # The Helm chart sets OPD_USER_CODE_RESOURCE to the resource only its user-code pods (no data volume)
     # advertise. No node here has it, so the worker cannot be placed, and the error names it.
-    from opd_trainer import worker_pool
+    from opd_trainer.workers import pool as worker_pool
 
     monkeypatch.setenv(worker_pool.USER_CODE_RESOURCE_ENV, "opd_user_code_absent")
     monkeypatch.setattr(worker_pool, "START_TIMEOUT_S", 8.0)

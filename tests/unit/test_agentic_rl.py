@@ -7,7 +7,7 @@ import asyncio
 import pytest
 from pydantic import ValidationError
 
-from opd_trainer.agentic_rl import (
+from opd_trainer.client.agentic_rl import (
     AgenticRL,
     DataSourceType,
     FunctionComponentModel,
@@ -18,7 +18,7 @@ from opd_trainer.agentic_rl import (
     ValidationDataset,
     _plain,
 )
-from opd_trainer.job_spec import parse_job_spec
+from opd_trainer.spec.job_spec import parse_job_spec
 
 RUNTIME = {"cpu": 2, "memory_size": 4096, "disk_size": 512, "concurrency": 20}
 

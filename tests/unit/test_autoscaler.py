@@ -1,4 +1,4 @@
-"""Autoscaler rules (`opd_trainer.autoscaler`) on hand-computed pools, with a fake clock and own registry.
+"""Autoscaler rules (`workers.autoscaler`) on hand-computed pools, with a fake clock and own registry.
 
 Unless a test says otherwise: concurrency 10, both thresholds 0.8 (so one worker carries 8 calls
 before the pool scales up), capacity 2, min 1, max 8, cool-down 30 s.
@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from opd_trainer.autoscaler import Autoscaler, AutoscalerSettings, PoolSnapshot, ScaleDecision
-from opd_trainer.job_spec import FunctionRuntime
+from opd_trainer.spec.job_spec import FunctionRuntime
+from opd_trainer.workers.autoscaler import Autoscaler, AutoscalerSettings, PoolSnapshot, ScaleDecision
 
 BASE = {
     "concurrency": 10,

@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
-from opd_trainer.checkpoint import CheckpointStore
-from opd_trainer.learner import lr_multiplier
+from opd_trainer.learner.checkpoint import CheckpointStore
+from opd_trainer.learner.deepspeed_learner import lr_schedule
 
 
 def test_latest_flips_only_on_commit(tmp_path: Path) -> None:
@@ -28,16 +29,21 @@ def test_latest_flips_only_on_commit(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("update", "schedule", "expected"),
     [
-        (0, "cosine", 0.25),  # warm-up: (0+1)/4
-        (3, "cosine", 1.0),
+        (0, "cosine", 0.0),  # warm-up: 0/4
+        (1, "cosine", 0.25),
         (4, "cosine", 1.0),  # decay starts at 1
         (14, "cosine", 0.5),  # half way through 20 decay updates
         (24, "cosine", 0.0),
         (14, "linear", 0.5),
+        (2, "constant", 0.5),
         (24, "constant", 1.0),
     ],
 )
-def test_lr_multiplier(update: int, schedule: str, expected: float) -> None:
-    assert lr_multiplier(update, total_updates=24, warmup_updates=4, schedule=schedule) == pytest.approx(
-        expected
-    )
+def test_lr_schedule(update: int, schedule: str, expected: float) -> None:
+    parameter = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.AdamW([parameter], lr=2.0)
+    scheduler = lr_schedule(optimizer, schedule, total_updates=24, warmup_updates=4)
+    for _ in range(update):
+        optimizer.step()
+        scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(2.0 * expected)

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from opd_trainer.classpath import instantiate_processor, load_processor_class, validate_workspace
 from opd_trainer.errors import OPDError, ProcessorLoadError
 from opd_trainer.sdk import AbstractRewardProcessor, AbstractRolloutProcessor, call_processor
+from opd_trainer.workers.classpath import instantiate_processor, load_processor_class, validate_workspace
 
 ROLLOUT = """
 from opd_trainer.sdk import AbstractRolloutProcessor, AgentOutput, RolloutOutput
@@ -120,6 +120,22 @@ def test_two_workspaces_with_functions_packages_side_by_side(tmp_path: Path) -> 
     for cls in (first, second):
         output = asyncio.run(call_processor(instantiate_processor(cls), object()))
         assert output.agent_output is not None
+
+
+class _LazyModule(types.ModuleType):
+    """Like transformers' lazy modules: a missing attribute is imported on lookup, and may fail."""
+
+    def __getattr__(self, name: str) -> object:
+        raise ModuleNotFoundError(f"looking up {name} imports an optional dependency", name="torchvision")
+
+
+def test_lazy_modules_already_imported_are_not_touched(tmp_path: Path) -> None:
+    sys.modules["opd_test_lazy"] = _LazyModule("opd_test_lazy")  # no __file__, no __path__
+    try:
+        cls = load_processor_class(standard(tmp_path), "functions.rollout.MyRollout", "rollout")
+        assert cls.label == "a"
+    finally:
+        del sys.modules["opd_test_lazy"]
 
 
 def test_existing_module_of_the_same_name_is_set_aside_and_restored(tmp_path: Path) -> None:

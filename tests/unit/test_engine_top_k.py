@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from vllm.logprobs import FlatLogprobs, append_logprobs_for_next_position
 
-from opd_trainer.engine import completion_rows
+from opd_trainer.engine.vllm_engine import completion_rows
 from opd_trainer.errors import EngineError
 
 
@@ -57,14 +57,23 @@ def test_teacher_scores_and_segments_survive_pickling() -> None:
 
     import numpy as np
 
-    from opd_trainer.engine import TeacherScores
-    from opd_trainer.learner import TrainSegment
+    from opd_trainer.engine.vllm_engine import TeacherScores
+    from opd_trainer.records import LLMCall
 
     ids = np.array([[3, 7], [1, 2]], dtype=np.int32)
     logprobs = np.array([[-0.5, -1.5], [-0.1, -3.0]], dtype=np.float32)
     scores = pickle.loads(pickle.dumps(TeacherScores(logprobs[:, 0], ids, logprobs)))
     segment = pickle.loads(
-        pickle.dumps(TrainSegment([1], [3, 1], [-0.6, -0.2], [-0.5, -0.1], 0, 0, 0.0, ids, logprobs))
+        pickle.dumps(
+            LLMCall(
+                [1],
+                [3, 1],
+                [-0.6, -0.2],
+                teacher_logprobs=[-0.5, -0.1],
+                teacher_top_ids=ids,
+                teacher_top_logprobs=logprobs,
+            )
+        )
     )
     for got in (scores.top_ids, segment.teacher_top_ids):
         assert got.dtype == np.int32 and np.array_equal(got, ids)

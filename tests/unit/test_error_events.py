@@ -1,6 +1,6 @@
 """Unit tests for how a failed job's error reaches its events: one line, details apart.
 
-`opd_trainer.job_driver` pulls in transformers, so it is imported inside the tests (see
+`opd_trainer.driver.job_driver` pulls in transformers, so it is imported inside the tests (see
 tests/conftest.py and test_job_driver_ignored_fields.py).
 """
 
@@ -18,7 +18,7 @@ TRACEBACK = 'Traceback (most recent call last):\n  File "functions/needs.py", li
 
 
 def test_a_load_error_re_raised_by_ray_is_one_line_with_the_traceback_in_detail() -> None:
-    from opd_trainer.job_driver import error_event
+    from opd_trainer.driver.job_driver import error_event
 
     error = ProcessorLoadError(
         "cannot load classpath 'functions.needs.Needs': it imports 'x', which is not installed\n" + TRACEBACK,
@@ -36,7 +36,7 @@ def test_a_load_error_re_raised_by_ray_is_one_line_with_the_traceback_in_detail(
 
 
 def test_a_one_line_error_has_no_detail() -> None:
-    from opd_trainer.job_driver import error_event
+    from opd_trainer.driver.job_driver import error_event
 
     assert error_event(ConfigError("max_length too large")) == ("max_length too large", {"field": None})
 

@@ -7,7 +7,7 @@ import inspect
 import pytest
 from fastapi.testclient import TestClient
 
-from opd_trainer.gateway import RESERVED_TEMPLATE_KWARGS, ChatCompletionRequest, Gateway
+from opd_trainer.rollout.gateway import RESERVED_TEMPLATE_KWARGS, ChatCompletionRequest, Gateway
 
 # Qwen3's switch, reduced to its essentials: an empty think block when thinking is turned off.
 THINKING_TEMPLATE = (
@@ -100,7 +100,7 @@ def test_reserved_names_cover_apply_chat_template_arguments() -> None:
 
 
 def test_prompt_token_ids_passes_template_kwargs(gateway: Gateway) -> None:
-    from opd_trainer.chat import prompt_token_ids
+    from opd_trainer.rollout.chat import prompt_token_ids
 
     expected = prompt(gateway, enable_thinking=False)  # also loads the gateway's tokenizer
     assert prompt_token_ids(gateway._tokenizer, MESSAGES, None, {"enable_thinking": False}) == expected

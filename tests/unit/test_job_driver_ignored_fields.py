@@ -1,6 +1,6 @@
 """The job driver reports a Bailian job's ignored fields once per job, also across a resumed run.
 
-`opd_trainer.job_driver` pulls in transformers, so it is imported inside the tests: unit tests must
+`opd_trainer.driver.job_driver` pulls in transformers, so it is imported inside the tests: unit tests must
 not be affected by it being imported at collection time (see tests/conftest.py).
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from opd_trainer.job_spec import JobSpec, parse_job_spec
+from opd_trainer.spec.job_spec import JobSpec, parse_job_spec
 
 
 def _spec(tmp_path: Path, **extra: object) -> JobSpec:
@@ -21,7 +21,7 @@ def _spec(tmp_path: Path, **extra: object) -> JobSpec:
 
 
 def test_ignored_fields_are_one_warning_per_job(tmp_path: Path) -> None:
-    from opd_trainer.job_driver import JobDriver
+    from opd_trainer.driver.job_driver import JobDriver
 
     spec = _spec(
         tmp_path,
@@ -45,7 +45,7 @@ def test_ignored_fields_are_one_warning_per_job(tmp_path: Path) -> None:
 
 
 def test_a_job_without_them_reports_nothing(tmp_path: Path) -> None:
-    from opd_trainer.job_driver import JobDriver
+    from opd_trainer.driver.job_driver import JobDriver
 
     driver = JobDriver(_spec(tmp_path), str(tmp_path / "run"))
     driver._report_ignored_fields()

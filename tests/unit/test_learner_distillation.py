@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from opd_trainer import loss as opd_loss
-from opd_trainer.learner import Learner, LearnerSettings, TrainSegment, distillation_loss
+from opd_trainer.learner import loss as opd_loss
+from opd_trainer.learner.deepspeed_learner import Learner, LearnerSettings, distillation_loss
+from opd_trainer.records import LLMCall
 
 VOCAB, TOP_K = 11, 3
 SETTINGS = LearnerSettings(
@@ -37,14 +38,14 @@ SETTINGS = LearnerSettings(
 ESTIMATORS = ["sampled", "sampled_baseline", "topk_reverse", "topk_forward", "jsd"]
 
 
-def _segments(with_top_k: bool) -> list[TrainSegment]:
+def _segments(with_top_k: bool) -> list[LLMCall]:
     generator = np.random.default_rng(0)
     segments = []
     for index, (prompt_len, completion_len) in enumerate([(4, 3), (6, 2)]):
         logprobs = np.sort(np.log(generator.dirichlet(np.ones(VOCAB))))[::-1][:TOP_K].astype(np.float32)
         ids = np.stack([generator.permutation(VOCAB)[:TOP_K] for _ in range(completion_len)]).astype(np.int32)
         segments.append(
-            TrainSegment(
+            LLMCall(
                 prompt_token_ids=generator.integers(0, VOCAB, prompt_len).tolist(),
                 completion_token_ids=generator.integers(0, VOCAB, completion_len).tolist(),
                 sampler_logprobs=(-generator.random(completion_len) - 0.5).tolist(),

@@ -1,4 +1,4 @@
-"""Unit tests for the distillation signal and the learner loss (`opd_trainer.loss`), on hand-made numbers."""
+"""Unit tests for the distillation signal and the learner loss (`learner.loss`), on hand-made numbers."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from opd_trainer.loss import (
+from opd_trainer.learner.loss import (
     distillation_metrics,
     full_vocab_reverse_kl,
     gather_token_logprobs,

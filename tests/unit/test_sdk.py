@@ -127,15 +127,15 @@ def test_ground_truth_must_be_json() -> None:
 
 @pytest.mark.parametrize("value", GROUND_TRUTHS)
 def test_the_trainer_passes_the_stored_ground_truth_through(value: object) -> None:
-    from opd_trainer.dataset import Sample
-    from opd_trainer.rollouts import ground_truth_of
+    from opd_trainer.rollout.runner import ground_truth_of
+    from opd_trainer.spec.dataset import Sample
 
     def sample(extra: dict[str, object]) -> Sample:
         return Sample("train.jsonl", 1, [{"role": "user", "content": "hi"}], None, extra)
 
     assert ground_truth_of(sample({"solution": value})) == value
     assert type(ground_truth_of(sample({"solution": value}))) is type(value)
-    # An explicit ground_truth wins over solution, as documented in opd_trainer/rollouts.py.
+    # An explicit ground_truth wins over solution, as documented in opd_trainer/rollout/runner.py.
     assert ground_truth_of(sample({"ground_truth": value, "solution": "other"})) == value
     assert ground_truth_of(sample({})) is None
 

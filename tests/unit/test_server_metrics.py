@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from api.db import Database, init_db
+from api.db import Database, migrate
 from api.models import Job, Tenant
 from api.observability import ServerMetrics
 
 
 def _server_with_a_running_job(tmp_path: Path) -> ServerMetrics:
     db = Database(f"sqlite:///{tmp_path / 'opd.db'}")
-    init_db(db.engine)
+    migrate(db.engine)
     with db.session() as session:
         session.add(Tenant(id="tenant-1", name="acme"))
         session.flush()  # the jobs' foreign key needs the tenant row first

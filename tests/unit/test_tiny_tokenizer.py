@@ -7,7 +7,7 @@ import json
 import pytest
 from tokenizers import Tokenizer
 
-from opd_trainer.tiny_models.tokenizer import (
+from opd_trainer.demo.tiny_models.tokenizer import (
     IM_END,
     IM_START,
     SPECIAL_TOKENS,
@@ -15,7 +15,7 @@ from opd_trainer.tiny_models.tokenizer import (
     render_chat,
     train_tokenizer,
 )
-from opd_trainer.tool_routing import task
+from opd_trainer.demo.tool_routing import task
 
 VOCAB = 800
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from opd_trainer.tool_routing import (
+from opd_trainer.demo.tool_routing import (
     ReplyScore,
     aggregate,
     evaluate_texts,
@@ -75,13 +75,16 @@ def test_malformed_json_block() -> None:
     assert _score(text, DELETE) == ReplyScore(False, True, False, False, False)
 
 
-@pytest.mark.parametrize("payload", [
-    '{"name": "drop_table", "arguments": {"item_id": "A-4821"}}',  # unknown tool
-    '{"name": "delete_item", "arguments": "{\\"item_id\\": \\"A-4821\\"}"}',  # arguments not a dict
-    '{"name": 7, "arguments": {}}',
-    '["delete_item"]',
-    "",
-])
+@pytest.mark.parametrize(
+    "payload",
+    [
+        '{"name": "drop_table", "arguments": {"item_id": "A-4821"}}',  # unknown tool
+        '{"name": "delete_item", "arguments": "{\\"item_id\\": \\"A-4821\\"}"}',  # arguments not a dict
+        '{"name": 7, "arguments": {}}',
+        '["delete_item"]',
+        "",
+    ],
+)
 def test_invalid_blocks(payload: str) -> None:
     assert not parse_reply(_block(payload)).format_valid
 
@@ -103,22 +106,26 @@ def test_unclosed_tag() -> None:
 
 def test_text_around_a_block_is_allowed() -> None:
     text = "Let me delete it.\n" + _block(
-        '{"name": "delete_item", "arguments": {"item_id": "A-4821", "reason": "duplicate"}}')
+        '{"name": "delete_item", "arguments": {"item_id": "A-4821", "reason": "duplicate"}}'
+    )
     parsed = parse_reply(text)
     assert parsed.text == "Let me delete it." and _score(text, DELETE).exact_match
 
 
-@pytest.mark.parametrize(("text", "decision"), [
-    ("Could you provide the item_id?", "clarify"),
-    ("请提供 order_id。", "clarify"),
-    ("Please confirm: delete item A-4821 (reason: duplicate)? Reply yes to proceed.", "confirm"),
-    ("请确认：取消订单 ORD-77310？回复“是”继续。", "confirm"),
-    ("CONFIRM cancel order ORD-77310?", "confirm"),
-    ("Please confirm: could you provide the reason?", "confirm"),  # confirm wins over clarify
-    ("Hello! How can I help you today?", "no_tool"),
-    ("已删除条目 A-4821。", "no_tool"),
-    ("Okay, I will not do it.", "no_tool"),
-])
+@pytest.mark.parametrize(
+    ("text", "decision"),
+    [
+        ("Could you provide the item_id?", "clarify"),
+        ("请提供 order_id。", "clarify"),
+        ("Please confirm: delete item A-4821 (reason: duplicate)? Reply yes to proceed.", "confirm"),
+        ("请确认：取消订单 ORD-77310？回复“是”继续。", "confirm"),
+        ("CONFIRM cancel order ORD-77310?", "confirm"),
+        ("Please confirm: could you provide the reason?", "confirm"),  # confirm wins over clarify
+        ("Hello! How can I help you today?", "no_tool"),
+        ("已删除条目 A-4821。", "no_tool"),
+        ("Okay, I will not do it.", "no_tool"),
+    ],
+)
 def test_text_decisions(text: str, decision: str) -> None:
     parsed = parse_reply(text)
     assert parsed.decision == decision and parsed.format_valid and parsed.tool_calls == ()
@@ -142,17 +149,31 @@ def test_empty_text_is_invalid(text: str) -> None:
 
 
 def test_structured_message() -> None:
-    message = {"role": "assistant", "content": None, "tool_calls": [{
-        "id": "call_0", "type": "function",
-        "function": {"name": "delete_item", "arguments": '{"reason": "duplicate", "item_id": "A-4821"}'}}]}
+    message = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_0",
+                "type": "function",
+                "function": {
+                    "name": "delete_item",
+                    "arguments": '{"reason": "duplicate", "item_id": "A-4821"}',
+                },
+            }
+        ],
+    }
     parsed = message_to_parsed(message)
     assert parsed.decision == "tool_call" and parsed.format_valid
     assert score_reply(parsed, json.loads(DELETE)).exact_match
     assert parse_reply(format_reply(message)) == parsed
 
     bad_call = {"name": "delete_item", "arguments": "{item_id: A-4821"}
-    broken = {"role": "assistant", "content": "",
-              "tool_calls": [{"id": "call_0", "type": "function", "function": bad_call}]}
+    broken = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"id": "call_0", "type": "function", "function": bad_call}],
+    }
     parsed = message_to_parsed(broken)
     assert parsed.decision == "tool_call" and not parsed.format_valid and parsed.tool_calls == ()
 
@@ -168,19 +189,37 @@ def test_aggregate_hand_computed() -> None:
         ReplyScore(False, True, False, False, False),
         ReplyScore(True, False, False, False, False),
     ]
-    assert aggregate(scores) == {"format_validity": 0.75, "decision_accuracy": 0.75,
-                                 "tool_name_accuracy": 0.5, "argument_accuracy": 0.25, "exact_match": 0.25,
-                                 "n": 4.0}
-    assert aggregate([]) == {"format_validity": 0.0, "decision_accuracy": 0.0, "tool_name_accuracy": 0.0,
-                             "argument_accuracy": 0.0, "exact_match": 0.0, "n": 0.0}
+    assert aggregate(scores) == {
+        "format_validity": 0.75,
+        "decision_accuracy": 0.75,
+        "tool_name_accuracy": 0.5,
+        "argument_accuracy": 0.25,
+        "exact_match": 0.25,
+        "n": 4.0,
+    }
+    assert aggregate([]) == {
+        "format_validity": 0.0,
+        "decision_accuracy": 0.0,
+        "tool_name_accuracy": 0.0,
+        "argument_accuracy": 0.0,
+        "exact_match": 0.0,
+        "n": 0.0,
+    }
 
 
 def test_evaluate_texts() -> None:
     records = [{"rollout_extra": {"solution": DELETE}}, {"rollout_extra": {"solution": _solution("confirm")}}]
-    texts = [_block('{"name": "delete_item", "arguments": {"item_id": "A-4821", "reason": "duplicate"}}'),
-             "Could you provide the reason?"]
-    assert evaluate_texts(texts, records) == {"format_validity": 1.0, "decision_accuracy": 0.5,
-                                              "tool_name_accuracy": 1.0, "argument_accuracy": 0.5,
-                                              "exact_match": 0.5, "n": 2.0}
+    texts = [
+        _block('{"name": "delete_item", "arguments": {"item_id": "A-4821", "reason": "duplicate"}}'),
+        "Could you provide the reason?",
+    ]
+    assert evaluate_texts(texts, records) == {
+        "format_validity": 1.0,
+        "decision_accuracy": 0.5,
+        "tool_name_accuracy": 1.0,
+        "argument_accuracy": 0.5,
+        "exact_match": 0.5,
+        "n": 2.0,
+    }
     with pytest.raises(ValueError):
         evaluate_texts(texts[:1], records)

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from opd_trainer.tool_routing import CATEGORIES, TOOL_NAMES, TOOLS, make_samples, read_jsonl, write_jsonl
-from opd_trainer.tool_routing.evaluator import format_reply, parse_reply, score_reply
-from opd_trainer.tool_routing.task import DESTRUCTIVE, SYSTEM_PROMPT, Sample, split_of
+from opd_trainer.demo.tool_routing import CATEGORIES, TOOL_NAMES, TOOLS, make_samples
+from opd_trainer.demo.tool_routing.evaluator import format_reply, parse_reply, score_reply
+from opd_trainer.demo.tool_routing.task import DESTRUCTIVE, SYSTEM_PROMPT, Sample, split_of
+from opd_trainer.jsonl import read_jsonl, write_jsonl
 
 _CJK = re.compile(r"[\u4e00-\u9fff]")
 
@@ -103,8 +104,11 @@ def test_arguments_are_copied_from_the_conversation(train: list[Sample]) -> None
 
 def test_destructive_calls_only_after_a_confirmation(train: list[Sample]) -> None:
     for sample in train:
-        calls = [c["function"]["name"] for m in [*sample.record["messages"], sample.reference_message]
-                 for c in m.get("tool_calls") or []]
+        calls = [
+            c["function"]["name"]
+            for m in [*sample.record["messages"], sample.reference_message]
+            for c in m.get("tool_calls") or []
+        ]
         if any(name in DESTRUCTIVE for name in calls):
             assistant_texts = [m["content"] for m in sample.record["messages"] if m["role"] == "assistant"]
             assert any("confirm" in t.lower() or "确认" in t for t in assistant_texts), sample.record

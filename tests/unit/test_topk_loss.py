@@ -1,4 +1,4 @@
-"""Unit tests for the top-k distillation estimators and the baselined sampled estimator (opd_trainer.loss)."""
+"""Unit tests for the top-k distillation estimators and the baselined sampled estimator (learner.loss)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from opd_trainer.loss import (
+from opd_trainer.learner.loss import (
     add_reward_advantages,
     full_vocab_reverse_kl,
     gather_token_logprobs,

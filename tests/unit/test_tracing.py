@@ -15,7 +15,6 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-from opd_trainer import tracing
 from opd_trainer.sdk import (
     AbstractRewardProcessor,
     AbstractRolloutProcessor,
@@ -31,8 +30,9 @@ from opd_trainer.sdk import (
     call_processor,
     observe_processor,
     trace_client,
+    tracing,
 )
-from opd_trainer.tracing import collect_spans, configure_tracing, ensure_observed
+from opd_trainer.sdk.tracing import collect_spans, configure_tracing, ensure_observed
 
 RESPONSE = {
     "model": "student",
@@ -421,10 +421,10 @@ def test_a_client_derived_from_a_traced_one_is_traced_and_the_original_untouched
 def test_model_resource_clients_share_a_pool_trace_once_and_keep_their_keys(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from opd_trainer import sdk
+    from opd_trainer.sdk import types
 
     http = CannedHTTP()
-    monkeypatch.setattr(sdk, "_http_client", lambda: http.async_)
+    monkeypatch.setattr(types, "_http_client", lambda: http.async_)
     rid = new_id()
 
     def resource(key: str) -> ModelResource:
@@ -435,7 +435,7 @@ def test_model_resource_clients_share_a_pool_trace_once_and_keep_their_keys(
         trace_client(first)  # user code tracing an already traced client again
         for client in (first, second, trace_client(first)):
             await client.chat.completions.create(model="student", messages=[])
-        [shared] = sdk._SHARED_CLIENTS[asyncio.get_running_loop()].values()
+        [shared] = types._SHARED_CLIENTS[asyncio.get_running_loop()].values()
         assert not hasattr(shared.chat.completions.create, tracing.TRACED_MARKER)
 
     run_in_rollout(rid, calls)

@@ -6,17 +6,19 @@ from pathlib import Path
 
 import pytest
 
-from opd_trainer.dataset import Sample
-from opd_trainer.gateway import RecordedCall
-from opd_trainer.plots import plot_curves, signal_panels, validation_curve_keys
-from opd_trainer.rollouts import RolloutResult, scoring_failures, validation_metrics
-from opd_trainer.train_cli import format_final_table
+from opd_trainer.cli.train import format_final_table
+from opd_trainer.driver.plots import plot_curves, signal_panels, validation_curve_keys
+from opd_trainer.records import LLMCall
+from opd_trainer.rollout.runner import RolloutResult, scoring_failures, validation_metrics
+from opd_trainer.spec.dataset import Sample
 
 
 def _result(index: int, **fields: object) -> RolloutResult:
     extra = {"sample_id": f"v{index}"}
     sample = Sample("v.jsonl", index + 1, [{"role": "user", "content": "q"}], None, extra)
-    call = RecordedCall([1, 2], [3], [-0.5], 0, "stop", [], {"role": "assistant", "content": "a"}, 0.01)
+    call = LLMCall(
+        [1, 2], [3], [-0.5], 0, "stop", response_message={"role": "assistant", "content": "a"}, latency_s=0.01
+    )
     result = RolloutResult(index, index, f"r{index}", sample, calls=[call])
     for name, value in fields.items():
         setattr(result, name, value)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from opd_trainer.demo.tool_routing import evaluator
 from opd_trainer.sdk import (
     PROMPT_MESSAGES_KEY,
     AbstractRewardProcessor,
@@ -19,7 +20,6 @@ from opd_trainer.sdk import (
     RewardOutput,
     TaskStatus,
 )
-from opd_trainer.tool_routing import evaluator
 
 
 def first_reply(output: AgentOutput) -> dict[str, Any]:

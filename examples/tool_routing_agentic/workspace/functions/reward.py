@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from opd_trainer.demo.tool_routing import evaluator
 from opd_trainer.sdk import (
     PROMPT_MESSAGES_KEY,
     AbstractRewardProcessor,
@@ -12,7 +13,6 @@ from opd_trainer.sdk import (
     RewardOutput,
     TaskStatus,
 )
-from opd_trainer.tool_routing import evaluator
 
 DESTRUCTIVE = {"delete_item", "cancel_order"}
 

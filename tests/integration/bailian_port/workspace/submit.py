@@ -2,8 +2,8 @@
 import asyncio
 from pathlib import Path
 
-from opd_trainer.agentic_rl import AgenticRL  # Agentic RL/OPD 提交客户端
-from opd_trainer.agentic_rl import (
+from opd_trainer.client.agentic_rl import AgenticRL  # Agentic RL/OPD 提交客户端
+from opd_trainer.client.agentic_rl import (
     DataSourceType,  # 数据源类型枚举（FILE_ID 表示按文件 ID 传数据）
     FunctionComponentModel,  # 组件模型：指定打包目录与 classpath
     FunctionComponentRuntime,  # 组件运行时：cpu/内存/并发等规格

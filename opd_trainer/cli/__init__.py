@@ -1,0 +1,1 @@
+"""The `opd` command: `main` (parser, local commands), `train` (`opd train`), `serve` (server commands)."""

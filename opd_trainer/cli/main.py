@@ -1,0 +1,112 @@
+"""`opd` command line: build the tiny models, train a job, run the engine round trip, serve and submit jobs.
+
+Launch: `opd --help`. Every command runs on a local embedded Ray unless RAY_ADDRESS is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import time
+from pathlib import Path
+
+from opd_trainer.cli.serve import add_server_commands
+
+DEFAULT_MODELS_DIR = Path(".cache/tiny-models")
+
+
+def _make_tiny_models(args: argparse.Namespace) -> int:
+    from opd_trainer.demo.tiny_models import build_tiny_models
+
+    started = time.perf_counter()
+    models = build_tiny_models(Path(args.dir), seed=args.seed, force=args.force, threads=args.threads)
+    print(f"tiny models in {models.teacher.parent} ({time.perf_counter() - started:.1f}s)")
+    for role in ("teacher", "student"):
+        m = models.manifest[role]["validation"]
+        print(
+            f"  {role:<8} exact match {m['exact_match']:.1%}  decision {m['decision_accuracy']:.1%}  "
+            f"format {m['format_validity']:.1%}  -> {getattr(models, role)}"
+        )
+    print(f"  data     {models.data_dir}")
+    return 0
+
+
+def _roundtrip(args: argparse.Namespace) -> int:
+    from opd_trainer.demo.roundtrip import format_report, run_roundtrip
+    from opd_trainer.demo.tiny_models import build_tiny_models
+    from opd_trainer.driver.ray_runtime import init_ray
+
+    models = build_tiny_models(Path(args.models_dir))
+    print("starting local Ray and the student/teacher vLLM engines ...", flush=True)
+    init_ray()
+    report = asyncio.run(run_roundtrip(models, num_prompts=args.prompts))
+    print(format_report(report))
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from opd_trainer.cli.train import run_train
+
+    return run_train(Path(args.job_file), Path(args.run_dir) if args.run_dir else None, args.stop_after)
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return int(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="opd", description="Online policy distillation trainer.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    tiny = commands.add_parser(
+        "make-tiny-models",
+        help="build the tiny tokenizer, teacher, student and tool-routing data on disk (cached)",
+    )
+    tiny.add_argument("dir", help="output directory (re-running with the same seed is a cache hit)")
+    tiny.add_argument("--seed", type=int, default=0, help="seed of data, tokenizer and training")
+    tiny.add_argument("--force", action="store_true", help="rebuild even if the cache matches")
+    tiny.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        help="torch threads of the build (default: $OPD_TINY_MODELS_THREADS, else 2); part of the cache key, "
+        "with torch's CPU kernel level ($ATEN_CPU_CAPABILITY), since either may change float rounding",
+    )
+    tiny.set_defaults(handler=_make_tiny_models)
+
+    train = commands.add_parser(
+        "train",
+        help="run an OPD job file on a local Ray (resumes from the run directory's latest checkpoint)",
+    )
+    train.add_argument("job_file", help="job spec, YAML or JSON")
+    train.add_argument("--run-dir", help="where metrics, checkpoints and curves go (default: runs/JOB_NAME)")
+    train.add_argument("--stop-after", type=int, help="stop (with a checkpoint) after this many steps")
+    train.set_defaults(handler=_train)
+
+    roundtrip = commands.add_parser(
+        "roundtrip",
+        help="student samples, teacher scores the exact tokens, teacher weights synced into the student",
+    )
+    roundtrip.add_argument("--models-dir", default=str(DEFAULT_MODELS_DIR), help="tiny models directory")
+    roundtrip.add_argument("--prompts", type=int, default=8, help="validation prompts to sample")
+    roundtrip.set_defaults(handler=_roundtrip)
+    add_server_commands(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    return int(args.handler(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

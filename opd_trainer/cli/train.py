@@ -1,0 +1,125 @@
+"""`opd train JOB.yaml`: runs one job on an embedded local Ray with a live progress bar.
+
+Writes per-step metrics (JSONL + TensorBoard), events, checkpoints, PNG curves and a final
+teacher / student-before / student-after table under the run directory. Re-running the same
+command resumes from the run directory's latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+from tqdm import tqdm
+
+from opd_trainer.driver.plots import plot_curves
+from opd_trainer.driver.run_dir import RunDir
+from opd_trainer.errors import OPDError
+from opd_trainer.spec.dataset import load_samples
+from opd_trainer.spec.job_spec import JobSpec, load_job_spec
+from opd_trainer.spec.preflight import check_same_tokenizer, resolve_max_length
+
+# Per-validation bookkeeping, not a measurement: left out of the table.
+_NOT_IN_TABLE = frozenset({"samples"})
+
+
+def preflight_local(spec: JobSpec) -> None:
+    """Cheap checks before anything starts: datasets parse, tokenizers match, max_length fits."""
+    load_samples(spec.training_datasets, "training_datasets")
+    if spec.validation_datasets:
+        load_samples(spec.validation_datasets, "validation_datasets")
+    check_same_tokenizer(spec.model, spec.teacher_model)
+    resolve_max_length(spec.hyper_parameters.max_length, spec.model, spec.teacher_model)
+
+
+def format_final_table(summary: dict[str, Any]) -> str:
+    """Teacher / student before / student after, one column per metric the validations reported.
+
+    The columns are whatever the job measured (the evaluator's metrics, rewards, reverse KL), in the
+    order the first row reports them: the trainer knows no task's metric names.
+    """
+    rows = [
+        (label, summary[key])
+        for key, label in (
+            ("teacher", "teacher"),
+            ("student_before", "student before"),
+            ("student_after", "student after"),
+        )
+        if summary.get(key)
+    ]
+    columns = list(dict.fromkeys(k for _, metrics in rows for k in metrics if k not in _NOT_IN_TABLE))
+    widths = [max(9, len(c)) + 2 for c in columns]
+    header = f"{'':<16}" + "".join(f"{c:>{w}}" for c, w in zip(columns, widths, strict=True))
+    lines = [header, "-" * len(header)]
+    for label, metrics in rows:
+        cells = [
+            f"{'—':>{w}}" if not isinstance(metrics.get(c), int | float) else f"{metrics[c]:>{w}.3f}"
+            for c, w in zip(columns, widths, strict=True)
+        ]
+        lines.append(f"{label:<16}" + "".join(cells))
+    return "\n".join(lines)
+
+
+async def _follow(driver: Any, run: Any, total_steps: int) -> Any:
+    """Polls the driver for progress and events until `run` finishes."""
+    bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True)
+    last_event = -1
+    try:
+        while True:
+            done, _ = ray.wait([run], timeout=0)
+            progress, events = await asyncio.gather(
+                driver.progress.remote(), driver.events.remote(last_event)
+            )
+            for event in events:
+                last_event = event["seq"]
+                if event["type"] in {"eval", "checkpoint", "preflight", "error", "status"}:
+                    bar.write(f"[{event['type']}] {event['message']}")
+            if progress["step"] > bar.n:
+                bar.update(progress["step"] - bar.n)
+            metrics = progress["metrics"]
+            if metrics:
+                postfix = {"KL": f"{metrics['reverse_kl']:.3f}", "tok/s": f"{metrics['tokens_per_s']:.0f}"}
+                if "reward_mean" in metrics:
+                    postfix["reward"] = f"{metrics['reward_mean']:.3f}"
+                bar.set_postfix(postfix)
+            if done:
+                return await run
+            await asyncio.sleep(0.5)
+    finally:
+        bar.close()
+
+
+def run_train(job_file: Path, run_dir: Path | None, stop_after: int | None) -> int:
+    from opd_trainer.driver.job_driver import JobDriverActor
+    from opd_trainer.driver.ray_runtime import init_ray
+
+    try:
+        spec = load_job_spec(job_file)
+        preflight_local(spec)
+    except OPDError as exc:
+        print(f"error: {exc}")
+        return 2
+    run_dir = run_dir or Path("runs") / spec.job_name
+    print(f"job {spec.job_name}: run directory {run_dir} (re-run to resume from its latest checkpoint)")
+    started = time.perf_counter()
+    init_ray()
+    driver = JobDriverActor.options(num_cpus=0).remote(spec, str(run_dir.resolve()))  # type: ignore[attr-defined]
+    try:
+        total_steps = ray.get(driver.progress.remote())["total_steps"]
+        summary = asyncio.run(_follow(driver, driver.run.remote(stop_after), total_steps))
+    except OPDError as exc:
+        print(f"error: {exc.field + ': ' if exc.field else ''}{exc.message}")
+        return 1
+    finally:
+        ray.kill(driver)
+    records = RunDir(run_dir).records()
+    if records:
+        print(f"curves: {plot_curves(records, run_dir / 'curves.png', spec.job_name)}")
+    print(f"metrics: {run_dir / 'metrics.jsonl'}  tensorboard: {run_dir / 'tensorboard'}")
+    if summary:
+        print(format_final_table(summary))
+    print(f"finished in {time.perf_counter() - started:.0f}s")
+    return 0

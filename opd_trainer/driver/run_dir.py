@@ -1,0 +1,102 @@
+"""A job's run directory, the one definition of its layout: the driver writes it, the server and CLI read it.
+
+    metrics.jsonl       one record per training step (`kind: train`) and per validation (`kind: eval`)
+    events.jsonl        the driver's events (status, progress, errors), in order
+    trajectories.jsonl  rollouts as the user's agent saw them (messages, tool calls, rewards, spans)
+    summary.json        the final validation summary
+    checkpoints/        `step-N/` folders and a `latest` pointer (`learner.checkpoint.CheckpointStore`)
+    tensorboard/        the same metrics for TensorBoard
+    curves.png          the plotted curves (`opd train`, `opd submit --follow`)
+
+Reading tolerates a file the driver is still writing (a missing file is empty, a half-written last
+line is skipped), so the server can read while a job runs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from opd_trainer.jsonl import read_jsonl, write_jsonl
+from opd_trainer.learner.checkpoint import CheckpointStore
+
+
+class RunDir:
+    def __init__(self, root: Path | str) -> None:
+        self.root = Path(root)
+        self.metrics_path = self.root / "metrics.jsonl"
+        self.events_path = self.root / "events.jsonl"
+        self.trajectories_path = self.root / "trajectories.jsonl"
+        self.summary_path = self.root / "summary.json"
+        self.checkpoints_path = self.root / "checkpoints"
+        self.tensorboard_path = self.root / "tensorboard"
+        self.curves_path = self.root / "curves.png"
+        self._tensorboard: Any = None
+
+    # -- reading (server, CLI, tests) ------------------------------------------------------------
+
+    def records(self) -> list[dict[str, Any]]:
+        """Every metrics record, training and validation, in the order written."""
+        return read_jsonl(self.metrics_path)
+
+    def events(self) -> list[dict[str, Any]]:
+        return read_jsonl(self.events_path)
+
+    def recent_trajectories(self, limit: int) -> list[dict[str, Any]]:
+        return read_jsonl(self.trajectories_path, tail=limit)
+
+    def load_summary(self) -> dict[str, Any]:
+        """The final summary; empty while it is not written yet (or caught mid-write)."""
+        try:
+            return json.loads(self.summary_path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return {}
+
+    def checkpoints(self) -> list[dict[str, Any]]:
+        return self.checkpoint_store().list() if self.checkpoints_path.is_dir() else []
+
+    def checkpoint_store(self) -> CheckpointStore:
+        return CheckpointStore(self.checkpoints_path)
+
+    # -- writing (the driver) --------------------------------------------------------------------
+
+    def _writer(self) -> Any:
+        if self._tensorboard is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard = SummaryWriter(str(self.tensorboard_path))
+        return self._tensorboard
+
+    def step(self, step: int, metrics: dict[str, float]) -> None:
+        self._record("train", step, metrics)
+
+    def eval(self, step: int, metrics: dict[str, float]) -> None:
+        self._record("eval", step, metrics)
+
+    def _record(self, kind: str, step: int, metrics: dict[str, float]) -> None:
+        write_jsonl(self.metrics_path, [{"kind": kind, "step": step, **metrics}], append=True)
+        writer = self._writer()
+        for name, value in metrics.items():
+            writer.add_scalar(f"{kind}/{name}", value, step)
+        writer.flush()
+
+    def event(self, event: dict[str, Any]) -> None:
+        write_jsonl(self.events_path, [event], append=True)
+
+    def trajectories(self, trajectories: list[dict[str, Any]]) -> None:
+        write_jsonl(self.trajectories_path, trajectories, append=True)
+
+    def truncate_after(self, step: int) -> list[int]:
+        """Drops the metrics and trajectories of steps past `step` (a resumed run redoes them from its
+        checkpoint) and returns the steps dropped, so the resume can say which ones it discards."""
+        records = self.records()
+        dropped = sorted({r["step"] for r in records if r["step"] > step and r["kind"] == "train"})
+        write_jsonl(self.metrics_path, [r for r in records if r["step"] <= step])
+        if self.trajectories_path.exists():
+            kept = [t for t in read_jsonl(self.trajectories_path) if t["step"] <= step]
+            write_jsonl(self.trajectories_path, kept)
+        return dropped
+
+    def save_summary(self, summary: dict[str, Any]) -> None:
+        self.summary_path.write_text(json.dumps(summary, indent=2))

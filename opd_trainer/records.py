@@ -1,0 +1,43 @@
+"""One LLM call, the record that travels from the engine that sampled it to the learner that trains on it.
+
+Each stage fills its part and passes a copy on (`dataclasses.replace`):
+
+- the student engine (`engine.vllm_engine.Engine.generate`): the exact prompt and completion token ids,
+  the sampler's logprob of each completion token, the text, vLLM's finish reason and the weight
+  version it sampled with;
+- the rollout gateway (agentic rollouts): the OpenAI messages it was asked with, the reply message it
+  returned, OpenAI's finish reason (`stop`, `length`, `tool_calls`) and the call's latency;
+- the job driver, for the learner: the teacher's logprob of each completion token (and with
+  `hyper_parameters.teacher_top_k` = K > 0 its K most likely tokens per position, [T, K] int32 /
+  float32 arrays, else None), the prompt group, the rollout index and the rollout's reward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class LLMCall:
+    # -- sampled (the student engine) --
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    sampler_logprobs: list[float]
+    """Sampler logprob of each completion token, after temperature (the behaviour policy)."""
+    weight_version: int = 0
+    finish_reason: str | None = None
+    text: str = ""
+    # -- served (the rollout gateway) --
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    response_message: dict[str, Any] = field(default_factory=dict)
+    latency_s: float = 0.0
+    # -- scored and grouped (the job driver, for the learner) --
+    teacher_logprobs: list[float] | None = None
+    teacher_top_ids: np.ndarray | None = None
+    teacher_top_logprobs: np.ndarray | None = None
+    group_id: int = 0
+    rollout_id: int = 0
+    reward: float = 0.0

@@ -1,0 +1,431 @@
+"""Recording gateway: an OpenAI-compatible `/v1/chat/completions` in front of the student engines.
+
+User rollout code talks to the student with any OpenAI client (openai, LangChain, ...) through this
+gateway. Each rollout gets its own API key; every call made with it is answered normally and
+recorded with the exact prompt token ids, completion token ids and sampler logprobs, which become
+that rollout's training segments. Unknown or closed keys get 401.
+
+Two policies differ from a plain OpenAI server, on purpose:
+- `temperature` / `top_p` come from the job, not the request: the learner's importance ratio needs
+  the distribution the tokens were really sampled from. A rollout key may carry its own temperature
+  (validation opens greedy keys) and a seed: calls that send none get `seed + call index`, so an
+  agent that never passes a seed still resamples identically when a run is repeated or resumed.
+- `max_tokens` is capped at the job's `max_tokens`.
+Streaming responses are sent once the completion is generated (chunked per the OpenAI protocol).
+Template variables reach the chat template as they do on vLLM and Bailian: `chat_template_kwargs`
+(vLLM's field) and a top-level `enable_thinking` (what `extra_body={"enable_thinking": False}` sends,
+Bailian's convention); an entry in `chat_template_kwargs` wins over the top-level one.
+
+Launch: started by the job driver as `GatewayActor` (uvicorn inside the actor's event loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import re
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from opd_trainer.errors import EngineError
+from opd_trainer.ports import free_port
+from opd_trainer.records import LLMCall
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+logger = logging.getLogger(__name__)
+
+TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+# apply_chat_template's own arguments: the gateway sets them, a client's template kwargs may not.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
+class ChatCompletionRequest(BaseModel):
+    """The subset of OpenAI's request the gateway acts on; other fields are accepted and ignored."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    seed: int | None = None
+    n: int = Field(default=1, ge=1, le=1)
+    chat_template_kwargs: dict[str, Any] | None = None
+    enable_thinking: bool | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _not_reserved(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(value or {}))
+        if reserved:
+            raise ValueError(f"{', '.join(reserved)} cannot be set here: the gateway renders the prompt")
+        return value
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """Extra variables for the chat template."""
+        top_level = {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
+        return {**top_level, **(self.chat_template_kwargs or {})}
+
+
+@dataclass
+class RolloutSession:
+    rollout_id: str
+    expires_at: float
+    temperature: float | None = None
+    seed: int | None = None
+    calls: list[LLMCall] = field(default_factory=list)
+    started_calls: int = 0
+
+
+def _text_content(content: Any) -> str:
+    """OpenAI content may be a list of parts; the chat template wants text."""
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return "" if content is None else str(content)
+
+
+def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as the chat template expects them: text content, tool-call arguments as JSON strings."""
+    normalized = []
+    for message in messages:
+        item: dict[str, Any] = {"role": message.get("role"), "content": _text_content(message.get("content"))}
+        if message.get("tool_calls"):
+            calls = []
+            for call in message["tool_calls"]:
+                function = call.get("function", {})
+                arguments = function.get("arguments", "{}")
+                if not isinstance(arguments, str):
+                    arguments = json.dumps(arguments, ensure_ascii=False)
+                calls.append(
+                    {
+                        "id": call.get("id", ""),
+                        "type": "function",
+                        "function": {"name": function.get("name", ""), "arguments": arguments},
+                    }
+                )
+            item["tool_calls"] = calls
+        for key in ("tool_call_id", "name"):
+            if key in message:
+                item[key] = message[key]
+        normalized.append(item)
+    return normalized
+
+
+def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """Hermes-style `<tool_call>{json}</tool_call>` blocks → OpenAI tool calls; the rest is content.
+
+    A block that is not a JSON object with a `name` stays in the content, as vLLM's hermes parser does.
+    """
+    calls: list[dict[str, Any]] = []
+
+    def take(match: re.Match[str]) -> str:
+        try:
+            payload = json.loads(match.group(1))
+        except json.JSONDecodeError:
+            return match.group(0)
+        if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
+            return match.group(0)
+        arguments = payload.get("arguments", {})
+        calls.append(
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {
+                    "name": payload["name"],
+                    "arguments": arguments
+                    if isinstance(arguments, str)
+                    else json.dumps(arguments, ensure_ascii=False),
+                },
+            }
+        )
+        return ""
+
+    rest = TOOL_CALL_RE.sub(take, text).strip()
+    return (rest or None) if calls else text, calls
+
+
+def _error(status: int, message: str, code: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(
+        status_code=status,
+        content={
+            "error": {"message": message, "type": "invalid_request_error", "code": code, "param": param}
+        },
+    )
+
+
+class Gateway:
+    """Routes chat completions to the least-loaded replica of one model's engines; records them per key.
+
+    The job's student gateway is what rollouts train on; validation also puts one in front of the
+    teacher, so the teacher's baseline is measured by the same rollout code.
+    """
+
+    def __init__(
+        self,
+        model_name: str,
+        tokenizer_path: str,
+        engines: list[ActorHandle],
+        *,
+        max_tokens: int,
+        temperature: float,
+        max_length: int,
+        key_ttl_s: float = 3600.0,
+    ) -> None:
+        self.model_name = model_name
+        self.tokenizer_path = tokenizer_path
+        self.engines = list(engines)
+        self.max_tokens = max_tokens
+        self.temperature = temperature
+        self.max_length = max_length
+        self.key_ttl_s = key_ttl_s
+        self._sessions: dict[str, RolloutSession] = {}
+        self._in_flight = [0] * len(self.engines)
+        self._tokenizer: Any = None
+        self._server: Any = None
+        self.base_url = ""
+        self.calls_served = 0
+
+    # -- keys -----------------------------------------------------------------------------------
+
+    def open_rollout(
+        self,
+        rollout_id: str,
+        ttl_s: float | None = None,
+        *,
+        temperature: float | None = None,
+        seed: int | None = None,
+    ) -> str:
+        """A fresh API key for one rollout; calls made with it are recorded under it.
+
+        `temperature` (None: the job's) applies to every call made with the key; `seed`, if given, seeds
+        the calls that bring no seed of their own (the n-th call started gets `seed + n`).
+        """
+        key = f"opd-{secrets.token_urlsafe(24)}"
+        expires = time.monotonic() + (ttl_s or self.key_ttl_s)
+        self._sessions[key] = RolloutSession(rollout_id, expires, temperature=temperature, seed=seed)
+        return key
+
+    def close_rollout(self, key: str) -> list[LLMCall]:
+        """Ends the key (later calls get 401) and returns what it recorded, in call order."""
+        session = self._sessions.pop(key, None)
+        return [] if session is None else session.calls
+
+    def _session(self, key: str) -> RolloutSession | None:
+        session = self._sessions.get(key)
+        if session is not None and session.expires_at < time.monotonic():
+            self._sessions.pop(key, None)
+            return None
+        return session
+
+    def set_engines(self, engines: list[ActorHandle]) -> None:
+        self.engines = list(engines)
+        self._in_flight = [0] * len(self.engines)
+
+    # -- completion -----------------------------------------------------------------------------
+
+    def _prompt_ids(self, request: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list[int]]:
+        from opd_trainer.rollout.chat import prompt_token_ids
+
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+        messages = normalize_messages(request.messages)
+        tools = request.tools if request.tool_choice != "none" else None
+        return messages, prompt_token_ids(self._tokenizer, messages, tools, request.template_kwargs())
+
+    async def complete(self, key: str, request: ChatCompletionRequest) -> tuple[dict[str, Any], LLMCall]:
+        session = self._session(key)
+        if session is None:
+            raise PermissionError("unknown or expired API key")
+        started = time.perf_counter()
+        messages, prompt_ids = self._prompt_ids(request)
+        if len(prompt_ids) >= self.max_length:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit max_length={self.max_length}")
+        asked = request.max_completion_tokens or request.max_tokens or self.max_tokens
+        max_tokens = min(asked, self.max_tokens, self.max_length - len(prompt_ids))
+        seed = request.seed
+        if seed is None and session.seed is not None:
+            seed = session.seed + session.started_calls
+        session.started_calls += 1
+        temperature = self.temperature if session.temperature is None else session.temperature
+        replica = min(range(len(self.engines)), key=self._in_flight.__getitem__)
+        self._in_flight[replica] += 1
+        try:
+            completion = await self.engines[replica].generate.remote(
+                prompt_ids, max_tokens=max_tokens, temperature=temperature, seed=seed
+            )
+        finally:
+            self._in_flight[replica] -= 1
+        parse = request.tools is not None and request.tool_choice != "none"
+        content, tool_calls = parse_tool_calls(completion.text) if parse else (completion.text, [])
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        finish = (
+            "tool_calls" if tool_calls else ("length" if completion.finish_reason == "length" else "stop")
+        )
+        call = dataclasses.replace(
+            completion,
+            finish_reason=finish,
+            messages=messages,
+            response_message=message,
+            latency_s=time.perf_counter() - started,
+        )
+        # The key may have been closed while generating (rollout timed out): then nothing is recorded.
+        if self._session(key) is session:
+            session.calls.append(call)
+        self.calls_served += 1
+        body = {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+            "usage": {
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": len(completion.completion_token_ids),
+                "total_tokens": len(prompt_ids) + len(completion.completion_token_ids),
+            },
+        }
+        return body, call
+
+    @staticmethod
+    async def stream_chunks(body: dict[str, Any], include_usage: bool) -> AsyncIterator[str]:
+        """The finished completion as OpenAI `chat.completion.chunk` server-sent events."""
+        choice = body["choices"][0]
+        message = choice["message"]
+        base = {
+            "id": body["id"],
+            "object": "chat.completion.chunk",
+            "created": body["created"],
+            "model": body["model"],
+        }
+
+        def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
+            payload = {
+                **base,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
+            }
+            return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+        yield chunk({"role": "assistant", "content": ""})
+        if message.get("content"):
+            yield chunk({"content": message["content"]})
+        for index, call in enumerate(message.get("tool_calls", [])):
+            yield chunk({"tool_calls": [{"index": index, **call}]})
+        yield chunk({}, choice["finish_reason"])
+        if include_usage:
+            yield f"data: {json.dumps({**base, 'choices': [], 'usage': body['usage']})}\n\n"
+        yield "data: [DONE]\n\n"
+
+    # -- HTTP -----------------------------------------------------------------------------------
+
+    def app(self) -> FastAPI:
+        app = FastAPI(title="OPD gateway", docs_url=None, redoc_url=None)
+
+        @app.get("/v1/models")
+        async def models() -> dict[str, Any]:
+            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "opd"}]}
+
+        @app.get("/health")
+        async def health() -> dict[str, Any]:
+            return {"status": "ok", "rollouts_open": len(self._sessions), "calls_served": self.calls_served}
+
+        @app.post("/v1/chat/completions", response_model=None)
+        async def chat_completions(raw: Request) -> JSONResponse | StreamingResponse:
+            header = raw.headers.get("authorization", "")
+            key = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
+            if not key or self._session(key) is None:
+                return _error(401, "unknown or expired API key", "invalid_api_key")
+            try:
+                request = ChatCompletionRequest.model_validate(await raw.json())
+            except json.JSONDecodeError:
+                return _error(400, "request body is not JSON", "invalid_json")
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                param = ".".join(str(p) for p in first["loc"])
+                return _error(400, f"{param}: {first['msg']}", "invalid_request", param)
+            try:
+                body, _ = await self.complete(key, request)
+            except PermissionError as exc:
+                return _error(401, str(exc), "invalid_api_key")
+            except ValueError as exc:
+                return _error(400, str(exc), "context_length_exceeded", "messages")
+            except EngineError as exc:
+                return _error(503, str(exc), "engine_unavailable")
+            if request.stream:
+                include_usage = bool((request.stream_options or {}).get("include_usage"))
+                return StreamingResponse(
+                    self.stream_chunks(body, include_usage), media_type="text/event-stream"
+                )
+            return JSONResponse(body)
+
+        return app
+
+    async def serve(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Starts uvicorn on this event loop (idempotent) and returns the `/v1` base URL."""
+        import uvicorn
+
+        if self._server is not None:
+            return self.base_url
+        if port == 0:
+            port = free_port(host)
+        config = uvicorn.Config(self.app(), host=host, port=port, log_level="warning", access_log=False)
+        self._server = uvicorn.Server(config)
+        task = asyncio.get_running_loop().create_task(self._server.serve())
+        while not self._server.started:
+            if task.done():
+                task.result()  # raises the start-up error
+            await asyncio.sleep(0.02)
+        advertised = ray.util.get_node_ip_address() if host == "0.0.0.0" else host
+        self.base_url = f"http://{advertised}:{port}/v1"
+        logger.info("gateway for %s serving at %s", self.model_name, self.base_url)
+        return self.base_url
+
+    async def shutdown(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            await asyncio.sleep(0.1)
+            self._server = None
+
+
+GatewayActor = ray.remote(Gateway)
+"""`Gateway` as a Ray actor; its HTTP server runs inside the actor."""

@@ -1,0 +1,356 @@
+"""A step's rollouts: sampled through the recording gateway, then scored by the reward components.
+
+Model OPD (no rollout component): the built-in rollout is one chat completion per (prompt, rollout)
+with the sample's messages and tools, sent to the gateway like any client would — one sampling path.
+Agentic OPD: the user's rollout processor runs in the rollout pool and calls the gateway itself, any
+number of times, with the per-rollout key it was given. Either way the gateway's record of each call
+becomes one training segment.
+
+Task reward R = Σ_c weight_c · (reward_score_c + Σ_m reward_metric_weight_c[m] · reward_metrics_c[m]);
+`ground_truth` is `rollout_extra.ground_truth`, else `rollout_extra.solution`. Failed rollouts
+(FAILED status, `ROLLOUT_ERROR:` content, timeout, no recorded call) and rollouts whose reward failed
+are counted and carry no loss.
+
+Validation runs the same rollouts (one per sample, greedy) and, when the job has an evaluator
+component, scores each with it too; `validation_metrics` aggregates what every job has (rewards,
+the evaluator's metrics) and `scoring_failures` names the samples that could not be scored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import httpx
+from pydantic import JsonValue
+
+from opd_trainer.records import LLMCall
+from opd_trainer.sdk import PROMPT_MESSAGES_KEY, AgentOutput, ModelResource, TaskStatus, is_rollout_failure
+from opd_trainer.spec.dataset import Sample
+from opd_trainer.spec.job_spec import FunctionComponent
+from opd_trainer.stats import mean
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from reward_workers.pool import RewardPool
+    from rollout_workers.pool import RolloutPool
+
+STUDENT_MODEL_NAME = "student"
+
+
+@dataclass
+class RolloutResult:
+    """Everything one rollout produced; `index` is its integer id within the step."""
+
+    group_id: int
+    index: int
+    rollout_id: str
+    sample: Sample
+    calls: list[LLMCall] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    error: str = ""
+    attempt_id: int = 0
+    reward: float = 0.0
+    component_rewards: dict[str, float] = field(default_factory=dict)
+    reward_metrics: dict[str, float] = field(default_factory=dict)
+    rollout_metrics: dict[str, float] = field(default_factory=dict)
+    spans: list[dict[str, Any]] = field(default_factory=list)
+    agent_output: AgentOutput | None = None
+    eval_score: float | None = None
+    eval_metrics: dict[str, float] = field(default_factory=dict)
+    eval_error: str = ""
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.error) or not any(call.completion_token_ids for call in self.calls)
+
+    def trajectory(self, step: int) -> dict[str, Any]:
+        """A JSON-able view for the job's trajectory log."""
+        return {
+            "step": step,
+            "rollout_id": self.rollout_id,
+            "sample_id": self.sample.sample_id,
+            "attempt_id": self.attempt_id,
+            "failed": self.failed,
+            "error": self.error[:2000],
+            "messages": self.messages,
+            "llm_calls": [
+                {
+                    "response": c.response_message,
+                    "prompt_tokens": len(c.prompt_token_ids),
+                    "completion_tokens": len(c.completion_token_ids),
+                    "weight_version": c.weight_version,
+                    "latency_s": c.latency_s,
+                }
+                for c in self.calls
+            ],
+            "reward": self.reward,
+            "component_rewards": self.component_rewards,
+            "reward_metrics": self.reward_metrics,
+            "rollout_metrics": self.rollout_metrics,
+            "spans": self.spans,
+        }
+
+
+def ground_truth_of(sample: Sample) -> JsonValue:
+    """The sample's reference answer as stored: Bailian rewards `json.loads` a string, use a dict as is."""
+    return sample.rollout_extra.get("ground_truth", sample.rollout_extra.get("solution"))
+
+
+def component_reward(component: FunctionComponent, reward_score: float, metrics: dict[str, float]) -> float:
+    """weight · (reward_score + Σ reward_metric_weight[m] · metrics[m]) for one reward component."""
+    extra = sum(w * metrics.get(name, 0.0) for name, w in (component.reward_metric_weight or {}).items())
+    return component.weight * (reward_score + extra)
+
+
+class RolloutRunner:
+    """Runs a step's rollouts against one job's gateway, rollout pool and reward pools."""
+
+    def __init__(
+        self,
+        job_id: str,
+        gateway: ActorHandle,
+        base_url: str,
+        *,
+        max_tokens: int,
+        temperature: float,
+        rollout_pool: RolloutPool | None = None,
+        reward_pools: list[RewardPool] | None = None,
+        evaluator_pool: RewardPool | None = None,
+    ) -> None:
+        self.job_id = job_id
+        self.gateway = gateway
+        self.base_url = base_url
+        self.max_tokens = max_tokens
+        self.temperature = temperature
+        self.rollout_pool = rollout_pool
+        self.reward_pools = reward_pools or []
+        self.evaluator_pool = evaluator_pool
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=256))
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def _builtin(self, result: RolloutResult, key: str, seed: int) -> None:
+        sample = result.sample
+        body: dict[str, Any] = {
+            "model": STUDENT_MODEL_NAME,
+            "messages": sample.messages,
+            "seed": seed,
+            "max_tokens": self.max_tokens,
+        }
+        if sample.tools:
+            body["tools"] = sample.tools
+        response = await self._http.post(
+            f"{self.base_url}/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+        )
+        if response.status_code != 200:
+            result.error = f"gateway answered {response.status_code}: {response.text[:500]}"
+            return
+        message = response.json()["choices"][0]["message"]
+        result.messages = [*sample.messages, message]
+        # Rewards see where the given conversation ends, as they do after an agentic rollout that
+        # follows the same convention (examples/tool_routing_agentic): the reply is what they judge.
+        result.agent_output = AgentOutput(
+            messages=result.messages,
+            rollout_extra={**sample.rollout_extra, PROMPT_MESSAGES_KEY: len(sample.messages)},
+        )
+
+    async def _agentic(self, result: RolloutResult, key: str, seed: int) -> None:
+        assert self.rollout_pool is not None
+        sample = result.sample
+        output, spans, attempt = await self.rollout_pool.rollout(
+            sample_id=sample.sample_id,
+            rollout_id=result.rollout_id,
+            messages=sample.messages,
+            tools=sample.tools,
+            ground_truth=ground_truth_of(sample),
+            rollout_extra=sample.rollout_extra,
+            sampling_params={"temperature": self.temperature, "max_tokens": self.max_tokens, "seed": seed},
+            model_resource=ModelResource(model_name=STUDENT_MODEL_NAME, base_url=self.base_url, api_key=key),
+        )
+        result.spans, result.attempt_id = spans, attempt
+        result.agent_output = output.agent_output
+        if output.agent_output is not None:
+            result.messages = output.agent_output.messages
+            result.rollout_metrics = dict(output.agent_output.rollout_metrics)
+        if is_rollout_failure(output):
+            result.error = output.error or "rollout reported failure"
+
+    async def _one(
+        self, tag: str, group: int, index: int, sample: Sample, seed: int, *, validating: bool = False
+    ) -> RolloutResult:
+        result = RolloutResult(group, index, f"{self.job_id}-{tag}-r{index}", sample)
+        # Validation is greedy, so the same weights always give the same validation numbers.
+        temperature = 0.0 if validating else None
+        key = await self.gateway.open_rollout.remote(result.rollout_id, temperature=temperature, seed=seed)
+        try:
+            if self.rollout_pool is None:
+                await self._builtin(result, key, seed)
+            else:
+                await self._agentic(result, key, seed)
+        except Exception as exc:  # one broken rollout must not fail the step
+            result.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            result.calls = await self.gateway.close_rollout.remote(key)
+        if result.failed:
+            return result
+        # The evaluator first: a reward that fails must not hide the sample from the evaluator.
+        if validating and self.evaluator_pool is not None:
+            await self._evaluate(result)
+        await self._score(result)
+        return result
+
+    async def _evaluate(self, result: RolloutResult) -> None:
+        assert self.evaluator_pool is not None
+        output, spans = await self.evaluator_pool.score(
+            sample_id=result.sample.sample_id,
+            rollout_id=result.rollout_id,
+            ground_truth=ground_truth_of(result.sample),
+            agent_output=result.agent_output or AgentOutput(messages=result.messages),
+        )
+        result.spans.extend(spans)
+        name = self.evaluator_pool.component.name
+        if output.status == TaskStatus.FAILED or output.reward is None:
+            result.eval_error = f"evaluator {name} failed: {output.error or 'no score'}"
+            return
+        values = {"eval_score": float(output.reward.reward_score)}
+        values |= {k: float(v) for k, v in output.reward.reward_metrics.items()}
+        bad = [k for k, v in values.items() if not math.isfinite(v)]
+        if bad:
+            result.eval_error = f"evaluator {name} returned non-finite {', '.join(bad)}"
+            return
+        result.eval_score = values.pop("eval_score")
+        result.eval_metrics = values
+
+    async def _score(self, result: RolloutResult) -> None:
+        agent_output = result.agent_output or AgentOutput(messages=result.messages)
+        if not self.reward_pools:
+            # A rollout processor may score itself (Bailian's AgentOutput.reward_score).
+            result.reward = float(agent_output.reward_score or 0.0)
+            return
+        outputs = await asyncio.gather(
+            *(
+                pool.score(
+                    sample_id=result.sample.sample_id,
+                    rollout_id=result.rollout_id,
+                    ground_truth=ground_truth_of(result.sample),
+                    agent_output=agent_output,
+                )
+                for pool in self.reward_pools
+            )
+        )
+        total = 0.0
+        for pool, (output, spans) in zip(self.reward_pools, outputs, strict=True):
+            result.spans.extend(spans)
+            name = pool.component.name
+            if output.status == TaskStatus.FAILED or output.reward is None:
+                result.error = f"reward {name} failed: {output.error or 'no reward'}"
+                return
+            score = float(output.reward.reward_score)
+            if not math.isfinite(score):
+                result.error = f"reward {name} returned a non-finite score {score}"
+                return
+            metrics = {k: float(v) for k, v in output.reward.reward_metrics.items()}
+            result.component_rewards[name] = score
+            result.reward_metrics.update({f"{name}/{k}": v for k, v in metrics.items()})
+            total += component_reward(pool.component, score, metrics)
+        result.reward = total
+
+    async def run(
+        self, samples: list[Sample], n_rollouts: int, step: int, seeds: list[int]
+    ) -> list[RolloutResult]:
+        """`n_rollouts` rollouts of every sample, all in flight at once; group id = sample position."""
+        jobs = [(group, sample) for group, sample in enumerate(samples) for _ in range(n_rollouts)]
+        return list(
+            await asyncio.gather(
+                *(
+                    self._one(f"s{step}", group, index, sample, seeds[index])
+                    for index, (group, sample) in enumerate(jobs)
+                )
+            )
+        )
+
+    async def validate(self, samples: list[Sample], tag: str, seeds: list[int]) -> list[RolloutResult]:
+        """One greedy rollout per sample, scored by the rewards and the evaluator (if any)."""
+        return list(
+            await asyncio.gather(
+                *(
+                    self._one(tag, index, index, sample, seeds[index], validating=True)
+                    for index, sample in enumerate(samples)
+                )
+            )
+        )
+
+
+def rollout_step_metrics(results: list[RolloutResult], has_rewards: bool) -> dict[str, float]:
+    """Failure counts, LLM calls, and reward / reward_metrics / rollout_metrics aggregated per step."""
+    good = [r for r in results if not r.failed]
+    metrics: dict[str, float] = {
+        "rollouts": float(len(results)),
+        "failed_rollouts": float(len(results) - len(good)),
+        "failed_ratio": (len(results) - len(good)) / len(results) if results else 0.0,
+        "llm_calls_per_rollout": mean([float(len(r.calls)) for r in good]),
+    }
+    if has_rewards and good:
+        rewards = [r.reward for r in good]
+        reward_mean = mean(rewards)
+        metrics["reward_mean"] = reward_mean
+        metrics["reward_std"] = math.sqrt(mean([(x - reward_mean) ** 2 for x in rewards]))
+        for name in sorted({k for r in good for k in r.component_rewards}):
+            metrics[f"reward/{name}"] = mean(
+                [r.component_rewards[name] for r in good if name in r.component_rewards]
+            )
+    for source, prefix in (("reward_metrics", "reward"), ("rollout_metrics", "rollout")):
+        names = sorted({k for r in good for k in getattr(r, source)})
+        for name in names:
+            values = [getattr(r, source)[name] for r in good if name in getattr(r, source)]
+            metrics[f"{prefix}/{name}"] = mean(values)
+    return metrics
+
+
+def validation_metrics(results: list[RolloutResult], has_rewards: bool) -> dict[str, float]:
+    """Means over the samples each part could score: rewards as in training, the evaluator's metrics
+    under their own names plus `eval_score`; `failed_samples` counts samples something could not score.
+    """
+    metrics: dict[str, float] = {
+        "samples": float(len(results)),
+        "failed_samples": float(sum(1 for r in results if r.failed or r.eval_error)),
+    }
+    good = [r for r in results if not r.failed]
+    if has_rewards and good:
+        metrics["reward_mean"] = mean([r.reward for r in good])
+        for name in sorted({k for r in good for k in r.component_rewards}):
+            metrics[f"reward/{name}"] = mean(
+                [r.component_rewards[name] for r in good if name in r.component_rewards]
+            )
+        for name in sorted({k for r in good for k in r.reward_metrics}):
+            metrics[f"reward/{name}"] = mean(
+                [r.reward_metrics[name] for r in good if name in r.reward_metrics]
+            )
+    evaluated = [r for r in results if r.eval_score is not None]
+    if evaluated:
+        metrics["eval_score"] = mean([r.eval_score for r in evaluated if r.eval_score is not None])
+        for name in sorted({k for r in evaluated for k in r.eval_metrics}):
+            metrics[name] = mean([r.eval_metrics[name] for r in evaluated if name in r.eval_metrics])
+    return metrics
+
+
+def scoring_failures(results: list[RolloutResult]) -> list[dict[str, str]]:
+    """Each sample that failed its rollout, a reward or the evaluator: its id and the first error."""
+    failures = []
+    for r in results:
+        errors = [e for e in (r.error, r.eval_error) if e]
+        if r.failed and not errors:
+            errors = ["no completion recorded"]
+        if errors:
+            failures.append({"sample_id": r.sample.sample_id, "error": "; ".join(errors)[:500]})
+    return failures
+
+
+def failure_message(results: list[RolloutResult]) -> str:
+    first = next((r for r in results if r.failed), None)
+    return "" if first is None else (first.error or "no completion recorded")[:1000]

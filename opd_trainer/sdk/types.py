@@ -1,0 +1,268 @@
+"""The processor SDK's types: what users write rollout and reward code against (Bailian's names and fields).
+
+Code written for Alibaba Bailian's OPD product ports by changing its import lines to
+`from opd_trainer.sdk import ...`. A rollout processor runs the user's agent against the student
+(reached through `RolloutInput.model_resource`, an OpenAI-compatible endpoint) and returns the
+conversation; a reward processor scores one finished conversation.
+
+    class MyRollout(AbstractRolloutProcessor):
+        def setup(self) -> None:                      # once per worker
+            self.tools = load_my_tools()
+
+        @observe_processor                            # optional: the worker applies it anyway
+        async def process(self, rollout_input: RolloutInput) -> RolloutOutput:
+            mr = rollout_input.model_resource
+            client = mr.openai_client()               # traced AsyncOpenAI, shared connection pool
+            ...
+            return RolloutOutput(agent_output=AgentOutput(messages=messages))
+
+`process` may be `async def` or plain `def`; the worker calls it through `call_processor`, which
+runs a plain `def` in a thread so it cannot stall the worker's event loop.
+
+Inputs accept unknown fields (a newer trainer may send more); outputs reject them, so a misspelt
+field (`reward_scores=`) fails loudly instead of being dropped. Every model pickles (Ray ships them
+between processes); `api_key` is a `SecretStr`, so it never shows in a repr, log line or JSON dump.
+`ground_truth` arrives exactly as the dataset stores it (a JSON string stays a string, an object is a
+dict), and `request_metadata` is optional so a local test can build an input by hand, as Bailian's
+local-test advice does; the trainer's workers always set it.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import inspect
+import weakref
+from enum import Enum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, SecretStr
+
+__all__ = [
+    "PROMPT_MESSAGES_KEY",
+    "ROLLOUT_ERROR_PREFIX",
+    "AbstractRewardProcessor",
+    "AbstractRolloutProcessor",
+    "AgentOutput",
+    "ModelResource",
+    "RequestMetadata",
+    "Reward",
+    "RewardInput",
+    "RewardOutput",
+    "RolloutInput",
+    "RolloutOutput",
+    "TaskStatus",
+    "call_processor",
+    "is_rollout_failure",
+]
+
+ROLLOUT_ERROR_PREFIX = "ROLLOUT_ERROR:"
+"""Bailian's convention: an assistant message whose content starts with this marks a failed rollout."""
+
+PROMPT_MESSAGES_KEY = "prompt_messages"
+"""`AgentOutput.rollout_extra` key: how many of `messages` were the given conversation. The built-in Model
+OPD rollout sets it, so a reward can judge the reply rather than the prompt's own assistant turns."""
+
+
+class _Input(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class _Output(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TaskStatus(str, Enum):  # noqa: UP042 -- `str, Enum` like Bailian's, so `status == "FAILED"` holds
+    """Outcome of one processor call."""
+
+    SUCCESS = "SUCCESS"
+    FAILED = "FAILED"
+
+
+class ModelResource(_Input):
+    """The student endpoint a rollout talks to (OpenAI-compatible, via the trainer's gateway)."""
+
+    model_name: str = Field(description="Model name to pass as `model=` in chat completion calls.")
+    base_url: str = Field(description="OpenAI-compatible base URL, ending in /v1.")
+    api_key: SecretStr = Field(description="Per-rollout token; `.get_secret_value()` gives the string.")
+
+    def openai_client(self) -> Any:
+        """An `openai.AsyncOpenAI` for this rollout (its key, calls traced), on a shared connection pool.
+
+        Building an `AsyncOpenAI` costs ~20 ms of CPU (measured on the 2-core box), more than a tiny
+        model's whole completion; this reuses one client per event loop and base URL and only swaps
+        the key (`with_options`, ~0.03 ms). Retries are off: a retried call would be recorded twice.
+        Call it inside the processor's `async def process` (the pool belongs to the running loop).
+        """
+        from openai import AsyncOpenAI
+
+        from opd_trainer.sdk.tracing import trace_client
+
+        per_loop = _SHARED_CLIENTS.setdefault(asyncio.get_running_loop(), {})
+        shared = per_loop.get(self.base_url)
+        if shared is None:
+            shared = per_loop[self.base_url] = AsyncOpenAI(
+                base_url=self.base_url, api_key="per-rollout", max_retries=0, http_client=_http_client()
+            )
+        return trace_client(shared.with_options(api_key=self.api_key.get_secret_value()))
+
+
+# One shared AsyncOpenAI per (event loop, base URL): httpx connection pools cannot cross event loops.
+_SHARED_CLIENTS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, Any]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _http_client() -> Any:
+    import httpx
+    from openai import DefaultAsyncHttpxClient
+
+    # A worker runs up to `runtime.concurrency` rollouts at once, each holding a connection while the
+    # engine generates; httpx's default cap (100) would queue the rest.
+    return DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=4096, max_keepalive_connections=512))
+
+
+class RequestMetadata(_Input):
+    """Ids of one rollout attempt; tracing spans carry them as `opd.*` attributes."""
+
+    job_id: str = Field(description="Training job id.")
+    sample_id: str = Field(description="Dataset sample (prompt) id; the rollouts of one prompt share it.")
+    rollout_id: str = Field(description="Id of this rollout, unique in the job.")
+    attempt_id: int = Field(default=0, ge=0, description="Retry number of this rollout, from 0.")
+
+
+class RolloutInput(_Input):
+    """What a rollout processor receives: one dataset sample plus where to reach the student."""
+
+    messages: list[dict[str, Any]] = Field(description="The sample's chat messages (OpenAI format).")
+    tools: list[dict[str, Any]] | None = Field(default=None, description="The sample's tool schemas.")
+    ground_truth: JsonValue = Field(
+        default=None, description="The sample's reference answer as stored (string, number, object, ...)."
+    )
+    rollout_extra: dict[str, Any] = Field(default_factory=dict, description="The sample's extra data.")
+    sampling_params: dict[str, Any] = Field(
+        default_factory=dict, description="Sampling settings to pass to the student (temperature, ...)."
+    )
+    model_resource: ModelResource = Field(description="The student endpoint.")
+    # Optional, as in Bailian's SDK: a local test builds a RolloutInput without it; workers always set it.
+    request_metadata: RequestMetadata | None = Field(default=None, description="Ids of this rollout attempt.")
+
+
+class AgentOutput(_Output):
+    """The conversation a rollout produced; only its assistant turns are trained on."""
+
+    messages: list[dict[str, Any]] = Field(description="Full conversation, prompt included (OpenAI format).")
+    rollout_extra: dict[str, Any] = Field(default_factory=dict, description="Data handed on to rewards.")
+    rollout_metrics: dict[str, float] = Field(default_factory=dict, description="Metrics to log, by name.")
+    reward_score: float | None = Field(default=None, description="A reward the rollout computed itself.")
+
+
+class RolloutOutput(_Output):
+    """What a rollout processor returns."""
+
+    agent_output: AgentOutput | None = Field(default=None, description="The conversation; None on failure.")
+    status: TaskStatus = Field(default=TaskStatus.SUCCESS, description="SUCCESS or FAILED.")
+    error: str | None = Field(default=None, description="Why it failed.")
+
+
+class RewardInput(_Input):
+    """What a reward processor receives: one finished rollout."""
+
+    ground_truth: JsonValue = Field(
+        default=None, description="The sample's reference answer as stored (string, number, object, ...)."
+    )
+    request_metadata: RequestMetadata | None = Field(
+        default=None, description="Ids of the rollout being scored."
+    )
+    agent_output: AgentOutput = Field(description="The rollout's conversation.")
+
+
+class Reward(_Output):
+    """A scalar score plus optional named sub-scores (logged, and weighted by `reward_metric_weight`)."""
+
+    reward_score: float = Field(description="The score.")
+    reward_metrics: dict[str, float] = Field(default_factory=dict, description="Named sub-scores.")
+
+
+class RewardOutput(_Output):
+    """What a reward processor returns."""
+
+    reward: Reward | None = Field(default=None, description="The score; None on failure.")
+    status: TaskStatus = Field(default=TaskStatus.SUCCESS, description="SUCCESS or FAILED.")
+    error: str | None = Field(default=None, description="Why it failed.")
+
+
+class AbstractRolloutProcessor(abc.ABC):
+    """Base of user rollout code: one instance per worker, `process` called concurrently."""
+
+    def setup(self) -> None:  # noqa: B027 -- an optional hook, deliberately a no-op
+        """Runs once per worker before the first `process` call (load tools, warm caches)."""
+
+    @abc.abstractmethod
+    async def process(self, rollout_input: RolloutInput) -> RolloutOutput:
+        """Runs one rollout. May be overridden as `async def` or plain `def`."""
+
+
+class AbstractRewardProcessor(abc.ABC):
+    """Base of user reward code: one instance per worker, `process` called concurrently."""
+
+    def setup(self) -> None:  # noqa: B027 -- an optional hook, deliberately a no-op
+        """Runs once per worker before the first `process` call."""
+
+    @abc.abstractmethod
+    async def process(self, reward_input: RewardInput) -> RewardOutput:
+        """Scores one rollout. May be overridden as `async def` or plain `def`."""
+
+
+def _expected_output(payload: object) -> type[BaseModel] | None:
+    if isinstance(payload, RolloutInput):
+        return RolloutOutput
+    if isinstance(payload, RewardInput):
+        return RewardOutput
+    return None
+
+
+async def call_processor(processor: Any, payload: Any) -> Any:
+    """Calls `processor.process(payload)`: awaited if async, else in a worker thread.
+
+    A plain-`def` processor runs via `asyncio.to_thread` (which copies the context, so tracing spans
+    still nest) and so cannot block the event loop the worker uses for its other calls. For a
+    `RolloutInput`/`RewardInput` payload a returned dict is validated into the output model, and any
+    other return type raises `TypeError` naming the processor class.
+    """
+    process = processor.process
+    if inspect.iscoroutinefunction(process):
+        result = await process(payload)
+    else:
+        result = await asyncio.to_thread(process, payload)
+        if inspect.isawaitable(result):  # a sync wrapper around an async implementation
+            result = await result
+    expected = _expected_output(payload)
+    if expected is None or isinstance(result, expected):
+        return result
+    if isinstance(result, dict):
+        return expected.model_validate(result)
+    raise TypeError(
+        f"{type(processor).__qualname__}.process returned {type(result).__qualname__}, "
+        f"expected {expected.__name__}"
+    )
+
+
+def _text_parts(content: Any) -> list[str]:
+    if isinstance(content, str):
+        return [content]
+    if isinstance(content, list):  # OpenAI content parts: [{"type": "text", "text": ...}, ...]
+        return [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+    return []
+
+
+def is_rollout_failure(output: RolloutOutput) -> bool:
+    """True for a FAILED status, a missing `agent_output`, or an assistant turn starting `ROLLOUT_ERROR:`."""
+    if output.status == TaskStatus.FAILED or output.agent_output is None:
+        return True
+    return any(
+        text.lstrip().startswith(ROLLOUT_ERROR_PREFIX)
+        for message in output.agent_output.messages
+        if message.get("role") == "assistant"
+        for text in _text_parts(message.get("content"))
+    )

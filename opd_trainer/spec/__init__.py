@@ -1,0 +1,1 @@
+"""The job spec (`job_spec`), the datasets it names (`dataset`), pre-flight checks (`preflight`)."""

@@ -1,0 +1,485 @@
+"""The OPD job spec: one pydantic model, the single definition of every field, its default and meaning.
+
+Field names follow Alibaba Bailian's OPD product (`n_epochs`, `batch_size`, `n_rollouts`, ...) so
+job files port unchanged; `kl_coef`, `reward_coef`, `temperature`, `max_tokens`, `seed`,
+`max_failed_ratio` and `max_staleness` are ours. Unknown fields and wrong types are rejected with a
+message naming the field (`load_job_spec` turns pydantic's errors into one `ConfigError`).
+
+A job with no rollout component is Model OPD (the built-in one-call rollout); with one it is Agentic OPD.
+Reward components score every rollout (training and validation); an evaluator component, if any, scores
+validation rollouts only. Rewards enter the loss by default (`reward_coef`, see `opd_trainer.learner.loss`).
+
+Bailian job documents are accepted as written: a dataset may be Bailian's
+`{data_source_type: FILE_ID, file_name}` object (normalised here, once, to its `file_name`), and
+Bailian-only settings with no meaning here (`resources.charge_type`, `resources.mtu_spec_code`,
+`resources.mtu_capacity`, `hyper_parameters.opd_teacher_*` deployment keys) are moved to
+`ignored_fields`, which the job driver reports once in the job's events. Anything else unknown is
+still an error naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    JsonValue,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from opd_trainer.errors import ConfigError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# Bailian settings that have no meaning for this trainer: billing and Bailian's own teacher deployment.
+BAILIAN_ONLY_RESOURCES = frozenset({"charge_type", "mtu_spec_code", "mtu_capacity"})
+BAILIAN_ONLY_HYPER_PARAMETER_PREFIX = "opd_teacher_"
+
+
+def is_bailian_only(path: str) -> bool:
+    """True for `resources.{charge_type,mtu_spec_code,mtu_capacity}` and `hyper_parameters.opd_teacher_*`."""
+    section, _, name = path.partition(".")
+    if section == "resources":
+        return name in BAILIAN_ONLY_RESOURCES
+    return section == "hyper_parameters" and name.startswith(BAILIAN_ONLY_HYPER_PARAMETER_PREFIX)
+
+
+class DataSourceType(str, Enum):  # noqa: UP042 -- `str, Enum` like Bailian's, so it compares to "FILE_ID"
+    """Where a Bailian dataset object's `file_name` points; FILE_ID: a file (a local path or a file id)."""
+
+    FILE_ID = "FILE_ID"
+
+
+class DatasetSource(_Strict):
+    """Bailian's dataset object; in a job spec it stands for its `file_name`."""
+
+    data_source_type: DataSourceType = Field(
+        default=DataSourceType.FILE_ID, description="FILE_ID: `file_name` is a local path or a file id."
+    )
+    file_name: str = Field(min_length=1, description="A local JSONL path (uploaded on submit) or a file id.")
+
+    @field_validator("data_source_type", mode="before")
+    @classmethod
+    def _any_case(cls, value: Any) -> Any:
+        return value.upper() if isinstance(value, str) else value
+
+
+def _dataset_file(value: Any) -> Any:
+    """A dataset entry in its one stored form, the string: Bailian's object becomes its `file_name`."""
+    if isinstance(value, DatasetSource):
+        return value.file_name
+    if isinstance(value, Mapping):
+        try:
+            return DatasetSource.model_validate(value).file_name
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            raise ValueError(f"{_field_path(first['loc'])}: {first['msg']}") from None
+    return value
+
+
+# The schema (and so the API's OpenAPI document) shows both accepted forms; the value is the string.
+DatasetFile = Annotated[str, BeforeValidator(_dataset_file, json_schema_input_type=str | DatasetSource)]
+
+
+class FcModel(_Strict):
+    """Where a processor's code lives and which class to load."""
+
+    zipdir: str | None = Field(default=None, description="Local workspace directory (or .zip) with the code.")
+    workspace: str | None = Field(
+        default=None, description="Id of a workspace zip uploaded to the job server."
+    )
+    classpath: str = Field(description="`pkg.module.Class` or `path/file.py:Class` inside the workspace.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> FcModel:
+        if (self.zipdir is None) == (self.workspace is None):
+            raise ValueError("give exactly one of zipdir or workspace")
+        return self
+
+
+class FunctionRuntime(_Strict):
+    """Size and autoscaling of the worker pool that runs one processor component."""
+
+    cpu: float = Field(default=1.0, gt=0, description="CPU cores per worker.")
+    memory_size: int = Field(default=2048, gt=0, description="Memory per worker, MB.")
+    disk_size: int = Field(
+        default=1024,
+        gt=0,
+        description="Scratch disk per worker, MB: the size of the sandbox's private /tmp, which holds the "
+        "workspace and anything the processor writes (not enforced when processors run unconfined).",
+    )
+    concurrency: int = Field(default=8, ge=1, description="Calls one worker runs at once.")
+    capacity: int = Field(default=1, ge=0, description="Workers at start.")
+    min_capacity: int = Field(default=1, ge=0, description="Fewest workers the autoscaler keeps.")
+    max_capacity: int = Field(default=4, ge=1, description="Most workers the autoscaler starts.")
+    memory_scale_threshold: float = Field(
+        default=0.8, gt=0, le=1, description="Scale up when worker memory use passes this fraction."
+    )
+    concurrency_scale_threshold: float = Field(
+        default=0.8,
+        gt=0,
+        le=1,
+        description="Scale up when in-flight calls / (workers × concurrency) pass this.",
+    )
+    env: dict[str, str] = Field(default_factory=dict, description="Environment variables for the workers.")
+
+    @model_validator(mode="after")
+    def _capacities_ordered(self) -> FunctionRuntime:
+        if not self.min_capacity <= self.capacity <= self.max_capacity:
+            raise ValueError("need min_capacity <= capacity <= max_capacity")
+        return self
+
+
+class FunctionComponent(_Strict):
+    """A user processor: the rollout (at most one), a reward (any number) or an evaluator (at most one)."""
+
+    name: str = Field(min_length=1, description="Component name, unique in the job.")
+    type: Literal["rollout", "reward", "evaluator"] = Field(
+        description="rollout: drives the student (AbstractRolloutProcessor). reward: scores every rollout "
+        "(AbstractRewardProcessor). evaluator: scores validation rollouts only, with the reward interface; "
+        "the means of its reward_metrics are reported under their own names, its reward_score as eval_score."
+    )
+    fcmodel: FcModel = Field(description="Code location and classpath.")
+    timeout: float = Field(
+        default=600.0, gt=0, description="Seconds one call may take before it counts FAILED."
+    )
+    weight: float = Field(
+        default=1.0,
+        description="Reward components: task reward R = Σ weight · (reward_score + Σ reward_metric_weight[m] "
+        "· reward_metrics[m]), Bailian's meaning; R enters the loss scaled by hyper_parameters.reward_coef.",
+    )
+    reward_metric_weight: dict[str, float] | None = Field(
+        default=None, description="Reward components: weights of named reward_metrics folded into the score."
+    )
+    runtime: FunctionRuntime = Field(default_factory=FunctionRuntime, description="Worker pool size/scaling.")
+
+
+# Defaults chosen from benchmarks/vs_trl_gkd.py and benchmarks/efficacy.py (docs/benchmarks.md).
+DistillLoss = Literal["sampled", "sampled_baseline", "topk_reverse", "topk_forward", "jsd"]
+DEFAULT_DISTILL_LOSS: DistillLoss = "topk_forward"
+DEFAULT_TEACHER_TOP_K = 8
+
+
+class HyperParameters(_Strict):
+    """Optimisation and sampling settings."""
+
+    n_epochs: int = Field(default=1, ge=1, description="Passes over the training datasets.")
+    max_steps: int | None = Field(
+        default=None, ge=1, description="Stop after this many steps (None: epochs)."
+    )
+    learning_rate: float = Field(default=1e-5, gt=0, description="Peak AdamW learning rate.")
+    lr_scheduler_type: Literal["cosine", "linear", "constant"] = Field(
+        default="cosine", description="Decay after warm-up."
+    )
+    warmup_ratio: float = Field(default=0.0, ge=0, lt=1, description="Fraction of steps spent warming up.")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm.")
+    batch_size: int = Field(default=8, ge=1, description="Prompts per step.")
+    n_rollouts: int = Field(
+        default=4, ge=1, description="Samples per prompt (the group of the reward baseline)."
+    )
+    ppo_mini_batch_size: int = Field(
+        default=8, ge=1, description="Rollout samples per optimizer update; a step makes ceil(samples/this)."
+    )
+    max_length: int | None = Field(
+        default=None,
+        ge=16,
+        description="Longest prompt + completion, in tokens. None: the model's context (the smaller "
+        "max_position_embeddings of student and teacher); larger than that is rejected by pre-flight.",
+    )
+    max_tokens: int = Field(default=256, ge=1, description="Most tokens sampled per LLM call.")
+    temperature: float = Field(default=1.0, gt=0, description="Student sampling temperature.")
+    kl_coef: float = Field(
+        default=1.0, ge=0, description="Weight of the per-token reverse KL to the teacher."
+    )
+    kl_loss_coef: float = Field(default=0.0, ge=0, description="Weight of KL(learner ‖ initial student).")
+    reward_coef: float = Field(
+        default=1.0,
+        ge=0,
+        description="Weight of the group-baselined task reward in each token's advantage (the formula is in "
+        "opd_trainer/learner/loss.py). Rewards count by default; 0 keeps them as logged monitoring only.",
+    )
+    normalize_reward_by_std: bool = Field(default=False, description="Divide reward advantages by group std.")
+    ratio_cap: float = Field(
+        default=2.0,
+        ge=1,
+        description="Truncation cap of the importance ratio (>= 1: on-policy ratios are 1).",
+    )
+    eval_steps: int = Field(default=10, ge=1, description="Validate every this many steps.")
+    save_steps: int = Field(
+        default=50, ge=1, description="Checkpoint every this many steps (and at the end)."
+    )
+    seed: int = Field(default=42, description="Seed of data order, sampling and initialisation.")
+    max_failed_ratio: float = Field(
+        default=0.2,
+        ge=0,
+        le=1,
+        description="Fail the job when a step's failed rollout fraction exceeds this.",
+    )
+    max_staleness: int = Field(
+        default=0, ge=0, description="Policy versions a sample may lag the learner (0 = strictly on-policy)."
+    )
+    max_drift: float = Field(
+        default=0.05, gt=0, description="Pre-flight: largest allowed mean |learner − sampler| logprob drift."
+    )
+    distill_loss: DistillLoss = Field(
+        default=DEFAULT_DISTILL_LOSS,
+        description="Distillation estimator (formulas in learner/loss.py). sampled: the per-token "
+        "log-ratio logp_student − logp_teacher of the sampled token as a policy-gradient advantage. "
+        "sampled_baseline: the same minus a per-position baseline computed from the teacher's top-k "
+        "(unbiased, lower variance). topk_reverse / topk_forward: KL(student ‖ teacher) / KL(teacher ‖ "
+        "student) over the teacher's top-k tokens plus one tail bucket, differentiated through the "
+        "student's logits. jsd: GKD's generalized JSD on the same buckets (jsd_beta). All but sampled "
+        "need teacher_top_k >= 1; all are weighted by kl_coef. The default, topk_forward, learned fastest "
+        "per step in docs/benchmarks.md.",
+    )
+    jsd_beta: float = Field(
+        default=0.5,
+        gt=0,
+        lt=1,
+        description="distill_loss jsd: β of JSD_β = β·KL(teacher ‖ m) + (1 − β)·KL(student ‖ m), "
+        "m = β·teacher + (1 − β)·student (use topk_forward / topk_reverse for the end points).",
+    )
+    teacher_top_k: int = Field(
+        default=0,
+        validate_default=True,
+        ge=0,
+        # The teacher's scores are unpacked per (position, rank) in Python; beyond a few hundred that
+        # costs more than the teacher's forward pass.
+        le=256,
+        description="Teacher tokens scored per completion position: the sampled token's logprob plus the "
+        "teacher's teacher_top_k most likely tokens (temperature 1). 0: the sampled token only. Unset: "
+        f"{DEFAULT_TEACHER_TOP_K} for the estimators that read the top-k, 0 for sampled.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _top_k_default_follows_the_estimator(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("teacher_top_k") is None:
+            estimator = data.get("distill_loss", DEFAULT_DISTILL_LOSS)
+            data = {**data, "teacher_top_k": 0 if estimator == "sampled" else DEFAULT_TEACHER_TOP_K}
+        return data
+
+    @field_validator("teacher_top_k")
+    @classmethod
+    def _top_k_for_the_estimator(cls, value: int, info: ValidationInfo) -> int:
+        estimator = info.data.get("distill_loss")
+        if estimator not in (None, "sampled") and value < 1:
+            raise ValueError(
+                f"distill_loss {estimator} needs hyper_parameters.teacher_top_k >= 1, got {value}"
+            )
+        return value
+
+    def total_steps(self, training_samples: int) -> int:
+        """Steps a job of `training_samples` runs: `max_steps`, else `n_epochs` passes of `batch_size`."""
+        return self.max_steps or self.n_epochs * math.ceil(training_samples / self.batch_size)
+
+
+class EngineResources(_Strict):
+    """Placement of one model's vLLM engines."""
+
+    replicas: int = Field(default=1, ge=1, description="Independent engine replicas.")
+    tensor_parallel_size: int = Field(default=1, ge=1, description="GPUs per replica (CUDA only).")
+    kv_cache_memory_bytes: int | None = Field(
+        default=None,
+        gt=0,
+        description="KV-cache bytes per replica. None: on GPU vLLM sizes it (see gpu_fraction); on CPU it "
+        "holds batch_size × n_rollouts sequences of max_length, capped at a share of the node's free memory.",
+    )
+    dtype: str = Field(default="auto", description="Engine weight dtype; 'auto' takes the checkpoint's.")
+    gpu_fraction: float = Field(
+        default=1.0,
+        gt=0,
+        le=1,
+        description="Share of one GPU per replica (CUDA only): Ray reserves this fraction and, unless "
+        "kv_cache_memory_bytes is set, vLLM may use this fraction of the GPU's memory. Below 1, "
+        "student, teacher and learner can share one GPU; needs tensor_parallel_size 1.",
+    )
+
+    @model_validator(mode="after")
+    def _fraction_needs_one_gpu(self) -> EngineResources:
+        # A fractional Ray reservation exposes one GPU to the actor, so a TP group could not form.
+        if self.gpu_fraction < 1 and self.tensor_parallel_size != 1:
+            raise ValueError("gpu_fraction below 1 needs tensor_parallel_size 1")
+        return self
+
+
+class Resources(_Strict):
+    """Where the job's models run."""
+
+    student: EngineResources = Field(default_factory=EngineResources, description="Student sampling engines.")
+    teacher: EngineResources = Field(default_factory=EngineResources, description="Teacher scoring engines.")
+    learner_gpus: int = Field(
+        default=1, ge=0, description="Data-parallel learner ranks (GPUs; CPU ranks if 0 GPUs)."
+    )
+    learner_gpu_fraction: float = Field(
+        default=1.0,
+        gt=0,
+        le=1,
+        description="Share of one GPU per learner rank (CUDA only); below 1 shares a GPU with engines.",
+    )
+    zero_stage: Literal[0, 1, 2, 3] = Field(default=2, description="DeepSpeed ZeRO stage of the learner.")
+
+
+class JobSpec(_Strict):
+    """One OPD job."""
+
+    job_name: str = Field(min_length=1, max_length=128, description="Human-readable job name.")
+    model: str = Field(min_length=1, description="Student: a model directory (or uploaded model id).")
+    teacher_model: str = Field(
+        min_length=1, description="Teacher: same tokenizer and chat template as the student."
+    )
+    training_datasets: list[DatasetFile] = Field(
+        min_length=1,
+        description="JSONL files (paths or file ids, or Bailian's {data_source_type, file_name}).",
+    )
+    validation_datasets: list[DatasetFile] = Field(
+        default_factory=list, description="JSONL files for evaluation, in the same forms."
+    )
+    functions: list[FunctionComponent] = Field(
+        default_factory=list,
+        description="At most one rollout component, any number of reward components and at most one "
+        "evaluator component (validation only).",
+    )
+    hyper_parameters: HyperParameters = Field(
+        default_factory=HyperParameters, description="Training settings."
+    )
+    resources: Resources = Field(default_factory=Resources, description="Engine and learner placement.")
+    ignored_fields: dict[str, JsonValue] = Field(
+        default_factory=dict,
+        description="Bailian-only settings with no meaning here, by path (`resources.charge_type`, "
+        "`resources.mtu_spec_code`, `resources.mtu_capacity`, `hyper_parameters.opd_teacher_*`): "
+        "set aside from the document as given and reported once in the job's events.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _set_aside_bailian_only(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping):
+            return data
+        data, moved = dict(data), {}
+        for section in ("resources", "hyper_parameters"):
+            values = data.get(section)
+            if not isinstance(values, Mapping):
+                continue
+            ignored = {k: v for k, v in values.items() if is_bailian_only(f"{section}.{k}")}
+            if ignored:
+                data[section] = {k: v for k, v in values.items() if k not in ignored}
+                moved.update({f"{section}.{k}": v for k, v in ignored.items()})
+        if moved:
+            earlier = data.get("ignored_fields")
+            data["ignored_fields"] = {**(earlier if isinstance(earlier, Mapping) else {}), **moved}
+        return data
+
+    @field_validator("ignored_fields")
+    @classmethod
+    def _only_bailian_fields(cls, value: dict[str, JsonValue]) -> dict[str, JsonValue]:
+        unknown = sorted(path for path in value if not is_bailian_only(path))
+        if unknown:
+            raise ValueError(f"{', '.join(unknown)}: not a Bailian-only field this trainer ignores")
+        return value
+
+    @model_validator(mode="after")
+    def _components(self) -> JobSpec:
+        if len(self.rollout_components) > 1:
+            raise ValueError("at most one rollout component")
+        if len(self.evaluator_components) > 1:
+            raise ValueError("at most one evaluator component")
+        if self.evaluator_components and not self.validation_datasets:
+            raise ValueError("an evaluator component scores validation rollouts: give validation_datasets")
+        names = [f.name for f in self.functions]
+        if len(names) != len(set(names)):
+            raise ValueError("component names must be unique")
+        return self
+
+    @property
+    def rollout_components(self) -> list[FunctionComponent]:
+        return [f for f in self.functions if f.type == "rollout"]
+
+    @property
+    def reward_components(self) -> list[FunctionComponent]:
+        return [f for f in self.functions if f.type == "reward"]
+
+    @property
+    def evaluator_components(self) -> list[FunctionComponent]:
+        return [f for f in self.functions if f.type == "evaluator"]
+
+    @property
+    def is_agentic(self) -> bool:
+        return bool(self.rollout_components)
+
+
+def _field_path(location: tuple[int | str, ...]) -> str:
+    return ".".join(str(part) for part in location) or "(job)"
+
+
+def parse_job_spec(data: Any) -> JobSpec:
+    """Validates a decoded job document; raises `ConfigError` naming the first bad field."""
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as exc:
+        first, *rest = exc.errors()
+        message = first["msg"]
+        if rest:
+            message += "; also " + "; ".join(f"{_field_path(e['loc'])}: {e['msg']}" for e in rest)
+        raise ConfigError(message, field=_field_path(first["loc"])) from None
+
+
+def load_job_spec(path: Path) -> JobSpec:
+    """Reads a YAML or JSON job file; relative dataset/model/workspace paths resolve against its folder."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read job file {path}: {exc.strerror}", field="job_file") from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(
+            f"{path} is not valid {path.suffix.lstrip('.') or 'YAML'}: {exc}", field="job_file"
+        ) from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of job fields", field="job_file")
+    return resolve_paths(parse_job_spec(data), path.parent)
+
+
+def _resolve(value: str, base: Path) -> str:
+    candidate = Path(value)
+    if candidate.is_absolute() or not (base / candidate).exists():
+        return value  # an absolute path, or not a local path at all (a file id / hub name)
+    return str((base / candidate).resolve())
+
+
+def resolve_paths(spec: JobSpec, base: Path) -> JobSpec:
+    """Makes local paths in the spec absolute, relative to `base` (the job file's folder)."""
+    functions = [
+        f.model_copy(
+            update={"fcmodel": f.fcmodel.model_copy(update={"zipdir": _resolve(f.fcmodel.zipdir, base)})}
+        )
+        if f.fcmodel.zipdir
+        else f
+        for f in spec.functions
+    ]
+    return spec.model_copy(
+        update={
+            "model": _resolve(spec.model, base),
+            "teacher_model": _resolve(spec.teacher_model, base),
+            "training_datasets": [_resolve(d, base) for d in spec.training_datasets],
+            "validation_datasets": [_resolve(d, base) for d in spec.validation_datasets],
+            "functions": functions,
+        }
+    )

@@ -1,0 +1,519 @@
+"""Autoscaled pool of Ray actors that run one user processor component (shared by rollout and reward pools).
+
+Each `ProcessorWorkerActor` loads the user's class by classpath from the component's workspace, runs
+`setup()` once and then
+up to `concurrency` `process` calls at once, each bounded by the component `timeout`. User failures are
+contained: an exception or a timeout becomes a FAILED output with one line naming the component and the
+cause (the traceback goes to the worker's log), never a crashed job. The pool enforces what the worker
+cannot: a call whose worker does not answer within `timeout` + a grace period (synchronous code blocking
+the worker's event loop) fails and that worker is killed and replaced; a worker whose resident memory
+exceeds `memory_size` (checked every `autoscale_interval_s`) is killed and its calls fail naming the
+limit. A worker that dies is replaced (one replacement per worker, never beyond `max_capacity`) and its
+in-flight calls are retried with `attempt_id + 1`, a bounded number of times.
+
+The workspace travels as a zip through Ray's object store (so workers on any node get it; Ray refuses
+local directories in per-actor runtime environments) and is unpacked into the worker's own folder,
+which becomes its working directory. `requirements.txt` is installed by Ray's runtime environment
+(`pip`), per component, together with the component's `env`.
+
+Placement: with `OPD_USER_CODE_RESOURCE` set where the job driver runs (the Helm chart sets it to the
+resource its user-code worker group advertises), every worker requires one unit of that Ray resource,
+so user code runs only on those pods, which mount no data volume. Unset (the embedded default), workers
+go wherever Ray has room.
+
+`WorkerPool` places workers, dispatches calls to the least-loaded one, queues when all are full, and asks
+the shared `Autoscaler` every `autoscale_interval_s` how many workers it should have.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import tempfile
+import time
+import traceback
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import ray
+from ray.exceptions import RayActorError, RuntimeEnvSetupError
+
+from opd_trainer.errors import ProcessorLoadError
+from opd_trainer.spec.job_spec import FunctionComponent
+from opd_trainer.workers.autoscaler import Autoscaler, AutoscalerSettings, PoolSnapshot
+from opd_trainer.workers.workspace import pack_workspace, unpack_workspace
+
+logger = logging.getLogger(__name__)
+
+Kind = Literal["rollout", "reward"]
+MAX_ATTEMPTS = 3
+MB = 1024 * 1024
+# A call's answer may come this long after the worker's own `timeout` before the pool gives up on it
+# (Ray round trip and a loaded machine); then the worker is taken to be blocked and is killed.
+TIMEOUT_GRACE_S = 10.0
+TIMEOUT_GRACE_FRACTION = 0.25
+# Starting a worker: placing it, building its runtime environment (pip) and loading the user's class.
+START_TIMEOUT_S = 120.0
+START_TIMEOUT_WITH_PIP_S = 900.0
+STATS_TIMEOUT_S = 5.0
+USER_CODE_RESOURCE_ENV = "OPD_USER_CODE_RESOURCE"
+
+
+def user_code_resources() -> dict[str, float]:
+    """The custom Ray resource a processor worker requires (`OPD_USER_CODE_RESOURCE`), if any."""
+    name = os.environ.get(USER_CODE_RESOURCE_ENV, "").strip()
+    return {name: 1.0} if name else {}
+
+
+def one_line(exc: BaseException) -> str:
+    """`Type: message` on one line (the first line of the message; tracebacks belong in logs)."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+class ProcessorWorker:
+    """Runs inside one actor whose working directory is the component's workspace."""
+
+    def __init__(
+        self,
+        workspace_zip: bytes,
+        classpath: str,
+        kind: Kind,
+        component: str,
+        concurrency: int,
+        timeout_s: float,
+        memory_limit_mb: int,
+    ) -> None:
+        self.workspace = Path(tempfile.mkdtemp(prefix=f"opd-{component}-"))
+        unpack_workspace(workspace_zip, self.workspace)
+        # User code may open files relative to its workspace, as it would on Bailian.
+        os.chdir(self.workspace)
+        self.classpath = classpath
+        self.kind = kind
+        self.component = component
+        self.timeout_s = timeout_s
+        self.memory_limit_mb = memory_limit_mb
+        self._slots = asyncio.Semaphore(concurrency)
+        self._in_flight = 0
+        self._processor: Any = None
+
+    def load(self) -> str:
+        """Imports and sets up the user's class; raises `ProcessorLoadError` with the user's traceback."""
+        from opd_trainer.sdk.tracing import configure_tracing, ensure_observed
+        from opd_trainer.workers.classpath import instantiate_processor, load_processor_class
+
+        if self._processor is None:
+            configure_tracing(f"opd-{self.kind}-worker")
+            # One workspace per worker process: no isolation, so lazy imports inside process() work.
+            cls = load_processor_class(
+                Path.cwd(), self.classpath, self.kind, component=self.component, isolate=False
+            )
+            self._processor = ensure_observed(instantiate_processor(cls, component=self.component))
+        return type(self._processor).__name__
+
+    def _failed(self, message: str) -> Any:
+        from opd_trainer.sdk import RewardOutput, RolloutOutput, TaskStatus
+
+        output_type = RolloutOutput if self.kind == "rollout" else RewardOutput
+        return output_type(status=TaskStatus.FAILED, error=message)
+
+    async def call(self, payload: Any, rollout_id: str) -> dict[str, Any]:
+        """One `process` call; always returns {"output", "spans", "seconds"}, never raises for user faults."""
+        from opd_trainer.sdk import call_processor
+        from opd_trainer.sdk.tracing import collect_spans
+
+        self.load()
+        started = time.perf_counter()
+        async with self._slots:
+            self._in_flight += 1
+            try:
+                output = await asyncio.wait_for(call_processor(self._processor, payload), self.timeout_s)
+            except TimeoutError:
+                output = self._failed(f"{self.component}: timed out after {self.timeout_s:g}s")
+            except Exception as exc:
+                logger.error(
+                    "%s: process() raised\n%s",
+                    self.component,
+                    "".join(traceback.format_exception(exc, limit=-8)),
+                )
+                output = self._failed(f"{self.component}: {one_line(exc)}")
+            finally:
+                self._in_flight -= 1
+        return {
+            "output": output,
+            "spans": collect_spans(rollout_id),
+            "seconds": time.perf_counter() - started,
+        }
+
+    def confinement(self) -> str | None:
+        """ "bwrap" when this worker runs inside the sandbox (`opd_trainer.workers.sandbox`), else None."""
+        from opd_trainer.workers.sandbox import SANDBOXED_ENV
+
+        return os.environ.get(SANDBOXED_ENV)
+
+    def stats(self) -> dict[str, float]:
+        import psutil
+
+        rss_mb = psutil.Process(os.getpid()).memory_info().rss / MB
+        return {"in_flight": float(self._in_flight), "memory_fraction": rss_mb / self.memory_limit_mb}
+
+
+ProcessorWorkerActor = ray.remote(ProcessorWorker)
+
+
+def requirements_of(workspace: Path) -> list[str]:
+    """The requirement lines of the workspace's requirements.txt (dir or zip), comments dropped."""
+    if workspace.is_file():
+        with zipfile.ZipFile(workspace) as archive:
+            names = set(archive.namelist())
+            text = archive.read("requirements.txt").decode() if "requirements.txt" in names else ""
+    else:
+        file = workspace / "requirements.txt"
+        text = file.read_text() if file.exists() else ""
+    lines = (line.split("#", 1)[0].strip() for line in text.splitlines())
+    return [line for line in lines if line]
+
+
+def check_requirements_install(requirements: list[str], field: str, timeout_s: float = 300.0) -> None:
+    """Resolves the requirements with `pip install --dry-run` before any worker starts.
+
+    Ray builds a runtime environment by cloning the interpreter's whole virtualenv before running pip,
+    and retries a failing install, so a typo in requirements.txt would cost minutes before it is seen;
+    a dry run names the problem in seconds.
+    """
+    import subprocess
+    import sys
+
+    if not requirements:
+        return
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--dry-run",
+        "--quiet",
+        "--disable-pip-version-check",
+        *requirements,
+    ]
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise ProcessorLoadError(
+            f"requirements.txt could not be resolved within {timeout_s:.0f}s", field=field
+        ) from None
+    if result.returncode != 0:
+        errors = [line for line in result.stderr.splitlines() if line.startswith("ERROR")] or [
+            result.stderr[-800:]
+        ]
+        raise ProcessorLoadError("requirements.txt failed to install: " + " ".join(errors), field=field)
+
+
+def runtime_env_for(
+    component: FunctionComponent, workspace: Path, sandbox: str | None = None
+) -> dict[str, Any] | None:
+    """Ray runtime environment of a component's workers: its pip requirements, env vars and, with
+    `sandbox` (from `opd_trainer.workers.sandbox.worker_py_executable`), the launcher that confines them.
+
+    None when there is none of these, so Ray can reuse its already started worker processes.
+    """
+    env: dict[str, Any] = {}
+    if component.runtime.env:
+        env["env_vars"] = dict(component.runtime.env)
+    requirements = requirements_of(workspace)
+    if requirements:
+        env["pip"] = {"packages": requirements, "pip_check": False}
+    if sandbox:
+        env["py_executable"] = sandbox
+    return env or None
+
+
+class WorkerPool:
+    """The workers of one component, scaled by the shared autoscaler."""
+
+    def __init__(
+        self,
+        job_id: str,
+        component: FunctionComponent,
+        workspace: Path,
+        *,
+        autoscale_interval_s: float = 1.0,
+        scale_down_cooldown_s: float = 30.0,
+        on_event: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.job_id = job_id
+        self.component = component
+        # An evaluator implements the reward interface (RewardInput -> RewardOutput).
+        self.kind: Kind = "rollout" if component.type == "rollout" else "reward"
+        self.workspace = workspace
+        self.autoscale_interval_s = autoscale_interval_s
+        self.autoscaler = Autoscaler(
+            AutoscalerSettings.from_runtime(component.runtime, scale_down_cooldown_s=scale_down_cooldown_s),
+            pool=f"{component.type}:{component.name}",
+            job_id=job_id,
+            on_event=on_event,
+        )
+        self._workers: list[Any] = []
+        self._in_flight: dict[Any, int] = {}
+        # Workers the pool killed on purpose, and why: their calls fail with that reason, not a retry.
+        self._killed: dict[Any, str] = {}
+        self._starting = 0  # workers being started: they count against max_capacity
+        self._sandbox: str | None = None  # the confining launcher, set by start()
+        self._resources = user_code_resources()
+        self._queued = 0
+        self._free = asyncio.Condition()
+        self._workspace_ref: Any = None
+        self._autoscale_task: asyncio.Task[None] | None = None
+        self.calls = 0
+        self.failures = 0
+        self.retries = 0
+        self.history: list[dict[str, Any]] = []
+
+    @property
+    def field(self) -> str:
+        return f"functions.{self.component.name}.fcmodel"
+
+    @property
+    def call_timeout_s(self) -> float:
+        """How long the pool waits for one call's answer before it kills the worker."""
+        timeout = self.component.timeout
+        return timeout + max(TIMEOUT_GRACE_S, TIMEOUT_GRACE_FRACTION * timeout)
+
+    async def _new_worker(self) -> Any:
+        runtime = self.component.runtime
+        runtime_env = runtime_env_for(self.component, self.workspace, self._sandbox)
+        worker = ProcessorWorkerActor.options(  # type: ignore[attr-defined]
+            num_cpus=runtime.cpu,
+            memory=runtime.memory_size * MB,
+            resources=self._resources,
+            runtime_env=runtime_env,
+            max_concurrency=max(16, runtime.concurrency * 2),
+        ).remote(
+            self._workspace_ref,
+            self.component.fcmodel.classpath,
+            self.kind,
+            self.component.name,
+            runtime.concurrency,
+            self.component.timeout,
+            runtime.memory_size,
+        )
+        start_timeout = START_TIMEOUT_WITH_PIP_S if runtime_env and "pip" in runtime_env else START_TIMEOUT_S
+        try:
+            await asyncio.wait_for(worker.load.remote(), start_timeout)
+        except TimeoutError:
+            ray.kill(worker)
+            needs = f"cpu {runtime.cpu}, memory_size {runtime.memory_size} MB"
+            if self._resources:
+                needs += f", Ray resource {next(iter(self._resources))} ({USER_CODE_RESOURCE_ENV})"
+            raise ProcessorLoadError(
+                f"a worker did not start within {start_timeout:.0f}s: Ray could not place it "
+                f"({needs}) or its setup() did not return",
+                field=self.field,
+            ) from None
+        except RuntimeEnvSetupError as exc:
+            ray.kill(worker)
+            raise ProcessorLoadError(
+                f"the workspace's requirements.txt failed to install: {str(exc)[-1500:]}", field=self.field
+            ) from None
+        except ProcessorLoadError:
+            ray.kill(worker)
+            raise
+        if self._sandbox and await worker.confinement.remote() != "bwrap":
+            ray.kill(worker)
+            raise ProcessorLoadError(
+                "the worker started outside its sandbox (Ray did not use the confining launcher)",
+                field=self.field,
+            )
+        self._workers.append(worker)
+        self._in_flight[worker] = 0
+        return worker
+
+    async def start(self) -> None:
+        """Starts `capacity` workers (at least one: load errors surface before training) + the autoscaler."""
+        from opd_trainer.workers.sandbox import SandboxUnavailable, worker_py_executable
+
+        try:
+            self._sandbox = worker_py_executable(scratch_mb=self.component.runtime.disk_size)
+        except SandboxUnavailable as exc:
+            raise ProcessorLoadError(str(exc), field=self.field) from None
+        await asyncio.to_thread(check_requirements_install, requirements_of(self.workspace), self.field)
+        self._workspace_ref = ray.put(pack_workspace(self.workspace))
+        initial = max(1, self.autoscaler.initial_workers())
+        await asyncio.gather(*(self._new_worker() for _ in range(initial)))
+        self._autoscale_task = asyncio.get_running_loop().create_task(self._autoscale_loop())
+
+    async def _acquire(self) -> Any:
+        concurrency = self.component.runtime.concurrency
+        async with self._free:
+            self._queued += 1
+            try:
+                while True:
+                    ready = [w for w in self._workers if self._in_flight[w] < concurrency]
+                    if ready:
+                        worker = min(ready, key=self._in_flight.__getitem__)
+                        self._in_flight[worker] += 1
+                        return worker
+                    await self._free.wait()
+            finally:
+                self._queued -= 1
+
+    async def _release(self, worker: Any) -> None:
+        async with self._free:
+            if worker in self._in_flight:
+                self._in_flight[worker] -= 1
+            self._free.notify_all()
+
+    async def _add_worker_within_max(self) -> bool:
+        """Starts one worker unless running + starting workers already reach `max_capacity`."""
+        async with self._free:
+            if len(self._workers) + self._starting >= self.autoscaler.settings.max_capacity:
+                return False
+            self._starting += 1
+        try:
+            await self._new_worker()
+        finally:
+            self._starting -= 1
+        async with self._free:
+            self._free.notify_all()
+        return True
+
+    async def _replace(self, dead: Any, reason: str = "died") -> None:
+        """Drops `dead` and starts one replacement; calls that lost the same worker start none."""
+        async with self._free:
+            if dead not in self._in_flight:
+                return
+            self._workers.remove(dead)
+            del self._in_flight[dead]
+        logger.warning("[%s] %s worker %s; starting a replacement", self.job_id, self.component.name, reason)
+        try:
+            await self._add_worker_within_max()
+        except Exception as exc:  # the autoscaler retries from min_capacity on its next tick
+            logger.error("[%s] replacing a %s worker failed: %s", self.job_id, self.component.name, exc)
+
+    async def _kill(self, worker: Any, reason: str) -> None:
+        """Kills a worker on purpose (blocked or over its memory), records why, and replaces it."""
+        self._killed[worker] = reason
+        ray.kill(worker)
+        await self._replace(worker, reason)
+
+    async def run(self, make_payload: Callable[[int], Any], rollout_id: str) -> dict[str, Any]:
+        """Runs one call; `make_payload(attempt_id)` builds the input. Retries on worker death."""
+        for attempt in range(MAX_ATTEMPTS):
+            worker = await self._acquire()
+            started = time.perf_counter()
+            try:
+                result = await asyncio.wait_for(
+                    worker.call.remote(make_payload(attempt), rollout_id), self.call_timeout_s
+                )
+            except TimeoutError:
+                await self._release(worker)
+                reason = (
+                    f"timed out after {self.component.timeout:g}s and its worker did not answer "
+                    "(synchronous code blocking the event loop?); the worker was restarted"
+                )
+                await self._kill(worker, reason)
+                return self._failure(reason, attempt, time.perf_counter() - started)
+            except RayActorError:
+                await self._release(worker)
+                if worker in self._killed:  # killed on purpose: the call caused it, do not retry
+                    return self._failure(self._killed[worker], attempt, time.perf_counter() - started)
+                self.retries += 1
+                await self._replace(worker)
+                continue
+            await self._release(worker)
+            self.calls += 1
+            result["attempt_id"] = attempt
+            return result
+        return self._failure(f"worker died {MAX_ATTEMPTS} times", MAX_ATTEMPTS - 1, 0.0)
+
+    def _failure(self, reason: str, attempt: int, seconds: float) -> dict[str, Any]:
+        from opd_trainer.sdk import RewardOutput, RolloutOutput, TaskStatus
+
+        self.calls += 1
+        self.failures += 1
+        output_type = RolloutOutput if self.kind == "rollout" else RewardOutput
+        return {
+            "output": output_type(status=TaskStatus.FAILED, error=f"{self.component.name}: {reason}"),
+            "spans": [],
+            "seconds": seconds,
+            "attempt_id": attempt,
+        }
+
+    async def _stats(self, worker: Any) -> dict[str, float] | None:
+        try:  # a worker whose event loop is blocked does not answer; its call's timeout handles it
+            return await asyncio.wait_for(worker.stats.remote(), STATS_TIMEOUT_S)  # type: ignore[no-any-return]
+        except (TimeoutError, RayActorError):
+            return None
+
+    async def _worker_stats(self) -> dict[Any, dict[str, float] | None]:
+        workers = list(self._workers)
+        return dict(zip(workers, await asyncio.gather(*(self._stats(w) for w in workers)), strict=True))
+
+    async def _enforce_memory(self, stats: dict[Any, dict[str, float] | None]) -> None:
+        """Kills (and replaces) every worker whose resident memory exceeds the component's memory_size."""
+        limit = self.component.runtime.memory_size
+        for worker, stat in stats.items():
+            if stat is not None and stat["memory_fraction"] > 1.0:
+                used = stat["memory_fraction"] * limit
+                await self._kill(
+                    worker, f"exceeded memory_size {limit} MB (resident {used:.0f} MB); worker killed"
+                )
+
+    def _snapshot(self, stats: dict[Any, dict[str, float] | None]) -> PoolSnapshot:
+        memory = [s["memory_fraction"] for w, s in stats.items() if s is not None and w in self._in_flight]
+        in_flight = sum(self._in_flight.values())
+        idle = sum(1 for w in self._workers if self._in_flight[w] == 0)
+        return PoolSnapshot(
+            len(self._workers), in_flight, self._queued, idle, max(memory) if memory else None
+        )
+
+    async def autoscale_once(self) -> None:
+        stats = await self._worker_stats()
+        await self._enforce_memory(stats)
+        decision = self.autoscaler.decide(self._snapshot(stats))
+        self.history.append(
+            {
+                "time": time.time(),
+                "workers": decision.current,
+                "desired": decision.desired,
+                "action": decision.action,
+                "utilisation": decision.utilisation,
+            }
+        )
+        if decision.action == "up":
+            await asyncio.gather(
+                *(self._add_worker_within_max() for _ in range(decision.desired - decision.current)),
+                return_exceptions=True,
+            )
+        elif decision.action == "down":
+            async with self._free:
+                idle = [w for w in self._workers if self._in_flight[w] == 0][: decision.remove]
+                for worker in idle:
+                    self._workers.remove(worker)
+                    del self._in_flight[worker]
+            for worker in idle:
+                ray.kill(worker)
+
+    async def _autoscale_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.autoscale_interval_s)
+            try:
+                await self.autoscale_once()
+            except Exception:  # scaling trouble must not kill the job; the next tick retries
+                logger.exception("[%s] autoscaling %s failed", self.job_id, self.component.name)
+
+    @property
+    def size(self) -> int:
+        return len(self._workers)
+
+    async def shutdown(self) -> None:
+        if self._autoscale_task is not None:
+            self._autoscale_task.cancel()
+        for worker in self._workers:
+            ray.kill(worker)
+        self._workers.clear()
+        self._in_flight.clear()
+        self.autoscaler.remove_labels()
