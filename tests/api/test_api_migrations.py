@@ -19,7 +19,7 @@ from api.db import Base, Database, migrate
 from api.services.keys import hash_key
 from tests.api.apiserver import Server
 
-SCHEMAS = Path(__file__).parent / "schemas"
+SCHEMAS = Path(__file__).parent / "legacy_databases"
 HEAD = "0002"
 KEY = "opd-test-key-of-an-old-release-0123456789"
 
