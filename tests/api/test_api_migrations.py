@@ -12,12 +12,12 @@ import httpx
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
+from apiserver import Server
 from sqlalchemy import inspect
 
 from api import models
 from api.db import Base, Database, migrate
 from api.services.keys import hash_key
-from tests.api.apiserver import Server
 
 SCHEMAS = Path(__file__).parent / "legacy_databases"
 HEAD = "0002"
