@@ -14,7 +14,7 @@ from typing import Any
 
 from sqlalchemy import Engine, create_engine, event, inspect, text
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
-from sqlalchemy.pool import NullPool
+from sqlalchemy.pool import QueuePool
 
 
 class Base(DeclarativeBase):
@@ -22,13 +22,21 @@ class Base(DeclarativeBase):
 
 
 def make_engine(url: str) -> Engine:
-    # A request holds its connection while it waits for a thread-pool thread (FastAPI runs sync
-    # handlers and dependencies there), so a pool smaller than the number of requests in flight can
-    # leave every thread waiting for a connection that a thread-less request holds. SQLite
-    # connections are a file open, so none is pooled; PostgreSQL gets a pool with ample overflow.
+    # A request can hold its connection while it waits for a thread-pool thread (FastAPI runs sync
+    # handlers and the session dependency's teardown there), so a pool that makes requests wait for
+    # a connection can leave every thread waiting on a thread-less request: the overflow is
+    # unbounded for SQLite (connections beyond the pool are closed when returned) and ample for
+    # PostgreSQL. Pooling SQLite matters: opening a connection (and its PRAGMAs) and closing it
+    # (the last close checkpoints the WAL) was ~30 % of a status read's CPU (py-spy, 2026-12-01).
     if not url.startswith("sqlite"):
         return create_engine(url, pool_pre_ping=True, pool_size=20, max_overflow=200, pool_timeout=60)
-    engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30}, poolclass=NullPool)
+    engine = create_engine(
+        url,
+        connect_args={"check_same_thread": False, "timeout": 30},
+        poolclass=QueuePool,
+        pool_size=20,
+        max_overflow=-1,
+    )
 
     @event.listens_for(engine, "connect")
     def _sqlite_pragmas(connection: Any, _record: Any) -> None:

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import threading
+from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -65,24 +70,71 @@ def resolve_max_length(max_length: int | None, student_path: str, teacher_path: 
     return max_length
 
 
+@dataclass(frozen=True)
+class TokenizerIdentity:
+    """What the teacher must share with the student: its vocabulary (as a digest) and chat template."""
+
+    vocab_size: int
+    vocab_digest: str
+    chat_template: str
+
+
+def _folder_state(path: Path) -> tuple[tuple[str, int, int], ...]:
+    """Names, sizes and mtimes of a model folder's files: a changed tokenizer file changes it."""
+    return tuple(
+        sorted(
+            (entry.name, entry.stat().st_size, entry.stat().st_mtime_ns)
+            for entry in os.scandir(path)
+            if entry.is_file()
+        )
+    )
+
+
+# transformers resolves `AutoTokenizer` through a lazy module that is not thread-safe on first use:
+# 21 submissions pre-flighting at once in a fresh server failed with "cannot import name
+# 'AutoTokenizer' from 'transformers'" (2026-12-01). The job server pre-flights in threads.
+_IMPORT_LOCK = threading.Lock()
+
+
+def _auto_tokenizer() -> Any:
+    with _IMPORT_LOCK:
+        from transformers import AutoTokenizer
+    return AutoTokenizer
+
+
+def import_tokenizer_support() -> None:
+    """Imports what the tokenizer check needs (transformers: seconds), for a server to do at start."""
+    _auto_tokenizer()
+
+
+@lru_cache(maxsize=64)
+def _identity(path: str, _state: tuple[tuple[str, int, int], ...]) -> TokenizerIdentity:
+    tokenizer = _auto_tokenizer().from_pretrained(path)
+    vocab = sorted(tokenizer.get_vocab().items())
+    digest = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
+    return TokenizerIdentity(len(vocab), digest, tokenizer.chat_template or "")
+
+
+def tokenizer_identity(model_path: str, field: str) -> TokenizerIdentity:
+    """The model's tokenizer identity, loaded once per state of its folder: the job server pre-flights
+    every submission, and loading a tokenizer costs tens of milliseconds (tiny) to seconds (large)."""
+    try:
+        folder = Path(model_path).resolve()
+        return _identity(str(folder), _folder_state(folder))
+    except (OSError, ValueError) as exc:
+        which = "student" if field == "model" else "teacher"
+        raise ConfigError(
+            f"cannot load the {which}'s tokenizer from {model_path}: {exc}", field=field
+        ) from None
+
+
 def check_same_tokenizer(student_path: str, teacher_path: str) -> None:
     """The teacher must score the student's exact token ids: same vocabulary and chat template."""
-    from transformers import AutoTokenizer
-
-    try:
-        student = AutoTokenizer.from_pretrained(student_path)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(
-            f"cannot load the student's tokenizer from {student_path}: {exc}", field="model"
-        ) from None
-    try:
-        teacher = AutoTokenizer.from_pretrained(teacher_path)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(
-            f"cannot load the teacher's tokenizer from {teacher_path}: {exc}", field="teacher_model"
-        ) from None
-    student_vocab, teacher_vocab = student.get_vocab(), teacher.get_vocab()
-    if student_vocab != teacher_vocab:
+    student = tokenizer_identity(student_path, "model")
+    teacher = tokenizer_identity(teacher_path, "teacher_model")
+    if student.vocab_digest != teacher.vocab_digest:
+        student_vocab = _auto_tokenizer().from_pretrained(student_path).get_vocab()
+        teacher_vocab = _auto_tokenizer().from_pretrained(teacher_path).get_vocab()
         differing = len(set(student_vocab.items()) ^ set(teacher_vocab.items()))
         raise ConfigError(
             f"tokenizer differs from the student's: vocabularies of {len(teacher_vocab)} and "
@@ -90,7 +142,7 @@ def check_same_tokenizer(student_path: str, teacher_path: str) -> None:
             "cannot score the student's token ids",
             field="teacher_model",
         )
-    if (student.chat_template or "") != (teacher.chat_template or ""):
+    if student.chat_template != teacher.chat_template:
         raise ConfigError(
             "chat template differs from the student's: prompts would be tokenized differently",
             field="teacher_model",
