@@ -204,9 +204,21 @@ class Scheduler:
             logger.info("reconciled %d unfinished jobs", len(jobs))
 
     def _recover_events_from_disk(self, session: Session, job: Job) -> None:
-        """Copies what a lost driver wrote to events.jsonl after our last poll (shared run dirs only)."""
+        """Copies what a lost driver wrote to events.jsonl after our last poll (shared run dirs only).
+
+        An `error` among them is what the driver saw while it was dying (e.g. `ActorDiedError` when a
+        graceful stop of the server shuts its embedded Ray down under a running step), not the job's
+        error: the job goes on from its checkpoint or fails as `driver_lost`. It is kept, as a
+        `recovery` event that says so, so a job that then succeeds carries no error event.
+        """
         records = finite(RunDir(job.run_dir).events()[job.driver_events_offset :])
-        self._ingest(session, job, [r for r in records if r.get("seq", -1) > job.driver_event_seq])
+        lost = [r for r in records if r.get("seq", -1) > job.driver_event_seq]
+        for record in lost:
+            if record.get("type") == "error":
+                record["type"] = "recovery"
+                record["data"] = {**(record.get("data") or {}), "driver_error": record.get("message", "")}
+                record["message"] = f"the driver stopped with an error: {record.get('message', '')}"
+        self._ingest(session, job, lost)
 
     def _driver_lost(self, session: Session, job: Job, *, counts: bool) -> None:
         import ray
