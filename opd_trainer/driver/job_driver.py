@@ -241,6 +241,7 @@ class JobDriver:
             max_tokens=hp.max_tokens,
             temperature=hp.temperature,
             max_length=self._max_length,
+            tool_call_parser=self.spec.tool_call_parser,
         )
         # On a cluster the rollout workers may sit on other nodes: listen on every interface there.
         host = "127.0.0.1" if self._single_node() else "0.0.0.0"
@@ -297,6 +298,10 @@ class JobDriver:
                 STUDENT_MODEL_NAME, spec.teacher_model, self._teacher
             )
             self._teacher_runner = RolloutRunner(self.job_id, self._teacher_gateway, teacher_url, **options)
+        # vLLM's tool-call parser loaded in the gateways while the pools started; a bad name fails here.
+        await asyncio.gather(
+            *(g.ready.remote() for g in (self._gateway, self._teacher_gateway) if g is not None)
+        )
 
     @staticmethod
     def _single_node() -> bool:

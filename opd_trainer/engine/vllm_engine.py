@@ -222,8 +222,11 @@ class Engine:
         top_p: float = 1.0,
         seed: int | None = None,
         stop_token_ids: list[int] | None = None,
+        skip_special_tokens: bool = True,
     ) -> LLMCall:
-        """Samples one completion; returns its token ids and the sampler's logprob of each."""
+        """Samples one completion; returns its token ids and the sampler's logprob of each.
+
+        `skip_special_tokens` applies to the text only (a tool-call parser may need its markers)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -240,6 +243,7 @@ class Engine:
             seed=seed,
             stop_token_ids=stop_token_ids or [],
             logprobs=0,
+            skip_special_tokens=skip_special_tokens,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
         version = self._weight_version

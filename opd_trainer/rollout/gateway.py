@@ -11,6 +11,10 @@ Two policies differ from a plain OpenAI server, on purpose:
   (validation opens greedy keys) and a seed: calls that send none get `seed + call index`, so an
   agent that never passes a seed still resamples identically when a run is repeated or resumed.
 - `max_tokens` is capped at the job's `max_tokens`.
+Tool calls are parsed by vLLM's parser for the model family (`tool_call_parser`, as `vllm serve
+--tool-call-parser`; `opd_trainer/rollout/tool_calls.py`), which also decides whether the completion
+is decoded with special tokens. `tool_choice: "none"` renders no tools and parses none; any other
+value is treated as `"auto"` (no constrained decoding of a required or named call).
 Streaming responses are sent once the completion is generated (chunked per the OpenAI protocol).
 Template variables reach the chat template as they do on vLLM and Bailian: `chat_template_kwargs`
 (vLLM's field) and a top-level `enable_thinking` (what `extra_body={"enable_thinking": False}` sends,
@@ -25,7 +29,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import re
 import secrets
 import time
 import uuid
@@ -38,17 +41,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from opd_trainer.errors import EngineError
+from opd_trainer.errors import ConfigError, EngineError
 from opd_trainer.ports import free_port
 from opd_trainer.records import LLMCall
+from opd_trainer.rollout.tool_calls import ToolCallParsing
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
 logger = logging.getLogger(__name__)
-
-TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-
 
 # apply_chat_template's own arguments: the gateway sets them, a client's template kwargs may not.
 RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -148,37 +149,12 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return normalized
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """Hermes-style `<tool_call>{json}</tool_call>` blocks → OpenAI tool calls; the rest is content.
+class InvalidRequest(ValueError):
+    """A request vLLM's own validation refuses (e.g. a malformed tool); `param` names the field."""
 
-    A block that is not a JSON object with a `name` stays in the content, as vLLM's hermes parser does.
-    """
-    calls: list[dict[str, Any]] = []
-
-    def take(match: re.Match[str]) -> str:
-        try:
-            payload = json.loads(match.group(1))
-        except json.JSONDecodeError:
-            return match.group(0)
-        if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
-            return match.group(0)
-        arguments = payload.get("arguments", {})
-        calls.append(
-            {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {
-                    "name": payload["name"],
-                    "arguments": arguments
-                    if isinstance(arguments, str)
-                    else json.dumps(arguments, ensure_ascii=False),
-                },
-            }
-        )
-        return ""
-
-    rest = TOOL_CALL_RE.sub(take, text).strip()
-    return (rest or None) if calls else text, calls
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def _error(status: int, message: str, code: str, param: str | None = None) -> JSONResponse:
@@ -206,6 +182,7 @@ class Gateway:
         max_tokens: int,
         temperature: float,
         max_length: int,
+        tool_call_parser: str = "hermes",
         key_ttl_s: float = 3600.0,
     ) -> None:
         self.model_name = model_name
@@ -215,6 +192,8 @@ class Gateway:
         self.temperature = temperature
         self.max_length = max_length
         self.key_ttl_s = key_ttl_s
+        self.tool_call_parser = tool_call_parser
+        self._tool_calls: asyncio.Task[ToolCallParsing] | None = None
         self._sessions: dict[str, RolloutSession] = {}
         self._in_flight = [0] * len(self.engines)
         self._tokenizer: Any = None
@@ -260,13 +239,31 @@ class Gateway:
 
     # -- completion -----------------------------------------------------------------------------
 
-    def _prompt_ids(self, request: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list[int]]:
-        from opd_trainer.rollout.chat import prompt_token_ids
-
+    def _load_tokenizer(self) -> Any:
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
             self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+        return self._tokenizer
+
+    def _parsing(self) -> asyncio.Task[ToolCallParsing]:
+        """vLLM's tool-call parser, loaded in a thread (importing vLLM takes seconds) from the start."""
+        if self._tool_calls is None:
+            tokenizer = self._load_tokenizer()
+            self._tool_calls = asyncio.get_running_loop().create_task(
+                asyncio.to_thread(ToolCallParsing, self.tool_call_parser, tokenizer)
+            )
+        return self._tool_calls
+
+    async def ready(self) -> None:
+        """Returns once the tool-call parser is loaded; raises its `ConfigError` (unknown name, or a
+        parser whose markers the tokenizer lacks), so a job fails at start naming `tool_call_parser`."""
+        await self._parsing()
+
+    def _prompt_ids(self, request: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list[int]]:
+        from opd_trainer.rollout.chat import prompt_token_ids
+
+        self._load_tokenizer()
         messages = normalize_messages(request.messages)
         tools = request.tools if request.tool_choice != "none" else None
         return messages, prompt_token_ids(self._tokenizer, messages, tools, request.template_kwargs())
@@ -286,16 +283,32 @@ class Gateway:
             seed = session.seed + session.started_calls
         session.started_calls += 1
         temperature = self.temperature if session.temperature is None else session.temperature
+        parsing, tool_request = None, None
+        if request.tools and request.tool_choice != "none":
+            parsing = await self._parsing()
+            try:
+                tool_request = parsing.request(messages, request.tools, request.tool_choice)
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                where = ".".join(str(p) for p in first["loc"])
+                raise InvalidRequest(f"{where}: {first['msg']}", where) from None
+        skip_special_tokens = True if tool_request is None else bool(tool_request.skip_special_tokens)
         replica = min(range(len(self.engines)), key=self._in_flight.__getitem__)
         self._in_flight[replica] += 1
         try:
             completion = await self.engines[replica].generate.remote(
-                prompt_ids, max_tokens=max_tokens, temperature=temperature, seed=seed
+                prompt_ids,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                seed=seed,
+                skip_special_tokens=skip_special_tokens,
             )
         finally:
             self._in_flight[replica] -= 1
-        parse = request.tools is not None and request.tool_choice != "none"
-        content, tool_calls = parse_tool_calls(completion.text) if parse else (completion.text, [])
+        if parsing is None:
+            content, tool_calls = completion.text, []
+        else:
+            content, tool_calls = parsing.parse(completion.text, tool_request)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if tool_calls:
             message["tool_calls"] = tool_calls
@@ -387,6 +400,10 @@ class Gateway:
                 body, _ = await self.complete(key, request)
             except PermissionError as exc:
                 return _error(401, str(exc), "invalid_api_key")
+            except InvalidRequest as exc:
+                return _error(400, str(exc), "invalid_request", exc.param)
+            except ConfigError as exc:
+                return _error(503, exc.message, "tool_call_parser", exc.field)
             except ValueError as exc:
                 return _error(400, str(exc), "context_length_exceeded", "messages")
             except EngineError as exc:
@@ -415,6 +432,7 @@ class Gateway:
             if task.done():
                 task.result()  # raises the start-up error
             await asyncio.sleep(0.02)
+        self._parsing()  # starts loading vLLM's tool-call parser; `ready()` waits for it
         advertised = ray.util.get_node_ip_address() if host == "0.0.0.0" else host
         self.base_url = f"http://{advertised}:{port}/v1"
         logger.info("gateway for %s serving at %s", self.model_name, self.base_url)

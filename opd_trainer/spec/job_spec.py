@@ -359,6 +359,14 @@ class JobSpec(_Strict):
     hyper_parameters: HyperParameters = Field(
         default_factory=HyperParameters, description="Training settings."
     )
+    tool_call_parser: str = Field(
+        default="hermes",
+        min_length=1,
+        description="vLLM's tool-call parser for the models' output format, as `vllm serve "
+        "--tool-call-parser`: hermes (Qwen2.5/Qwen3, Hermes), llama3_json, mistral, pythonic, qwen3_xml, "
+        "...; turns a completion into the `tool_calls` rollouts and evaluators see. Checked when the "
+        "job starts against vLLM's registry and the tokenizer.",
+    )
     resources: Resources = Field(default_factory=Resources, description="Engine and learner placement.")
     ignored_fields: dict[str, JsonValue] = Field(
         default_factory=dict,

@@ -1,7 +1,8 @@
 """The tiny teacher served by vLLM's own OpenAI server with the hermes parser returns structured tool calls.
 
 This proves the tokenizer's `<tool_call>` markup and chat template are what vLLM's `hermes` tool
-parser expects, end to end through real HTTP and the official `openai` client.
+parser expects, end to end through real HTTP and the official `openai` client, and that the recording
+gateway (which uses the same parser registry, `tool_call_parser`) answers the same requests the same.
 """
 
 from __future__ import annotations
@@ -13,17 +14,21 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+import ray
 from openai import OpenAI
 from transformers import AutoTokenizer
 
 from opd_trainer.demo.tiny_models import TinyModels
 from opd_trainer.demo.tiny_models.serving import TINY_KV_CACHE_BYTES
 from opd_trainer.demo.tool_routing import evaluator
+from opd_trainer.errors import ConfigError
 from opd_trainer.jsonl import read_jsonl
 from opd_trainer.ports import free_port
+from opd_trainer.rollout.gateway import GatewayActor
 
 pytestmark = pytest.mark.integration
 
@@ -143,3 +148,66 @@ def test_chat_endpoint_returns_token_ids(teacher_server: str, tiny_models: TinyM
     token_ids = choice.model_extra["token_ids"]
     assert token_ids and len(choice.logprobs.content) == len(token_ids)
     assert response.model_extra["prompt_token_ids"]
+
+
+def test_the_gateway_answers_tool_calls_as_vllms_own_server(
+    teacher_server: str, teacher_engine: Any, tiny_models: TinyModels
+) -> None:
+    """The gateway parses with vLLM's hermes parser: the same greedy request gets the same message
+    (content, tool calls, finish reason) from the gateway in front of our engine actor as from
+    `vllm serve --tool-call-parser hermes` on the same weights."""
+    records = [
+        r
+        for r in read_jsonl(tiny_models.data_dir / "validation.jsonl")
+        if r["rollout_extra"]["category"] == "tool_call"
+    ][:6]
+    gateway = GatewayActor.remote(  # type: ignore[attr-defined]
+        "teacher", str(tiny_models.teacher), [teacher_engine], max_tokens=64, temperature=1.0, max_length=1024
+    )
+    base_url = ray.get(gateway.serve.remote())
+    ray.get(gateway.ready.remote())
+    try:
+        key = ray.get(gateway.open_rollout.remote("greedy", temperature=0.0))
+        ours = OpenAI(base_url=base_url, api_key=key)
+        theirs = OpenAI(base_url=teacher_server, api_key="unused")
+        with_calls = 0
+        for record in records:
+            request = {"messages": record["messages"], "tools": record["tools"], "max_tokens": 64}
+            want = theirs.chat.completions.create(model="teacher", temperature=0.0, **request).choices[0]
+            got = ours.chat.completions.create(model="teacher", **request).choices[0]
+            assert (got.message.content or None) == (want.message.content or None)
+            assert [(c.function.name, c.function.arguments) for c in got.message.tool_calls or []] == [
+                (c.function.name, c.function.arguments) for c in want.message.tool_calls or []
+            ]
+            assert got.finish_reason == want.finish_reason
+            with_calls += bool(want.message.tool_calls)
+        assert with_calls >= len(records) // 2, f"only {with_calls}/{len(records)} replies called a tool"
+    finally:
+        ray.get(gateway.shutdown.remote())
+        ray.kill(gateway)
+
+
+def test_an_unknown_or_unfitting_tool_call_parser_fails_naming_the_field(
+    ray_session: None, tiny_models: TinyModels
+) -> None:
+    for name, says in (
+        ("no-such-parser", "unknown tool-call parser 'no-such-parser'"),
+        ("llama3_json", "does not fit"),
+    ):
+        gateway = GatewayActor.remote(  # type: ignore[attr-defined]
+            "teacher",
+            str(tiny_models.teacher),
+            [],
+            max_tokens=8,
+            temperature=1.0,
+            max_length=64,
+            tool_call_parser=name,
+        )
+        try:
+            ray.get(gateway.serve.remote())
+            with pytest.raises(ConfigError) as error:
+                ray.get(gateway.ready.remote())
+            assert error.value.field == "tool_call_parser" and says in error.value.message
+        finally:
+            ray.get(gateway.shutdown.remote())
+            ray.kill(gateway)
