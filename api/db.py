@@ -28,6 +28,7 @@ def make_engine(url: str) -> Engine:
     # unbounded for SQLite (connections beyond the pool are closed when returned) and ample for
     # PostgreSQL. Pooling SQLite matters: opening a connection (and its PRAGMAs) and closing it
     # (the last close checkpoints the WAL) was ~30 % of a status read's CPU (py-spy, 2026-12-01).
+    # 20 kept (64 measured worse: reads stalled more after a burst of submissions, 2026-12-01).
     if not url.startswith("sqlite"):
         return create_engine(url, pool_pre_ping=True, pool_size=20, max_overflow=200, pool_timeout=60)
     engine = create_engine(
