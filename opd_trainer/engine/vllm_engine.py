@@ -30,6 +30,8 @@ from opd_trainer.records import LLMCall
 from opd_trainer.spec.job_spec import EngineResources
 
 if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
     from ray.actor import ActorHandle
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -198,20 +200,58 @@ class Engine:
         assert self._llm is not None
         return self._llm
 
-    async def _run(self, prompt_token_ids: list[int], params: Any) -> Any:
-        """Submits one request and returns its final output."""
+    async def _outputs(self, prompt_token_ids: list[int], params: Any) -> AsyncIterator[Any]:
+        """vLLM's outputs of one request, as it produces them (counted in flight meanwhile)."""
         llm = await self._llm_ready()
         request_id = f"{self.name}-{next(self._request_ids)}"
-        final = None
+        produced = False
         self._in_flight += 1
         try:
             async for output in llm.generate({"prompt_token_ids": prompt_token_ids}, params, request_id):
-                final = output
+                produced = True
+                yield output
         finally:
             self._in_flight -= 1
-        if final is None:
+        if not produced:
             raise EngineError(f"{self.name}: request {request_id} produced no output")
+
+    async def _run(self, prompt_token_ids: list[int], params: Any) -> Any:
+        """Submits one request and returns its final output."""
+        final = None
+        async for output in self._outputs(prompt_token_ids, params):
+            final = output
         return final
+
+    def _sampling(
+        self,
+        prompt_token_ids: list[int],
+        *,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int | None,
+        stop_token_ids: list[int] | None,
+        skip_special_tokens: bool,
+        stream: bool,
+    ) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        if len(prompt_token_ids) + 1 > self.config.max_model_len:
+            raise EngineError(
+                f"{self.name}: prompt of {len(prompt_token_ids)} tokens leaves no room under "
+                f"max_model_len={self.config.max_model_len}"
+            )
+        return SamplingParams(
+            max_tokens=min(max_tokens, self.config.max_model_len - len(prompt_token_ids)),
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            stop_token_ids=stop_token_ids or [],
+            logprobs=0,
+            skip_special_tokens=skip_special_tokens,
+            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+        )
 
     async def generate(
         self,
@@ -227,24 +267,15 @@ class Engine:
         """Samples one completion; returns its token ids and the sampler's logprob of each.
 
         `skip_special_tokens` applies to the text only (a tool-call parser may need its markers)."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        if len(prompt_token_ids) + 1 > self.config.max_model_len:
-            raise EngineError(
-                f"{self.name}: prompt of {len(prompt_token_ids)} tokens leaves no room under "
-                f"max_model_len={self.config.max_model_len}"
-            )
-        max_tokens = min(max_tokens, self.config.max_model_len - len(prompt_token_ids))
-        params = SamplingParams(
+        params = self._sampling(
+            prompt_token_ids,
             max_tokens=max_tokens,
             temperature=temperature,
             top_p=top_p,
             seed=seed,
-            stop_token_ids=stop_token_ids or [],
-            logprobs=0,
+            stop_token_ids=stop_token_ids,
             skip_special_tokens=skip_special_tokens,
-            output_kind=RequestOutputKind.FINAL_ONLY,
+            stream=False,
         )
         version = self._weight_version
         final = await self._run(prompt_token_ids, params)
@@ -257,6 +288,54 @@ class Engine:
             sampler_logprobs=logprobs,
             text=out.text,
             finish_reason=out.finish_reason,
+            weight_version=version,
+        )
+
+    async def generate_stream(
+        self,
+        prompt_token_ids: list[int],
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop_token_ids: list[int] | None = None,
+        skip_special_tokens: bool = True,
+    ) -> AsyncIterator[str | LLMCall]:
+        """`generate`, yielding each piece of text as vLLM detokenizes it, then the whole `LLMCall`.
+
+        A Ray streaming generator: call it with `.options(num_returns="streaming")`. The sampling is
+        the same request as `generate`'s, so the same seed gives the same tokens."""
+        params = self._sampling(
+            prompt_token_ids,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            stop_token_ids=stop_token_ids,
+            skip_special_tokens=skip_special_tokens,
+            stream=True,
+        )
+        version = self._weight_version
+        token_ids: list[int] = []
+        logprobs: list[float] = []
+        text: list[str] = []
+        finish_reason = None
+        async for output in self._outputs(prompt_token_ids, params):
+            out = output.outputs[0]
+            new = list(out.token_ids)
+            logprobs += [float(step[token].logprob) for step, token in zip(out.logprobs, new, strict=True)]
+            token_ids += new
+            finish_reason = out.finish_reason or finish_reason
+            if out.text:
+                text.append(out.text)
+                yield out.text
+        yield LLMCall(
+            prompt_token_ids=list(prompt_token_ids),
+            completion_token_ids=token_ids,
+            sampler_logprobs=logprobs,
+            text="".join(text),
+            finish_reason=finish_reason,
             weight_version=version,
         )
 

@@ -15,7 +15,8 @@ Tool calls are parsed by vLLM's parser for the model family (`tool_call_parser`,
 --tool-call-parser`; `opd_trainer/rollout/tool_calls.py`), which also decides whether the completion
 is decoded with special tokens. `tool_choice: "none"` renders no tools and parses none; any other
 value is treated as `"auto"` (no constrained decoding of a required or named call).
-Streaming responses are sent once the completion is generated (chunked per the OpenAI protocol).
+Streaming responses send text as the engine generates it (a Ray streaming generator from the engine
+actor); a reply with tools to parse is sent once complete, as content and tool-call chunks.
 Template variables reach the chat template as they do on vLLM and Bailian: `chat_template_kwargs`
 (vLLM's field) and a top-level `enable_thinking` (what `extra_body={"enable_thinking": False}` sends,
 Bailian's convention); an entry in `chat_template_kwargs` wins over the top-level one.
@@ -113,6 +114,22 @@ class RolloutSession:
     seed: int | None = None
     calls: list[LLMCall] = field(default_factory=list)
     started_calls: int = 0
+
+
+@dataclass
+class PreparedCall:
+    """One chat completion between its checks and its sampling: where it is recorded, what is sampled."""
+
+    key: str
+    session: RolloutSession
+    started: float
+    messages: list[dict[str, Any]]
+    prompt_ids: list[int]
+    sampling: dict[str, Any]  # Engine.generate's keyword arguments
+    parsing: ToolCallParsing | None  # None: no tools to parse
+    tool_request: Any  # vLLM's ChatCompletionRequest when parsing
+    response_id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
+    created: int = field(default_factory=lambda: int(time.time()))
 
 
 def _text_content(content: Any) -> str:
@@ -268,7 +285,8 @@ class Gateway:
         tools = request.tools if request.tool_choice != "none" else None
         return messages, prompt_token_ids(self._tokenizer, messages, tools, request.template_kwargs())
 
-    async def complete(self, key: str, request: ChatCompletionRequest) -> tuple[dict[str, Any], LLMCall]:
+    async def _prepare(self, key: str, request: ChatCompletionRequest) -> PreparedCall:
+        """Everything decided before sampling; raises for a request that cannot be served."""
         session = self._session(key)
         if session is None:
             raise PermissionError("unknown or expired API key")
@@ -277,12 +295,10 @@ class Gateway:
         if len(prompt_ids) >= self.max_length:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit max_length={self.max_length}")
         asked = request.max_completion_tokens or request.max_tokens or self.max_tokens
-        max_tokens = min(asked, self.max_tokens, self.max_length - len(prompt_ids))
         seed = request.seed
         if seed is None and session.seed is not None:
             seed = session.seed + session.started_calls
         session.started_calls += 1
-        temperature = self.temperature if session.temperature is None else session.temperature
         parsing, tool_request = None, None
         if request.tools and request.tool_choice != "none":
             parsing = await self._parsing()
@@ -292,23 +308,23 @@ class Gateway:
                 first = exc.errors()[0]
                 where = ".".join(str(p) for p in first["loc"])
                 raise InvalidRequest(f"{where}: {first['msg']}", where) from None
-        skip_special_tokens = True if tool_request is None else bool(tool_request.skip_special_tokens)
-        replica = min(range(len(self.engines)), key=self._in_flight.__getitem__)
-        self._in_flight[replica] += 1
-        try:
-            completion = await self.engines[replica].generate.remote(
-                prompt_ids,
-                max_tokens=max_tokens,
-                temperature=temperature,
-                seed=seed,
-                skip_special_tokens=skip_special_tokens,
-            )
-        finally:
-            self._in_flight[replica] -= 1
-        if parsing is None:
+        sampling = {
+            "max_tokens": min(asked, self.max_tokens, self.max_length - len(prompt_ids)),
+            "temperature": self.temperature if session.temperature is None else session.temperature,
+            "seed": seed,
+            "skip_special_tokens": True if tool_request is None else bool(tool_request.skip_special_tokens),
+        }
+        return PreparedCall(key, session, started, messages, prompt_ids, sampling, parsing, tool_request)
+
+    def _replica(self) -> int:
+        return min(range(len(self.engines)), key=self._in_flight.__getitem__)
+
+    def _record(self, prepared: PreparedCall, completion: LLMCall) -> tuple[dict[str, Any], LLMCall]:
+        """The OpenAI response for a finished completion; the call is recorded under its key."""
+        if prepared.parsing is None:
             content, tool_calls = completion.text, []
         else:
-            content, tool_calls = parsing.parse(completion.text, tool_request)
+            content, tool_calls = prepared.parsing.parse(completion.text, prepared.tool_request)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if tool_calls:
             message["tool_calls"] = tool_calls
@@ -318,38 +334,51 @@ class Gateway:
         call = dataclasses.replace(
             completion,
             finish_reason=finish,
-            messages=messages,
+            messages=prepared.messages,
             response_message=message,
-            latency_s=time.perf_counter() - started,
+            latency_s=time.perf_counter() - prepared.started,
         )
         # The key may have been closed while generating (rollout timed out): then nothing is recorded.
-        if self._session(key) is session:
-            session.calls.append(call)
+        if self._session(prepared.key) is prepared.session:
+            prepared.session.calls.append(call)
         self.calls_served += 1
+        prompt_tokens, completion_tokens = len(prepared.prompt_ids), len(completion.completion_token_ids)
         body = {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "id": prepared.response_id,
             "object": "chat.completion",
-            "created": int(time.time()),
+            "created": prepared.created,
             "model": self.model_name,
             "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
             "usage": {
-                "prompt_tokens": len(prompt_ids),
-                "completion_tokens": len(completion.completion_token_ids),
-                "total_tokens": len(prompt_ids) + len(completion.completion_token_ids),
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
             },
         }
         return body, call
 
-    @staticmethod
-    async def stream_chunks(body: dict[str, Any], include_usage: bool) -> AsyncIterator[str]:
-        """The finished completion as OpenAI `chat.completion.chunk` server-sent events."""
-        choice = body["choices"][0]
-        message = choice["message"]
+    async def complete(self, key: str, request: ChatCompletionRequest) -> tuple[dict[str, Any], LLMCall]:
+        prepared = await self._prepare(key, request)
+        replica = self._replica()
+        self._in_flight[replica] += 1
+        try:
+            completion = await self.engines[replica].generate.remote(prepared.prompt_ids, **prepared.sampling)
+        finally:
+            self._in_flight[replica] -= 1
+        return self._record(prepared, completion)
+
+    async def stream(self, prepared: PreparedCall, include_usage: bool) -> AsyncIterator[str]:
+        """OpenAI `chat.completion.chunk` server-sent events while the engine generates.
+
+        Text goes out as vLLM detokenizes it. With tools to parse, the reply is sent once complete
+        (content, then each tool call): what looks like text may turn out to be a call's markup.
+        The call is recorded as a non-streamed one would be.
+        """
         base = {
-            "id": body["id"],
+            "id": prepared.response_id,
             "object": "chat.completion.chunk",
-            "created": body["created"],
-            "model": body["model"],
+            "created": prepared.created,
+            "model": self.model_name,
         }
 
         def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
@@ -360,10 +389,39 @@ class Gateway:
             return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
         yield chunk({"role": "assistant", "content": ""})
-        if message.get("content"):
-            yield chunk({"content": message["content"]})
-        for index, call in enumerate(message.get("tool_calls", [])):
-            yield chunk({"tool_calls": [{"index": index, **call}]})
+        replica = self._replica()
+        self._in_flight[replica] += 1
+        completion: LLMCall | None = None
+        try:
+            pieces = (
+                self.engines[replica]
+                .generate_stream.options(num_returns="streaming")
+                .remote(prepared.prompt_ids, **prepared.sampling)
+            )
+            async for ref in pieces:
+                piece = await ref
+                if isinstance(piece, LLMCall):
+                    completion = piece
+                elif prepared.parsing is None:
+                    yield chunk({"content": piece})
+        except Exception as exc:  # the client sees an error event; the call is not recorded
+            error = {
+                "message": f"generation failed: {exc}",
+                "type": "server_error",
+                "code": "engine_unavailable",
+            }
+            yield f"data: {json.dumps({'error': error})}\n\n"
+            return
+        finally:
+            self._in_flight[replica] -= 1
+        assert completion is not None
+        body, _ = self._record(prepared, completion)
+        choice = body["choices"][0]
+        if prepared.parsing is not None:
+            if choice["message"].get("content"):
+                yield chunk({"content": choice["message"]["content"]})
+            for index, call in enumerate(choice["message"].get("tool_calls", [])):
+                yield chunk({"tool_calls": [{"index": index, **call}]})
         yield chunk({}, choice["finish_reason"])
         if include_usage:
             yield f"data: {json.dumps({**base, 'choices': [], 'usage': body['usage']})}\n\n"
@@ -397,6 +455,12 @@ class Gateway:
                 param = ".".join(str(p) for p in first["loc"])
                 return _error(400, f"{param}: {first['msg']}", "invalid_request", param)
             try:
+                if request.stream:
+                    prepared = await self._prepare(key, request)
+                    include_usage = bool((request.stream_options or {}).get("include_usage"))
+                    return StreamingResponse(
+                        self.stream(prepared, include_usage), media_type="text/event-stream"
+                    )
                 body, _ = await self.complete(key, request)
             except PermissionError as exc:
                 return _error(401, str(exc), "invalid_api_key")
@@ -408,11 +472,6 @@ class Gateway:
                 return _error(400, str(exc), "context_length_exceeded", "messages")
             except EngineError as exc:
                 return _error(503, str(exc), "engine_unavailable")
-            if request.stream:
-                include_usage = bool((request.stream_options or {}).get("include_usage"))
-                return StreamingResponse(
-                    self.stream_chunks(body, include_usage), media_type="text/event-stream"
-                )
             return JSONResponse(body)
 
         return app

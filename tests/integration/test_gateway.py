@@ -114,6 +114,37 @@ def test_streaming_and_async_client(gateway: tuple[Any, str], tool_call_record: 
     assert finish == call.finish_reason
 
 
+def test_streaming_sends_text_as_it_is_generated_and_records_the_same_call(
+    gateway: tuple[Any, str], tool_call_record: dict[str, Any]
+) -> None:
+    """Without tools, text streams in pieces while the engine generates; the recorded call (tokens,
+    logprobs) is what the same seeded request gets without streaming."""
+    actor, base_url = gateway
+    request = {
+        "model": "student",
+        "messages": tool_call_record["messages"],
+        "max_tokens": MAX_TOKENS,
+        "seed": 7,
+    }
+    plain_key = ray.get(actor.open_rollout.remote("r-plain"))
+    OpenAI(base_url=base_url, api_key=plain_key).chat.completions.create(**request)
+    [plain] = ray.get(actor.close_rollout.remote(plain_key))
+
+    key = ray.get(actor.open_rollout.remote("r-pieces"))
+    pieces: list[str] = []
+    finish = None
+    with OpenAI(base_url=base_url, api_key=key).chat.completions.create(**request, stream=True) as stream:
+        for chunk in stream:
+            pieces += [chunk.choices[0].delta.content] if chunk.choices[0].delta.content else []
+            finish = chunk.choices[0].finish_reason or finish
+    [streamed] = ray.get(actor.close_rollout.remote(key))
+    assert streamed.completion_token_ids == plain.completion_token_ids
+    assert streamed.sampler_logprobs == pytest.approx(plain.sampler_logprobs, abs=1e-5)
+    assert "".join(pieces) == streamed.text == plain.text and finish == streamed.finish_reason
+    # One piece per detokenized step, not one piece at the end (the tiny student writes 10+ tokens).
+    assert len(streamed.completion_token_ids) >= 4 and len(pieces) >= len(streamed.completion_token_ids) // 2
+
+
 def test_multi_turn_rollout_trains_both_assistant_turns_not_the_tool_result(
     gateway: tuple[Any, str], tool_call_record: dict[str, Any], tokenizer: Any
 ) -> None:
