@@ -52,6 +52,7 @@ bench: setup
 	$(BIN)/python benchmarks/engine_throughput.py --models-dir $(TINY_MODELS_DIR)
 	$(BIN)/python benchmarks/rollout_gateway.py
 	$(BIN)/python benchmarks/step_breakdown.py
+	$(BIN)/python benchmarks/staleness.py
 	$(BIN)/python benchmarks/api_load.py --models-dir $(TINY_MODELS_DIR)
 	$(BIN)/python benchmarks/vs_trl_gkd.py --models-dir $(TINY_MODELS_DIR)
 	$(BIN)/python benchmarks/report.py

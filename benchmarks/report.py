@@ -64,6 +64,12 @@ ROWS: list[tuple[str, str, Callable[[dict[str, Any]], str], str]] = [
         "< 200 ms",
     ),
     (
+        "staleness",
+        "samples/s: max_staleness 1 / 0",
+        lambda r: f"{r['samples_per_s_ratio']:.2f}x",
+        "—",
+    ),
+    (
         "api_load",
         "API 5xx",
         lambda r: str(sum(x["server_errors_5xx"] for x in r["rows"])),

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from harness import EXAMPLE_JOB, job_spec, run_job, write_json
 
-PARTS = ["rollout", "teacher", "learner", "sync", "other"]
+PARTS = ["rollout", "teacher", "learner", "next_rollouts_wait", "sync", "other"]
 
 
 def matmul_flops_per_s(device: str, size: int = 2048, repeats: int = 20) -> float:

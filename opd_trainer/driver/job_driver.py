@@ -47,7 +47,19 @@ from opd_trainer.rollout.runner import (
 from opd_trainer.spec.dataset import EpochCursor, Sample, load_samples
 from opd_trainer.spec.job_spec import EngineResources, FunctionComponent, JobSpec
 from opd_trainer.spec.preflight import check_drift, check_same_tokenizer, resolve_max_length
+from opd_trainer.stats import mean
 from opd_trainer.workers.sandbox import unconfined_reason
+
+
+@dataclasses.dataclass
+class NextStep:
+    """A step's rollouts started early (`max_staleness >= 1`): sampling, then the teacher's scores."""
+
+    step: int
+    cursor: dict[str, Any]  # the data cursor before this step's batch was taken
+    rollouts: asyncio.Task[list[RolloutResult]]
+    scored: asyncio.Task[list[LLMCall]]
+
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +135,8 @@ class JobDriver:
         self._pools: list[Any] = []
         self._max_length = 0
         self._tokenizer: Any = None
+        # max_staleness > 0: the next step's rollouts, sampled while this step trains (see train_one_step).
+        self._next: NextStep | None = None
 
     # -- observation ----------------------------------------------------------------------------
 
@@ -309,6 +323,7 @@ class JobDriver:
 
     async def shutdown(self) -> None:
         """Stops everything this job started; vLLM engines take seconds each, so in parallel."""
+        await self._drop_next_step()
         for runner in (self._runner, self._teacher_runner):
             if runner is not None:
                 await runner.close()
@@ -358,16 +373,52 @@ class JobDriver:
         chunks = [set(rollouts[i : i + size]) for i in range(0, len(rollouts), size)]
         return [[s for s in segments if s.rollout_id in chunk] for chunk in chunks]
 
+    def _next_batch(self, step: int) -> tuple[list[Sample], list[int]]:
+        hp = self.spec.hyper_parameters
+        samples = [self.train_samples[i] for i in self.cursor.next_batch(hp.batch_size)]
+        return samples, [request_seed(hp.seed, step, index) for index in range(len(samples) * hp.n_rollouts)]
+
+    def _start_next_step(self, step: int) -> NextStep:
+        """Samples step `step`'s rollouts now, with the weights the engines hold; the teacher scores
+        them as soon as they are done. The cursor state before the batch is kept for checkpoints."""
+        assert self._runner is not None
+        cursor = self.cursor.state()
+        samples, seeds = self._next_batch(step)
+        rollouts = asyncio.create_task(
+            self._runner.run(samples, self.spec.hyper_parameters.n_rollouts, step, seeds)
+        )
+
+        async def scored() -> list[LLMCall]:
+            return await self._segments(await rollouts)
+
+        return NextStep(step, cursor, rollouts, asyncio.create_task(scored()))
+
     async def train_one_step(self) -> dict[str, float]:
+        """One step: rollouts, teacher scores, a learner update, weights to the student engines.
+
+        With `max_staleness: 0` each phase waits for the one before. With `max_staleness >= 1` the
+        next step's rollouts are sampled (and scored by the teacher) while this step's learner update
+        runs, with the weights the engines hold, one version behind the learner by the time they are
+        trained on; the learner's importance ratio (sampler logprobs, capped) corrects for it. The
+        engines finish those rollouts before new weights reach them, so no completion mixes versions.
+        """
         assert self._learner is not None and self._student is not None and self._runner is not None
         hp = self.spec.hyper_parameters
         step = self.step
         started = time.perf_counter()
-        samples = [self.train_samples[i] for i in self.cursor.next_batch(hp.batch_size)]
-        seeds = [request_seed(hp.seed, step, index) for index in range(len(samples) * hp.n_rollouts)]
         timer = time.perf_counter()
-        results = await self._runner.run(samples, hp.n_rollouts, step, seeds)
-        rollout_s = time.perf_counter() - timer
+        if self._next is not None:  # sampled during the previous step
+            upcoming, self._next = self._next, None
+            results = await upcoming.rollouts
+            rollout_s = time.perf_counter() - timer
+            timer = time.perf_counter()
+            scored = await upcoming.scored
+        else:
+            samples, seeds = self._next_batch(step)
+            results = await self._runner.run(samples, hp.n_rollouts, step, seeds)
+            rollout_s = time.perf_counter() - timer
+            timer = time.perf_counter()
+            scored = None
         self.log.trajectories([r.trajectory(step + 1) for r in results[:TRAJECTORIES_PER_STEP]])
         rollout_metrics = rollout_step_metrics(results, has_rewards=bool(self.spec.reward_components))
         if rollout_metrics["failed_ratio"] > hp.max_failed_ratio or rollout_metrics["failed_rollouts"] == len(
@@ -377,12 +428,20 @@ class JobDriver:
                 f"step {step + 1}: {rollout_metrics['failed_rollouts']:.0f}/{len(results)} rollouts failed "
                 f"(max_failed_ratio={hp.max_failed_ratio}); first error: {failure_message(results)}"
             )
-        timer = time.perf_counter()
-        segments = await self._segments(results)
+        if hp.max_staleness > 0 and step + 1 < self.total_steps and not self._stop_requested:
+            self._next = self._start_next_step(step + 1)
+        segments = scored if scored is not None else await self._segments(results)
         teacher_s = time.perf_counter() - timer
+        staleness = [step - s.weight_version for s in segments]
+        if hp.max_staleness > 0:
+            segments = [s for s, lag in zip(segments, staleness, strict=True) if lag <= hp.max_staleness]
         timer = time.perf_counter()
         learner_metrics = await self._learner.train_step(self._minibatches(segments))
         learner_s = time.perf_counter() - timer
+        timer = time.perf_counter()
+        if self._next is not None:  # new weights only once the engines finished the next rollouts
+            await asyncio.wait([self._next.rollouts])
+        next_wait_s = time.perf_counter() - timer
         timer = time.perf_counter()
         await self._learner.publish_weights(self._student.actors, step + 1)
         sync_s = time.perf_counter() - timer
@@ -399,14 +458,26 @@ class JobDriver:
             "segments": float(len(segments)),
             "trained_tokens": float(trained_tokens),
             "tokens_per_s": trained_tokens / step_s,
+            "staleness/mean": mean(staleness),
+            "staleness/max": float(max(staleness, default=0)),
+            "staleness/dropped_segments": float(len(staleness) - len(segments)),
             "time/rollout_s": rollout_s,
             "time/teacher_s": teacher_s,
             "time/learner_s": learner_s,
+            "time/next_rollouts_wait_s": next_wait_s,
             "time/sync_s": sync_s,
             "time/step_s": step_s,
         }
-        metrics["time/other_s"] = step_s - rollout_s - teacher_s - learner_s - sync_s
+        metrics["time/other_s"] = step_s - rollout_s - teacher_s - learner_s - next_wait_s - sync_s
         return metrics
+
+    async def _drop_next_step(self) -> None:
+        """Ends the next step's rollouts (stop, failure): they are sampled again after a resume."""
+        upcoming, self._next = self._next, None
+        if upcoming is not None:
+            for task in (upcoming.rollouts, upcoming.scored):
+                task.cancel()
+            await asyncio.gather(upcoming.rollouts, upcoming.scored, return_exceptions=True)
 
     # -- evaluation -----------------------------------------------------------------------------
 
@@ -472,7 +543,10 @@ class JobDriver:
         assert self._learner is not None
         staging = self.checkpoints.staging(self.step)
         await self._learner.save_checkpoint(str(staging))
-        state = {"step": self.step, "cursor": self.cursor.state(), "total_steps": self.total_steps}
+        # With the next step's rollouts under way the cursor is one batch ahead: the checkpoint keeps
+        # the state before that batch, which a resume samples again.
+        cursor = self._next.cursor if self._next is not None else self.cursor.state()
+        state = {"step": self.step, "cursor": cursor, "total_steps": self.total_steps}
         path = self.checkpoints.commit(staging, self.step, state)
         self.emit("checkpoint", f"saved step {self.step}", step=self.step, path=str(path))
         return path

@@ -232,7 +232,12 @@ class HyperParameters(_Strict):
         description="Fail the job when a step's failed rollout fraction exceeds this.",
     )
     max_staleness: int = Field(
-        default=0, ge=0, description="Policy versions a sample may lag the learner (0 = strictly on-policy)."
+        default=0,
+        ge=0,
+        description="Policy versions a sample may lag the learner. 0: strictly on-policy, each phase "
+        "waits for the one before. >= 1: the next step's rollouts (and teacher scores) run while the "
+        "learner trains, one version behind (the pipeline is one step deep, so larger values overlap no "
+        "more today); older samples would be dropped and counted (`staleness/*` metrics).",
     )
     max_drift: float = Field(
         default=0.05, gt=0, description="Pre-flight: largest allowed mean |learner − sampler| logprob drift."
