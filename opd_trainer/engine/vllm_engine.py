@@ -226,14 +226,17 @@ class Engine:
         self,
         prompt_token_ids: list[int],
         *,
-        max_tokens: int,
-        temperature: float,
-        top_p: float,
-        seed: int | None,
-        stop_token_ids: list[int] | None,
-        skip_special_tokens: bool,
         stream: bool,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop_token_ids: list[int] | None = None,
+        skip_special_tokens: bool = True,
     ) -> Any:
+        """vLLM's sampling parameters for one completion (`generate`'s and `generate_stream`'s keywords).
+
+        `skip_special_tokens` applies to the text only (a tool-call parser may need its markers)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -253,30 +256,12 @@ class Engine:
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
         )
 
-    async def generate(
-        self,
-        prompt_token_ids: list[int],
-        *,
-        max_tokens: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop_token_ids: list[int] | None = None,
-        skip_special_tokens: bool = True,
-    ) -> LLMCall:
+    async def generate(self, prompt_token_ids: list[int], **sampling: Any) -> LLMCall:
         """Samples one completion; returns its token ids and the sampler's logprob of each.
 
-        `skip_special_tokens` applies to the text only (a tool-call parser may need its markers)."""
-        params = self._sampling(
-            prompt_token_ids,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-            stop_token_ids=stop_token_ids,
-            skip_special_tokens=skip_special_tokens,
-            stream=False,
-        )
+        `sampling`: `max_tokens` and optionally `temperature`, `top_p`, `seed`, `stop_token_ids`,
+        `skip_special_tokens` (see `_sampling`)."""
+        params = self._sampling(prompt_token_ids, stream=False, **sampling)
         version = self._weight_version
         final = await self._run(prompt_token_ids, params)
         out = final.outputs[0]
@@ -292,30 +277,13 @@ class Engine:
         )
 
     async def generate_stream(
-        self,
-        prompt_token_ids: list[int],
-        *,
-        max_tokens: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop_token_ids: list[int] | None = None,
-        skip_special_tokens: bool = True,
+        self, prompt_token_ids: list[int], **sampling: Any
     ) -> AsyncIterator[str | LLMCall]:
         """`generate`, yielding each piece of text as vLLM detokenizes it, then the whole `LLMCall`.
 
         A Ray streaming generator: call it with `.options(num_returns="streaming")`. The sampling is
         the same request as `generate`'s, so the same seed gives the same tokens."""
-        params = self._sampling(
-            prompt_token_ids,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-            stop_token_ids=stop_token_ids,
-            skip_special_tokens=skip_special_tokens,
-            stream=True,
-        )
+        params = self._sampling(prompt_token_ids, stream=True, **sampling)
         version = self._weight_version
         token_ids: list[int] = []
         logprobs: list[float] = []
