@@ -273,6 +273,8 @@ class JobDriver:
         assert self._student is not None and self._teacher is not None
         spec, hp = self.spec, self.spec.hyper_parameters
         self._gateway, base_url = await self._start_gateway(STUDENT_MODEL_NAME, spec.model, self._student)
+        # vLLM's tool-call parser loads in the gateways while the pools start; a bad name fails below.
+        parsers_ready = [self._gateway.ready.remote()]
 
         def on_event(event: dict[str, Any]) -> None:
             message = f"{event['pool']}: {event['from']} -> {event['to']} workers ({event['reason']})"
@@ -312,10 +314,8 @@ class JobDriver:
                 STUDENT_MODEL_NAME, spec.teacher_model, self._teacher
             )
             self._teacher_runner = RolloutRunner(self.job_id, self._teacher_gateway, teacher_url, **options)
-        # vLLM's tool-call parser loaded in the gateways while the pools started; a bad name fails here.
-        await asyncio.gather(
-            *(g.ready.remote() for g in (self._gateway, self._teacher_gateway) if g is not None)
-        )
+            parsers_ready.append(self._teacher_gateway.ready.remote())
+        await asyncio.gather(*parsers_ready)
 
     @staticmethod
     def _single_node() -> bool:

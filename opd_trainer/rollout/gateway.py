@@ -210,7 +210,7 @@ class Gateway:
         self.max_length = max_length
         self.key_ttl_s = key_ttl_s
         self.tool_call_parser = tool_call_parser
-        self._tool_calls: asyncio.Task[ToolCallParsing] | None = None
+        self._tool_calls: ToolCallParsing | None = None
         self._sessions: dict[str, RolloutSession] = {}
         self._in_flight = [0] * len(self.engines)
         self._tokenizer: Any = None
@@ -263,19 +263,20 @@ class Gateway:
             self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
         return self._tokenizer
 
-    def _parsing(self) -> asyncio.Task[ToolCallParsing]:
-        """vLLM's tool-call parser, loaded in a thread (importing vLLM takes seconds) from the start."""
+    def _parsing(self) -> ToolCallParsing:
+        """vLLM's tool-call parser for the model, loaded on first use (importing vLLM takes seconds).
+
+        Loaded on the actor's event loop, not in a thread: transformers' lazy imports are not safe
+        against another thread importing at the same time. The driver calls `ready()` before any
+        rollout, so requests never wait for it; elsewhere the first request with tools does."""
         if self._tool_calls is None:
-            tokenizer = self._load_tokenizer()
-            self._tool_calls = asyncio.get_running_loop().create_task(
-                asyncio.to_thread(ToolCallParsing, self.tool_call_parser, tokenizer)
-            )
+            self._tool_calls = ToolCallParsing(self.tool_call_parser, self._load_tokenizer())
         return self._tool_calls
 
     async def ready(self) -> None:
-        """Returns once the tool-call parser is loaded; raises its `ConfigError` (unknown name, or a
-        parser whose markers the tokenizer lacks), so a job fails at start naming `tool_call_parser`."""
-        await self._parsing()
+        """Loads the tool-call parser; raises its `ConfigError` (unknown name, or a parser whose
+        markers the tokenizer lacks), so a job fails at start naming `tool_call_parser`."""
+        self._parsing()
 
     def _prompt_ids(self, request: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list[int]]:
         from opd_trainer.rollout.chat import prompt_token_ids
@@ -301,7 +302,7 @@ class Gateway:
         session.started_calls += 1
         parsing, tool_request = None, None
         if request.tools and request.tool_choice != "none":
-            parsing = await self._parsing()
+            parsing = self._parsing()
             try:
                 tool_request = parsing.request(messages, request.tools, request.tool_choice)
             except ValidationError as exc:
@@ -491,7 +492,6 @@ class Gateway:
             if task.done():
                 task.result()  # raises the start-up error
             await asyncio.sleep(0.02)
-        self._parsing()  # starts loading vLLM's tool-call parser; `ready()` waits for it
         advertised = ray.util.get_node_ip_address() if host == "0.0.0.0" else host
         self.base_url = f"http://{advertised}:{port}/v1"
         logger.info("gateway for %s serving at %s", self.model_name, self.base_url)
