@@ -55,7 +55,6 @@ from opd_trainer.workers.sandbox import unconfined_reason
 class NextStep:
     """A step's rollouts started early (`max_staleness >= 1`): sampling, then the teacher's scores."""
 
-    step: int
     cursor: dict[str, Any]  # the data cursor before this step's batch was taken
     rollouts: asyncio.Task[list[RolloutResult]]
     scored: asyncio.Task[list[LLMCall]]
@@ -391,7 +390,7 @@ class JobDriver:
         async def scored() -> list[LLMCall]:
             return await self._segments(await rollouts)
 
-        return NextStep(step, cursor, rollouts, asyncio.create_task(scored()))
+        return NextStep(cursor, rollouts, asyncio.create_task(scored()))
 
     async def train_one_step(self) -> dict[str, float]:
         """One step: rollouts, teacher scores, a learner update, weights to the student engines.
