@@ -233,10 +233,14 @@ class Engine:
         seed: int | None = None,
         stop_token_ids: list[int] | None = None,
         skip_special_tokens: bool = True,
+        structured_outputs: Any = None,
     ) -> Any:
         """vLLM's sampling parameters for one completion (`generate`'s and `generate_stream`'s keywords).
 
-        `skip_special_tokens` applies to the text only (a tool-call parser may need its markers)."""
+        `skip_special_tokens` applies to the text only (a tool-call parser may need its markers).
+        `structured_outputs`: vLLM's `StructuredOutputsParams` constraining what may be sampled (a
+        required or named tool call); the sampler's logprobs are then those of the constrained
+        distribution (`processed_logprobs`), which is what the tokens were drawn from."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -253,6 +257,7 @@ class Engine:
             stop_token_ids=stop_token_ids or [],
             logprobs=0,
             skip_special_tokens=skip_special_tokens,
+            structured_outputs=structured_outputs,
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
         )
 
@@ -260,7 +265,7 @@ class Engine:
         """Samples one completion; returns its token ids and the sampler's logprob of each.
 
         `sampling`: `max_tokens` and optionally `temperature`, `top_p`, `seed`, `stop_token_ids`,
-        `skip_special_tokens` (see `_sampling`)."""
+        `skip_special_tokens`, `structured_outputs` (see `_sampling`)."""
         params = self._sampling(prompt_token_ids, stream=False, **sampling)
         version = self._weight_version
         final = await self._run(prompt_token_ids, params)

@@ -11,10 +11,15 @@ Two policies differ from a plain OpenAI server, on purpose:
   (validation opens greedy keys) and a seed: calls that send none get `seed + call index`, so an
   agent that never passes a seed still resamples identically when a run is repeated or resumed.
 - `max_tokens` is capped at the job's `max_tokens`.
-Tool calls are parsed by vLLM's parser for the model family (`tool_call_parser`, as `vllm serve
---tool-call-parser`; `opd_trainer/rollout/tool_calls.py`), which also decides whether the completion
-is decoded with special tokens. `tool_choice: "none"` renders no tools and parses none; any other
-value is treated as `"auto"` (no constrained decoding of a required or named call).
+Requests are validated by vLLM's own `ChatCompletionRequest`, as `vllm serve` validates them, and
+tool calls go through vLLM's parser for the model family (`tool_call_parser`, as `vllm serve
+--enable-auto-tool-choice --tool-call-parser`; `opd_trainer/rollout/tool_calls.py`): it decides
+whether the completion is decoded with special tokens, and for `tool_choice: "required"` or a named
+function it constrains sampling (vLLM's structured outputs) so that a call is made.
+`response_format` (`json_object`, `json_schema`) and vLLM's `structured_outputs` constrain sampling
+the same way. `tool_choice: "none"` renders no tools and parses none. Under a constraint the
+recorded sampler logprobs are those of the constrained distribution the tokens were drawn from, so
+the learner's (truncated) importance ratio corrects toward the unconstrained policy it trains.
 Streaming responses send text as the engine generates it (a Ray streaming generator from the engine
 actor); a reply with tools to parse is sent once complete, as content and tool-call chunks.
 Template variables reach the chat template as they do on vLLM and Bailian: `chat_template_kwargs`
@@ -40,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import ValidationError
 
 from opd_trainer.errors import ConfigError, EngineError
 from opd_trainer.ports import free_port
@@ -74,36 +79,60 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 )
 
 
-class ChatCompletionRequest(BaseModel):
-    """The subset of OpenAI's request the gateway acts on; other fields are accepted and ignored."""
+class InvalidRequest(ValueError):
+    """A request vLLM's own validation or the gateway's rules refuse; `param` names the field."""
 
-    model_config = ConfigDict(extra="allow")
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 
-    model: str | None = None
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    seed: int | None = None
-    n: int = Field(default=1, ge=1, le=1)
-    chat_template_kwargs: dict[str, Any] | None = None
-    enable_thinking: bool | None = None
 
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _not_reserved(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(value or {}))
-        if reserved:
-            raise ValueError(f"{', '.join(reserved)} cannot be set here: the gateway renders the prompt")
-        return value
+def chat_request(body: Any) -> Any:
+    """vLLM's own `ChatCompletionRequest` for a request body, with the gateway's rules on top.
 
-    def template_kwargs(self) -> dict[str, Any]:
-        """Extra variables for the chat template."""
-        top_level = {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
-        return {**top_level, **(self.chat_template_kwargs or {})}
+    vLLM validates the body as `vllm serve` does (messages, tools, `tool_choice`, `response_format`,
+    ...); the gateway refuses what it cannot honour: `n` > 1 (a rollout records one completion per
+    call), no messages, and template arguments it sets itself. Raises `InvalidRequest`."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.exceptions import VLLMValidationError
+
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object", "body")
+    try:
+        request = ChatCompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or "body"
+        raise InvalidRequest(f"{param}: {first['msg']}", param) from None
+    except VLLMValidationError as exc:
+        raise InvalidRequest(str(exc.args[0]) if exc.args else str(exc), exc.parameter or "body") from None
+    if not request.messages:
+        raise InvalidRequest("messages: at least one message is required", "messages")
+    if request.n != 1:
+        raise InvalidRequest("n: only n=1 is served (each call records one completion)", "n")
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(request.chat_template_kwargs or {}))
+    if reserved:
+        raise InvalidRequest(
+            f"chat_template_kwargs: {', '.join(reserved)} cannot be set here: the gateway renders the prompt",
+            "chat_template_kwargs",
+        )
+    thinking = (request.model_extra or {}).get("enable_thinking")
+    if thinking is not None and not isinstance(thinking, bool):
+        raise InvalidRequest("enable_thinking: must be true or false", "enable_thinking")
+    return request
+
+
+def template_kwargs(request: Any) -> dict[str, Any]:
+    """Extra variables for the chat template: a top-level `enable_thinking` (Bailian's convention),
+    overridden by an entry in `chat_template_kwargs` (vLLM's field)."""
+    thinking = (request.model_extra or {}).get("enable_thinking")
+    top_level = {} if thinking is None else {"enable_thinking": thinking}
+    return {**top_level, **(request.chat_template_kwargs or {})}
+
+
+def asked_max_tokens(request: Any) -> int | None:
+    """`max_completion_tokens`, else the deprecated `max_tokens` (read without pydantic's warning)."""
+    return request.max_completion_tokens or request.__dict__.get("max_tokens")
 
 
 @dataclass
@@ -127,7 +156,7 @@ class PreparedCall:
     prompt_ids: list[int]
     sampling: dict[str, Any]  # Engine.generate's keyword arguments
     parsing: ToolCallParsing | None  # None: no tools to parse
-    tool_request: Any  # vLLM's ChatCompletionRequest when parsing
+    request: Any  # vLLM's ChatCompletionRequest, as the tool-call parser adjusted it
     response_id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -166,14 +195,6 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return normalized
 
 
-class InvalidRequest(ValueError):
-    """A request vLLM's own validation refuses (e.g. a malformed tool); `param` names the field."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-
 def _error(status: int, message: str, code: str, param: str | None = None) -> JSONResponse:
     return JSONResponse(
         status_code=status,
@@ -181,6 +202,18 @@ def _error(status: int, message: str, code: str, param: str | None = None) -> JS
             "error": {"message": message, "type": "invalid_request_error", "code": code, "param": param}
         },
     )
+
+
+def _finish_reason(prepared: PreparedCall, completion: LLMCall, called: bool) -> str:
+    """OpenAI's (and vLLM's) finish reason: `tool_calls` when a call was made under `auto` or
+    `required`, `stop` for a named function (the caller asked for it), else `length` or `stop`."""
+    choice = prepared.request.tool_choice if prepared.parsing is not None else None
+    named = choice is not None and not isinstance(choice, str)
+    if called and not named:
+        return "tool_calls"
+    if completion.finish_reason == "length":
+        return "length"
+    return "tool_calls" if choice == "required" else "stop"
 
 
 class Gateway:
@@ -278,15 +311,17 @@ class Gateway:
         markers the tokenizer lacks), so a job fails at start naming `tool_call_parser`."""
         self._parsing()
 
-    def _prompt_ids(self, request: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list[int]]:
+    def _prompt_ids(self, request: Any) -> tuple[list[dict[str, Any]], list[int]]:
         from opd_trainer.rollout.chat import prompt_token_ids
 
         self._load_tokenizer()
         messages = normalize_messages(request.messages)
-        tools = request.tools if request.tool_choice != "none" else None
-        return messages, prompt_token_ids(self._tokenizer, messages, tools, request.template_kwargs())
+        tools = None
+        if request.tools and request.tool_choice != "none":
+            tools = [tool.model_dump(exclude_none=True) for tool in request.tools]  # as the client sent them
+        return messages, prompt_token_ids(self._tokenizer, messages, tools, template_kwargs(request))
 
-    async def _prepare(self, key: str, request: ChatCompletionRequest) -> PreparedCall:
+    async def _prepare(self, key: str, request: Any) -> PreparedCall:
         """Everything decided before sampling; raises for a request that cannot be served."""
         session = self._session(key)
         if session is None:
@@ -295,27 +330,25 @@ class Gateway:
         messages, prompt_ids = self._prompt_ids(request)
         if len(prompt_ids) >= self.max_length:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit max_length={self.max_length}")
-        asked = request.max_completion_tokens or request.max_tokens or self.max_tokens
+        asked = asked_max_tokens(request) or self.max_tokens
         seed = request.seed
         if seed is None and session.seed is not None:
             seed = session.seed + session.started_calls
         session.started_calls += 1
-        parsing, tool_request = None, None
+        parsing = None
         if request.tools and request.tool_choice != "none":
             parsing = self._parsing()
-            try:
-                tool_request = parsing.request(messages, request.tools, request.tool_choice)
-            except ValidationError as exc:
-                first = exc.errors()[0]
-                where = ".".join(str(p) for p in first["loc"])
-                raise InvalidRequest(f"{where}: {first['msg']}", where) from None
+            request = parsing.adjust(request)
         sampling = {
             "max_tokens": min(asked, self.max_tokens, self.max_length - len(prompt_ids)),
             "temperature": self.temperature if session.temperature is None else session.temperature,
             "seed": seed,
-            "skip_special_tokens": True if tool_request is None else bool(tool_request.skip_special_tokens),
+            "skip_special_tokens": bool(request.skip_special_tokens),
         }
-        return PreparedCall(key, session, started, messages, prompt_ids, sampling, parsing, tool_request)
+        structured = request.extract_structured_outputs()
+        if structured is not None:
+            sampling["structured_outputs"] = structured
+        return PreparedCall(key, session, started, messages, prompt_ids, sampling, parsing, request)
 
     def _replica(self) -> int:
         return min(range(len(self.engines)), key=self._in_flight.__getitem__)
@@ -325,13 +358,11 @@ class Gateway:
         if prepared.parsing is None:
             content, tool_calls = completion.text, []
         else:
-            content, tool_calls = prepared.parsing.parse(completion.text, prepared.tool_request)
+            content, tool_calls = prepared.parsing.parse(completion.text, prepared.request)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if tool_calls:
             message["tool_calls"] = tool_calls
-        finish = (
-            "tool_calls" if tool_calls else ("length" if completion.finish_reason == "length" else "stop")
-        )
+        finish = _finish_reason(prepared, completion, bool(tool_calls))
         call = dataclasses.replace(
             completion,
             finish_reason=finish,
@@ -358,7 +389,7 @@ class Gateway:
         }
         return body, call
 
-    async def complete(self, key: str, request: ChatCompletionRequest) -> tuple[dict[str, Any], LLMCall]:
+    async def complete(self, key: str, request: Any) -> tuple[dict[str, Any], LLMCall]:
         prepared = await self._prepare(key, request)
         replica = self._replica()
         self._in_flight[replica] += 1
@@ -448,25 +479,21 @@ class Gateway:
             if not key or self._session(key) is None:
                 return _error(401, "unknown or expired API key", "invalid_api_key")
             try:
-                request = ChatCompletionRequest.model_validate(await raw.json())
+                request = chat_request(await raw.json())
             except json.JSONDecodeError:
                 return _error(400, "request body is not JSON", "invalid_json")
-            except ValidationError as exc:
-                first = exc.errors()[0]
-                param = ".".join(str(p) for p in first["loc"])
-                return _error(400, f"{param}: {first['msg']}", "invalid_request", param)
+            except InvalidRequest as exc:
+                return _error(400, str(exc), "invalid_request", exc.param)
             try:
                 if request.stream:
                     prepared = await self._prepare(key, request)
-                    include_usage = bool((request.stream_options or {}).get("include_usage"))
+                    include_usage = bool(request.stream_options and request.stream_options.include_usage)
                     return StreamingResponse(
                         self.stream(prepared, include_usage), media_type="text/event-stream"
                     )
                 body, _ = await self.complete(key, request)
             except PermissionError as exc:
                 return _error(401, str(exc), "invalid_api_key")
-            except InvalidRequest as exc:
-                return _error(400, str(exc), "invalid_request", exc.param)
             except ConfigError as exc:
                 return _error(503, exc.message, "tool_call_parser", exc.field)
             except ValueError as exc:

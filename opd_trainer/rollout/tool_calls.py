@@ -1,10 +1,17 @@
-"""Tool calls in a completion's text, parsed by vLLM's own parser for the model family.
+"""Tool calls in a completion, decided and parsed by vLLM's own parser for the model family.
 
-The gateway answers like `vllm serve --tool-call-parser NAME` would: the same registry of parsers
-(`hermes` for Qwen2.5/Qwen3 and Hermes, `llama3_json`, `mistral`, `pythonic`, `qwen3_xml`, ...), the
-same request adjustment (a parser may ask for special tokens to be kept in the text), and the same
-split into `content` and `tool_calls`. Output a parser cannot read stays in `content` with no tool
-call, as vLLM answers it: a model in training emits malformed calls often, and that is data.
+The gateway answers like `vllm serve --enable-auto-tool-choice --tool-call-parser NAME` would: the
+same registry of parsers (`hermes` for Qwen2.5/Qwen3 and Hermes, `llama3_json`, `mistral`,
+`pythonic`, `qwen3_xml`, ...), composed by vLLM's `ParserManager` into the `Parser` its OpenAI server
+uses, so `tool_choice` means what it means there:
+- `auto`: the model decides; its native call markup is parsed out of the text.
+- `required` / a named function: the parser asks for constrained decoding (a JSON schema the
+  engine's structured-output backend enforces token by token): a list of `{name, parameters}` for
+  `required`, the named function's arguments for a named choice. Parsers that read such calls in
+  their own format (vLLM's `supports_required_and_named = False`) fall back to `auto`, as in vLLM.
+- `none`: the gateway renders no tools and parses none (`Gateway`, not here).
+Output a parser cannot read stays in `content` with no tool call, as vLLM answers it: a model in
+training emits malformed calls often, and that is data.
 """
 
 from __future__ import annotations
@@ -18,46 +25,50 @@ FIELD = "tool_call_parser"
 
 
 class ToolCallParsing:
-    """One model's parser class, checked against its tokenizer once; a parser instance per call."""
+    """One model's composed parser class, checked against its tokenizer once; an instance per call."""
 
     def __init__(self, name: str, tokenizer: Any) -> None:
+        from vllm.parser import ParserManager
         from vllm.tool_parsers import ToolParserManager
 
-        try:
-            self._parser_class = ToolParserManager.get_tool_parser(name)
-        except KeyError:
+        if name not in ToolParserManager.list_registered():
             known = ", ".join(sorted(ToolParserManager.list_registered()))
-            raise ConfigError(f"unknown tool-call parser {name!r}; vLLM has: {known}", field=FIELD) from None
+            raise ConfigError(f"unknown tool-call parser {name!r}; vLLM has: {known}", field=FIELD)
         try:
-            self._parser_class(tokenizer, None)
+            parser_class = ParserManager.get_parser(
+                tool_parser_name=name, enable_auto_tools=True, tokenizer=tokenizer
+            )
         except Exception as exc:  # parsers check the tokenizer for their markers when built
             raise ConfigError(
                 f"the {name!r} tool-call parser does not fit the model's tokenizer: {exc}", field=FIELD
             ) from None
+        assert parser_class is not None and parser_class.tool_parser_cls is not None
+        self._parser_class = parser_class
         # vLLM logs each unreadable call with a traceback; here they are expected data (counted by
         # what the rollout's reward and evaluator make of the reply), not server errors.
-        logging.getLogger(self._parser_class.__module__).setLevel(logging.CRITICAL)
+        logging.getLogger(parser_class.tool_parser_cls.__module__).setLevel(logging.CRITICAL)
         self.name = name
         self._tokenizer = tokenizer
 
-    def request(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], tool_choice: Any) -> Any:
-        """vLLM's `ChatCompletionRequest` for a call, adjusted by the parser as vLLM's server does
-        (its `skip_special_tokens` says how the completion must be decoded). Raises pydantic's
-        `ValidationError` for tools vLLM would refuse."""
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-
-        body = {"messages": messages, "tools": tools}
-        if tool_choice is not None:
-            body["tool_choice"] = tool_choice
-        request = ChatCompletionRequest.model_validate(body)
+    def adjust(self, request: Any) -> Any:
+        """vLLM's `ChatCompletionRequest` adjusted by the parser as vLLM's server does: its
+        `skip_special_tokens` says how the completion must be decoded, its structured outputs (none
+        under `auto`) what the engine must constrain sampling to."""
         return self._parser_class(self._tokenizer, request.tools).adjust_request(request)
 
     def parse(self, text: str, request: Any) -> tuple[str | None, list[dict[str, Any]]]:
         """(content, OpenAI tool calls) of a completion's text, for the `request` it answers."""
-        extracted = self._parser_class(self._tokenizer, request.tools).extract_tool_calls(text, request)
-        if not extracted.tools_called:
-            return text, []
-        calls = [
-            call.model_dump(mode="json", include={"id", "type", "function"}) for call in extracted.tool_calls
+        from vllm.entrypoints.generate.base.protocol import ToolCall
+        from vllm.renderers.chat_utils import make_tool_call_id
+
+        parser = self._parser_class(self._tokenizer, request.tools)
+        _, content, calls = parser.parse(text, request, enable_auto_tools=True)
+        if not calls:
+            return content, []
+        tool_calls = [
+            ToolCall(id=call.id or make_tool_call_id(), function=call).model_dump(
+                mode="json", include={"id", "type", "function"}
+            )
+            for call in calls
         ]
-        return extracted.content or None, calls
+        return content or None, tool_calls

@@ -256,3 +256,66 @@ def test_enable_thinking_from_extra_body_reaches_the_chat_template(
     assert langchain == kwargs
     assert langchain[: len(plain)] == plain
     assert tokenizer.decode(langchain[len(plain) :]) == "<think>\n\n</think>\n\n"
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "forced"),
+    [({"type": "function", "function": {"name": "cancel_order"}}, "cancel_order"), ("required", None)],
+)
+def test_required_and_named_tool_choice_constrain_what_is_sampled(
+    gateway: tuple[Any, str],
+    tool_call_record: dict[str, Any],
+    student_engine: Any,
+    tool_choice: Any,
+    forced: str | None,
+) -> None:
+    """A named function the student would not pick on its own (the request asks for a status), or any
+    call at all: sampling is constrained, so the reply is that call, and the recorded logprobs are
+    the constrained sampler's (tokens the grammar forces have probability 1 there)."""
+    actor, base_url = gateway
+    key = ray.get(actor.open_rollout.remote("r-forced"))
+    client = OpenAI(base_url=base_url, api_key=key)
+    replies = [
+        client.chat.completions.create(
+            model="student",
+            messages=tool_call_record["messages"],
+            tools=tool_call_record["tools"],
+            tool_choice=tool_choice,
+            seed=seed,
+        )
+        for seed in range(3)
+    ]
+    calls = ray.get(actor.close_rollout.remote(key))
+    names = {tool["function"]["name"] for tool in tool_call_record["tools"]}
+    for reply, call in zip(replies, calls, strict=True):
+        choice = reply.choices[0]
+        if choice.finish_reason == "length":
+            continue  # cut by the job's max_tokens inside the arguments: no call to parse
+        assert choice.finish_reason == ("stop" if forced else "tool_calls"), choice.message  # OpenAI's
+        [made] = choice.message.tool_calls
+        assert made.function.name == (forced or made.function.name) and made.function.name in names
+        json.loads(made.function.arguments)
+        assert call.sampler_logprobs.count(0.0) >= 3  # `<tool_call>`, the name's JSON key, ... forced
+    assert any(r.choices[0].message.tool_calls for r in replies)
+
+
+def test_response_format_json_schema_constrains_the_content(
+    gateway: tuple[Any, str], tool_call_record: dict[str, Any]
+) -> None:
+    actor, base_url = gateway
+    key = ray.get(actor.open_rollout.remote("r-json"))
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"enum": ["yes", "no"]}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    reply = OpenAI(base_url=base_url, api_key=key).chat.completions.create(
+        model="student",
+        messages=tool_call_record["messages"],
+        response_format={"type": "json_schema", "json_schema": {"name": "verdict", "schema": schema}},
+        seed=3,
+    )
+    ray.get(actor.close_rollout.remote(key))
+    assert reply.choices[0].finish_reason == "stop", reply.choices[0].message.content
+    assert json.loads(reply.choices[0].message.content)["answer"] in {"yes", "no"}

@@ -155,7 +155,8 @@ def test_the_gateway_answers_tool_calls_as_vllms_own_server(
 ) -> None:
     """The gateway parses with vLLM's hermes parser: the same greedy request gets the same message
     (content, tool calls, finish reason) from the gateway in front of our engine actor as from
-    `vllm serve --tool-call-parser hermes` on the same weights."""
+    `vllm serve --tool-call-parser hermes` on the same weights, under `tool_choice` auto, required
+    and named (the last two constrain sampling the same way)."""
     records = [
         r
         for r in read_jsonl(tiny_models.data_dir / "validation.jsonl")
@@ -171,8 +172,18 @@ def test_the_gateway_answers_tool_calls_as_vllms_own_server(
         ours = OpenAI(base_url=base_url, api_key=key)
         theirs = OpenAI(base_url=teacher_server, api_key="unused")
         with_calls = 0
-        for record in records:
-            request = {"messages": record["messages"], "tools": record["tools"], "max_tokens": 64}
+        forced = [
+            {"tool_choice": "required"},
+            {
+                "tool_choice": {
+                    "type": "function",
+                    "function": {"name": records[0]["tools"][-1]["function"]["name"]},
+                }
+            },
+        ]
+        requests = [{"messages": r["messages"], "tools": r["tools"], "max_tokens": 64} for r in records]
+        requests += [{**request, **choice} for request in requests[:2] for choice in forced]
+        for request in requests:
             want = theirs.chat.completions.create(model="teacher", temperature=0.0, **request).choices[0]
             got = ours.chat.completions.create(model="teacher", **request).choices[0]
             assert (got.message.content or None) == (want.message.content or None)
@@ -181,7 +192,7 @@ def test_the_gateway_answers_tool_calls_as_vllms_own_server(
             ]
             assert got.finish_reason == want.finish_reason
             with_calls += bool(want.message.tool_calls)
-        assert with_calls >= len(records) // 2, f"only {with_calls}/{len(records)} replies called a tool"
+        assert with_calls >= len(requests) // 2, f"only {with_calls}/{len(requests)} replies called a tool"
     finally:
         ray.get(gateway.shutdown.remote())
         ray.kill(gateway)

@@ -7,7 +7,7 @@ import inspect
 import pytest
 from fastapi.testclient import TestClient
 
-from opd_trainer.rollout.gateway import RESERVED_TEMPLATE_KWARGS, ChatCompletionRequest, Gateway
+from opd_trainer.rollout.gateway import RESERVED_TEMPLATE_KWARGS, Gateway, chat_request
 
 # Qwen3's switch, reduced to its essentials: an empty think block when thinking is turned off.
 THINKING_TEMPLATE = (
@@ -50,7 +50,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Gateway:
 
 
 def prompt(gateway: Gateway, **body: object) -> list[int]:
-    _, ids = gateway._prompt_ids(ChatCompletionRequest.model_validate({"messages": MESSAGES, **body}))
+    _, ids = gateway._prompt_ids(chat_request({"messages": MESSAGES, **body}))
     return ids
 
 
@@ -104,3 +104,33 @@ def test_prompt_token_ids_passes_template_kwargs(gateway: Gateway) -> None:
 
     expected = prompt(gateway, enable_thinking=False)  # also loads the gateway's tokenizer
     assert prompt_token_ids(gateway._tokenizer, MESSAGES, None, {"enable_thinking": False}) == expected
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": MESSAGES, "n": 2}, "n"),
+        ({"messages": MESSAGES, "enable_thinking": "no"}, "enable_thinking"),
+        ({"messages": MESSAGES, "max_completion_tokens": "many"}, "max_completion_tokens"),
+        ({"messages": MESSAGES, "tool_choice": "required"}, "tool_choice"),
+        ([{"role": "user", "content": "hi"}], "body"),
+    ],
+)
+def test_requests_the_gateway_cannot_serve_get_400_naming_the_field(
+    gateway: Gateway, body: object, param: str
+) -> None:
+    key = gateway.open_rollout("r-bad")
+    with TestClient(gateway.app()) as http:
+        response = http.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+    assert gateway.close_rollout(key) == []
+
+
+def test_max_tokens_is_read_from_either_field(gateway: Gateway) -> None:
+    from opd_trainer.rollout.gateway import asked_max_tokens
+
+    assert asked_max_tokens(chat_request({"messages": MESSAGES, "max_tokens": 7})) == 7
+    assert asked_max_tokens(chat_request({"messages": MESSAGES, "max_completion_tokens": 5})) == 5
+    assert asked_max_tokens(chat_request({"messages": MESSAGES})) is None
