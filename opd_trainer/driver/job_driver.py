@@ -125,6 +125,7 @@ class JobDriver:
         self._latest: dict[str, float] = {}
         self._started_at = time.time()
         self._student: EngineGroup | None = None
+        self._weight_transfers: list[str] = []  # handoff kind per student replica
         self._teacher: EngineGroup | None = None
         self._learner: LearnerGroup | None = None
         self._gateway: Any = None
@@ -231,7 +232,27 @@ class JobDriver:
             engines(spec.teacher_model, spec.resources.teacher, "teacher"),
             self._learner.initialize(),
         )
+        try:
+            self._weight_transfers = await self._student.transfers(
+                spec.resources.weight_transfer, await self._learner.node_id()
+            )
+        except ValueError as exc:
+            raise ConfigError(str(exc), field="resources.weight_transfer") from None
+        self.emit(
+            "status",
+            f"student weights reach the engines by {', '.join(sorted(set(self._weight_transfers)))}",
+            weight_transfers=self._weight_transfers,
+        )
         await self._start_rollout_path()
+
+    async def _publish_weights(self, version: int) -> None:
+        """The learner's weights to every student replica, each by its handoff kind."""
+        assert self._learner is not None and self._student is not None
+        handoffs = await self._learner.export_weights(self._weight_transfers)
+        try:
+            await self._student.update_weights([handoffs[kind] for kind in self._weight_transfers], version)
+        finally:
+            await self._learner.release_weights(list(handoffs.values()))
 
     def _workspace(self, component: FunctionComponent) -> Path:
         fcmodel = component.fcmodel
@@ -442,7 +463,7 @@ class JobDriver:
             await asyncio.wait([self._next.rollouts])
         next_wait_s = time.perf_counter() - timer
         timer = time.perf_counter()
-        await self._learner.publish_weights(self._student.actors, step + 1)
+        await self._publish_weights(step + 1)
         sync_s = time.perf_counter() - timer
         self.step = step + 1
         step_s = time.perf_counter() - started
@@ -560,7 +581,7 @@ class JobDriver:
         self.step = int(state["step"])
         self.cursor.restore(state["cursor"])
         discarded = self.log.truncate_after(self.step)
-        await self._learner.publish_weights(self._student.actors, self.step)
+        await self._publish_weights(self.step)
         # Step events of discarded steps stay in the event log (ids are never reused); this event names
         # them. Metrics, curves and trajectories keep only the checkpointed steps.
         message = f"resumed from checkpoint at step {self.step}"

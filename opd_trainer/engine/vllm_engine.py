@@ -24,7 +24,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from opd_trainer.engine.kv_cache import cpu_kv_cache_bytes
 from opd_trainer.engine.vllm_extension import EXTENSION_CLASSPATH
-from opd_trainer.engine.weight_sync import SharedMemoryWeights, TransferEngineWeights, WeightHandoff
+from opd_trainer.engine.weight_sync import (
+    ObjectStoreWeights,
+    SharedMemoryWeights,
+    TransferEngineWeights,
+    WeightHandoff,
+    shared_memory_weights,
+    transfer_for,
+)
 from opd_trainer.errors import EngineError, WeightSyncError
 from opd_trainer.records import LLMCall
 from opd_trainer.spec.job_spec import EngineResources
@@ -386,16 +393,20 @@ class Engine:
         async with self._update_lock:
             await llm.pause_generation(mode="wait", clear_cache=True)
             try:
-                if isinstance(handoff, SharedMemoryWeights):
+                if isinstance(handoff, SharedMemoryWeights | ObjectStoreWeights):
                     if self.config.weight_transfer_backend != "shm":
                         raise WeightSyncError(
-                            f"{self.name}: got a shared-memory handoff but the engine uses "
+                            f"{self.name}: got a {type(handoff).__name__} handoff but the engine uses "
                             f"{self.config.weight_transfer_backend}"
                         )
-                    results = await llm.collective_rpc("opd_reload_weights_from_file", args=(handoff.path,))
-                    failed = [r["error"] for r in results if not r["ok"]]
-                    if failed:
-                        raise WeightSyncError(f"{self.name}: a worker could not load weights: {failed[0]}")
+                    if isinstance(handoff, SharedMemoryWeights):
+                        await self._reload_from_file(llm, handoff.path)
+                    else:
+                        # Fetched from the learner's node, then reloaded from this node's tmpfs.
+                        tensors = await handoff.refs[0]
+                        with shared_memory_weights(tensors.items()) as local:
+                            del tensors
+                            await self._reload_from_file(llm, local.path)
                 elif isinstance(handoff, TransferEngineWeights):
                     from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
@@ -414,6 +425,16 @@ class Engine:
                 await llm.resume_generation()
             self._weight_version = self._weight_version + 1 if version is None else version
             return self._weight_version
+
+    async def _reload_from_file(self, llm: AsyncLLM, path: str) -> None:
+        results = await llm.collective_rpc("opd_reload_weights_from_file", args=(path,))
+        failed = [r["error"] for r in results if not r["ok"]]
+        if failed:
+            raise WeightSyncError(f"{self.name}: a worker could not load weights: {failed[0]}")
+
+    def node_id(self) -> str:
+        """The Ray node this replica runs on (weight handoffs by shared memory stay on one node)."""
+        return ray.get_runtime_context().get_node_id()
 
     async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
         """GPU only: joins the learner's weight-transfer group (vLLM's `init_weight_transfer_engine`)."""
@@ -467,14 +488,39 @@ async def start_engines(config: EngineConfig, role: str) -> list[ActorHandle]:
 class EngineGroup:
     """The replicas of one model, used as one: requests are spread, weight updates fanned out."""
 
-    def __init__(self, actors: list[ActorHandle]) -> None:
+    def __init__(self, actors: list[ActorHandle], node_ids: list[str] | None = None) -> None:
         if not actors:
             raise ValueError("an engine group needs at least one replica")
         self.actors = actors
+        self.node_ids = node_ids or []
 
     @classmethod
     async def start(cls, config: EngineConfig, role: str) -> EngineGroup:
-        return cls(await start_engines(config, role))
+        actors = await start_engines(config, role)
+        return cls(actors, list(await asyncio.gather(*(actor.node_id.remote() for actor in actors))))
+
+    async def locate(self) -> list[str]:
+        """The Ray node of each replica, in replica order (asked once)."""
+        if len(self.node_ids) != len(self.actors):
+            self.node_ids = list(await asyncio.gather(*(actor.node_id.remote() for actor in self.actors)))
+        return self.node_ids
+
+    async def transfers(self, configured: str, learner_node: str) -> list[str]:
+        """The weight handoff kind of each replica (`weight_sync.transfer_for`)."""
+        return [transfer_for(configured, learner_node, node) for node in await self.locate()]
+
+    async def update_weights(self, handoffs: list[WeightHandoff], version: int) -> None:
+        """Every replica loads its handoff (`handoffs[i]` for replica i) and reports `version`."""
+        if len(handoffs) != len(self.actors):
+            raise ValueError(f"{len(handoffs)} weight handoffs for {len(self.actors)} engine replicas")
+        versions = await asyncio.gather(
+            *(
+                actor.update_weights.remote(handoff, version)
+                for actor, handoff in zip(self.actors, handoffs, strict=True)
+            )
+        )
+        if any(v != version for v in versions):
+            raise WeightSyncError(f"engines report versions {versions}, expected {version}")
 
     def _spread(self, items: list[Any]) -> list[list[Any]]:
         return [items[index :: len(self.actors)] for index in range(len(self.actors))]

@@ -1,11 +1,17 @@
 """Hands a learner's weights to running vLLM engines without a disk round-trip.
 
-Two handoffs, one engine method (`Engine.update_weights`):
-- `SharedMemoryWeights` (CPU, and any box): the learner writes its tensors once into a safetensors
-  file on tmpfs (`/dev/shm`); every engine replica memory-maps it and reloads in place through the
-  `WeightReloadExtension` worker extension. One memory copy on each side.
-- `TransferEngineWeights` (GPU): vLLM's RL weight-transfer API (nccl / ipc backends). The learner runs
-  the trainer half (`vllm.distributed.weight_transfer`) while the engine runs start/update/finish.
+Handoffs, one engine method (`Engine.update_weights`):
+- `SharedMemoryWeights` (engines on the learner's node): the learner writes its tensors once into a
+  safetensors file on tmpfs (`/dev/shm`); every engine replica on that node memory-maps it and reloads
+  in place through the `WeightReloadExtension` worker extension. One memory copy on each side.
+- `ObjectStoreWeights` (engines on any node): the learner puts its tensors in Ray's object store once;
+  each engine fetches them (Ray moves them between nodes), writes them to its own node's tmpfs and
+  reloads from there as above. One more copy per engine node than shared memory, no shared disk.
+- `TransferEngineWeights` (GPU): vLLM's RL weight-transfer API (nccl / ipc backends). The engine side
+  is implemented (`init_weight_transfer`, `update_weights`); nothing on the learner side builds this
+  handoff yet, so GPU jobs also move weights by the two handoffs above.
+
+`transfer_for` picks a handoff for one engine replica from the job's `resources.weight_transfer`.
 """
 
 from __future__ import annotations
@@ -42,7 +48,36 @@ class TransferEngineWeights:
     update_info: dict[str, Any] = field(default_factory=dict)
 
 
-WeightHandoff = SharedMemoryWeights | TransferEngineWeights
+@dataclass(frozen=True)
+class ObjectStoreWeights:
+    """Named weights in Ray's object store: `refs` holds one `ObjectRef` of a {name: tensor} dict
+    (inside a tuple, so Ray passes the reference to the engine rather than resolving it on the way)."""
+
+    refs: tuple[Any, ...]
+    num_tensors: int
+    num_bytes: int
+
+
+WeightHandoff = SharedMemoryWeights | ObjectStoreWeights | TransferEngineWeights
+
+# `resources.weight_transfer`: how the learner's weights reach each student engine replica.
+WEIGHT_TRANSFERS = ("auto", "shm", "ray")
+
+
+def transfer_for(configured: str, learner_node: str, engine_node: str) -> str:
+    """The handoff kind ("shm" or "ray") for one engine replica. `auto` uses shared memory only where
+    the engine shares the learner's node (a tmpfs file cannot reach another node) and Ray's object
+    store elsewhere; `shm` refuses an engine on another node rather than fail at the first update."""
+    if configured not in WEIGHT_TRANSFERS:
+        raise ValueError(f"unknown weight transfer {configured!r}; expected one of {WEIGHT_TRANSFERS}")
+    if configured == "auto":
+        return "shm" if engine_node == learner_node else "ray"
+    if configured == "shm" and engine_node != learner_node:
+        raise ValueError(
+            f"weight_transfer 'shm' needs every student engine on the learner's node; an engine runs on "
+            f"node {engine_node[:12]}, the learner on {learner_node[:12]} (use 'auto' or 'ray')"
+        )
+    return configured
 
 
 def shared_memory_dir() -> Path:
@@ -73,6 +108,15 @@ def write_shared_memory_weights(
 
 def release_shared_memory_weights(handoff: SharedMemoryWeights) -> None:
     Path(handoff.path).unlink(missing_ok=True)
+
+
+def put_object_store_weights(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> ObjectStoreWeights:
+    """Puts `named_tensors` in Ray's object store once, for engines on any node to fetch."""
+    import ray
+
+    tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in named_tensors}
+    num_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    return ObjectStoreWeights(refs=(ray.put(tensors),), num_tensors=len(tensors), num_bytes=num_bytes)
 
 
 @contextmanager

@@ -17,14 +17,19 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from opd_trainer.engine.weight_sync import shared_memory_weights
+from opd_trainer.engine.weight_sync import (
+    SharedMemoryWeights,
+    WeightHandoff,
+    put_object_store_weights,
+    release_shared_memory_weights,
+    write_shared_memory_weights,
+)
 from opd_trainer.errors import WeightSyncError
 from opd_trainer.ports import free_port
 from opd_trainer.records import LLMCall
 
 if TYPE_CHECKING:
     import torch
-    from ray.actor import ActorHandle
 
 logger = logging.getLogger(__name__)
 
@@ -421,16 +426,34 @@ class Learner:
             weights.append((name, tensor))
         return weights
 
-    async def publish_weights(self, engines: list[ActorHandle], version: int) -> int:
-        """Hands the current weights to every engine replica through one shared-memory file."""
+    def export_weights(self, kinds: list[str]) -> dict[str, WeightHandoff]:
+        """The current weights as one handoff per kind asked for ("shm": a tmpfs file on this node,
+        "ray": Ray's object store), for the engine group to hand to its replicas. Every rank takes
+        part (ZeRO-3 gathers the parameters collectively); rank 0's handoffs are the ones returned.
+        Call `release_weights` once every engine has loaded them."""
         self.initialize()
+        weights = self.named_weights()
         if self.rank != 0:
-            return version
-        with shared_memory_weights(self.named_weights()) as handoff:
-            versions = await asyncio.gather(*(e.update_weights.remote(handoff, version) for e in engines))
-        if any(v != version for v in versions):
-            raise WeightSyncError(f"engines report versions {versions}, expected {version}")
-        return version
+            return {}
+        handoffs: dict[str, WeightHandoff] = {}
+        for kind in sorted(set(kinds)):
+            if kind == "shm":
+                handoffs[kind] = write_shared_memory_weights(weights)
+            elif kind == "ray":
+                handoffs[kind] = put_object_store_weights(weights)
+            else:
+                raise WeightSyncError(f"unknown weight handoff kind {kind!r}")
+        return handoffs
+
+    def release_weights(self, handoffs: list[WeightHandoff]) -> None:
+        """Frees what `export_weights` made (the tmpfs file; an object-store copy goes with its last
+        reference)."""
+        for handoff in handoffs:
+            if isinstance(handoff, SharedMemoryWeights):
+                release_shared_memory_weights(handoff)
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
 
     def save_checkpoint(self, directory: str) -> None:
         """HF `save_pretrained` student (rank 0) + DeepSpeed optimizer/scheduler state (all ranks)."""
@@ -488,8 +511,17 @@ class LearnerGroup:
     async def compute_logprobs(self, segments: list[LLMCall]) -> list[list[float]]:
         return await self.actors[0].compute_logprobs.remote(segments)
 
-    async def publish_weights(self, engines: list[ActorHandle], version: int) -> int:
-        return await self.actors[0].publish_weights.remote(engines, version)
+    async def export_weights(self, kinds: list[str]) -> dict[str, WeightHandoff]:
+        """Rank 0's handoffs; every rank takes part (a ZeRO-3 gather is collective)."""
+        results = await asyncio.gather(*(a.export_weights.remote(kinds) for a in self.actors))
+        return results[0]
+
+    async def release_weights(self, handoffs: list[WeightHandoff]) -> None:
+        await self.actors[0].release_weights.remote(handoffs)
+
+    async def node_id(self) -> str:
+        """Rank 0's node, where the handoffs are made."""
+        return await self.actors[0].node_id.remote()
 
     async def save_checkpoint(self, directory: str) -> None:
         await asyncio.gather(*(a.save_checkpoint.remote(directory) for a in self.actors))

@@ -339,6 +339,13 @@ class Resources(_Strict):
         description="Share of one GPU per learner rank (CUDA only); below 1 shares a GPU with engines.",
     )
     zero_stage: Literal[0, 1, 2, 3] = Field(default=2, description="DeepSpeed ZeRO stage of the learner.")
+    weight_transfer: Literal["auto", "shm", "ray"] = Field(
+        default="auto",
+        description="How the learner's weights reach the student engines after each step: 'shm' a "
+        "shared-memory file on the learner's node (engines there only), 'ray' Ray's object store (any "
+        "node, one more copy per engine node), 'auto' shared memory for engines on the learner's node "
+        "and the object store for the others.",
+    )
 
 
 class JobSpec(_Strict):

@@ -119,9 +119,16 @@ def test_validation_survives_solutions_of_any_shape(
             },
         ],
         "hyper_parameters": {"max_steps": 1, "batch_size": 4, "n_rollouts": 2, "max_tokens": 48, "seed": 3},
+        # The learner's weights go through Ray's object store (what an engine on another node gets;
+        # `auto` would pick shared memory on this one-node cluster).
+        "resources": {"weight_transfer": "ray"},
     }
     run_dir = tmp_path / "run"
     summary = _run(spec, run_dir)
+    [transfers] = [
+        e["data"]["weight_transfers"] for e in _events(run_dir) if "weight_transfers" in e.get("data", {})
+    ]
+    assert transfers == ["ray"]
     odd_ids = {records[i]["rollout_extra"]["sample_id"] for i in odd}
     for label in ("teacher", "student_before", "student_after"):
         metrics = summary[label]
