@@ -299,13 +299,22 @@ def test_raycluster_passes_kuberay_admission_checks(
 def test_default_install(rendered_by_scenario: dict[str, Rendered]) -> None:
     rendered = rendered_by_scenario["default"]
     kinds = sorted(obj["kind"] for obj in rendered.objects)
-    assert kinds == ["ConfigMap", "Deployment", "PersistentVolumeClaim", "RayCluster", "Secret", "Service"]
+    assert kinds == [
+        "ConfigMap",
+        "Deployment",
+        "NetworkPolicy",
+        "PersistentVolumeClaim",
+        "Pod",  # the `helm test` pod
+        "RayCluster",
+        "Secret",
+        "Service",
+    ]
     groups = worker_groups(rendered)
     assert set(groups) == {"cpu", "user-code", "gpu"}
     assert gpus(groups["cpu"]) == 0 and gpus(groups["user-code"]) == 0
-    assert gpus(groups["gpu"]) == 1
+    assert gpus(groups["gpu"]) == 4
     gpu_container = ray_container(groups["gpu"]["template"])
-    assert gpu_container["resources"]["requests"]["nvidia.com/gpu"] == 1
+    assert gpu_container["resources"]["requests"]["nvidia.com/gpu"] == 4
     assert gpu_container["image"].endswith("-cuda")
     assert ray_container(groups["cpu"]["template"])["image"].endswith("-cpu")
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in groups["gpu"][
@@ -321,6 +330,69 @@ def test_default_install(rendered_by_scenario: dict[str, Rendered]) -> None:
     assert set(configmap_data(rendered)) == {"OPD_DATA_DIR", "OPD_USER_CODE_RESOURCE"}
     assert rendered.one("PersistentVolumeClaim")["spec"]["accessModes"] == ["ReadWriteMany"]
     assert "kubectl" in rendered.notes and "opd keys create --tenant" in rendered.notes
+
+
+def _default_job_gpus() -> list[float]:
+    """GPUs each actor of a job with the default `resources` reserves (`JobSpec` defaults on GPU)."""
+    from opd_trainer.spec.job_spec import Resources
+
+    resources = Resources()
+    engines = [resources.student, resources.teacher]
+    per_engine = [e.tensor_parallel_size * e.gpu_fraction for e in engines for _ in range(e.replicas)]
+    return per_engine + [resources.learner_gpu_fraction] * resources.learner_gpus
+
+
+def test_the_default_job_can_be_placed_on_the_default_chart(
+    rendered_by_scenario: dict[str, Rendered],
+) -> None:
+    """Every actor of a default job fits a pod, and one pod holds the whole job (so `auto` weight
+    transfer uses shared memory) — with the autoscaler's most pods, more than one such job."""
+    group = worker_groups(rendered_by_scenario["default"])["gpu"]
+    per_pod = gpus(group)
+    job = _default_job_gpus()
+    assert job == [1.0, 1.0, 1.0]
+    assert max(job) <= per_pod and sum(job) <= per_pod
+    assert group["maxReplicas"] * per_pod >= 2 * sum(job)
+    memory = ray_container(group["template"])["resources"]["limits"]["memory"]
+    shm = next(v for v in group["template"]["spec"]["volumes"] if v["name"] == "dshm")["emptyDir"]
+    assert int(shm["sizeLimit"].removesuffix("Gi")) < int(memory.removesuffix("Gi"))
+
+
+def test_only_the_api_reaches_ray_client_and_dashboard(rendered_by_scenario: dict[str, Rendered]) -> None:
+    rendered = rendered_by_scenario["default"]
+    policy = rendered.one("NetworkPolicy")["spec"]
+    head_labels = rendered.one("RayCluster")["spec"]["headGroupSpec"]["template"]["metadata"]["labels"]
+    assert policy["policyTypes"] == ["Ingress"]
+    assert policy["podSelector"]["matchLabels"].items() <= head_labels.items()
+    api_labels = rendered.one("Deployment")["spec"]["template"]["metadata"]["labels"]
+    guarded = {10001, 8265}
+    for rule in policy["ingress"]:
+        [peer] = rule["from"]
+        selector = peer["podSelector"]["matchLabels"]
+        opened = set()
+        for port in rule["ports"]:
+            if port["protocol"] == "TCP":
+                opened |= set(range(port["port"], port.get("endPort", port["port"]) + 1))
+        if selector.items() <= api_labels.items():
+            assert opened == guarded
+        else:
+            assert selector == {"ray.io/cluster": rendered.one("RayCluster")["metadata"]["name"]}
+            assert not opened & guarded and len(opened) == 65535 - len(guarded)
+    assert not rendered_by_scenario["existing-ray"].of_kind("NetworkPolicy")
+
+
+def test_helm_test_pod_asks_the_api_if_it_is_ready(rendered_by_scenario: dict[str, Rendered]) -> None:
+    rendered = rendered_by_scenario["default"]
+    pod = rendered.one("Pod")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    spec = pod["spec"]
+    assert spec["restartPolicy"] == "Never" and spec["automountServiceAccountToken"] is False
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    [container] = spec["containers"]
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    service = rendered.one("Service")
+    url = f"http://{service['metadata']['name']}.{NAMESPACE}.svc:{service['spec']['ports'][0]['port']}/readyz"
+    assert url in container["command"][-1]
 
 
 def test_user_code_group_has_no_data_volume_and_no_secrets(rendered_by_scenario: dict[str, Rendered]) -> None:
