@@ -186,10 +186,15 @@ class JobDriver:
         self._max_length = resolve_max_length(hp.max_length, spec.model, spec.teacher_model)
         self._tokenizer = AutoTokenizer.from_pretrained(spec.model)
         on_gpu = torch.cuda.is_available()
-        world_size = max(1, spec.resources.learner_gpus) if on_gpu else 1
-        if hp.ppo_mini_batch_size < world_size:
+        world_size = max(1, spec.resources.learner_gpus)
+        # Mini-batches are split across ranks by prompt group: each needs a group per rank.
+        rollouts = hp.batch_size * hp.n_rollouts
+        smallest = min(hp.ppo_mini_batch_size, rollouts % hp.ppo_mini_batch_size or hp.ppo_mini_batch_size)
+        if smallest < world_size * hp.n_rollouts:
             raise ConfigError(
-                f"must be >= the {world_size} learner ranks", field="hyper_parameters.ppo_mini_batch_size"
+                f"with {world_size} learner ranks every mini-batch needs {world_size} prompt groups "
+                f"({world_size * hp.n_rollouts} rollouts); the smallest of this job's has {smallest}",
+                field="hyper_parameters.ppo_mini_batch_size",
             )
         settings = LearnerSettings(
             model_path=spec.model,

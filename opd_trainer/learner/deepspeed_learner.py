@@ -65,8 +65,13 @@ def distillation_loss(
     logits_B_S_V: torch.Tensor,
     learner_B_T: torch.Tensor,
     reward_adv_B: torch.Tensor | None,
+    num_tokens: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The `settings.distill_loss` estimator plus the reward term, and its stats (see learner/loss.py).
+
+    `num_tokens`: the loss normaliser (None: this batch's trained tokens). A data-parallel rank passes
+    the whole mini-batch's trained tokens over the number of ranks, so that the ranks' gradients,
+    averaged by DeepSpeed, are the gradient of one token mean over the whole mini-batch.
 
     `batch` is `Learner._pad`'s; `logits_B_S_V` the learner's float logits from `first_scored_position`
     on and `learner_B_T` its logprobs of the targets at the sampling temperature (`Learner._scored_logits`,
@@ -101,7 +106,7 @@ def distillation_loss(
             sampler_B_T, teacher_B_T, mask_B_T, settings.kl_coef, reward_adv_B, settings.reward_coef
         )
         loss, stats = opd_loss.policy_loss(
-            learner_B_T, sampler_B_T, advantages_B_T, mask_B_T, settings.ratio_cap
+            learner_B_T, sampler_B_T, advantages_B_T, mask_B_T, settings.ratio_cap, num_tokens
         )
         signal_B_T = sampler_B_T - teacher_B_T
     elif top_k is None:
@@ -115,22 +120,24 @@ def distillation_loss(
             distill_B_T, mask_B_T, reward_adv_B, settings.reward_coef
         )
         loss, stats = opd_loss.policy_loss(
-            learner_B_T, sampler_B_T, advantages_B_T, mask_B_T, settings.ratio_cap
+            learner_B_T, sampler_B_T, advantages_B_T, mask_B_T, settings.ratio_cap, num_tokens
         )
         signal_B_T = sampler_B_T - teacher_B_T - baseline_B_T
     else:
         if settings.distill_loss == "topk_reverse":
-            divergence, per_token_B_S = opd_loss.topk_reverse_kl_loss(logits_B_S_V, *top_k)
+            divergence, per_token_B_S = opd_loss.topk_reverse_kl_loss(logits_B_S_V, *top_k, num_tokens)
         elif settings.distill_loss == "topk_forward":
-            divergence, per_token_B_S = opd_loss.topk_forward_kl_loss(logits_B_S_V, *top_k)
+            divergence, per_token_B_S = opd_loss.topk_forward_kl_loss(logits_B_S_V, *top_k, num_tokens)
         else:
-            divergence, per_token_B_S = opd_loss.topk_jsd_loss(logits_B_S_V, *top_k, beta=settings.jsd_beta)
+            divergence, per_token_B_S = opd_loss.topk_jsd_loss(
+                logits_B_S_V, *top_k, beta=settings.jsd_beta, num_tokens=num_tokens
+            )
         # The reward still reaches the student through the policy gradient (zero when there is none).
         advantages_B_T = opd_loss.add_reward_advantages(
             torch.zeros_like(learner_B_T), mask_B_T, reward_adv_B, settings.reward_coef
         )
         policy, stats = opd_loss.policy_loss(
-            learner_B_T, sampler_B_T, advantages_B_T, mask_B_T, settings.ratio_cap
+            learner_B_T, sampler_B_T, advantages_B_T, mask_B_T, settings.ratio_cap, num_tokens
         )
         loss = policy + settings.kl_coef * divergence
         signal_B_T = full_width(per_token_B_S)
@@ -339,10 +346,14 @@ class Learner:
 
     # -- training -------------------------------------------------------------------------------
 
-    def train_step(self, minibatches: list[list[LLMCall]]) -> dict[str, float]:
+    def train_step(
+        self, minibatches: list[list[LLMCall]], minibatch_tokens: list[float] | None = None
+    ) -> dict[str, float]:
         """One OPD step: one optimizer update per mini-batch (this rank's share of each).
 
         Every rank must get the same number of mini-batches: each update is a collective.
+        `minibatch_tokens[i]`: trained tokens of mini-batch i over all ranks (None: one rank), which
+        normalises each rank's loss so that the averaged gradient is the whole mini-batch's.
         """
         import torch
 
@@ -354,7 +365,8 @@ class Learner:
         totals: dict[str, float] = {}
         ratio_max = 0.0
         grad_norms: list[float] = []
-        for minibatch in minibatches:
+        for index, minibatch in enumerate(minibatches):
+            num_tokens = None if minibatch_tokens is None else minibatch_tokens[index] / self.world_size
             batch = self._pad(minibatch)
             rewards_B = torch.tensor([s.reward for s in minibatch], device=self._device)
             reward_adv_B = opd_loss.group_reward_advantages(
@@ -371,12 +383,13 @@ class Learner:
                 logits_B_S_V,
                 learner_B_T,
                 reward_adv_B if self.settings.reward_coef > 0 else None,
+                num_tokens,
             )
             total = policy
             if self._reference is not None:
                 with torch.no_grad():
                     reference_B_T = self._token_logprobs(self._reference, batch)
-                kl_ref = opd_loss.kl_to_reference(learner_B_T, reference_B_T, batch["mask_B_T"])
+                kl_ref = opd_loss.kl_to_reference(learner_B_T, reference_B_T, batch["mask_B_T"], num_tokens)
                 total = total + self.settings.kl_loss_coef * kl_ref
                 totals["kl_to_initial"] = totals.get("kl_to_initial", 0.0) + float(kl_ref.detach())
             self._engine.backward(total)
@@ -385,10 +398,18 @@ class Learner:
             if grad_norm is not None:
                 grad_norms.append(float(grad_norm))
             totals["loss"] = totals.get("loss", 0.0) + float(total.detach())
-            totals["ratio_mean"] = totals.get("ratio_mean", 0.0) + float(stats["ratio_mean"])
-            for name in ("ratio_truncated_frac", "signal_std", "teacher_topk_mass", "student_topk_mass"):
+            # Per-token statistics of this rank's share, weighted by that share of the mini-batch's
+            # tokens (1 with one rank), so that the ranks' plain mean is the mini-batch's token mean.
+            share = 1.0 if num_tokens is None else float(batch["mask_B_T"].sum()) / num_tokens
+            for name in (
+                "ratio_mean",
+                "ratio_truncated_frac",
+                "signal_std",
+                "teacher_topk_mass",
+                "student_topk_mass",
+            ):
                 if name in stats:
-                    totals[name] = totals.get(name, 0.0) + float(stats[name])
+                    totals[name] = totals.get(name, 0.0) + share * float(stats[name])
             ratio_max = max(ratio_max, float(stats["ratio_max"]))
         metrics = {name: value / len(minibatches) for name, value in totals.items()}
         metrics["ratio_max"] = ratio_max
@@ -412,19 +433,21 @@ class Learner:
         import deepspeed
 
         module = self._engine.module
+
+        def untied(state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+            seen: set[int] = set()
+            weights = []
+            for name, tensor in state.items():
+                if tensor.data_ptr() not in seen:
+                    seen.add(tensor.data_ptr())
+                    weights.append((name, tensor.detach()))
+            return weights
+
         if self.settings.zero_stage == 3:
+            # Tied tensors are found while gathered (one storage), before the copies that outlive it.
             with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-                state = {n: t.detach().cpu().clone() for n, t in module.state_dict().items()}
-        else:
-            state = {n: t.detach() for n, t in module.state_dict().items()}
-        seen: set[int] = set()
-        weights = []
-        for name, tensor in state.items():
-            if tensor.data_ptr() in seen:
-                continue
-            seen.add(tensor.data_ptr())
-            weights.append((name, tensor))
-        return weights
+                return [(n, t.cpu().clone()) for n, t in untied(module.state_dict())]
+        return untied(module.state_dict())
 
     def export_weights(self, kinds: list[str]) -> dict[str, WeightHandoff]:
         """The current weights as one handoff per kind asked for ("shm": a tmpfs file on this node,
@@ -471,6 +494,35 @@ class Learner:
         self._engine.load_checkpoint(str(Path(directory) / "deepspeed"), tag="state")
 
 
+# How `Learner.train_step`'s metrics combine across data-parallel ranks. Each rank normalises its
+# loss terms by the mini-batch's tokens over the ranks and weights its per-token statistics by its
+# share of those tokens, so the plain mean over ranks is the whole mini-batch's value (`signal_std`,
+# a spread, is combined the same way: an approximation); counts add up.
+SUMMED_METRICS = frozenset({"learner_tokens"})
+MAXED_METRICS = frozenset({"ratio_max"})
+SHARED_METRICS = frozenset({"grad_norm", "lr", "optimizer_updates"})  # equal on every rank
+
+
+def trained_tokens(segments: list[LLMCall]) -> float:
+    return float(sum(len(s.completion_token_ids) for s in segments))
+
+
+def reduce_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """One step's metrics from every rank's: summed, maxed, shared, else the mean over ranks."""
+    reduced: dict[str, float] = {}
+    for name in per_rank[0]:
+        values = [metrics[name] for metrics in per_rank]
+        if name in SUMMED_METRICS:
+            reduced[name] = sum(values)
+        elif name in MAXED_METRICS:
+            reduced[name] = max(values)
+        elif name in SHARED_METRICS:
+            reduced[name] = values[0]
+        else:
+            reduced[name] = sum(values) / len(values)
+    return reduced
+
+
 LearnerActor = ray.remote(Learner)
 """`Learner` as a Ray actor (one per data-parallel rank)."""
 
@@ -491,22 +543,32 @@ class LearnerGroup:
         await asyncio.gather(*(a.initialize.remote() for a in self.actors))
 
     async def train_step(self, minibatches: list[list[LLMCall]]) -> dict[str, float]:
-        """Each mini-batch is split across ranks by rollout, so a rollout's segments stay together."""
+        """Each mini-batch is split across ranks by prompt group, so a group's rollouts (the reward
+        baseline's support) and a rollout's segments stay on one rank; every rank normalises its loss
+        by the whole mini-batch's trained tokens, so N ranks make the update one rank would."""
+        if len(self.actors) == 1:
+            return await self.actors[0].train_step.remote(minibatches)
+        shards = self._shards(minibatches)
+        tokens = [trained_tokens(minibatch) for minibatch in minibatches]
+        results = await asyncio.gather(
+            *(actor.train_step.remote(part, tokens) for actor, part in zip(self.actors, shards, strict=True))
+        )
+        return reduce_rank_metrics(list(results))
+
+    def _shards(self, minibatches: list[list[LLMCall]]) -> list[list[list[LLMCall]]]:
         ranks = len(self.actors)
         shards: list[list[list[LLMCall]]] = [[] for _ in range(ranks)]
         for minibatch in minibatches:
-            rollouts = sorted({s.rollout_id for s in minibatch})
-            if len(rollouts) < ranks:
+            groups = sorted({s.group_id for s in minibatch})
+            if len(groups) < ranks:
                 raise ValueError(
-                    f"a mini-batch of {len(rollouts)} rollouts cannot feed {ranks} learner ranks"
+                    f"a mini-batch of {len(groups)} prompt groups cannot feed {ranks} learner ranks "
+                    "(raise ppo_mini_batch_size or lower resources.learner_gpus)"
                 )
-            owner = {rollout: index % ranks for index, rollout in enumerate(rollouts)}
+            owner = {group: index % ranks for index, group in enumerate(groups)}
             for rank in range(ranks):
-                shards[rank].append([s for s in minibatch if owner[s.rollout_id] == rank])
-        results = await asyncio.gather(
-            *(actor.train_step.remote(shard) for actor, shard in zip(self.actors, shards, strict=True))
-        )
-        return results[0]
+                shards[rank].append([s for s in minibatch if owner[s.group_id] == rank])
+        return shards
 
     async def compute_logprobs(self, segments: list[LLMCall]) -> list[list[float]]:
         return await self.actors[0].compute_logprobs.remote(segments)

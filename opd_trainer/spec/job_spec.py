@@ -330,7 +330,10 @@ class Resources(_Strict):
     student: EngineResources = Field(default_factory=EngineResources, description="Student sampling engines.")
     teacher: EngineResources = Field(default_factory=EngineResources, description="Teacher scoring engines.")
     learner_gpus: int = Field(
-        default=1, ge=0, description="Data-parallel learner ranks (GPUs; CPU ranks if 0 GPUs)."
+        default=1,
+        ge=0,
+        description="Data-parallel learner ranks, one GPU each (gloo CPU ranks on a machine without "
+        "GPUs); 0 means one rank. Each mini-batch is split across ranks by prompt group.",
     )
     learner_gpu_fraction: float = Field(
         default=1.0,
