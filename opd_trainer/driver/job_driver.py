@@ -217,7 +217,9 @@ class JobDriver:
         )
         self.emit("status", "starting engines and learner")
         learner_gpus = spec.resources.learner_gpu_fraction if on_gpu else 0.0
-        self._learner = LearnerGroup(settings, world_size, learner_gpus)
+        self._learner = LearnerGroup(
+            settings, world_size, learner_gpus, placement_timeout_s=spec.resources.placement_timeout_s
+        )
 
         def engines(model: str, resources: EngineResources, role: str) -> Awaitable[EngineGroup]:
             config = EngineConfig(
@@ -229,6 +231,7 @@ class JobDriver:
                 role=role,
                 # vLLM refuses a request for more top-k logprobs than this; 20 is its own default.
                 max_logprobs=max(20, hp.teacher_top_k) if role == "teacher" else 20,
+                placement_timeout_s=spec.resources.placement_timeout_s,
             )
             return EngineGroup.start(config, f"{self.job_id}-{role}")
 

@@ -33,6 +33,7 @@ from opd_trainer.engine.weight_sync import (
     transfer_for,
 )
 from opd_trainer.errors import EngineError, WeightSyncError
+from opd_trainer.placement import placed
 from opd_trainer.records import LLMCall
 from opd_trainer.spec.job_spec import EngineResources
 
@@ -67,6 +68,9 @@ class EngineConfig(BaseModel):
         "weight-transfer API over NCCL / CUDA IPC (GPU).",
     )
     num_cpus: float = Field(default=1.0, ge=0, description="Ray CPU slots each replica reserves.")
+    placement_timeout_s: float = Field(
+        default=600.0, gt=0, description="How long Ray may take to place the replicas before start fails."
+    )
     concurrent_sequences: int = Field(
         default=32,
         ge=1,
@@ -469,7 +473,15 @@ EngineActor = ray.remote(Engine)
 
 
 async def start_engines(config: EngineConfig, role: str) -> list[ActorHandle]:
-    """Places `config.resources.replicas` engine actors and waits until every one has started."""
+    """`start_located_engines` without the nodes."""
+    actors, _ = await start_located_engines(config, role)
+    return actors
+
+
+async def start_located_engines(config: EngineConfig, role: str) -> tuple[list[ActorHandle], list[str]]:
+    """Places `config.resources.replicas` engine actors (failing, naming `resources.<role>`, if Ray
+    cannot within `config.placement_timeout_s`), then waits until every one has started. Returns the
+    actors and the Ray node of each."""
     resources = config.resources
     num_gpus = resources.tensor_parallel_size * resources.gpu_fraction if _on_gpu() else 0
     actors = [
@@ -481,8 +493,15 @@ async def start_engines(config: EngineConfig, role: str) -> list[ActorHandle]:
         ).remote(config, f"{role}-{index}")
         for index in range(config.resources.replicas)
     ]
+    nodes = await placed(
+        actors,
+        what=f"{config.role} engine replicas",
+        demand={"CPU": config.num_cpus, "GPU": num_gpus},
+        field=f"resources.{config.role}",
+        timeout_s=config.placement_timeout_s,
+    )
     await asyncio.gather(*(actor.start.remote() for actor in actors))
-    return actors
+    return actors, nodes
 
 
 class EngineGroup:
@@ -496,8 +515,7 @@ class EngineGroup:
 
     @classmethod
     async def start(cls, config: EngineConfig, role: str) -> EngineGroup:
-        actors = await start_engines(config, role)
-        return cls(actors, list(await asyncio.gather(*(actor.node_id.remote() for actor in actors))))
+        return cls(*await start_located_engines(config, role))
 
     async def locate(self) -> list[str]:
         """The Ray node of each replica, in replica order (asked once)."""

@@ -25,6 +25,7 @@ from opd_trainer.engine.weight_sync import (
     write_shared_memory_weights,
 )
 from opd_trainer.errors import WeightSyncError
+from opd_trainer.placement import placed
 from opd_trainer.ports import free_port
 from opd_trainer.records import LLMCall
 
@@ -177,8 +178,16 @@ class Learner:
 
     # -- set-up ---------------------------------------------------------------------------------
 
-    def initialize(self) -> None:
-        """Builds model, optimizer, schedule and the DeepSpeed engine (idempotent)."""
+    def rendezvous_address(self) -> str:
+        """`host:port` on this rank's node for the process group's rendezvous (asked of rank 0)."""
+        host = ray.util.get_node_ip_address()
+        return f"{host}:{free_port(host)}"
+
+    def initialize(self, master: str | None = None) -> None:
+        """Builds model, optimizer, schedule and the DeepSpeed engine (idempotent). `master`: the
+        process group's rendezvous (rank 0's `rendezvous_address`), if not given at construction."""
+        if master:
+            self._master = master
         if self._engine is not None:
             return
         import torch
@@ -530,17 +539,34 @@ LearnerActor = ray.remote(Learner)
 class LearnerGroup:
     """`world_size` learner ranks driven in lock-step; segments are split evenly across ranks."""
 
-    def __init__(self, settings: LearnerSettings, world_size: int, num_gpus_per_rank: float) -> None:
-        master = f"{ray.util.get_node_ip_address()}:{free_port()}"
+    def __init__(
+        self,
+        settings: LearnerSettings,
+        world_size: int,
+        num_gpus_per_rank: float,
+        placement_timeout_s: float = 600.0,
+    ) -> None:
+        self.num_gpus_per_rank = num_gpus_per_rank
+        self.placement_timeout_s = placement_timeout_s
         self.actors = [
             LearnerActor.options(num_cpus=1, num_gpus=num_gpus_per_rank).remote(  # type: ignore[attr-defined]
-                settings, rank, world_size, master
+                settings, rank, world_size
             )
             for rank in range(world_size)
         ]
 
     async def initialize(self) -> None:
-        await asyncio.gather(*(a.initialize.remote() for a in self.actors))
+        """Waits for Ray to place every rank (failing, naming `resources.learner_gpus`, if it cannot),
+        then builds them around a rendezvous on rank 0's node, wherever that is."""
+        await placed(
+            self.actors,
+            what=f"{len(self.actors)} learner rank(s)",
+            demand={"CPU": 1, "GPU": self.num_gpus_per_rank},
+            field="resources.learner_gpus",
+            timeout_s=self.placement_timeout_s,
+        )
+        master = await self.actors[0].rendezvous_address.remote()
+        await asyncio.gather(*(a.initialize.remote(master) for a in self.actors))
 
     async def train_step(self, minibatches: list[list[LLMCall]]) -> dict[str, float]:
         """Each mini-batch is split across ranks by prompt group, so a group's rollouts (the reward

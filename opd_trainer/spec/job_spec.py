@@ -342,6 +342,12 @@ class Resources(_Strict):
         description="Share of one GPU per learner rank (CUDA only); below 1 shares a GPU with engines.",
     )
     zero_stage: Literal[0, 1, 2, 3] = Field(default=2, description="DeepSpeed ZeRO stage of the learner.")
+    placement_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="How long Ray may take to place the engines and learner ranks (an autoscaler adding "
+        "nodes included); past it the job fails naming the resource field and what the cluster has.",
+    )
     weight_transfer: Literal["auto", "shm", "ray"] = Field(
         default="auto",
         description="How the learner's weights reach the student engines after each step: 'shm' a "
