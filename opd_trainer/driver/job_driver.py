@@ -218,7 +218,11 @@ class JobDriver:
         self.emit("status", "starting engines and learner")
         learner_gpus = spec.resources.learner_gpu_fraction if on_gpu else 0.0
         self._learner = LearnerGroup(
-            settings, world_size, learner_gpus, placement_timeout_s=spec.resources.placement_timeout_s
+            settings,
+            world_size,
+            learner_gpus,
+            placement_timeout_s=spec.resources.placement_timeout_s,
+            ray_resources=spec.resources.learner_ray_resources,
         )
 
         def engines(model: str, resources: EngineResources, role: str) -> Awaitable[EngineGroup]:

@@ -489,6 +489,7 @@ async def start_located_engines(config: EngineConfig, role: str) -> tuple[list[A
             name=None,
             num_cpus=config.num_cpus,
             num_gpus=num_gpus,
+            resources=dict(resources.ray_resources) or None,
             max_concurrency=1000,
         ).remote(config, f"{role}-{index}")
         for index in range(config.resources.replicas)
@@ -496,7 +497,7 @@ async def start_located_engines(config: EngineConfig, role: str) -> tuple[list[A
     nodes = await placed(
         actors,
         what=f"{config.role} engine replicas",
-        demand={"CPU": config.num_cpus, "GPU": num_gpus},
+        demand={"CPU": config.num_cpus, "GPU": num_gpus, **resources.ray_resources},
         field=f"resources.{config.role}",
         timeout_s=config.placement_timeout_s,
     )

@@ -545,13 +545,14 @@ class LearnerGroup:
         world_size: int,
         num_gpus_per_rank: float,
         placement_timeout_s: float = 600.0,
+        ray_resources: dict[str, float] | None = None,
     ) -> None:
-        self.num_gpus_per_rank = num_gpus_per_rank
+        self.demand = {"CPU": 1.0, "GPU": num_gpus_per_rank, **(ray_resources or {})}
         self.placement_timeout_s = placement_timeout_s
         self.actors = [
-            LearnerActor.options(num_cpus=1, num_gpus=num_gpus_per_rank).remote(  # type: ignore[attr-defined]
-                settings, rank, world_size
-            )
+            LearnerActor.options(  # type: ignore[attr-defined]
+                num_cpus=1, num_gpus=num_gpus_per_rank, resources=dict(ray_resources or {}) or None
+            ).remote(settings, rank, world_size)
             for rank in range(world_size)
         ]
 
@@ -561,7 +562,7 @@ class LearnerGroup:
         await placed(
             self.actors,
             what=f"{len(self.actors)} learner rank(s)",
-            demand={"CPU": 1, "GPU": self.num_gpus_per_rank},
+            demand=self.demand,
             field="resources.learner_gpus",
             timeout_s=self.placement_timeout_s,
         )

@@ -307,6 +307,11 @@ class EngineResources(_Strict):
         "holds batch_size × n_rollouts sequences of max_length, capped at a share of the node's free memory.",
     )
     dtype: str = Field(default="auto", description="Engine weight dtype; 'auto' takes the checkpoint's.")
+    ray_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description='Custom Ray resources each replica requires, e.g. {"h100": 1} to run only on nodes '
+        "started with `ray start --resources '{\"h100\": 8}'` (how a job picks node types).",
+    )
     gpu_fraction: float = Field(
         default=1.0,
         gt=0,
@@ -340,6 +345,10 @@ class Resources(_Strict):
         gt=0,
         le=1,
         description="Share of one GPU per learner rank (CUDA only); below 1 shares a GPU with engines.",
+    )
+    learner_ray_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources each learner rank requires (as `student.ray_resources`).",
     )
     zero_stage: Literal[0, 1, 2, 3] = Field(default=2, description="DeepSpeed ZeRO stage of the learner.")
     placement_timeout_s: float = Field(
