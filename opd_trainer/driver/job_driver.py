@@ -288,6 +288,7 @@ class JobDriver:
             temperature=hp.temperature,
             max_length=self._max_length,
             tool_call_parser=self.spec.tool_call_parser,
+            chat_template_kwargs=self.spec.chat_template_kwargs,
         )
         # On a cluster the rollout workers may sit on other nodes: listen on every interface there.
         host = "127.0.0.1" if self._single_node() else "0.0.0.0"
@@ -375,7 +376,9 @@ class JobDriver:
     # -- one step -------------------------------------------------------------------------------
 
     def _prompt(self, sample: Sample) -> list[int]:
-        return prompt_token_ids(self._tokenizer, sample.messages, sample.tools)
+        return prompt_token_ids(
+            self._tokenizer, sample.messages, sample.tools, self.spec.chat_template_kwargs
+        )
 
     async def _segments(self, results: list[RolloutResult]) -> list[LLMCall]:
         """One segment per recorded LLM call of every successful rollout, scored by the teacher."""

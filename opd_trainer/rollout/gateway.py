@@ -50,33 +50,13 @@ from pydantic import ValidationError
 from opd_trainer.errors import ConfigError, EngineError
 from opd_trainer.ports import free_port
 from opd_trainer.records import LLMCall
+from opd_trainer.rollout.chat import RESERVED_TEMPLATE_KWARGS
 from opd_trainer.rollout.tool_calls import ToolCallParsing
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
 logger = logging.getLogger(__name__)
-
-# apply_chat_template's own arguments: the gateway sets them, a client's template kwargs may not.
-RESERVED_TEMPLATE_KWARGS = frozenset(
-    {
-        "conversation",
-        "messages",
-        "tools",
-        "documents",
-        "chat_template",
-        "add_generation_prompt",
-        "continue_final_message",
-        "tokenize",
-        "padding",
-        "truncation",
-        "max_length",
-        "return_tensors",
-        "return_dict",
-        "return_assistant_tokens_mask",
-        "tokenizer_kwargs",
-    }
-)
 
 
 class InvalidRequest(ValueError):
@@ -122,12 +102,13 @@ def chat_request(body: Any) -> Any:
     return request
 
 
-def template_kwargs(request: Any) -> dict[str, Any]:
-    """Extra variables for the chat template: a top-level `enable_thinking` (Bailian's convention),
-    overridden by an entry in `chat_template_kwargs` (vLLM's field)."""
+def template_kwargs(request: Any, job_defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Extra variables for the chat template: the job's `chat_template_kwargs`, overridden by a
+    request's top-level `enable_thinking` (Bailian's convention), overridden by an entry in the
+    request's `chat_template_kwargs` (vLLM's field)."""
     thinking = (request.model_extra or {}).get("enable_thinking")
     top_level = {} if thinking is None else {"enable_thinking": thinking}
-    return {**top_level, **(request.chat_template_kwargs or {})}
+    return {**(job_defaults or {}), **top_level, **(request.chat_template_kwargs or {})}
 
 
 def asked_max_tokens(request: Any) -> int | None:
@@ -233,6 +214,7 @@ class Gateway:
         temperature: float,
         max_length: int,
         tool_call_parser: str = "hermes",
+        chat_template_kwargs: dict[str, Any] | None = None,
         key_ttl_s: float = 3600.0,
     ) -> None:
         self.model_name = model_name
@@ -243,6 +225,7 @@ class Gateway:
         self.max_length = max_length
         self.key_ttl_s = key_ttl_s
         self.tool_call_parser = tool_call_parser
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self._tool_calls: ToolCallParsing | None = None
         self._sessions: dict[str, RolloutSession] = {}
         self._in_flight = [0] * len(self.engines)
@@ -319,7 +302,9 @@ class Gateway:
         tools = None
         if request.tools and request.tool_choice != "none":
             tools = [tool.model_dump(exclude_none=True) for tool in request.tools]  # as the client sent them
-        return messages, prompt_token_ids(self._tokenizer, messages, tools, template_kwargs(request))
+        return messages, prompt_token_ids(
+            self._tokenizer, messages, tools, template_kwargs(request, self.chat_template_kwargs)
+        )
 
     async def _prepare(self, key: str, request: Any) -> PreparedCall:
         """Everything decided before sampling; raises for a request that cannot be served."""

@@ -397,6 +397,12 @@ class JobSpec(_Strict):
         "...; turns a completion into the `tool_calls` rollouts and evaluators see. Checked when the "
         "job starts against vLLM's registry and the tokenizer.",
     )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra chat-template variables for every prompt the job renders, as vLLM's "
+        '`chat_template_kwargs` (e.g. {"enable_thinking": false} for Qwen3): built-in rollouts, and '
+        "every call through the gateway unless the request sets its own.",
+    )
     resources: Resources = Field(default_factory=Resources, description="Engine and learner placement.")
     ignored_fields: dict[str, JsonValue] = Field(
         default_factory=dict,
@@ -423,6 +429,16 @@ class JobSpec(_Strict):
             earlier = data.get("ignored_fields")
             data["ignored_fields"] = {**(earlier if isinstance(earlier, Mapping) else {}), **moved}
         return data
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _not_reserved(cls, value: dict[str, Any]) -> dict[str, Any]:
+        from opd_trainer.rollout.chat import RESERVED_TEMPLATE_KWARGS
+
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(value))
+        if reserved:
+            raise ValueError(f"{', '.join(reserved)} cannot be set here: the trainer renders the prompt")
+        return value
 
     @field_validator("ignored_fields")
     @classmethod

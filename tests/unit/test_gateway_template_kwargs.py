@@ -7,7 +7,8 @@ import inspect
 import pytest
 from fastapi.testclient import TestClient
 
-from opd_trainer.rollout.gateway import RESERVED_TEMPLATE_KWARGS, Gateway, chat_request
+from opd_trainer.rollout.chat import RESERVED_TEMPLATE_KWARGS
+from opd_trainer.rollout.gateway import Gateway, chat_request
 
 # Qwen3's switch, reduced to its essentials: an empty think block when thinking is turned off.
 THINKING_TEMPLATE = (
@@ -134,3 +135,39 @@ def test_max_tokens_is_read_from_either_field(gateway: Gateway) -> None:
     assert asked_max_tokens(chat_request({"messages": MESSAGES, "max_tokens": 7})) == 7
     assert asked_max_tokens(chat_request({"messages": MESSAGES, "max_completion_tokens": 5})) == 5
     assert asked_max_tokens(chat_request({"messages": MESSAGES})) is None
+
+
+def test_the_jobs_template_variables_apply_unless_the_request_sets_its_own(gateway: Gateway) -> None:
+    plain = prompt(gateway)
+    job = Gateway(
+        "student",
+        gateway.tokenizer_path,
+        [],
+        max_tokens=16,
+        temperature=1.0,
+        max_length=512,
+        chat_template_kwargs={"enable_thinking": False},
+    )
+    switched = job._prompt_ids(chat_request({"messages": MESSAGES}))[1]
+    assert switched == prompt(gateway, enable_thinking=False) != plain
+    assert job._prompt_ids(chat_request({"messages": MESSAGES, "enable_thinking": True}))[1] == plain
+    kwargs = {"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": True}}
+    assert job._prompt_ids(chat_request(kwargs))[1] == plain
+
+
+def test_the_job_spec_refuses_template_arguments_the_trainer_sets() -> None:
+    from pydantic import ValidationError
+
+    from opd_trainer.spec.job_spec import JobSpec
+
+    with pytest.raises(ValidationError, match="chat_template_kwargs") as error:
+        JobSpec.model_validate(
+            {
+                "job_name": "j",
+                "model": "m",
+                "teacher_model": "t",
+                "training_datasets": ["train.jsonl"],
+                "chat_template_kwargs": {"tokenize": True},
+            }
+        )
+    assert "tokenize" in str(error.value)
