@@ -24,6 +24,7 @@ from typing import Any
 
 import ray
 from ray.cluster_utils import Cluster
+from test_any_task import AGENT_WORKSPACE, EVALUATOR_WORKSPACE, SMALL_POOL  # this script's folder
 
 from opd_trainer.demo.tiny_models.serving import TINY_KV_CACHE_BYTES
 from opd_trainer.driver.job_driver import JobDriver
@@ -31,27 +32,16 @@ from opd_trainer.driver.run_dir import RunDir
 from opd_trainer.jsonl import read_jsonl, write_jsonl
 from opd_trainer.spec.job_spec import parse_job_spec
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-AGENT_WORKSPACE = EXAMPLES / "tool_routing_agentic" / "workspace"
-EVALUATOR_WORKSPACE = EXAMPLES / "tool_routing_evaluator"
 NODES = {"head": 2, "student": 1, "teacher": 1, "learner": 1, "pools": 2}  # name -> CPUs
 
 
 def job(student: Path, teacher: Path, data: Path, work: Path) -> dict[str, Any]:
     validation = work / "validation.jsonl"
     write_jsonl(validation, read_jsonl(data / "validation.jsonl")[:8])
-    runtime = {
-        "cpu": 0.25,
-        "memory_size": 512,
-        "concurrency": 32,
-        "capacity": 1,
-        "min_capacity": 1,
-        "max_capacity": 1,
-    }
 
     def component(name: str, kind: str, workspace: Path, classpath: str) -> dict[str, Any]:
         fcmodel = {"zipdir": str(workspace), "classpath": classpath}
-        return {"name": name, "type": kind, "fcmodel": fcmodel, "runtime": runtime, "timeout": 60}
+        return {"name": name, "type": kind, "fcmodel": fcmodel, "runtime": SMALL_POOL, "timeout": 60}
 
     engine = {"kv_cache_memory_bytes": TINY_KV_CACHE_BYTES, "dtype": "float32"}
     return {
