@@ -1,8 +1,9 @@
 """Run by `test_multi_node.py` in its own process: a two-node Ray cluster on this machine.
 
-Node A holds the weights (put in Ray's object store there, as the learner does), node B runs the
-student engine. `auto` must pick the object store for that engine, `shm` must be refused, and after
-the update the engine on node B scores like the teacher whose weights were sent. Prints one JSON line.
+Node A holds the weights (as the learner does), the student engine group has a replica on node B and
+one on node A. `auto` must give the replica on B the object store and the one on A shared memory,
+`shm` must be refused, and after one update both replicas score like the teacher whose weights were
+sent. Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -20,7 +21,11 @@ from transformers import AutoModelForCausalLM
 
 from opd_trainer.demo.tiny_models.serving import tiny_engine_config
 from opd_trainer.engine.vllm_engine import EngineActor, EngineGroup
-from opd_trainer.engine.weight_sync import put_object_store_weights
+from opd_trainer.engine.weight_sync import (
+    put_object_store_weights,
+    release_shared_memory_weights,
+    write_shared_memory_weights,
+)
 
 
 @ray.remote(num_cpus=0, resources={"node_a": 0.01})
@@ -33,12 +38,15 @@ class WeightHolder:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    def export(self) -> object:
-        return put_object_store_weights(load_file(str(Path(self.model_dir) / "model.safetensors")).items())
+    def export(self, kinds: list[str]) -> dict[str, object]:
+        """As `Learner.export_weights`: one handoff per kind."""
+        weights = list(load_file(str(Path(self.model_dir) / "model.safetensors")).items())
+        makers = {"ray": put_object_store_weights, "shm": write_shared_memory_weights}
+        return {kind: makers[kind](weights) for kind in set(kinds)}
 
 
 def hf_logprobs(model_dir: str, prompt: list[int], completion: list[int]) -> list[float]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = torch.tensor([prompt + completion])
     with torch.no_grad():
         logprobs = torch.log_softmax(model(ids).logits[0, :-1].float(), dim=-1)
@@ -48,36 +56,45 @@ def hf_logprobs(model_dir: str, prompt: list[int], completion: list[int]) -> lis
 
 
 async def main(student: str, teacher: str) -> dict[str, object]:
-    engine = EngineActor.options(num_cpus=1, resources={"node_b": 0.01}, max_concurrency=1000).remote(  # type: ignore[attr-defined]
-        tiny_engine_config(Path(student)), "student-on-b"
-    )
-    await engine.start.remote()
-    group = EngineGroup([engine])
+    engines = [
+        EngineActor.options(num_cpus=1, resources={node: 0.01}, max_concurrency=1000).remote(  # type: ignore[attr-defined]
+            tiny_engine_config(Path(student)), f"student-on-{node}"
+        )
+        for node in ("node_b", "node_a")
+    ]
+    await asyncio.gather(*(engine.start.remote() for engine in engines))
+    group = EngineGroup(engines)
     holder = WeightHolder.remote(teacher)  # type: ignore[attr-defined]
     holder_node = await holder.node_id.remote()
-    [engine_node] = await group.locate()
-    result: dict[str, object] = {"different_nodes": holder_node != engine_node}
-    result["auto"] = await group.transfers("auto", holder_node)
+    engine_nodes = await group.locate()
+    result: dict[str, object] = {"nodes": [node == holder_node for node in engine_nodes]}
+    kinds = await group.transfers("auto", holder_node)
+    result["auto"] = kinds
     try:
         await group.transfers("shm", holder_node)
         result["shm_refused"] = False
     except ValueError as exc:
         result["shm_refused"] = "node" in str(exc)
 
-    [completion] = await engine.generate_many.remote(
+    [completion] = await engines[0].generate_many.remote(
         [[1, 5, 9, 14, 30, 41]], max_tokens=16, temperature=1.0, seed=3
     )
-    prompt, tokens = list(completion.prompt_token_ids), list(completion.completion_token_ids)
-    before = (await engine.score_many.remote([(prompt, tokens)]))[0]
-    handoff = await holder.export.remote()
-    await group.update_weights([handoff], version=7)
-    after = (await engine.score_many.remote([(prompt, tokens)]))[0]
-    teacher_scores = hf_logprobs(teacher, prompt, tokens)
-    result["version"] = await engine.weight_version.remote()
-    result["tokens"] = len(tokens)
-    result["before_vs_teacher"] = max(abs(a - b) for a, b in zip(before, teacher_scores, strict=True))
-    result["after_vs_teacher"] = max(abs(a - b) for a, b in zip(after, teacher_scores, strict=True))
-    await engine.shutdown.remote()
+    pair = (list(completion.prompt_token_ids), list(completion.completion_token_ids))
+    before = [(await engine.score_many.remote([pair]))[0] for engine in engines]
+    handoffs = await holder.export.remote(kinds)
+    await group.update_weights([handoffs[kind] for kind in kinds], version=7)
+    release_shared_memory_weights(handoffs["shm"])
+    after = [(await engine.score_many.remote([pair]))[0] for engine in engines]
+    teacher_scores = hf_logprobs(teacher, *pair)
+
+    def gap(scores: list[float]) -> float:
+        return max(abs(a - b) for a, b in zip(scores, teacher_scores, strict=True))
+
+    result["versions"] = [await engine.weight_version.remote() for engine in engines]
+    result["tokens"] = len(pair[1])
+    result["before_vs_teacher"] = [gap(scores) for scores in before]
+    result["after_vs_teacher"] = [gap(scores) for scores in after]
+    await asyncio.gather(*(engine.shutdown.remote() for engine in engines))
     return result
 
 
