@@ -180,8 +180,9 @@ class Learner:
 
     def rendezvous_address(self) -> str:
         """`host:port` on this rank's node for the process group's rendezvous (asked of rank 0)."""
-        host = ray.util.get_node_ip_address()
-        return f"{host}:{free_port(host)}"
+        # The store listens on every interface: the port must be free on all of them, not only on
+        # the node's address (a port free there may be taken on 127.0.0.1: EADDRINUSE).
+        return f"{ray.util.get_node_ip_address()}:{free_port('0.0.0.0')}"
 
     def initialize(self, master: str | None = None) -> None:
         """Builds model, optimizer, schedule and the DeepSpeed engine (idempotent). `master`: the
