@@ -6,7 +6,8 @@ that process is SIGKILLed (OOM killer, `kill -9`), some of them (`ray::Dashboard
 launches this module as a small process in its own session (so a kill of the server's process group
 does not take it along) that records the server's descendants every second and, once the server is
 gone, terminates the last ones it saw (SIGTERM, SIGKILL after a grace period). Each is matched by its
-creation time, so a process that reused a pid is never touched.
+creation time, so a process that reused a pid is never touched. Given the Ray session folder, it
+then removes the runtime environments that session built (`ray_runtime.remove_runtime_resources`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 
@@ -22,10 +24,11 @@ POLL_S = 1.0
 GRACE_S = 5.0
 
 
-def start_reaper(pid: int | None = None) -> subprocess.Popen[bytes]:
+def start_reaper(pid: int | None = None, session_dir: Path | None = None) -> subprocess.Popen[bytes]:
     """Watches `pid` (default: this process) from a detached child."""
+    arguments = [str(pid or os.getpid())] + ([str(session_dir)] if session_dir else [])
     return subprocess.Popen(
-        [sys.executable, "-m", "opd_trainer.driver.ray_reaper", str(pid or os.getpid())],
+        [sys.executable, "-m", "opd_trainer.driver.ray_reaper", *arguments],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -91,6 +94,10 @@ def reap(pid: int) -> None:
 
 def main() -> None:
     reap(int(sys.argv[1]))
+    if len(sys.argv) > 2:
+        from opd_trainer.driver.ray_runtime import remove_runtime_resources
+
+        remove_runtime_resources(Path(sys.argv[2]))
 
 
 if __name__ == "__main__":

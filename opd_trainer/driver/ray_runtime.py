@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import shutil
+from pathlib import Path
 
 import ray
 
@@ -40,7 +43,39 @@ def init_ray(address: str | None = None, reap_on_exit: bool = False) -> None:
         log_to_driver=os.environ.get("OPD_RAY_LOG_TO_DRIVER", "0") == "1",
     )
     logger.info("started local Ray with %d CPU slots", max(LOCAL_CPU_SLOTS, os.cpu_count() or 1))
+    session_dir = embedded_session_dir()
+    # Registered after ray.init's own atexit hook, so it runs first: Ray ends, then its built envs go.
+    atexit.unregister(shutdown_ray)
+    atexit.register(shutdown_ray)
     if reap_on_exit:
         from opd_trainer.driver.ray_reaper import start_reaper
 
-        start_reaper()
+        start_reaper(session_dir=session_dir)
+
+
+def embedded_session_dir() -> Path | None:
+    """The session folder (`/tmp/ray/session_*`) of the Ray this process started, None when it joined one."""
+    from ray._private import worker
+
+    node = worker._global_node
+    return Path(node.get_session_dir_path()) if node is not None and node.head else None
+
+
+def remove_runtime_resources(session_dir: Path | None) -> None:
+    """Deletes what a finished Ray session built for runtime environments (`runtime_resources/`).
+
+    A worker pool whose workspace has a requirements.txt gets a pip runtime environment; when Ray runs
+    inside a virtualenv (a `make` install) Ray builds it by cloning that whole virtualenv, ~4 GB with
+    torch and vLLM, and leaves it in the session folder after Ray stops. The session's logs stay.
+    """
+    if session_dir is not None:
+        shutil.rmtree(session_dir / "runtime_resources", ignore_errors=True)
+
+
+def shutdown_ray() -> None:
+    """Stops Ray; when this process had started it, also removes its runtime environments."""
+    if not ray.is_initialized():
+        return
+    session_dir = embedded_session_dir()
+    ray.shutdown()
+    remove_runtime_resources(session_dir)

@@ -14,7 +14,7 @@ import ray
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from opd_trainer.demo.tiny_models.serving import tiny_engine_config
-from opd_trainer.driver.ray_runtime import init_ray
+from opd_trainer.driver.ray_runtime import init_ray, shutdown_ray
 from opd_trainer.engine.vllm_engine import EngineConfig, start_engines
 
 if TYPE_CHECKING:
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 def ray_session() -> Iterator[None]:
     init_ray()
     yield
-    ray.shutdown()
+    shutdown_ray()
 
 
 def _start(config: EngineConfig, role: str) -> Any:

@@ -28,6 +28,7 @@ from test_any_task import AGENT_WORKSPACE, EVALUATOR_WORKSPACE, SMALL_POOL  # th
 
 from opd_trainer.demo.tiny_models.serving import TINY_KV_CACHE_BYTES
 from opd_trainer.driver.job_driver import JobDriver
+from opd_trainer.driver.ray_runtime import remove_runtime_resources
 from opd_trainer.driver.run_dir import RunDir
 from opd_trainer.jsonl import read_jsonl, write_jsonl
 from opd_trainer.spec.job_spec import parse_job_spec
@@ -125,5 +126,7 @@ if __name__ == "__main__":
     try:
         print(json.dumps(main(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]))))
     finally:
+        session_dir = Path(cluster.head_node.get_session_dir_path())
         ray.shutdown()
         cluster.shutdown()
+        remove_runtime_resources(session_dir)

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from opd_trainer.demo.tiny_models.serving import tiny_engine_config
+from opd_trainer.driver.ray_runtime import remove_runtime_resources
 from opd_trainer.engine.vllm_engine import EngineActor, EngineGroup
 from opd_trainer.engine.weight_sync import (
     put_object_store_weights,
@@ -105,5 +106,7 @@ if __name__ == "__main__":
     try:
         print(json.dumps(asyncio.run(main(sys.argv[1], sys.argv[2]))))
     finally:
+        session_dir = Path(cluster.head_node.get_session_dir_path())
         ray.shutdown()
         cluster.shutdown()
+        remove_runtime_resources(session_dir)
