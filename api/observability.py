@@ -70,6 +70,11 @@ class JobProgressCollector(Collector):
         pools = GaugeMetricFamily(
             "opd_job_pool_workers", "Workers per processor pool.", labels=["job_id", "pool"]
         )
+        replaced = GaugeMetricFamily(
+            "opd_job_pool_workers_replaced",
+            "Processor workers replaced so far (died, or killed for a timeout or memory).",
+            labels=["job_id", "pool"],
+        )
         for job in running:
             step.add_metric([job.id], job.step)
             total.add_metric([job.id], job.total_steps or 0)
@@ -80,7 +85,9 @@ class JobProgressCollector(Collector):
             for name, value in job.metrics.items():
                 if name.startswith("pool/") and name.endswith("/workers"):
                     pools.add_metric([job.id, name.split("/")[1]], value)
-        yield from (step, total, tokens, *gauges.values(), pools)
+                if name.startswith("pool/") and name.endswith("/workers_replaced"):
+                    replaced.add_metric([job.id, name.split("/")[1]], value)
+        yield from (step, total, tokens, *gauges.values(), pools, replaced)
 
 
 class ServerMetrics:

@@ -48,6 +48,7 @@ from opd_trainer.spec.dataset import EpochCursor, Sample, load_samples
 from opd_trainer.spec.job_spec import EngineResources, FunctionComponent, JobSpec
 from opd_trainer.spec.preflight import check_drift, check_same_tokenizer, resolve_max_length
 from opd_trainer.stats import mean
+from opd_trainer.workers.pool import pool_metrics
 from opd_trainer.workers.sandbox import unconfined_reason
 
 
@@ -489,7 +490,7 @@ class JobDriver:
             ),
             **rollout_metrics,
             **learner_metrics,
-            **{f"pool/{p.component.name}/workers": float(p.size) for p in self._pools},
+            **pool_metrics(self._pools),
             "segments": float(len(segments)),
             "trained_tokens": float(trained_tokens),
             "tokens_per_s": trained_tokens / step_s,

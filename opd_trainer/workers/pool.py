@@ -269,7 +269,8 @@ class WorkerPool:
         self._autoscale_task: asyncio.Task[None] | None = None
         self.calls = 0
         self.failures = 0
-        self.retries = 0
+        self.retries = 0  # calls sent again after their worker died
+        self.replaced = 0  # workers dropped (died, or killed for a timeout or memory) and replaced
         self.history: list[dict[str, Any]] = []
 
     @property
@@ -387,6 +388,7 @@ class WorkerPool:
                 return
             self._workers.remove(dead)
             del self._in_flight[dead]
+            self.replaced += 1
         logger.warning("[%s] %s worker %s; starting a replacement", self.job_id, self.component.name, reason)
         try:
             await self._add_worker_within_max()
@@ -517,3 +519,14 @@ class WorkerPool:
         self._workers.clear()
         self._in_flight.clear()
         self.autoscaler.remove_labels()
+
+
+def pool_metrics(pools: list[WorkerPool]) -> dict[str, float]:
+    """Per pool: workers now, workers replaced so far (died or killed) and calls retried so far."""
+    metrics: dict[str, float] = {}
+    for pool in pools:
+        prefix = f"pool/{pool.component.name}"
+        metrics[f"{prefix}/workers"] = float(pool.size)
+        metrics[f"{prefix}/workers_replaced"] = float(pool.replaced)
+        metrics[f"{prefix}/calls_retried"] = float(pool.retries)
+    return metrics

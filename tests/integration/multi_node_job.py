@@ -1,17 +1,23 @@
-"""Run by `test_multi_node.py` in its own process: an Agentic OPD job on a five-node Ray cluster.
+"""Run by `test_multi_node.py` in its own process: an OPD job on a Ray cluster of several nodes.
 
-`ray.cluster_utils.Cluster` starts five Ray nodes on this machine, each advertising a custom resource
-that the job spec (or, for the processor pools, `OPD_USER_CODE_RESOURCE`, as the Helm chart sets it)
-asks for, the way a user places a job on node types:
+`ray.cluster_utils.Cluster` starts Ray nodes on this machine, each advertising a custom resource that
+the job spec (or, for the processor pools, `OPD_USER_CODE_RESOURCE`, as the Helm chart sets it) asks
+for, the way a user places a job on node types:
   head      the job driver and the gateways
   student   the student engine        (resources.student.ray_resources)
   teacher   the teacher engine        (resources.teacher.ray_resources)
   learner   the learner rank          (resources.learner_ray_resources)
   pools     rollout / reward / evaluator workers (OPD_USER_CODE_RESOURCE)
 The learner and the student engine sit on different nodes, so `weight_transfer: auto` must move the
-weights through Ray's object store after every step. Prints one JSON line: the job's summary, where
-Ray placed each kind of actor, and the per-step importance ratio (1 when the engine samples with the
-learner's weights).
+weights through Ray's object store after every step.
+
+`agentic`: an Agentic OPD job (user rollout, reward and evaluator) on those five nodes.
+`model-kill`: a Model OPD job (built-in rollout, a user reward) whose pool node is killed without
+warning once the first step is written; a second pool node joins then, and the pool must re-form on it.
+
+Prints one JSON line: the job's summary, where Ray placed each kind of actor (a dead node's actors
+count too), the weight handoffs used and the per-step metrics that tell whether the engine sampled
+with the learner's weights.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,30 +43,37 @@ from opd_trainer.spec.job_spec import parse_job_spec
 NODES = {"head": 2, "student": 1, "teacher": 1, "learner": 1, "pools": 2}  # name -> CPUs
 
 
-def job(student: Path, teacher: Path, data: Path, work: Path) -> dict[str, Any]:
+def component(name: str, kind: str, workspace: Path, classpath: str) -> dict[str, Any]:
+    fcmodel = {"zipdir": str(workspace), "classpath": classpath}
+    return {"name": name, "type": kind, "fcmodel": fcmodel, "runtime": SMALL_POOL, "timeout": 60}
+
+
+def job(mode: str, student: Path, teacher: Path, data: Path, work: Path) -> dict[str, Any]:
     validation = work / "validation.jsonl"
     write_jsonl(validation, read_jsonl(data / "validation.jsonl")[:8])
-
-    def component(name: str, kind: str, workspace: Path, classpath: str) -> dict[str, Any]:
-        fcmodel = {"zipdir": str(workspace), "classpath": classpath}
-        return {"name": name, "type": kind, "fcmodel": fcmodel, "runtime": SMALL_POOL, "timeout": 60}
-
-    engine = {"kv_cache_memory_bytes": TINY_KV_CACHE_BYTES, "dtype": "float32"}
-    return {
-        "job_name": "multi-node",
-        "model": str(student),
-        "teacher_model": str(teacher),
-        "training_datasets": [str(data / "train.jsonl")],
-        "validation_datasets": [str(validation)],
-        "functions": [
+    decision = component("decision", "reward", AGENT_WORKSPACE, "functions.reward.DecisionReward")
+    if mode == "agentic":
+        functions = [
             component("agent", "rollout", AGENT_WORKSPACE, "functions.rollout.ToolRoutingRollout"),
-            component("decision", "reward", AGENT_WORKSPACE, "functions.reward.DecisionReward"),
+            decision,
             component(
                 "tool-routing", "evaluator", EVALUATOR_WORKSPACE, "functions.evaluator.ToolRoutingEvaluator"
             ),
-        ],
+        ]
+        train, validation_datasets, steps = data / "train.jsonl", [str(validation)], 3
+    else:  # the built-in rollout on the arithmetic data, the reward pool alone holding user code
+        functions = [decision]
+        train, validation_datasets, steps = data / "train.jsonl", [], 4
+    engine = {"kv_cache_memory_bytes": TINY_KV_CACHE_BYTES, "dtype": "float32"}
+    return {
+        "job_name": f"multi-node-{mode}",
+        "model": str(student),
+        "teacher_model": str(teacher),
+        "training_datasets": [str(train)],
+        "validation_datasets": validation_datasets,
+        "functions": functions,
         "hyper_parameters": {
-            "max_steps": 3,
+            "max_steps": steps,
             "batch_size": 4,
             "n_rollouts": 2,
             "ppo_mini_batch_size": 8,
@@ -81,11 +95,25 @@ def job(student: Path, teacher: Path, data: Path, work: Path) -> dict[str, Any]:
     }
 
 
-def main(student: Path, teacher: Path, data: Path) -> dict[str, Any]:
+def wait_for_first_step(run: Path, finished: ray.ObjectRef, timeout_s: float = 900) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (run / "metrics.jsonl").exists() and any(r["kind"] == "train" for r in RunDir(run).records()):
+            return
+        ready, _ = ray.wait([finished], timeout=1.0)
+        if ready:
+            ray.get(ready[0])  # raises the job's error
+            raise RuntimeError("the job ended before its first step was written")
+    raise TimeoutError("no step written")
+
+
+def main(
+    mode: str, cluster: Cluster, pool_node: Any, student: Path, teacher: Path, data: Path
+) -> dict[str, Any]:
     from ray.util.state import list_actors
 
     work = Path(tempfile.mkdtemp(prefix="opd-multi-node-"))
-    spec = parse_job_spec(job(student, teacher, data, work))
+    spec = parse_job_spec(job(mode, student, teacher, data, work))
     driver = (
         ray.remote(JobDriver)
         .options(
@@ -95,13 +123,20 @@ def main(student: Path, teacher: Path, data: Path) -> dict[str, Any]:
         )
         .remote(spec, str(work / "run"))
     )
+    node_of = {}
     try:
-        summary = ray.get(driver.run.remote())
+        finished = driver.run.remote()
+        if mode == "model-kill":
+            wait_for_first_step(work / "run", finished)
+            cluster.add_node(num_cpus=2, resources={"pools_node": 100, "spare_node": 1})
+            node_of[pool_node.node_id] = "pools"  # ray.nodes() forgets its resources once it is gone
+            cluster.remove_node(pool_node, allow_graceful=False)
+        summary = ray.get(finished)
     finally:
         ray.kill(driver)
-    node_of = {
-        node["NodeID"]: name for node in ray.nodes() for name in NODES if f"{name}_node" in node["Resources"]
-    }
+    for node in ray.nodes():
+        names = [name for name in (*NODES, "spare") if f"{name}_node" in node["Resources"]]
+        node_of.setdefault(node["NodeID"], names[-1] if names else "?")
     placed: dict[str, list[str]] = {}
     for actor in list_actors(detail=True, limit=10_000):
         placed.setdefault(actor.class_name, []).append(node_of.get(actor.node_id, "?"))
@@ -109,22 +144,28 @@ def main(student: Path, teacher: Path, data: Path) -> dict[str, Any]:
     transfers = [e["data"]["weight_transfers"] for e in events if "weight_transfers" in e.get("data", {})]
     steps = [r for r in RunDir(work / "run").records() if r["kind"] == "train"]
     return {
-        "succeeded": "student_after" in summary,
+        "succeeded": [e["message"] for e in events if e["type"] == "status"][-1] == "succeeded",
         "exact_match_after": summary.get("student_after", {}).get("exact_match"),
         "weight_transfers": transfers,
         "placed": {name: sorted(set(nodes)) for name, nodes in placed.items()},
         "ratio_mean": [r["ratio_mean"] for r in steps],
         "steps": len(steps),
+        "reward_mean": [r.get("reward_mean") for r in steps],
+        "failed_rollouts": [r["failed_rollouts"] for r in steps],
+        "workers_replaced": [r["pool/decision/workers_replaced"] for r in steps],
     }
 
 
 if __name__ == "__main__":
+    mode = sys.argv[4] if len(sys.argv) > 4 else "agentic"
     cluster = Cluster()
-    for name, cpus in NODES.items():
-        cluster.add_node(num_cpus=cpus, resources={f"{name}_node": 100})
+    nodes = {
+        name: cluster.add_node(num_cpus=cpus, resources={f"{name}_node": 100}) for name, cpus in NODES.items()
+    }
     ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
     try:
-        print(json.dumps(main(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]))))
+        arguments = (Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]))
+        print(json.dumps(main(mode, cluster, nodes["pools"], *arguments)))
     finally:
         session_dir = Path(cluster.head_node.get_session_dir_path())
         ray.shutdown()

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -40,10 +41,7 @@ def test_every_replica_gets_the_weights_by_the_handoff_its_node_allows(tiny_mode
 JOB_SCRIPT = Path(__file__).with_name("multi_node_job.py")
 
 
-def test_an_agentic_job_runs_across_five_nodes(tiny_models: TinyModels) -> None:
-    """Driver, student engine, teacher engine, learner and processor pools each on a node of their own
-    (custom Ray resources in the job spec, `OPD_USER_CODE_RESOURCE` for the pools); weights reach the
-    student engine from the learner's node through Ray's object store after every step."""
+def _run_job(tiny_models: TinyModels, mode: str) -> dict[str, Any]:
     done = subprocess.run(
         [
             sys.executable,
@@ -51,6 +49,7 @@ def test_an_agentic_job_runs_across_five_nodes(tiny_models: TinyModels) -> None:
             str(tiny_models.student),
             str(tiny_models.teacher),
             str(tiny_models.data_dir),
+            mode,
         ],
         capture_output=True,
         text=True,
@@ -58,7 +57,21 @@ def test_an_agentic_job_runs_across_five_nodes(tiny_models: TinyModels) -> None:
         check=False,
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def _sampled_with_the_learners_weights(ratio_mean: list[float]) -> bool:
+    # Each step samples with the weights the learner published after the step before it (on-policy):
+    # the learner's and the sampler's logprobs of the sampled tokens agree, step after step (measured:
+    # within 6e-7 of 1; at learning rate 1e-3 an engine a step behind would be far off).
+    return all(abs(ratio - 1.0) < 5e-3 for ratio in ratio_mean)
+
+
+def test_an_agentic_job_runs_across_five_nodes(tiny_models: TinyModels) -> None:
+    """Driver, student engine, teacher engine, learner and processor pools each on a node of their own
+    (custom Ray resources in the job spec, `OPD_USER_CODE_RESOURCE` for the pools); weights reach the
+    student engine from the learner's node through Ray's object store after every step."""
+    result = _run_job(tiny_models, "agentic")
     assert result["succeeded"] and result["steps"] == 3, result
     assert result["weight_transfers"] == [["ray"]]
     placed = result["placed"]
@@ -67,7 +80,20 @@ def test_an_agentic_job_runs_across_five_nodes(tiny_models: TinyModels) -> None:
     assert placed["Engine"] == ["student", "teacher"]
     workers = [name for name in placed if "Worker" in name and name != "WorkerPool"]
     assert workers and all(placed[name] == ["pools"] for name in workers), placed
-    # Each step samples with the weights the learner published after the step before it (on-policy):
-    # the learner's and the sampler's logprobs of the sampled tokens agree, step after step (measured:
-    # within 6e-7 of 1; at learning rate 1e-3 an engine a step behind would be far off).
-    assert all(abs(ratio - 1.0) < 5e-3 for ratio in result["ratio_mean"]), result["ratio_mean"]
+    assert _sampled_with_the_learners_weights(result["ratio_mean"]), result["ratio_mean"]
+
+
+def test_a_model_opd_job_survives_losing_its_pool_node(tiny_models: TinyModels) -> None:
+    """A Model OPD job (built-in rollout, a user reward) on the same layout. Once its first step is
+    written the node holding the reward pool is killed without warning and another joins: the pool
+    replaces its worker there, the call in flight is retried, and the job finishes every step.
+    Measured: the worker replaced during step 3, no rollout failed, 3 min 40 s."""
+    result = _run_job(tiny_models, "model-kill")
+    assert result["succeeded"] and result["steps"] == 4, result
+    assert result["weight_transfers"] == [["ray"]]
+    assert result["placed"]["ProcessorWorker"] == ["pools", "spare"], result["placed"]
+    assert result["workers_replaced"][0] == 0 and result["workers_replaced"][-1] >= 1, result
+    # A call on the lost worker fails with RayActorError within seconds and goes to the new worker.
+    assert all(mean is not None for mean in result["reward_mean"]), result
+    assert sum(result["failed_rollouts"]) == 0, result
+    assert _sampled_with_the_learners_weights(result["ratio_mean"]), result["ratio_mean"]

@@ -26,7 +26,11 @@ def _server_with_a_running_job(tmp_path: Path) -> ServerMetrics:
                 step=3,
                 total_steps=10,
                 trained_tokens=1200.0,
-                metrics={"reverse_kl": 0.25, "pool/reward:judge/workers": 2.0},
+                metrics={
+                    "reverse_kl": 0.25,
+                    "pool/reward:judge/workers": 2.0,
+                    "pool/reward:judge/workers_replaced": 1.0,
+                },
             )
         )
         session.add(
@@ -48,4 +52,5 @@ def test_admin_scrape_adds_each_running_jobs_progress(tmp_path: Path) -> None:
     assert 'opd_job_step{job_id="opdjob-secret-id"} 3.0' in text
     assert 'opd_job_reverse_kl{job_id="opdjob-secret-id"} 0.25' in text
     assert 'opd_job_pool_workers{job_id="opdjob-secret-id",pool="reward:judge"} 2.0' in text
+    assert 'opd_job_pool_workers_replaced{job_id="opdjob-secret-id",pool="reward:judge"} 1.0' in text
     assert "opdjob-queued" not in text
