@@ -31,6 +31,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import func, select
@@ -45,6 +46,7 @@ from api.services.states import WITH_DRIVER
 from api.settings import Settings
 from opd_trainer.driver.run_dir import RunDir
 from opd_trainer.errors import OPDError
+from opd_trainer.shared_storage import write_probe
 
 logger = logging.getLogger(__name__)
 
@@ -298,7 +300,7 @@ class Scheduler:
         self._ingest(session, job, events)
         previous_step = job.step
         job.step = int(progress["step"])
-        job.total_steps = int(progress["total_steps"])
+        job.total_steps = int(progress["total_steps"]) or job.total_steps  # 0 until it read the data
         job.eta_s = finite(progress.get("eta_s"))
         metrics = {
             k: v for k, v in finite(progress.get("metrics") or {}).items() if isinstance(v, int | float)
@@ -424,9 +426,10 @@ class Scheduler:
         self._kill_named(name)
         # Counted before the new driver can write: what follows in events.jsonl is its own.
         job.driver_events_offset = len(RunDir(job.run_dir).events())
+        storage_token = write_probe(Path(job.run_dir))  # the driver and learner check they see it
         actor = JobDriverActor.options(  # type: ignore[attr-defined]
             name=name, namespace=NAMESPACE, lifetime="detached", num_cpus=0
-        ).remote(spec, job.run_dir, job.id)
+        ).remote(spec, job.run_dir, job.id, storage_token)
         self._handles[job.id] = DriverHandle(actor, actor.run.remote())
         job.driver_attempts += 1
         job.driver_event_seq = -1

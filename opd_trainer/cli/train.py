@@ -63,9 +63,9 @@ def format_final_table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-async def _follow(driver: Any, run: Any, total_steps: int) -> Any:
+async def _follow(driver: Any, run: Any) -> Any:
     """Polls the driver for progress and events until `run` finishes."""
-    bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True)
+    bar = tqdm(total=None, unit="step", dynamic_ncols=True)
     last_event = -1
     try:
         while True:
@@ -77,6 +77,9 @@ async def _follow(driver: Any, run: Any, total_steps: int) -> Any:
                 last_event = event["seq"]
                 if event["type"] in {"eval", "checkpoint", "preflight", "error", "status"}:
                     bar.write(f"[{event['type']}] {event['message']}")
+            if progress["total_steps"] and bar.total != progress["total_steps"]:
+                bar.total = progress["total_steps"]  # known once the driver has read the datasets
+                bar.refresh()
             if progress["step"] > bar.n:
                 bar.update(progress["step"] - bar.n)
             metrics = progress["metrics"]
@@ -95,6 +98,7 @@ async def _follow(driver: Any, run: Any, total_steps: int) -> Any:
 def run_train(job_file: Path, run_dir: Path | None, stop_after: int | None) -> int:
     from opd_trainer.driver.job_driver import JobDriverActor
     from opd_trainer.driver.ray_runtime import init_ray
+    from opd_trainer.shared_storage import write_probe
 
     try:
         spec = load_job_spec(job_file)
@@ -106,10 +110,12 @@ def run_train(job_file: Path, run_dir: Path | None, stop_after: int | None) -> i
     print(f"job {spec.job_name}: run directory {run_dir} (re-run to resume from its latest checkpoint)")
     started = time.perf_counter()
     init_ray()
-    driver = JobDriverActor.options(num_cpus=0).remote(spec, str(run_dir.resolve()))  # type: ignore[attr-defined]
+    token = write_probe(run_dir.resolve())  # on a cluster, the driver's and learner's nodes must see it
+    driver = JobDriverActor.options(num_cpus=0).remote(  # type: ignore[attr-defined]
+        spec, str(run_dir.resolve()), "local", token
+    )
     try:
-        total_steps = ray.get(driver.progress.remote())["total_steps"]
-        summary = asyncio.run(_follow(driver, driver.run.remote(stop_after), total_steps))
+        summary = asyncio.run(_follow(driver, driver.run.remote(stop_after)))
     except OPDError as exc:
         print(f"error: {exc.field + ': ' if exc.field else ''}{exc.message}")
         return 1

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -31,6 +32,7 @@ import ray
 from opd_trainer.driver.run_dir import RunDir
 from opd_trainer.engine.vllm_engine import EngineConfig, EngineGroup
 from opd_trainer.errors import ConfigError, OPDError
+from opd_trainer.learner.checkpoint import CheckpointStore
 from opd_trainer.learner.deepspeed_learner import LearnerGroup, LearnerSettings
 from opd_trainer.records import LLMCall
 from opd_trainer.rollout.chat import prompt_token_ids
@@ -44,6 +46,7 @@ from opd_trainer.rollout.runner import (
     scoring_failures,
     validation_metrics,
 )
+from opd_trainer.shared_storage import check_probe
 from opd_trainer.spec.dataset import EpochCursor, Sample, load_samples
 from opd_trainer.spec.job_spec import EngineResources, FunctionComponent, JobSpec
 from opd_trainer.spec.preflight import check_drift, check_same_tokenizer, resolve_max_length
@@ -105,20 +108,29 @@ def reverse_kl_metrics(
 class JobDriver:
     """Runs one job; `progress()` and `events()` may be called while `run()` is in flight."""
 
-    def __init__(self, spec: JobSpec, run_dir: str, job_id: str = "local") -> None:
+    def __init__(
+        self, spec: JobSpec, run_dir: str, job_id: str = "local", storage_token: str | None = None
+    ) -> None:
+        """`storage_token`: what the caller wrote into the run dir (`shared_storage.write_probe`); the
+        driver and every learner rank check they see it before anything else. Nothing here can fail:
+        errors surface from `run()` as the job's error, where the server reports them."""
         self.spec = spec
         self.job_id = job_id
         self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.storage_token = storage_token
+        self._storage_error: OPDError | None = None
+        if storage_token is not None:
+            try:
+                check_probe(self.run_dir, storage_token, "job driver")
+            except ConfigError as exc:
+                self._storage_error = exc
+        if self._storage_error is None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
         self.log = RunDir(self.run_dir)
-        self.checkpoints = self.log.checkpoint_store()
-        hp = spec.hyper_parameters
-        self.train_samples = load_samples(spec.training_datasets, "training_datasets")
-        self.validation_samples = (
-            load_samples(spec.validation_datasets, "validation_datasets") if spec.validation_datasets else []
-        )
-        self.total_steps = hp.total_steps(len(self.train_samples))
-        self.cursor = EpochCursor(len(self.train_samples), hp.seed)
+        self.train_samples: list[Sample] = []
+        self.validation_samples: list[Sample] = []
+        self.total_steps = 0
+        self.cursor = EpochCursor(1, spec.hyper_parameters.seed)
         self.step = 0
         self.status = "created"
         self._stop_requested = False
@@ -141,6 +153,21 @@ class JobDriver:
 
     # -- observation ----------------------------------------------------------------------------
 
+    @functools.cached_property
+    def checkpoints(self) -> CheckpointStore:
+        return self.log.checkpoint_store()
+
+    def _load_data(self) -> None:
+        """Reads the datasets (after the storage check: a path the driver cannot see fails there)."""
+        if self._storage_error is not None:
+            raise self._storage_error
+        spec, hp = self.spec, self.spec.hyper_parameters
+        self.train_samples = load_samples(spec.training_datasets, "training_datasets")
+        if spec.validation_datasets:
+            self.validation_samples = load_samples(spec.validation_datasets, "validation_datasets")
+        self.total_steps = hp.total_steps(len(self.train_samples))
+        self.cursor = EpochCursor(len(self.train_samples), hp.seed)
+
     def emit(self, kind: str, message: str, **data: Any) -> None:
         event = {
             "seq": len(self._events),
@@ -150,7 +177,8 @@ class JobDriver:
             "data": data,
         }
         self._events.append(event)
-        self.log.event(event)
+        if self._storage_error is None:  # else the run dir here is not the one the server reads
+            self.log.event(event)
         logger.info("[%s] %s: %s", self.job_id, kind, message)
 
     def events(self, after: int = -1) -> list[dict[str, Any]]:
@@ -245,6 +273,8 @@ class JobDriver:
             engines(spec.teacher_model, spec.resources.teacher, "teacher"),
             self._learner.initialize(),
         )
+        if self.storage_token is not None:
+            await self._learner.check_storage(str(self.run_dir), self.storage_token)
         try:
             self._weight_transfers = await self._student.transfers(
                 spec.resources.weight_transfer, await self._learner.node_id()
@@ -612,8 +642,9 @@ class JobDriver:
         """Trains to the end (or `stop_after` steps / a stop request) and returns the summary."""
         self.status = "running"
         self._started_at = time.time()
-        self._report_ignored_fields()
         try:
+            self._load_data()
+            self._report_ignored_fields()
             await self._start_components()
             assert self._student is not None and self._teacher is not None and self._learner is not None
             resumed = await self._resume_if_possible()

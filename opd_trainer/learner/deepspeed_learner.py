@@ -28,6 +28,7 @@ from opd_trainer.errors import WeightSyncError
 from opd_trainer.placement import placed
 from opd_trainer.ports import free_port
 from opd_trainer.records import LLMCall
+from opd_trainer.shared_storage import check_probe
 
 if TYPE_CHECKING:
     import torch
@@ -183,6 +184,10 @@ class Learner:
         # The store listens on every interface: the port must be free on all of them, not only on
         # the node's address (a port free there may be taken on 127.0.0.1: EADDRINUSE).
         return f"{ray.util.get_node_ip_address()}:{free_port('0.0.0.0')}"
+
+    def check_storage(self, run_dir: str, token: str) -> None:
+        """Fails, naming this rank's host, unless it sees the run dir checkpoints are written to."""
+        check_probe(Path(run_dir), token, f"learner rank {self.rank}")
 
     def initialize(self, master: str | None = None) -> None:
         """Builds model, optimizer, schedule and the DeepSpeed engine (idempotent). `master`: the
@@ -569,6 +574,10 @@ class LearnerGroup:
         )
         master = await self.actors[0].rendezvous_address.remote()
         await asyncio.gather(*(a.initialize.remote(master) for a in self.actors))
+
+    async def check_storage(self, run_dir: str, token: str) -> None:
+        """Every rank writes its shard of each checkpoint into the run dir: each must see it."""
+        await asyncio.gather(*(a.check_storage.remote(run_dir, token) for a in self.actors))
 
     async def train_step(self, minibatches: list[list[LLMCall]]) -> dict[str, float]:
         """Each mini-batch is split across ranks by prompt group, so a group's rollouts (the reward
