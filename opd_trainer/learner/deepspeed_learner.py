@@ -9,6 +9,7 @@ Hardware: fp32 + gloo with `DS_ACCELERATOR=cpu` on a CPU box; bf16 + NCCL, one G
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from opd_trainer.engine.weight_sync import (
     write_shared_memory_weights,
 )
 from opd_trainer.errors import WeightSyncError
-from opd_trainer.placement import placed
+from opd_trainer.placement import gang, in_gang, placed
 from opd_trainer.ports import free_port
 from opd_trainer.records import LLMCall
 from opd_trainer.shared_storage import check_probe
@@ -555,9 +556,13 @@ class LearnerGroup:
     ) -> None:
         self.demand = {"CPU": 1.0, "GPU": num_gpus_per_rank, **(ray_resources or {})}
         self.placement_timeout_s = placement_timeout_s
+        self.group = gang(self.demand, world_size)  # every rank or none: a collective needs them all
         self.actors = [
             LearnerActor.options(  # type: ignore[attr-defined]
-                num_cpus=1, num_gpus=num_gpus_per_rank, resources=dict(ray_resources or {}) or None
+                num_cpus=1,
+                num_gpus=num_gpus_per_rank,
+                resources=dict(ray_resources or {}) or None,
+                scheduling_strategy=in_gang(self.group, rank),
             ).remote(settings, rank, world_size)
             for rank in range(world_size)
         ]
@@ -571,6 +576,7 @@ class LearnerGroup:
             demand=self.demand,
             field="resources.learner_gpus",
             timeout_s=self.placement_timeout_s,
+            group=self.group,
         )
         master = await self.actors[0].rendezvous_address.remote()
         await asyncio.gather(*(a.initialize.remote(master) for a in self.actors))
@@ -631,3 +637,5 @@ class LearnerGroup:
     def shutdown(self) -> None:
         for actor in self.actors:
             ray.kill(actor)
+        with contextlib.suppress(Exception):  # already gone when the ranks could not be placed
+            ray.util.remove_placement_group(self.group)

@@ -37,3 +37,33 @@ def test_learner_ranks_that_cannot_be_placed_fail_naming_learner_gpus(
         asyncio.run(group.initialize())
     assert error.value.field == "resources.learner_gpus"
     assert "2 learner rank(s)" in error.value.message and "64 GPU" in error.value.message
+
+
+def test_learner_ranks_are_reserved_all_at_once_or_not_at_all(
+    ray_session: None, tiny_models: TinyModels
+) -> None:
+    """More ranks than the node has CPU slots: without a placement group Ray would start the ranks
+    that fit and leave them waiting for the rest (holding CPUs another job needs); the gang starts none."""
+    import ray
+    from ray.util.placement_group import placement_group_table
+    from ray.util.state import list_actors
+
+    ranks = int(ray.cluster_resources()["CPU"]) + 1
+    group = LearnerGroup(_settings(tiny_models, 2), ranks, 0.0, placement_timeout_s=6.0)
+
+    started: list[int] = []
+
+    async def attempt() -> None:
+        waiting = asyncio.create_task(group.initialize())
+        await asyncio.sleep(3)  # inside the placement wait
+        learners = list_actors(filters=[("class_name", "=", "Learner")])
+        started.append(sum(1 for actor in learners if actor.state == "ALIVE"))
+        await waiting
+
+    with pytest.raises(ConfigError) as error:
+        asyncio.run(attempt())
+    assert started == [0], "ranks started while the others could not be placed"
+    assert error.value.field == "resources.learner_gpus"
+    assert f"{ranks} learner rank(s) (all {ranks} at once)" in error.value.message
+    assert placement_group_table(group.group)["state"] == "REMOVED"
+    group.shutdown()  # after a failed placement too
