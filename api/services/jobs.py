@@ -37,6 +37,7 @@ from api.settings import Settings
 from opd_trainer.driver.run_dir import RunDir
 from opd_trainer.errors import ConfigError
 from opd_trainer.spec.job_spec import JobSpec
+from opd_trainer.spec.job_status import format_event_line
 from opd_trainer.spec.preflight import check_same_tokenizer, resolve_max_length
 from opd_trainer.workers.classpath import validate_workspace
 
@@ -260,13 +261,8 @@ def stream_snapshot(session: Session, job_id: str, after: int) -> tuple[list[Eve
 
 
 def format_log_line(event: JobEvent | EventPublic) -> str:
-    """`TIME [type] message`, then an error's `data.detail` (e.g. the user's traceback) indented."""
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(event.time))
-    line = f"{stamp}Z [{event.type}] {event.message}"
-    detail = (event.data or {}).get("detail")
-    if isinstance(detail, str) and detail:
-        line += "".join(f"\n    {part}" for part in detail.splitlines())
-    return line
+    """`TIME [type] message`, then an error's `data.detail` indented (`format_event_line`)."""
+    return format_event_line(event.time, event.type, event.message, event.data)
 
 
 def logs(session: Session, tenant_id: str, job_id: str, after: int, limit: int) -> str:

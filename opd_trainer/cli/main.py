@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from opd_trainer.cli.client_commands import add_client_commands
 from opd_trainer.cli.serve import add_server_commands
 
 DEFAULT_MODELS_DIR = Path(".cache/tiny-models")
@@ -58,9 +59,19 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("opd-trainer")
+    except PackageNotFoundError:  # run from a source tree that was not installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="opd", description="Online policy distillation trainer.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     tiny = commands.add_parser(
@@ -96,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     roundtrip.add_argument("--prompts", type=int, default=8, help="validation prompts to sample")
     roundtrip.set_defaults(handler=_roundtrip)
     add_server_commands(commands)
+    add_client_commands(commands)
     return parser
 
 

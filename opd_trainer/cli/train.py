@@ -8,6 +8,7 @@ command resumes from the run directory's latest checkpoint.
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -104,7 +105,7 @@ def run_train(job_file: Path, run_dir: Path | None, stop_after: int | None) -> i
         spec = load_job_spec(job_file)
         preflight_local(spec)
     except OPDError as exc:
-        print(f"error: {exc}")
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     run_dir = run_dir or Path("runs") / spec.job_name
     print(f"job {spec.job_name}: run directory {run_dir} (re-run to resume from its latest checkpoint)")
@@ -117,7 +118,7 @@ def run_train(job_file: Path, run_dir: Path | None, stop_after: int | None) -> i
     try:
         summary = asyncio.run(_follow(driver, driver.run.remote(stop_after)))
     except OPDError as exc:
-        print(f"error: {exc.field + ': ' if exc.field else ''}{exc.message}")
+        print(f"error: {exc.field + ': ' if exc.field else ''}{exc.message}", file=sys.stderr)
         return 1
     finally:
         ray.kill(driver)

@@ -86,6 +86,16 @@ class OPDClient:
         headers = {"Authorization": f"Bearer {admin_key}"}
         return self._json("POST", "/v1/keys", json={"tenant": tenant}, headers=headers)
 
+    def list_keys(self, admin_key: str | None = None) -> list[dict[str, Any]]:
+        """This tenant's keys (prefixes, never secrets); every tenant's with the admin key."""
+        headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+        return self._json("GET", "/v1/keys", headers=headers)["data"]
+
+    def revoke_key(self, key_id: str, admin_key: str) -> dict[str, Any]:
+        """Revokes a tenant key at once; needs the server's admin key."""
+        headers = {"Authorization": f"Bearer {admin_key}"}
+        return self._json("DELETE", f"/v1/keys/{key_id}", headers=headers)
+
     # -- files ----------------------------------------------------------------------------------
 
     def upload_file(self, path: str | Path, purpose: str = "dataset") -> dict[str, Any]:
@@ -196,6 +206,16 @@ class OPDClient:
             params["after"] = after
         return self._json("GET", "/v1/opd/jobs", params=params)
 
+    def iter_jobs(self, status: str | None = None, page_size: int = 100) -> Iterator[dict[str, Any]]:
+        """Every job (newest first), fetching page after page."""
+        after = None
+        while True:
+            page = self.list_jobs(status=status, limit=page_size, after=after)
+            yield from page["data"]
+            if not page["has_more"] or not page["data"]:
+                return
+            after = page["data"][-1]["id"]
+
     def get_job(self, job_id: str) -> dict[str, Any]:
         return self._json("GET", f"/v1/opd/jobs/{job_id}")
 
@@ -213,6 +233,15 @@ class OPDClient:
 
     def events(self, job_id: str, after: int = 0, limit: int = 100) -> dict[str, Any]:
         return self._json("GET", f"/v1/opd/jobs/{job_id}/events", params={"after": after, "limit": limit})
+
+    def iter_events(self, job_id: str, after: int = 0, page_size: int = 1000) -> Iterator[dict[str, Any]]:
+        """Every event after `after` recorded so far, fetching page after page (`stream_events` follows)."""
+        while True:
+            page = self.events(job_id, after=after, limit=page_size)
+            yield from page["data"]
+            if not page["has_more"] or not page["data"]:
+                return
+            after = page["data"][-1]["id"]
 
     def logs(self, job_id: str, after: int = 0) -> str:
         return self._request("GET", f"/v1/opd/jobs/{job_id}/logs", params={"after": after}).text

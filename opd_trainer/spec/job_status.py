@@ -9,7 +9,9 @@ The transitions users may ask for are in `api.services.states`.
 
 from __future__ import annotations
 
+import time
 from enum import StrEnum
+from typing import Any
 
 
 class JobStatus(StrEnum):
@@ -28,3 +30,14 @@ TERMINAL: tuple[JobStatus, ...] = (JobStatus.SUCCEEDED, JobStatus.FAILED, JobSta
 # Statuses in which a driver actor exists (or should) and holds a scheduler slot.
 WITH_DRIVER: tuple[JobStatus, ...] = (JobStatus.RUNNING, JobStatus.PAUSING, JobStatus.CANCELLING)
 ACTIVE: tuple[JobStatus, ...] = tuple(s for s in JobStatus if s not in TERMINAL)
+
+
+def format_event_line(at: float, kind: str, message: str, data: dict[str, Any] | None = None) -> str:
+    """One event as a log line: `TIME [type] message`, then an error's `data.detail` (e.g. the user's
+    traceback) indented. The server's `/logs` and `opd logs` print the same lines."""
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(at))
+    line = f"{stamp}Z [{kind}] {message}"
+    detail = (data or {}).get("detail")
+    if isinstance(detail, str) and detail:
+        line += "".join(f"\n    {part}" for part in detail.splitlines())
+    return line

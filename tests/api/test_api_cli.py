@@ -140,3 +140,87 @@ def test_submit_follow_streams_until_the_job_ends(
     out = capsys.readouterr().out
     assert "[status] cancel requested: queued -> cancelled" in out
     assert out.strip().endswith(": cancelled")
+
+
+def test_every_job_command_and_json_output(
+    cli_env: Tenant, job_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def run(*argv: str) -> str:
+        assert main(list(argv)) == 0, capsys.readouterr().err
+        return capsys.readouterr().out
+
+    job = json.loads(run("submit", str(job_file), "-o", "json"))
+    job_id = job["id"]
+    assert job["status"] == "queued" and job["job_name"] == "cli-job"
+    assert run("pause", job_id).strip() == f"{job_id}: paused"
+    assert json.loads(run("resume", job_id, "-o", "json"))["status"] == "queued"
+    page = json.loads(run("jobs", "-o", "json"))
+    assert job_id in [j["id"] for j in page["data"]] and page["has_more"] is False
+    assert json.loads(run("checkpoints", job_id, "-o", "json")) == []  # not started: none yet
+    assert run("checkpoints", job_id).splitlines()[0].startswith("step")
+    assert json.loads(run("metrics", job_id, "-o", "json"))["data"] == []
+    assert run("cancel", job_id).strip() == f"{job_id}: cancelled"
+    # Every event so far, one JSON object per line, in order; the text form shows the same events.
+    events = [json.loads(line) for line in run("logs", job_id, "-o", "json").splitlines()]
+    assert [e["id"] for e in events] == sorted(e["id"] for e in events) and len(events) >= 4
+    assert len(run("logs", job_id).splitlines()) == len(events)
+    assert run("delete", job_id).strip() == f"deleted {job_id}"
+    assert main(["get", job_id]) == 2
+    assert "no job with id" in capsys.readouterr().err
+
+
+def test_events_page_to_the_end(cli_env: Tenant, job_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["submit", str(job_file), "-o", "json"]) == 0
+    job_id = json.loads(capsys.readouterr().out)["id"]
+    for _ in range(3):
+        cli_env.client.pause_job(job_id)
+        cli_env.client.resume_job(job_id)
+    one_page = cli_env.client.events(job_id, limit=1000)["data"]
+    assert len(one_page) >= 7
+    assert list(cli_env.client.iter_events(job_id, page_size=2)) == one_page  # pages of two, no gap
+    assert list(cli_env.client.iter_events(job_id, after=one_page[2]["id"])) == one_page[3:]
+
+
+def test_files_commands(cli_env: Tenant, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    dataset = tmp_path / "shaped-differently.jsonl"
+    dataset.write_bytes(jsonl([record("x"), record("y"), record("z")]))
+    assert main(["files", "upload", str(dataset), "-o", "json"]) == 0
+    uploaded = json.loads(capsys.readouterr().out)
+    assert uploaded["purpose"] == "dataset" and uploaded["samples"] == 3
+    assert main(["files", "list", "--purpose", "dataset"]) == 0
+    listing = capsys.readouterr().out
+    assert uploaded["id"] in listing and "shaped-differently.jsonl" in listing
+    assert main(["files", "delete", uploaded["id"]]) == 0
+    assert capsys.readouterr().out.strip() == f"deleted {uploaded['id']}"
+    assert main(["files", "list", "-o", "json"]) == 0
+    assert uploaded["id"] not in [f["id"] for f in json.loads(capsys.readouterr().out)]
+    assert main(["files", "upload", str(tmp_path / "missing.jsonl")]) == 2
+    assert capsys.readouterr().err.startswith("error: path: ")
+
+
+def test_keys_list_and_revoke(
+    server: Server, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("OPD_BASE_URL", server.url)
+    monkeypatch.delenv("OPD_ADMIN_KEY", raising=False)
+    assert main(["keys", "create", "--tenant", "revoked-tenant", "--admin-key", ADMIN_KEY, "-o", "json"]) == 0
+    key = json.loads(capsys.readouterr().out)
+    # A tenant sees its own keys (prefixes only); the admin sees every tenant's.
+    assert main(["keys", "list", "--api-key", key["key"], "-o", "json"]) == 0
+    own = json.loads(capsys.readouterr().out)
+    assert [k["id"] for k in own] == [key["id"]] and all(k.get("key") is None for k in own)
+    assert main(["keys", "list", "--admin-key", ADMIN_KEY]) == 0
+    assert key["id"] in capsys.readouterr().out
+    assert main(["keys", "revoke", key["id"]]) == 2  # no admin key
+    assert "error: admin_key: set OPD_ADMIN_KEY" in capsys.readouterr().err
+    assert main(["keys", "revoke", key["id"], "--admin-key", ADMIN_KEY]) == 0
+    assert capsys.readouterr().out.strip() == f"revoked {key['id']}"
+    assert main(["jobs", "--api-key", key["key"]]) == 2  # refused from now on
+    assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == "opd 0.1.0"

@@ -259,5 +259,5 @@ def test_malformed_dataset_line_is_reported_by_the_cli(
         f"training_datasets: [{dataset}]\n"
     )
     assert main(["train", str(job)]) == 2
-    out = capsys.readouterr().out
-    assert "training_datasets" in out and "line 3" in out and "messages[0].content" in out
+    err = capsys.readouterr().err
+    assert "training_datasets" in err and "line 3" in err and "messages[0].content" in err

@@ -1,0 +1,427 @@
+"""The job-server client commands: jobs (`submit`, `jobs`, `get`, `logs`, `cancel`, `pause`, `resume`,
+`delete`, `checkpoints`, `metrics`), `files` and `keys`.
+
+They read `--base-url`/`--api-key` or `OPD_BASE_URL`/`OPD_API_KEY` (`--admin-key`/`OPD_ADMIN_KEY` for
+key management). `-o json` prints the server's object instead of the text line or table. Bad input
+prints one `error: field: message` line on stderr and exits 2; a server fault or no server exits 1;
+Ctrl-C while following a job says that the job goes on and exits 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from opd_trainer.errors import ConfigError, OPDError
+from opd_trainer.spec.job_status import format_event_line
+
+USAGE_ERROR = 2
+INTERRUPTED = 130
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from opd_trainer.client.api_client import OPDClient
+
+    api_key = args.api_key or os.environ.get("OPD_API_KEY")
+    if not api_key:
+        raise ConfigError(
+            "set OPD_API_KEY or pass --api-key (make one with `opd keys create`)", field="api_key"
+        )
+    return OPDClient(args.base_url, api_key)
+
+
+def _admin_key(args: argparse.Namespace, required: bool = True) -> str | None:
+    key = args.admin_key or os.environ.get("OPD_ADMIN_KEY")
+    if not key and required:
+        raise ConfigError("set OPD_ADMIN_KEY or pass --admin-key", field="admin_key")
+    return key
+
+
+def _json_out(args: argparse.Namespace, value: Any) -> bool:
+    """Prints `value` as JSON when `-o json` was asked for; says whether it did."""
+    if args.output != "json":
+        return False
+    print(json.dumps(value, indent=2))
+    return True
+
+
+def _when(seconds: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds)) if seconds else "-"
+
+
+def _table(header: list[str], rows: Iterable[list[str]]) -> None:
+    rows = list(rows)
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows, strict=True)]
+    for row in [header, *rows]:
+        print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+
+
+def _interrupted(job_id: str) -> int:
+    print(
+        f"\nstopped following; job {job_id} keeps running on the server "
+        f"(`opd logs -f {job_id}` follows it again, `opd cancel {job_id}` stops it)",
+        file=sys.stderr,
+    )
+    return INTERRUPTED
+
+
+# -- jobs -----------------------------------------------------------------------------------------
+
+
+def _submit(args: argparse.Namespace) -> int:
+    from opd_trainer.spec.job_spec import load_job_spec
+
+    spec = load_job_spec(Path(args.job_file))
+    client = _client(args)
+    job = client.submit(spec)
+    if not args.follow:
+        if not _json_out(args, job):
+            print(f"submitted {job['id']} ({job['job_name']}): {job['status']}")
+        return 0
+    # Following with -o json: the finished job is the one JSON document on stdout.
+    print(f"submitted {job['id']} ({job['job_name']}): {job['status']}", flush=True, file=_notes(args))
+    plot_dir = Path(args.plot_dir) if args.plot_dir else Path("runs") / job["id"]
+    try:
+        return _follow(args, client, job, plot_dir)
+    except KeyboardInterrupt:
+        return _interrupted(job["id"])
+
+
+def _notes(args: argparse.Namespace) -> Any:
+    """Where progress lines go: stdout, or stderr when stdout carries JSON."""
+    return sys.stderr if args.output == "json" else sys.stdout
+
+
+def _follow(args: argparse.Namespace, client: Any, job: dict[str, Any], plot_dir: Path) -> int:
+    """A progress bar fed by the job's event stream, then the final table and curves."""
+    from tqdm import tqdm
+
+    from opd_trainer.cli.train import format_final_table
+    from opd_trainer.driver.plots import plot_curves
+
+    notes = _notes(args)
+    bar = tqdm(total=job.get("total_steps") or None, unit="step", dynamic_ncols=True)
+    final = job
+    try:
+        for event in client.stream_events(job["id"]):
+            if event["type"] == "end":
+                final = event["job"]
+                break
+            data = event.get("data") or {}
+            if event["type"] == "step":
+                if data.get("total_steps") and bar.total != data["total_steps"]:
+                    bar.total = data["total_steps"]
+                    bar.refresh()
+                bar.update(max(0, int(data.get("step", bar.n)) - bar.n))
+                postfix = {
+                    k: f"{data[k]:.3f}" for k in ("reverse_kl", "loss") if isinstance(data.get(k), float)
+                }
+                bar.set_postfix(postfix)
+            elif event["type"] != "autoscale":
+                bar.write(f"[{event['type']}] {event['message']}", file=notes)
+    finally:
+        bar.close()
+    if args.output == "json":
+        print(json.dumps(final, indent=2))
+    else:
+        print(f"job {final['id']}: {final['status']}")
+    if final["status"] != "succeeded":
+        if final.get("error"):
+            error = final["error"]
+            field = f"{error['param']}: " if error.get("param") else ""
+            print(f"error: {field}{error['message']}", file=sys.stderr)
+        return 1
+    metrics = client.metrics(final["id"])
+    if metrics["data"]:
+        curves = plot_curves(metrics["data"], plot_dir / "curves.png", final["job_name"])
+        print(f"curves: {curves}", file=notes)
+    if metrics["summary"]:
+        print(format_final_table(metrics["summary"]), file=notes)
+    return 0
+
+
+def _jobs(args: argparse.Namespace) -> int:
+    page = _client(args).list_jobs(status=args.status, limit=args.limit)
+    if _json_out(args, page):
+        return 0
+    rows = []
+    for job in page["data"]:
+        steps = f"{job['step']}/{job['total_steps'] if job['total_steps'] is not None else '?'}"
+        rows.append([job["id"], job["status"], steps, _when(job["created_at"]), job["job_name"]])
+    _table(["id", "status", "step", "created", "name"], rows)
+    if page["has_more"]:
+        print(f"... more: --limit {min(100, args.limit * 2)} or -o json with the API's `after` cursor")
+    return 0
+
+
+def _get(args: argparse.Namespace) -> int:
+    print(json.dumps(_client(args).get_job(args.job_id), indent=2))
+    return 0
+
+
+def _logs(args: argparse.Namespace) -> int:
+    """Every event so far, page after page; with -f, then the live stream until the job ends."""
+    client = _client(args)
+    last = 0
+    for event in client.iter_events(args.job_id):
+        last = event["id"]
+        _print_event(args, event)
+    if not args.follow:
+        return 0
+    try:
+        for event in client.stream_events(args.job_id, after=last):
+            if event["type"] == "end":
+                if args.output != "json":
+                    print(f"-- job {event['job']['status']}")
+                return 0
+            _print_event(args, event)
+    except KeyboardInterrupt:
+        return _interrupted(args.job_id)
+    return 0
+
+
+def _print_event(args: argparse.Namespace, event: dict[str, Any]) -> None:
+    if args.output == "json":
+        print(json.dumps(event), flush=True)  # one object per line (JSON Lines)
+    else:
+        print(
+            format_event_line(event["time"], event["type"], event["message"], event.get("data")), flush=True
+        )
+
+
+def _job_action(action: str) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        job = getattr(_client(args), f"{action}_job")(args.job_id)
+        if not _json_out(args, job):
+            print(f"{job['id']}: {job['status']}")
+        return 0
+
+    return run
+
+
+def _delete(args: argparse.Namespace) -> int:
+    deleted = _client(args).delete_job(args.job_id)
+    if not _json_out(args, deleted):
+        print(f"deleted {deleted['id']}")
+    return 0
+
+
+def _checkpoints(args: argparse.Namespace) -> int:
+    checkpoints = _client(args).checkpoints(args.job_id)
+    if not _json_out(args, checkpoints):
+        _table(
+            ["step", "student model folder (on the server)"],
+            ([str(c["step"]), c["student"]] for c in checkpoints),
+        )
+    return 0
+
+
+METRIC_COLUMNS = ("reverse_kl", "loss", "reward_mean", "tokens_per_s")
+
+
+def _metrics(args: argparse.Namespace) -> int:
+    from opd_trainer.cli.train import format_final_table
+
+    metrics = _client(args).metrics(args.job_id)
+    if _json_out(args, metrics):
+        return 0
+    steps = [r for r in metrics["data"] if r.get("kind") == "train"]
+    columns = [c for c in METRIC_COLUMNS if any(c in r for r in steps)]
+    shown = steps if args.all else steps[-args.last :]
+    _table(
+        ["step", *columns],
+        ([str(r["step"]), *(_number(r.get(c)) for c in columns)] for r in shown),
+    )
+    if metrics["summary"]:
+        print(format_final_table(metrics["summary"]))
+    return 0
+
+
+def _number(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, int | float) else "-"
+
+
+# -- files ----------------------------------------------------------------------------------------
+
+
+def _files_list(args: argparse.Namespace) -> int:
+    files = _client(args).list_files(purpose=args.purpose)
+    if not _json_out(args, files):
+        rows = (
+            [f["id"], f["purpose"], str(f["bytes"]), _when(f["created_at"]), f["filename"]] for f in files
+        )
+        _table(["id", "purpose", "bytes", "created", "filename"], rows)
+    return 0
+
+
+def _files_upload(args: argparse.Namespace) -> int:
+    path = Path(args.path)
+    if not path.is_file() and not (args.purpose == "workspace" and path.is_dir()):
+        kind = "a file or a workspace folder" if args.purpose == "workspace" else "a file"
+        raise ConfigError(f"{path} is not {kind}", field="path")
+    uploaded = _client(args).upload_file(path, purpose=args.purpose)
+    if not _json_out(args, uploaded):
+        print(f"{uploaded['id']} ({uploaded['purpose']}, {uploaded['bytes']} bytes): {uploaded['filename']}")
+    return 0
+
+
+def _files_delete(args: argparse.Namespace) -> int:
+    deleted = _client(args).delete_file(args.file_id)
+    if not _json_out(args, deleted):
+        print(f"deleted {deleted['id']}")
+    return 0
+
+
+# -- keys -----------------------------------------------------------------------------------------
+
+
+def _keys_create(args: argparse.Namespace) -> int:
+    from opd_trainer.client.api_client import OPDClient
+
+    admin_key = _admin_key(args)
+    with OPDClient(args.base_url, api_key="") as client:
+        key = client.create_key(args.tenant, admin_key)
+    if not _json_out(args, key):
+        print(f"tenant {key['tenant']}: key {key['id']}")
+        print(key["key"])
+    return 0
+
+
+def _keys_list(args: argparse.Namespace) -> int:
+    from opd_trainer.client.api_client import OPDClient
+
+    admin_key = _admin_key(args, required=False)
+    if admin_key:
+        with OPDClient(args.base_url, api_key="") as client:
+            keys = client.list_keys(admin_key)
+    else:
+        keys = _client(args).list_keys()
+    if not _json_out(args, keys):
+        rows = ([k["id"], k["tenant"], f"{k['prefix']}...", _when(k["created_at"])] for k in keys)
+        _table(["id", "tenant", "key", "created"], rows)
+    return 0
+
+
+def _keys_revoke(args: argparse.Namespace) -> int:
+    from opd_trainer.client.api_client import OPDClient
+
+    with OPDClient(args.base_url, api_key="") as client:
+        revoked = client.revoke_key(args.key_id, _admin_key(args))
+    if not _json_out(args, revoked):
+        print(f"revoked {revoked['id']}")
+    return 0
+
+
+# -- error handling and registration --------------------------------------------------------------
+
+
+def _guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Bad input → one `error: field: message` line and exit 2; a server fault or no server → exit 1."""
+
+    def run(args: argparse.Namespace) -> int:
+        import httpx
+
+        from opd_trainer.client.api_client import OPDAPIError
+
+        try:
+            return handler(args)
+        except OPDAPIError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return USAGE_ERROR if 400 <= exc.status < 500 else 1
+        except OPDError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return USAGE_ERROR
+        except httpx.HTTPError as exc:
+            base = getattr(args, "base_url", None) or os.environ.get("OPD_BASE_URL", "the job server")
+            print(f"error: cannot reach {base}: {exc}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            return INTERRUPTED
+
+    return run
+
+
+def _options(admin: bool = False) -> argparse.ArgumentParser:
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument("--base-url", help="job server URL (default $OPD_BASE_URL or http://127.0.0.1:8000)")
+    parent.add_argument("--api-key", help="tenant key (default $OPD_API_KEY)")
+    if admin:
+        parent.add_argument("--admin-key", help="the server's admin key (default $OPD_ADMIN_KEY)")
+    parent.add_argument(
+        "-o", "--output", choices=("text", "json"), default="text", help="text (default) or the API's JSON"
+    )
+    return parent
+
+
+def add_client_commands(commands: Any) -> None:
+    """Registers the client commands on `opd`'s subparsers."""
+    connection, admin = _options(), _options(admin=True)
+
+    def command(name: str, help_text: str, handler: Callable[[argparse.Namespace], int], **kw: Any) -> Any:
+        parser = commands.add_parser(name, parents=[kw.pop("parent", connection)], help=help_text)
+        parser.set_defaults(handler=_guarded(handler))
+        return parser
+
+    submit = command("submit", "upload a job's files and submit it", _submit)
+    submit.add_argument("job_file", help="job spec, YAML or JSON (local paths are uploaded)")
+    submit.add_argument("--follow", action="store_true", help="show progress until the job finishes")
+    submit.add_argument("--plot-dir", help="where --follow writes curves.png (default runs/JOB_ID)")
+
+    jobs = command("jobs", "list your jobs, newest first", _jobs)
+    jobs.add_argument("--status", help="only jobs in this status")
+    jobs.add_argument("--limit", type=int, default=20, help="how many (at most 100)")
+
+    command("get", "show one job as JSON", _get).add_argument("job_id")
+
+    logs = command("logs", "a job's event log, every event so far", _logs)
+    logs.add_argument("job_id")
+    logs.add_argument("-f", "--follow", action="store_true", help="then stream until the job finishes")
+
+    for action, help_text in (
+        ("cancel", "cancel a job (a running one stops after its current step)"),
+        ("pause", "pause a job after its current step, with a checkpoint"),
+        ("resume", "queue a paused job again; it resumes from its latest checkpoint"),
+    ):
+        command(action, help_text, _job_action(action)).add_argument("job_id")
+    command("delete", "delete a finished job and its run directory", _delete).add_argument("job_id")
+    command("checkpoints", "a job's checkpoints", _checkpoints).add_argument("job_id")
+    metrics = command("metrics", "a job's training metrics and validation summary", _metrics)
+    metrics.add_argument("job_id")
+    metrics.add_argument("--last", type=int, default=10, help="how many of the latest steps (default 10)")
+    metrics.add_argument("--all", action="store_true", help="every step")
+
+    files = commands.add_parser("files", help="uploaded datasets and workspaces")
+    file_commands = files.add_subparsers(dest="files_command", required=True)
+    listing = file_commands.add_parser("list", parents=[connection], help="your files")
+    listing.add_argument("--purpose", choices=("dataset", "workspace"), help="only this kind")
+    listing.set_defaults(handler=_guarded(_files_list))
+    upload = file_commands.add_parser(
+        "upload", parents=[connection], help="upload a file or workspace folder"
+    )
+    upload.add_argument("path", help="a JSONL dataset, or a workspace folder or .zip")
+    upload.add_argument(
+        "--purpose", choices=("dataset", "workspace"), default="dataset", help="default dataset"
+    )
+    upload.set_defaults(handler=_guarded(_files_upload))
+    remove = file_commands.add_parser("delete", parents=[connection], help="delete a file")
+    remove.add_argument("file_id")
+    remove.set_defaults(handler=_guarded(_files_delete))
+
+    keys = commands.add_parser("keys", help="API keys")
+    key_commands = keys.add_subparsers(dest="keys_command", required=True)
+    create = key_commands.add_parser("create", parents=[admin], help="create a tenant key (admin key)")
+    create.add_argument("--tenant", required=True, help="tenant name (created on first use)")
+    create.set_defaults(handler=_guarded(_keys_create))
+    key_list = key_commands.add_parser(
+        "list", parents=[admin], help="your keys; every tenant's with the admin key (secrets never shown)"
+    )
+    key_list.set_defaults(handler=_guarded(_keys_list))
+    revoke = key_commands.add_parser("revoke", parents=[admin], help="revoke a key at once (admin key)")
+    revoke.add_argument("key_id")
+    revoke.set_defaults(handler=_guarded(_keys_revoke))
