@@ -97,6 +97,12 @@ class JobPublic(_Public):
     total_steps: int | None = None
     eta_s: float | None = None
     metrics: dict[str, float] = Field(default_factory=dict, description="The latest step's metrics.")
+    trained_tokens: float = Field(default=0.0, description="Completion tokens trained on so far.")
+    fine_tuned_model: str | None = Field(
+        default=None,
+        description="Id of the checkpoint holding the trained student once the job succeeded (its last); "
+        "`GET .../checkpoints/{id}/content` downloads it.",
+    )
     error: JobError | None = None
     spec: dict[str, Any] = Field(description="The submitted job spec (with file ids).")
 
@@ -124,9 +130,22 @@ class EventList(BaseModel):
 
 class CheckpointPublic(BaseModel):
     object: Literal["opd.job.checkpoint"] = "opd.job.checkpoint"
-    step: int
+    id: str = Field(
+        description="Checkpoint id within its job; `GET .../checkpoints/{id}/content` downloads it."
+    )
+    step: int = Field(description="Training steps done when it was saved.")
+    created_at: int = Field(description="When it was committed (Unix seconds).")
     path: str = Field(description="Checkpoint folder on the server's data volume.")
-    student: str = Field(description="The student as a Hugging Face model folder.")
+    student: str = Field(
+        description="The student as a Hugging Face model folder on the server; "
+        "a new job's `model` may name it."
+    )
+    metrics: dict[str, float | None] = Field(
+        default_factory=dict, description="The training metrics of its step (metrics.jsonl)."
+    )
+    eval: dict[str, float | None] | None = Field(
+        default=None, description="The validation metrics at its step, when the job validated there."
+    )
 
 
 class CheckpointList(BaseModel):

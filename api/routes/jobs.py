@@ -15,7 +15,7 @@ from typing import Annotated
 import anyio
 from fastapi import APIRouter, Header, Query, status
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import PlainTextResponse, StreamingResponse
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from api.db import Database
@@ -33,6 +33,7 @@ from api.schemas import (
     TrajectoryList,
 )
 from api.services import jobs
+from api.services.archive import stream_zip
 from api.services.states import TERMINAL
 from opd_trainer.spec.job_status import JobStatus
 
@@ -179,6 +180,25 @@ def job_logs(
 @router.get("/{job_id}/checkpoints", response_model=CheckpointList)
 def job_checkpoints(job_id: str, session: SessionDep, tenant: TenantDep) -> CheckpointList:
     return jobs.checkpoints(session, tenant.id, job_id)
+
+
+@router.get(
+    "/{job_id}/checkpoints/{checkpoint_id}/content",
+    response_class=StreamingResponse,
+    responses={200: {"content": {"application/zip": {}}, "description": "The student model folder, zipped."}},
+    description="The checkpoint's student as a zip of its Hugging Face model folder (config, tokenizer, "
+    "safetensors weights) under one top folder; `fine_tuned_model` names the final one.",
+)
+def checkpoint_content(
+    job_id: str, checkpoint_id: str, session: SessionDep, tenant: TenantDep
+) -> StreamingResponse:
+    folder = jobs.checkpoint_model(session, tenant.id, job_id, checkpoint_id)
+    name = f"{job_id}-{checkpoint_id}"
+    return StreamingResponse(
+        stream_zip(folder, name),
+        media_type="application/zip",
+        headers={"Content-Disposition": f'attachment; filename="{name}.zip"'},
+    )
 
 
 @router.get("/{job_id}/metrics", response_model=MetricsPublic)

@@ -37,7 +37,7 @@ from api.settings import Settings
 from opd_trainer.driver.run_dir import RunDir
 from opd_trainer.errors import ConfigError
 from opd_trainer.spec.job_spec import JobSpec
-from opd_trainer.spec.job_status import format_event_line
+from opd_trainer.spec.job_status import JobStatus, format_event_line
 from opd_trainer.spec.preflight import check_same_tokenizer, resolve_max_length
 from opd_trainer.workers.classpath import validate_workspace
 
@@ -71,7 +71,10 @@ def compare_and_set(session: Session, job_id: str, expected: str, new: str, **fi
 
 
 def public(job: Job) -> JobPublic:
-    return JobPublic.model_validate(job)
+    found = JobPublic.model_validate(job)
+    if job.status == JobStatus.SUCCEEDED:
+        found.fine_tuned_model = RunDir(job.run_dir).latest_checkpoint_id()
+    return found
 
 
 def get_owned(session: Session, tenant_id: str, job_id: str, param: str = "job_id") -> Job:
@@ -271,8 +274,34 @@ def logs(session: Session, tenant_id: str, job_id: str, after: int, limit: int) 
 
 
 def checkpoints(session: Session, tenant_id: str, job_id: str) -> CheckpointList:
-    found = RunDir(get_owned(session, tenant_id, job_id).run_dir).checkpoints()
-    return CheckpointList(data=[CheckpointPublic(**c) for c in found])
+    run_dir = RunDir(get_owned(session, tenant_id, job_id).run_dir)
+    records = finite(run_dir.records())
+    by_step = {(r.get("kind"), r.get("step")): r for r in records}
+
+    def values(record: dict[str, Any] | None) -> dict[str, Any] | None:
+        if record is None:
+            return None
+        return {k: v for k, v in record.items() if k not in ("kind", "step") and not isinstance(v, str)}
+
+    return CheckpointList(
+        data=[
+            CheckpointPublic(
+                **found,
+                metrics=values(by_step.get(("train", found["step"]))) or {},
+                eval=values(by_step.get(("eval", found["step"]))),
+            )
+            for found in run_dir.checkpoints()
+        ]
+    )
+
+
+def checkpoint_model(session: Session, tenant_id: str, job_id: str, checkpoint_id: str) -> Path:
+    """The student model folder of one of the tenant's checkpoints (404 for anything else)."""
+    run_dir = RunDir(get_owned(session, tenant_id, job_id).run_dir)
+    for found in run_dir.checkpoints():
+        if found["id"] == checkpoint_id and Path(found["student"]).is_dir():
+            return Path(found["student"])
+    raise not_found("checkpoint", checkpoint_id, "checkpoint_id")
 
 
 def finite(value: Any) -> Any:

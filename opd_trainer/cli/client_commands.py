@@ -1,5 +1,5 @@
 """The job-server client commands: jobs (`submit`, `jobs`, `get`, `logs`, `cancel`, `pause`, `resume`,
-`delete`, `checkpoints`, `metrics`), `files` and `keys`.
+`delete`, `checkpoints`, `download`, `metrics`), `files` and `keys`.
 
 They read `--base-url`/`--api-key` or `OPD_BASE_URL`/`OPD_API_KEY` (`--admin-key`/`OPD_ADMIN_KEY` for
 key management). `-o json` prints the server's object instead of the text line or table. Bad input
@@ -215,10 +215,15 @@ def _delete(args: argparse.Namespace) -> int:
 def _checkpoints(args: argparse.Namespace) -> int:
     checkpoints = _client(args).checkpoints(args.job_id)
     if not _json_out(args, checkpoints):
-        _table(
-            ["step", "student model folder (on the server)"],
-            ([str(c["step"]), c["student"]] for c in checkpoints),
-        )
+        rows = ([c["id"], str(c["step"]), _when(c["created_at"]), c["student"]] for c in checkpoints)
+        _table(["id", "step", "created", "student model folder (on the server)"], rows)
+    return 0
+
+
+def _download(args: argparse.Namespace) -> int:
+    folder = _client(args).download_checkpoint(args.job_id, args.checkpoint, args.to)
+    if not _json_out(args, {"job_id": args.job_id, "path": str(folder)}):
+        print(folder)
     return 0
 
 
@@ -391,6 +396,10 @@ def add_client_commands(commands: Any) -> None:
         command(action, help_text, _job_action(action)).add_argument("job_id")
     command("delete", "delete a finished job and its run directory", _delete).add_argument("job_id")
     command("checkpoints", "a job's checkpoints", _checkpoints).add_argument("job_id")
+    download = command("download", "download a trained student as a Hugging Face model folder", _download)
+    download.add_argument("job_id")
+    download.add_argument("--checkpoint", help="checkpoint id (default: the job's fine_tuned_model)")
+    download.add_argument("--to", help="folder to create (default ./JOB_ID-CHECKPOINT_ID)")
     metrics = command("metrics", "a job's training metrics and validation summary", _metrics)
     metrics.add_argument("job_id")
     metrics.add_argument("--last", type=int, default=10, help="how many of the latest steps (default 10)")

@@ -15,7 +15,9 @@ server's `param`).
 from __future__ import annotations
 
 import os
+import tempfile
 import time
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,9 +29,14 @@ from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exp
 from opd_trainer.errors import ConfigError, OPDError
 from opd_trainer.spec.job_spec import JobSpec, parse_job_spec, resolve_paths
 from opd_trainer.spec.job_status import TERMINAL
-from opd_trainer.workers.workspace import pack_workspace
+from opd_trainer.workers.workspace import check_zip, extract_zip, pack_workspace
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+DOWNLOAD_CHUNK = 1024 * 1024
+# What a downloaded checkpoint may expand to: a model folder (weights are stored, not compressed).
+MODEL_MAX_FILES = 10_000
+MODEL_MAX_BYTES = 4 * 1024**4
+MODEL_MAX_RATIO = 1000.0
 
 
 class OPDAPIError(OPDError):
@@ -248,6 +255,47 @@ class OPDClient:
 
     def checkpoints(self, job_id: str) -> list[dict[str, Any]]:
         return self._json("GET", f"/v1/opd/jobs/{job_id}/checkpoints")["data"]
+
+    def download_checkpoint(
+        self, job_id: str, checkpoint_id: str | None = None, target: str | Path | None = None
+    ) -> Path:
+        """Downloads a checkpoint's student (default: the job's `fine_tuned_model`) into `target`
+        (default `./JOB_ID-CHECKPOINT_ID`, which must not exist) as a Hugging Face model folder."""
+        if checkpoint_id is None:
+            job = self.get_job(job_id)
+            checkpoint_id = job.get("fine_tuned_model")
+            if not checkpoint_id:
+                raise ConfigError(
+                    f"job {job_id} has no fine_tuned_model ({job['status']}); name a checkpoint "
+                    "from its checkpoint list",
+                    field="checkpoint_id",
+                )
+        destination = Path(target) if target is not None else Path(f"{job_id}-{checkpoint_id}")
+        if destination.exists():
+            raise ConfigError(f"{destination} already exists", field="target")
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=destination.parent, prefix=".download-") as scratch:
+            archive_path = Path(scratch) / "checkpoint.zip"
+            path = f"/v1/opd/jobs/{job_id}/checkpoints/{checkpoint_id}/content"
+            with self._http.stream("GET", path, timeout=httpx.Timeout(60.0, read=None)) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    raise _api_error(response)
+                with archive_path.open("wb") as sink:
+                    for chunk in response.iter_bytes(DOWNLOAD_CHUNK):
+                        sink.write(chunk)
+            with zipfile.ZipFile(archive_path) as archive:
+                infos = check_zip(
+                    archive,
+                    max_files=MODEL_MAX_FILES,
+                    max_uncompressed=MODEL_MAX_BYTES,
+                    max_ratio=MODEL_MAX_RATIO,
+                    field="checkpoint",
+                )
+                extract_zip(archive, infos, Path(scratch) / "model", field="checkpoint")
+            [top] = list((Path(scratch) / "model").iterdir())  # the archive's one top folder
+            top.rename(destination)
+        return destination
 
     def metrics(self, job_id: str) -> dict[str, Any]:
         """`{"data": [metrics.jsonl records], "summary": {teacher, student_before, student_after}}`."""

@@ -56,6 +56,11 @@ class RunDir:
     def checkpoints(self) -> list[dict[str, Any]]:
         return self.checkpoint_store().list() if self.checkpoints_path.is_dir() else []
 
+    def latest_checkpoint_id(self) -> str | None:
+        """The folder name of the latest committed checkpoint (read-only: creates nothing)."""
+        pointer = self.checkpoints_path / "latest"
+        return pointer.read_text().strip() or None if pointer.is_file() else None
+
     def checkpoint_store(self) -> CheckpointStore:
         return CheckpointStore(self.checkpoints_path)
 

@@ -56,11 +56,20 @@ class CheckpointStore:
         return None if latest is None else int(latest[1]["step"])
 
     def list(self) -> list[dict[str, Any]]:
-        """Every committed checkpoint, oldest first: step, path, student model folder."""
+        """Every committed checkpoint, oldest first: id (its folder name), step, when it was committed,
+        path, student model folder."""
         found = []
         for path in sorted(self.root.glob("step-*")):
             state_file = path / STATE_FILE
             if state_file.exists():
                 step = int(json.loads(state_file.read_text())["step"])
-                found.append({"step": step, "path": str(path), "student": str(path / "student")})
+                found.append(
+                    {
+                        "id": path.name,
+                        "step": step,
+                        "created_at": int(state_file.stat().st_mtime),
+                        "path": str(path),
+                        "student": str(path / "student"),
+                    }
+                )
         return found

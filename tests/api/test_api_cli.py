@@ -157,7 +157,7 @@ def test_every_job_command_and_json_output(
     page = json.loads(run("jobs", "-o", "json"))
     assert job_id in [j["id"] for j in page["data"]] and page["has_more"] is False
     assert json.loads(run("checkpoints", job_id, "-o", "json")) == []  # not started: none yet
-    assert run("checkpoints", job_id).splitlines()[0].startswith("step")
+    assert run("checkpoints", job_id).splitlines()[0].startswith("id")
     assert json.loads(run("metrics", job_id, "-o", "json"))["data"] == []
     assert run("cancel", job_id).strip() == f"{job_id}: cancelled"
     # Every event so far, one JSON object per line, in order; the text form shows the same events.
@@ -224,3 +224,60 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--version"])
     assert done.value.code == 0
     assert capsys.readouterr().out.strip() == "opd 0.1.0"
+
+
+def test_checkpoints_list_with_their_metrics_and_download_as_model_folders(
+    cli_env: Tenant,
+    other_tenant: Tenant,
+    server: Server,
+    job_file: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The run dir is laid out as the driver writes it (checkpoint folders, metrics.jsonl) by hand
+    here, since this server runs no jobs; `test_api_end_to_end` downloads a trained one."""
+    import shutil
+    import zipfile
+
+    from opd_trainer.learner.checkpoint import CheckpointStore
+
+    assert main(["submit", str(job_file), "-o", "json"]) == 0
+    job_id = json.loads(capsys.readouterr().out)["id"]
+    run_dir = server.data_dir / "runs" / job_id
+    store = CheckpointStore(run_dir / "checkpoints")
+    student = Path(cli_env.models["student"])
+    for step in (2, 4):
+        staging = store.staging(step)
+        shutil.copytree(student, staging / "student")
+        (staging / "student" / "weights.bin").write_bytes(bytes(range(256)) * 4096 * step)  # 1-2 MB
+        store.commit(staging, step, {"step": step})
+    records = [{"kind": "train", "step": s, "reverse_kl": 1.0 / s, "note": "x"} for s in (1, 2, 3, 4)]
+    records.append({"kind": "eval", "step": 4, "exact_match": 0.5})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    checkpoints = cli_env.client.checkpoints(job_id)
+    assert [c["id"] for c in checkpoints] == ["step-000002", "step-000004"]
+    assert checkpoints[0]["metrics"] == {"reverse_kl": 0.5} and checkpoints[0]["eval"] is None
+    assert checkpoints[1]["eval"] == {"exact_match": 0.5} and checkpoints[1]["created_at"] > 0
+
+    # No fine_tuned_model before the job succeeded: the command says so and which field to give.
+    assert main(["download", job_id]) == 2
+    assert capsys.readouterr().err.startswith("error: checkpoint_id: ")
+    target = tmp_path / "downloaded"
+    assert main(["download", job_id, "--checkpoint", "step-000004", "--to", str(target)]) == 0
+    assert capsys.readouterr().out.strip() == str(target)
+    source = run_dir / "checkpoints" / "step-000004" / "student"
+    files = sorted(p.relative_to(source) for p in source.rglob("*") if p.is_file())
+    assert sorted(p.relative_to(target) for p in target.rglob("*") if p.is_file()) == files
+    assert all((target / f).read_bytes() == (source / f).read_bytes() for f in files)
+    assert main(["download", job_id, "--checkpoint", "step-000004", "--to", str(target)]) == 2  # exists
+
+    # The raw route: a zip with one top folder; another tenant gets a 404, as for a missing one.
+    response = cli_env.http.get(f"/v1/opd/jobs/{job_id}/checkpoints/step-000002/content")
+    assert response.status_code == 200 and response.headers["content-type"] == "application/zip"
+    (tmp_path / "raw.zip").write_bytes(response.content)
+    with zipfile.ZipFile(tmp_path / "raw.zip") as archive:
+        assert {name.split("/")[0] for name in archive.namelist()} == {f"{job_id}-step-000002"}
+    for http, checkpoint in ((other_tenant.http, "step-000002"), (cli_env.http, "step-000003")):
+        missing = http.get(f"/v1/opd/jobs/{job_id}/checkpoints/{checkpoint}/content")
+        assert missing.status_code == 404, missing.text

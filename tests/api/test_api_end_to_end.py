@@ -95,6 +95,20 @@ def _wait(client: OPDClient, job_id: str, done: Any, timeout_s: float) -> dict[s
     raise TimeoutError(f"job {job_id} still {client.get_job(job_id)['status']}")
 
 
+def _assert_same_model(downloaded: Path, on_server: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ours, theirs = (AutoModelForCausalLM.from_pretrained(str(p)) for p in (downloaded, on_server))
+    assert (
+        AutoTokenizer.from_pretrained(str(downloaded)).vocab
+        == AutoTokenizer.from_pretrained(str(on_server)).vocab
+    )
+    expected = theirs.state_dict()
+    for name, tensor in ours.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+
+
 def test_job_over_http_succeeds_with_events_metrics_and_checkpoint(
     trained_models: TinyModels, tmp_path: Path
 ) -> None:
@@ -117,6 +131,12 @@ def test_job_over_http_succeeds_with_events_metrics_and_checkpoint(
         checkpoints = client.checkpoints(job_id)
         assert [c["step"] for c in checkpoints] == [2, 3]
         assert (Path(checkpoints[-1]["student"]) / "config.json").is_file()
+        assert final["fine_tuned_model"] == checkpoints[-1]["id"] and final["trained_tokens"] > 0
+        step_3 = next(r for r in metrics["data"] if r["kind"] == "train" and r["step"] == 3)
+        assert checkpoints[-1]["metrics"]["reverse_kl"] == step_3["reverse_kl"]
+        # The trained student comes out as a model folder transformers loads, weights as trained.
+        downloaded = client.download_checkpoint(job_id, target=tmp_path / "trained-student")
+        _assert_same_model(downloaded, Path(checkpoints[-1]["student"]))
         trajectories = client.trajectories(job_id, limit=4)
         assert len(trajectories) == 4 and all("messages" in t for t in trajectories)
         assert "[checkpoint] saved step 3" in client.logs(job_id)
