@@ -38,6 +38,7 @@ from opd_trainer.driver.run_dir import RunDir
 from opd_trainer.errors import ConfigError
 from opd_trainer.spec.job_spec import JobSpec
 from opd_trainer.spec.job_status import JobStatus, format_event_line
+from opd_trainer.spec.model_source import is_hub_id, local_model
 from opd_trainer.spec.preflight import check_same_tokenizer, resolve_max_length
 from opd_trainer.workers.classpath import validate_workspace
 
@@ -159,6 +160,8 @@ def check_model_access(session: Session, settings: Settings, tenant_id: str, spe
     roots = [*settings.approved_model_dirs, *(Path(run_dir) for run_dir in own_runs if run_dir)]
     for field in MODEL_FIELDS:
         value = getattr(spec, field)
+        if is_hub_id(value):
+            continue  # resolved from the server's hub cache only (`resolve_models`)
         path = Path(value)
         # resolve() follows symlinks, so a link inside an approved folder cannot point out of it.
         if not (path.is_absolute() and any(path.resolve().is_relative_to(root.resolve()) for root in roots)):
@@ -166,9 +169,17 @@ def check_model_access(session: Session, settings: Settings, tenant_id: str, spe
                 400,
                 "model_not_allowed",
                 f"{field} {value!r} is not an approved model: use a folder under the server's model "
-                "directories (OPD_MODEL_DIRS) or a checkpoint of one of your own jobs",
+                "directories (OPD_MODEL_DIRS), a checkpoint of one of your own jobs, or a Hugging Face "
+                "id (org/name) in the server's hub cache",
                 field,
             )
+
+
+def resolve_models(spec: JobSpec) -> JobSpec:
+    """Hugging Face ids replaced by their snapshot folders in the server's hub cache (never fetched)."""
+    return spec.model_copy(
+        update={field: local_model(getattr(spec, field), field, download=False) for field in MODEL_FIELDS}
+    )
 
 
 def preflight(resolved: JobSpec) -> None:
@@ -198,7 +209,7 @@ def create(session: Session, settings: Settings, tenant_id: str, body: JobCreate
             f"tenant already has {active} unfinished jobs (limit {settings.tenant_max_active_jobs})",
         )
     check_model_access(session, settings, tenant_id, spec)
-    resolved, used = resolve_files(session, tenant_id, spec)
+    resolved, used = resolve_files(session, tenant_id, resolve_models(spec))
     preflight(resolved)
     hp = spec.hyper_parameters
     samples = sum(f.samples or 0 for f in used if f.path in resolved.training_datasets)
@@ -226,7 +237,7 @@ def create(session: Session, settings: Settings, tenant_id: str, body: JobCreate
 
 def resolve_for_driver(session: Session, job: Job) -> JobSpec:
     """The spec a driver runs: stored ids resolved to today's server paths."""
-    resolved, _ = resolve_files(session, job.tenant_id, JobSpec.model_validate(job.spec))
+    resolved, _ = resolve_files(session, job.tenant_id, resolve_models(JobSpec.model_validate(job.spec)))
     return resolved
 
 

@@ -21,6 +21,7 @@ from opd_trainer.driver.run_dir import RunDir
 from opd_trainer.errors import OPDError
 from opd_trainer.spec.dataset import load_samples
 from opd_trainer.spec.job_spec import JobSpec, load_job_spec
+from opd_trainer.spec.model_source import local_model
 from opd_trainer.spec.preflight import check_same_tokenizer, resolve_max_length
 
 # Per-validation bookkeeping, not a measurement: left out of the table.
@@ -103,6 +104,10 @@ def run_train(job_file: Path, run_dir: Path | None, stop_after: int | None) -> i
 
     try:
         spec = load_job_spec(job_file)
+        # Hugging Face ids become their snapshot folders (downloaded if missing), as the server does.
+        spec = spec.model_copy(
+            update={f: local_model(getattr(spec, f), f, download=True) for f in ("model", "teacher_model")}
+        )
         preflight_local(spec)
     except OPDError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -370,9 +370,14 @@ class JobSpec(_Strict):
     """One OPD job."""
 
     job_name: str = Field(min_length=1, max_length=128, description="Human-readable job name.")
-    model: str = Field(min_length=1, description="Student: a model directory (or uploaded model id).")
+    model: str = Field(
+        min_length=1,
+        description="Student: a model folder, or a Hugging Face id (org/name[@revision]) resolved "
+        "through the hub cache (the job server uses only what its cache holds).",
+    )
     teacher_model: str = Field(
-        min_length=1, description="Teacher: same tokenizer and chat template as the student."
+        min_length=1,
+        description="Teacher, given like `model`: same tokenizer and chat template as the student.",
     )
     training_datasets: list[DatasetFile] = Field(
         min_length=1,

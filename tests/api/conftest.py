@@ -34,9 +34,16 @@ def models_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def server(tmp_path_factory: pytest.TempPathFactory, models_root: Path) -> Iterator[Server]:
+def hub_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shared server's Hugging Face hub cache (HF_HUB_CACHE; offline: nothing is downloaded)."""
+    return tmp_path_factory.mktemp("hub")
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory, models_root: Path, hub_cache: Path) -> Iterator[Server]:
     data_dir = tmp_path_factory.mktemp("api") / "data"
-    server = Server(data_dir, env=SERVER_ENV, model_dirs=[models_root]).start()
+    env = {**SERVER_ENV, "HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1"}
+    server = Server(data_dir, env=env, model_dirs=[models_root]).start()
     yield server
     server.stop()
 

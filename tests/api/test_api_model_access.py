@@ -41,3 +41,25 @@ def test_a_link_inside_an_approved_folder_cannot_point_out_of_it(tenant: Tenant,
     link.symlink_to("/etc", target_is_directory=True)
     refused = _submit(tenant, model=str(link))
     assert (refused["status"], refused["code"]) == (400, "model_not_allowed")
+
+
+def test_a_hugging_face_id_resolves_through_the_servers_hub_cache(tenant: Tenant, hub_cache: Path) -> None:
+    """`org/name` is looked up in the server's hub cache with huggingface_hub (the cache entry here is
+    made by hand, as `hf download` would leave it); the job keeps the id it was given."""
+    import shutil
+
+    revision = "89abcdef0123456789abcdef0123456789abcdef"
+    repo = f"tiny-org/{tenant.name}-student"
+    entry = hub_cache / f"models--{repo.replace('/', '--')}"
+    shutil.copytree(tenant.models["student"], entry / "snapshots" / revision)
+    (entry / "refs").mkdir()
+    (entry / "refs" / "main").write_text(revision)
+
+    dataset = tenant.upload(jsonl([record()]))
+    response = tenant.http.post("/v1/opd/jobs", json=tenant.spec(dataset["id"], model=repo))
+    assert response.status_code == 201, response.text
+    assert response.json()["spec"]["model"] == repo
+
+    missing = _submit(tenant, teacher_model="tiny-org/not-in-the-cache")
+    assert (missing["status"], missing["param"]) == (400, "teacher_model")
+    assert "not in the server's Hugging Face cache" in missing["message"]

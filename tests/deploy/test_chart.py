@@ -327,7 +327,8 @@ def test_default_install(rendered_by_scenario: dict[str, Rendered]) -> None:
     assert "DATABASE_URL" not in env_of(api_container(rendered))
     assert "DATABASE_URL" not in rendered.one("Secret")["data"]
     # Server settings left null keep the server's defaults: the chart renders none of them.
-    assert set(configmap_data(rendered)) == {"OPD_DATA_DIR", "OPD_USER_CODE_RESOURCE"}
+    assert set(configmap_data(rendered)) == {"OPD_DATA_DIR", "OPD_USER_CODE_RESOURCE", "HF_HOME"}
+    assert configmap_data(rendered)["HF_HOME"] == "/data/huggingface"  # on the data volume
     assert rendered.one("PersistentVolumeClaim")["spec"]["accessModes"] == ["ReadWriteMany"]
     assert "kubectl" in rendered.notes and "opd keys create --tenant" in rendered.notes
 
