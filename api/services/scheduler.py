@@ -413,7 +413,7 @@ class Scheduler:
 
     def _start_driver(self, session: Session, job: Job) -> None:
         """A new driver incarnation on the job's run dir (it resumes from the latest checkpoint)."""
-        from opd_trainer.driver.job_driver import JobDriverActor
+        from opd_trainer.driver.launch import launch_driver
 
         try:
             spec = resolve_for_driver(session, job)
@@ -427,9 +427,8 @@ class Scheduler:
         # Counted before the new driver can write: what follows in events.jsonl is its own.
         job.driver_events_offset = len(RunDir(job.run_dir).events())
         storage_token = write_probe(Path(job.run_dir))  # the driver and learner check they see it
-        actor = JobDriverActor.options(  # type: ignore[attr-defined]
-            name=name, namespace=NAMESPACE, lifetime="detached", num_cpus=0
-        ).remote(spec, job.run_dir, job.id, storage_token)
+        # Created by a task on the cluster: this process may not hold the training stack (api image).
+        actor = launch_driver(spec, job.run_dir, job.id, storage_token, name, NAMESPACE)
         self._handles[job.id] = DriverHandle(actor, actor.run.remote())
         job.driver_attempts += 1
         job.driver_event_seq = -1

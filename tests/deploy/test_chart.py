@@ -431,7 +431,8 @@ def test_cpu_only_install(rendered_by_scenario: dict[str, Rendered]) -> None:
     for where, template in pod_templates(rendered):
         for container in template["spec"]["containers"]:
             assert "nvidia.com/gpu" not in json.dumps(container.get("resources", {})), where
-            assert container["image"].endswith("-cpu"), where
+            # The API pod runs the slim api image; every Ray pod the CPU one.
+            assert container["image"].endswith("-cpu" if where.startswith("ray ") else "-api"), where
     claim = rendered.one("PersistentVolumeClaim")["spec"]
     assert claim["accessModes"] == ["ReadWriteOnce"] and claim["storageClassName"] == "standard"
     assert configmap_data(rendered)["OPD_MAX_CONCURRENT_JOBS"] == "1"

@@ -18,7 +18,7 @@ import pytest
 from chart_rendering import REPO
 
 DOCKERFILE = REPO / "Dockerfile"
-TARGETS = ("cpu", "cuda")
+TARGETS = ("api", "cpu", "cuda")
 SECRET_NAME = re.compile(r"(KEY|SECRET|PASSWORD|TOKEN|DATABASE_URL)", re.IGNORECASE)
 
 
@@ -105,13 +105,38 @@ def test_target_runs_opd_as_non_root_with_a_healthcheck(target: str) -> None:
 
 
 @pytest.mark.parametrize("target", TARGETS)
-def test_extras_match_the_target(target: str) -> None:
+def test_dependencies_install_before_the_source_with_a_pip_cache(target: str) -> None:
+    """A source edit rebuilds only the layers after `COPY . .`: the package itself, not vLLM."""
     build = stages()[f"{target}-build"]
-    installs = " ".join(rest for word, rest in build.instructions if word == "RUN")
-    assert f'pip install ".[{"cpu" if target == "cpu" else "gpu"}]"' in installs
-    if target == "cpu":
-        assert "download.pytorch.org/whl/cpu" in installs
-        assert "pip uninstall -y torchvision torchaudio torchcodec" in installs
+    words = [word for word, _ in build.instructions]
+    source = build.instructions.index(("COPY", ". ."))
+    runs = [(i, rest) for i, (word, rest) in enumerate(build.instructions) if word == "RUN"]
+    requirements = {"api": "base.txt", "cpu": "cpu.txt", "cuda": "gpu.txt"}[target]
+    dependencies = [i for i, rest in runs if f"pip install -r /tmp/{requirements}" in rest]
+    package = [i for i, rest in runs if "pip install --no-deps" in rest]
+    assert dependencies and package and dependencies[0] < source < package[0], words
+    cache = "--mount=type=cache,target=/root/.cache/pip"
+    assert all(cache in rest for _, rest in runs if "pip install" in rest)
+
+
+def test_requirements_come_from_pyproject() -> None:
+    stage = stages()["requirements"]
+    assert ("COPY", "pyproject.toml .") in stage.instructions
+    text = DOCKERFILE.read_text()
+    assert 'project["optional-dependencies"][extra]' in text and 'for extra in ("cpu", "gpu")' in text
+
+
+def test_the_api_target_has_no_training_stack_and_cuda_is_pinned() -> None:
+    text = DOCKERFILE.read_text()
+    api = " ".join(rest for word, rest in stages()["api-build"].instructions if word == "RUN")
+    assert "torch" not in api.replace("not u.find_spec('torch')", "")  # only the check that it is absent
+    assert "import api.main, api.services.scheduler, opd_trainer.driver.launch" in api
+    assert re.search(r"^ARG VLLM_VERSION=\d+\.\d+\.\d+$", text, re.MULTILINE)
+    cuda = " ".join(rest for word, rest in stages()["cuda-build"].instructions if word == "RUN")
+    assert '"vllm==${VLLM_VERSION}"' in cuda
+    cpu = " ".join(rest for word, rest in stages()["cpu-build"].instructions if word == "RUN")
+    assert "download.pytorch.org/whl/cpu" in cpu
+    assert "pip uninstall -y torchvision torchaudio torchcodec" in cpu
 
 
 def test_no_secret_is_baked_in() -> None:

@@ -68,6 +68,10 @@ app.kubernetes.io/part-of: opd-trainer
 {{- end }}
 {{- end }}
 
+{{- define "opd-trainer.apiImage" -}}
+{{- printf "%s:%s" .Values.image.repository .Values.image.apiTag }}
+{{- end }}
+
 {{- define "opd-trainer.cpuImage" -}}
 {{- printf "%s:%s" .Values.image.repository .Values.image.cpuTag }}
 {{- end }}

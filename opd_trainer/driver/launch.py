@@ -1,0 +1,33 @@
+"""Starting a job's driver from a process that does not hold the training stack.
+
+The job server's pod (the Docker `api` target) has no torch, vLLM or DeepSpeed, and
+`opd_trainer.driver.job_driver` imports them. So the server never imports it: `launch_driver` runs a
+small Ray task on the cluster, whose workers have the full stack, that creates the named, detached
+driver actor there; the server then holds it by name (`ray.get_actor`), and calling its methods needs
+no class. This module imports nothing but Ray.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+
+@ray.remote(num_cpus=0)
+def _create_driver(
+    spec: Any, run_dir: str, job_id: str, storage_token: str | None, name: str, namespace: str
+) -> None:
+    from opd_trainer.driver.job_driver import JobDriverActor
+
+    JobDriverActor.options(  # type: ignore[attr-defined]
+        name=name, namespace=namespace, lifetime="detached", num_cpus=0
+    ).remote(spec, run_dir, job_id, storage_token)
+
+
+def launch_driver(
+    spec: Any, run_dir: str, job_id: str, storage_token: str | None, name: str, namespace: str
+) -> Any:
+    """A new detached driver actor named `name` in `namespace`; returns its handle."""
+    ray.get(_create_driver.remote(spec, run_dir, job_id, storage_token, name, namespace))
+    return ray.get_actor(name, namespace=namespace)
