@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_fastapi_instrumentator import Instrumentator
 from prometheus_fastapi_instrumentator.metrics import latency
@@ -49,32 +49,48 @@ class JobCountCollector(Collector):
         )
 
 
+# Per pool (`pool/NAME/KEY` in a job's metrics): gauges, and running totals exported as counters.
+POOL_GAUGES = {
+    "workers": "Live workers of the pool.",
+    "workers_desired": "Workers the pool's autoscaler wants.",
+    "in_flight": "Calls running on the pool's workers.",
+    "queued": "Calls waiting for a free worker slot.",
+    "utilisation": "(in-flight + queued calls) / (workers x concurrency).",
+}
+POOL_COUNTERS = {
+    "workers_replaced": "Workers replaced (died, or killed for a timeout or memory).",
+    "calls_retried": "Calls sent again after their worker died.",
+    "scale_ups": "Autoscaler scale-up decisions.",
+    "scale_downs": "Autoscaler scale-down decisions.",
+}
+
+
 class JobProgressCollector(Collector):
-    """Per running job, labelled by job id: steps, tokens, the latest step's metrics, pool sizes."""
+    """Per running job, labelled by job id: steps, tokens, the latest step's metrics, its pools."""
 
     def __init__(self, db: Database) -> None:
         self.db = db
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         with self.db.session() as session:
             running = session.scalars(select(Job).where(Job.status.in_(WITH_DRIVER))).all()
         step = GaugeMetricFamily("opd_job_step", "Steps done.", labels=["job_id"])
         total = GaugeMetricFamily("opd_job_total_steps", "Steps planned.", labels=["job_id"])
-        tokens = GaugeMetricFamily(
+        tokens = CounterMetricFamily(
             "opd_job_trained_tokens", "Completion tokens trained so far.", labels=["job_id"]
         )
         gauges = {
             key: GaugeMetricFamily(f"opd_job_{key}", help_text, labels=["job_id"])
             for key, help_text in JOB_GAUGES.items()
         }
-        pools = GaugeMetricFamily(
-            "opd_job_pool_workers", "Workers per processor pool.", labels=["job_id", "pool"]
-        )
-        replaced = GaugeMetricFamily(
-            "opd_job_pool_workers_replaced",
-            "Processor workers replaced so far (died, or killed for a timeout or memory).",
-            labels=["job_id", "pool"],
-        )
+        pool_gauges = {
+            key: GaugeMetricFamily(f"opd_job_pool_{key}", help_text, labels=["job_id", "pool"])
+            for key, help_text in POOL_GAUGES.items()
+        }
+        pool_counters = {
+            key: CounterMetricFamily(f"opd_job_pool_{key}", help_text, labels=["job_id", "pool"])
+            for key, help_text in POOL_COUNTERS.items()
+        }
         for job in running:
             step.add_metric([job.id], job.step)
             total.add_metric([job.id], job.total_steps or 0)
@@ -83,11 +99,13 @@ class JobProgressCollector(Collector):
                 if key in job.metrics:
                     gauge.add_metric([job.id], job.metrics[key])
             for name, value in job.metrics.items():
-                if name.startswith("pool/") and name.endswith("/workers"):
-                    pools.add_metric([job.id, name.split("/")[1]], value)
-                if name.startswith("pool/") and name.endswith("/workers_replaced"):
-                    replaced.add_metric([job.id, name.split("/")[1]], value)
-        yield from (step, total, tokens, *gauges.values(), pools, replaced)
+                parts = name.split("/")
+                if len(parts) != 3 or parts[0] != "pool" or value is None:
+                    continue
+                family = pool_gauges.get(parts[2]) or pool_counters.get(parts[2])
+                if family is not None:
+                    family.add_metric([job.id, parts[1]], value)
+        yield from (step, total, tokens, *gauges.values(), *pool_gauges.values(), *pool_counters.values())
 
 
 class ServerMetrics:

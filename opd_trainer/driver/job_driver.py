@@ -192,7 +192,8 @@ class JobDriver:
             "status": self.status,
             "step": self.step,
             "total_steps": self.total_steps,
-            "metrics": dict(self._latest),
+            # The latest step's metrics, with the pools' live numbers (the server exports them).
+            "metrics": {**self._latest, **pool_metrics(self._pools)},
             "eta_s": eta,
         }
 

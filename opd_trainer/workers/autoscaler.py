@@ -19,23 +19,20 @@ The rules (the product spec's runtime fields, `FunctionRuntime`):
   point of the last `scale_down_cooldown_s` (so one quiet tick at the end of the window does not
   remove workers that were busy a moment ago), never below `min_capacity`, and never a busy worker.
 
-Every up/down decision is an `{"type": "autoscale", ...}` event and a counter increment; every call
-of `decide` sets the desired/current/in-flight/queued/utilisation gauges, labelled `job_id`, `pool`.
+Every up/down decision is an `{"type": "autoscale", ...}` event and counted in `scale_events`; every
+call of `decide` updates `gauges` (desired, current, in-flight, queued, utilisation). The pool reports
+both with its step metrics and to the job server's poll (`pool.pool_metrics`), which exports them.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
-
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
 from opd_trainer.spec.job_spec import FunctionRuntime
 
@@ -139,60 +136,6 @@ class ScaleDecision:
     remove: int = 0
 
 
-@dataclass(frozen=True)
-class PoolMetrics:
-    """The autoscaler's Prometheus series in one registry; `for_registry` creates them once per registry."""
-
-    workers_desired: Gauge
-    workers_current: Gauge
-    in_flight: Gauge
-    queued: Gauge
-    utilisation: Gauge
-    scale_events: Counter
-
-    @classmethod
-    def for_registry(cls, registry: CollectorRegistry = REGISTRY) -> PoolMetrics:
-        # Registering the same metric name twice in one registry raises "Duplicated timeseries", and
-        # every autoscaler of every job in the process shares these series, so create them once.
-        with _METRICS_LOCK:
-            metrics = _METRICS_BY_REGISTRY.get(registry)
-            if metrics is None:
-                labels = ("job_id", "pool")
-                metrics = cls(
-                    workers_desired=Gauge(
-                        "opd_pool_workers_desired", "Workers the autoscaler wants", labels, registry=registry
-                    ),
-                    workers_current=Gauge(
-                        "opd_pool_workers_current", "Live workers in the pool", labels, registry=registry
-                    ),
-                    in_flight=Gauge(
-                        "opd_pool_in_flight", "Calls running on the pool's workers", labels, registry=registry
-                    ),
-                    queued=Gauge(
-                        "opd_pool_queued", "Calls waiting for a free worker slot", labels, registry=registry
-                    ),
-                    utilisation=Gauge(
-                        "opd_pool_utilisation",
-                        "(in-flight + queued calls) / (workers × concurrency)",
-                        labels,
-                        registry=registry,
-                    ),
-                    scale_events=Counter(
-                        "opd_pool_scale_events",
-                        "Autoscaler up/down decisions",
-                        (*labels, "action"),
-                        registry=registry,
-                    ),
-                )
-                _METRICS_BY_REGISTRY[registry] = metrics
-            return metrics
-
-
-_METRICS_LOCK = threading.Lock()
-_METRICS_BY_REGISTRY: weakref.WeakKeyDictionary[CollectorRegistry, PoolMetrics] = weakref.WeakKeyDictionary()
-PoolMetrics.for_registry(REGISTRY)
-
-
 class Autoscaler:
     """Decides the size of one pool of one job from periodic `PoolSnapshot`s (see the module docstring)."""
 
@@ -203,14 +146,15 @@ class Autoscaler:
         job_id: str,
         clock: Callable[[], float] = time.monotonic,
         on_event: Callable[[dict[str, Any]], None] | None = None,
-        registry: CollectorRegistry = REGISTRY,
     ) -> None:
         self.settings = settings
         self.pool = pool
         self.job_id = job_id
         self._clock = clock
         self._on_event = on_event
-        self._metrics = PoolMetrics.for_registry(registry)
+        # What the last `decide` saw and wanted, and how many times it scaled each way.
+        self.gauges: dict[str, float] = {}
+        self.scale_events: dict[str, int] = {"up": 0, "down": 0}
         self._calm_since: float | None = None  # when utilisation last went from above to at/under
         self._needed: deque[tuple[float, int]] = deque()  # (time, workers needed) of the last cool-down
 
@@ -301,16 +245,16 @@ class Autoscaler:
         return ScaleDecision(current - remove, current, "down", reason, utilisation, remove=remove)
 
     def _record(self, decision: ScaleDecision, snapshot: PoolSnapshot) -> None:
-        labels = {"job_id": self.job_id, "pool": self.pool}
-        m = self._metrics
-        m.workers_desired.labels(**labels).set(decision.desired)
-        m.workers_current.labels(**labels).set(decision.current)
-        m.in_flight.labels(**labels).set(snapshot.in_flight)
-        m.queued.labels(**labels).set(snapshot.queued)
-        m.utilisation.labels(**labels).set(decision.utilisation)
+        self.gauges = {
+            "workers_desired": float(decision.desired),
+            "workers_current": float(decision.current),
+            "in_flight": float(snapshot.in_flight),
+            "queued": float(snapshot.queued),
+            "utilisation": decision.utilisation,
+        }
         if decision.action == "hold":
             return
-        m.scale_events.labels(**labels, action=decision.action).inc()
+        self.scale_events[decision.action] += 1
         logger.info(
             "[%s] %s pool autoscale %s %d -> %d: %s",
             self.job_id,
@@ -333,11 +277,3 @@ class Autoscaler:
                     "utilisation": decision.utilisation,
                 }
             )
-
-    def remove_labels(self) -> None:
-        """Drops this job's and pool's series, once the job has finished."""
-        m = self._metrics
-        for gauge in (m.workers_desired, m.workers_current, m.in_flight, m.queued, m.utilisation):
-            gauge.remove(self.job_id, self.pool)
-        for action in ("up", "down"):
-            m.scale_events.remove(self.job_id, self.pool, action)

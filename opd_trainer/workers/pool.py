@@ -518,15 +518,21 @@ class WorkerPool:
             ray.kill(worker)
         self._workers.clear()
         self._in_flight.clear()
-        self.autoscaler.remove_labels()
 
 
 def pool_metrics(pools: list[WorkerPool]) -> dict[str, float]:
-    """Per pool: workers now, workers replaced so far (died or killed) and calls retried so far."""
+    """Per pool, as `pool/NAME/...`: workers now, the autoscaler's last view (desired workers, calls in
+    flight and queued, utilisation), and running totals: scale-ups, scale-downs, workers replaced
+    (died, or killed for a timeout or memory) and calls retried."""
     metrics: dict[str, float] = {}
     for pool in pools:
         prefix = f"pool/{pool.component.name}"
         metrics[f"{prefix}/workers"] = float(pool.size)
+        for name, value in pool.autoscaler.gauges.items():
+            if name != "workers_current":  # `workers` is the live count
+                metrics[f"{prefix}/{name}"] = value
+        metrics[f"{prefix}/scale_ups"] = float(pool.autoscaler.scale_events["up"])
+        metrics[f"{prefix}/scale_downs"] = float(pool.autoscaler.scale_events["down"])
         metrics[f"{prefix}/workers_replaced"] = float(pool.replaced)
         metrics[f"{prefix}/calls_retried"] = float(pool.retries)
     return metrics

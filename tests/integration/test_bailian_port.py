@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import httpx
 import pytest
 
 from opd_trainer.client.api_client import OPDClient
@@ -32,7 +33,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
 PORTED_WORKSPACE = Path(__file__).resolve().parent / "bailian_port" / "workspace"
 # tests/api holds the helper that runs a real `opd serve` subprocess on a free port.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "api"))
-from apiserver import Server, create_key  # noqa: E402
+from apiserver import ADMIN_KEY, Server, create_key  # noqa: E402
 
 ENGINE = {"kv_cache_memory_bytes": TINY_KV_CACHE_BYTES, "dtype": "float32"}
 BAILIAN_ONLY = {"charge_type": "mtu_postpaid", "mtu_spec_code": "MTU4", "mtu_capacity": 24}
@@ -101,7 +102,13 @@ def test_ported_bailian_job_trains_through_the_api_with_llm_spans(
         job_id = result.output.job_id
 
         client = OPDClient(server.url, key)
-        events = list(client.stream_events(job_id))
+        events, scraped = [], ""
+        for event in client.stream_events(job_id):
+            events.append(event)
+            if event["type"] == "step" and not scraped:  # running: the server exports its pools live
+                scraped = httpx.get(
+                    server.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}
+                ).text
         final = events[-1]["job"]
         assert final["status"] == "succeeded", server.log() + json.dumps(events[-6:], indent=1)
         assert final["step"] == 2
@@ -133,6 +140,12 @@ def test_ported_bailian_job_trains_through_the_api_with_llm_spans(
                 "my-reward/tool_name_accuracy",
                 "my-reward/argument_accuracy",
             }
+
+        # Both processor pools, as the driver reported them at the server's last poll.
+        for pool in ("my-rollout", "my-reward"):
+            assert f'opd_job_pool_workers{{job_id="{job_id}",pool="{pool}"}} 1.0' in scraped, scraped[-3000:]
+            assert f'opd_job_pool_workers_replaced_total{{job_id="{job_id}",pool="{pool}"}} 0.0' in scraped
+        assert f'opd_job_trained_tokens_total{{job_id="{job_id}"}}' in scraped
 
         train = [r for r in client.metrics(job_id)["data"] if r["kind"] == "train"]
         assert [r["step"] for r in train] == [1, 2]

@@ -1,4 +1,4 @@
-"""Autoscaler rules (`workers.autoscaler`) on hand-computed pools, with a fake clock and own registry.
+"""Autoscaler rules (`workers.autoscaler`) on hand-computed pools, with a fake clock.
 
 Unless a test says otherwise: concurrency 10, both thresholds 0.8 (so one worker carries 8 calls
 before the pool scales up), capacity 2, min 1, max 8, cool-down 30 s.
@@ -11,7 +11,6 @@ import pickle
 from typing import Any
 
 import pytest
-from prometheus_client import CollectorRegistry
 
 from opd_trainer.spec.job_spec import FunctionRuntime
 from opd_trainer.workers.autoscaler import Autoscaler, AutoscalerSettings, PoolSnapshot, ScaleDecision
@@ -25,7 +24,6 @@ BASE = {
     "memory_scale_threshold": 0.8,
     "scale_down_cooldown_s": 30.0,
 }
-LABELS = {"job_id": "job-1", "pool": "rollout"}
 
 
 class FakeClock:
@@ -37,19 +35,17 @@ class FakeClock:
 
 
 class Harness:
-    """One autoscaler with its clock, event list and registry."""
+    """One autoscaler with its clock and event list."""
 
     def __init__(self, **overrides: Any) -> None:
         self.clock = FakeClock()
         self.events: list[dict[str, Any]] = []
-        self.registry = CollectorRegistry()
         self.scaler = Autoscaler(
             AutoscalerSettings(**{**BASE, **overrides}),
             pool="rollout",
             job_id="job-1",
             clock=self.clock,
             on_event=self.events.append,
-            registry=self.registry,
         )
 
     def at(
@@ -63,9 +59,6 @@ class Harness:
     ) -> ScaleDecision:
         self.clock.now = t
         return self.scaler.decide(PoolSnapshot(workers, in_flight, queued, idle, memory))
-
-    def sample(self, name: str, **extra: str) -> float | None:
-        return self.registry.get_sample_value(name, {**LABELS, **extra})
 
 
 # --- settings -----------------------------------------------------------------------------------
@@ -327,44 +320,31 @@ def test_events_for_up_and_down_and_none_for_hold() -> None:
     ]
 
 
-def test_gauges_and_counter_follow_each_decision() -> None:
+def test_gauges_and_counts_follow_each_decision() -> None:
     h = Harness()
     h.at(0, workers=2, in_flight=20, queued=30)
-    assert h.sample("opd_pool_workers_desired") == 7
-    assert h.sample("opd_pool_workers_current") == 2
-    assert h.sample("opd_pool_in_flight") == 20
-    assert h.sample("opd_pool_queued") == 30
-    assert h.sample("opd_pool_utilisation") == 2.5
-    assert h.sample("opd_pool_scale_events_total", action="up") == 1
+    assert h.scaler.gauges == {
+        "workers_desired": 7,
+        "workers_current": 2,
+        "in_flight": 20,
+        "queued": 30,
+        "utilisation": 2.5,
+    }
+    assert h.scaler.scale_events == {"up": 1, "down": 0}
 
-    h.at(1, workers=7, in_flight=14, idle=0)  # hold: gauges move, counter does not
-    assert h.sample("opd_pool_workers_desired") == 7
-    assert h.sample("opd_pool_workers_current") == 7
-    assert h.sample("opd_pool_in_flight") == 14
-    assert h.sample("opd_pool_utilisation") == 0.2
-    assert h.sample("opd_pool_scale_events_total", action="up") == 1
-    assert h.sample("opd_pool_scale_events_total", action="down") is None
+    h.at(1, workers=7, in_flight=14, idle=0)  # hold: gauges move, counts do not
+    assert h.scaler.gauges["workers_current"] == 7 and h.scaler.gauges["in_flight"] == 14
+    assert h.scaler.gauges["utilisation"] == 0.2
+    assert h.scaler.scale_events == {"up": 1, "down": 0}
 
 
-def test_remove_labels_drops_the_jobs_series() -> None:
+def test_each_autoscaler_keeps_its_own_numbers() -> None:
     h = Harness()
-    other = Autoscaler(AutoscalerSettings(**BASE), pool="reward", job_id="job-1", registry=h.registry)
+    other = Autoscaler(AutoscalerSettings(**BASE), pool="reward", job_id="job-1")
     h.at(0, workers=2, in_flight=20, queued=30)
     other.decide(PoolSnapshot(workers=2, in_flight=1, queued=0, idle_workers=1))
-    h.scaler.remove_labels()
-    for name in ("opd_pool_workers_desired", "opd_pool_workers_current", "opd_pool_utilisation"):
-        assert h.sample(name) is None
-    assert h.sample("opd_pool_scale_events_total", action="up") is None
-    assert h.registry.get_sample_value("opd_pool_workers_current", {"job_id": "job-1", "pool": "reward"}) == 2
-
-
-def test_several_autoscalers_share_the_default_registry() -> None:
-    # Constructing more than one must not register the metrics twice ("Duplicated timeseries").
-    settings = AutoscalerSettings(**BASE)
-    scalers = [Autoscaler(settings, pool="rollout", job_id=f"test-shared-{i}") for i in range(2)]
-    for scaler in scalers:
-        scaler.decide(PoolSnapshot(workers=2, in_flight=1, queued=0, idle_workers=1))
-        scaler.remove_labels()
+    assert h.scaler.gauges["workers_desired"] == 7 and other.gauges["workers_desired"] == 2
+    assert other.scale_events == {"up": 0, "down": 0}
 
 
 def test_snapshot_rejects_impossible_counts() -> None:

@@ -52,5 +52,6 @@ def test_admin_scrape_adds_each_running_jobs_progress(tmp_path: Path) -> None:
     assert 'opd_job_step{job_id="opdjob-secret-id"} 3.0' in text
     assert 'opd_job_reverse_kl{job_id="opdjob-secret-id"} 0.25' in text
     assert 'opd_job_pool_workers{job_id="opdjob-secret-id",pool="reward:judge"} 2.0' in text
-    assert 'opd_job_pool_workers_replaced{job_id="opdjob-secret-id",pool="reward:judge"} 1.0' in text
+    assert 'opd_job_pool_workers_replaced_total{job_id="opdjob-secret-id",pool="reward:judge"} 1.0' in text
+    assert 'opd_job_trained_tokens_total{job_id="opdjob-secret-id"} 1200.0' in text
     assert "opdjob-queued" not in text
