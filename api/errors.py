@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from opd_trainer.errors import OPDError
@@ -22,13 +22,27 @@ logger = logging.getLogger(__name__)
 
 
 class ErrorBody(BaseModel):
-    code: str
-    message: str
-    param: str | None = None
+    code: str = Field(description="Machine-readable reason, e.g. `invalid_config`, `not_found`.")
+    message: str = Field(description="What is wrong, for people.")
+    param: str | None = Field(default=None, description="The field or parameter at fault, if one is.")
 
 
 class ErrorResponse(BaseModel):
-    error: ErrorBody
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "error": {
+                        "code": "invalid_config",
+                        "message": "Input should be greater than or equal to 1",
+                        "param": "hyper_parameters.batch_size",
+                    }
+                }
+            ]
+        }
+    )
+
+    error: ErrorBody = Field(description="The one error shape of every 4xx and 5xx answer.")
 
 
 class APIError(Exception):
@@ -112,16 +126,67 @@ def _snake(name: str) -> str:
     return "".join("_" + c.lower() if c.isupper() else c for c in stem).lstrip("_") or "request"
 
 
-ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse, "description": description}
-    for status, description in (
-        (400, "Invalid input; `param` names the field."),
-        (401, "Missing or unknown API key."),
-        (404, "No such object for this tenant."),
-        (409, "Not allowed in the object's current state."),
-        (413, "Request body or upload too large."),
-        (422, "Request does not match the schema; `param` names the field."),
-        (429, "Tenant's active job limit reached."),
-    )
+ERROR_DESCRIPTIONS: dict[int, str] = {
+    400: "Invalid input; `param` names the field.",
+    401: "Missing or unknown API key (or not the admin key where one is needed).",
+    403: "A key of the wrong kind: the admin key on a tenant route, or no admin key configured.",
+    404: "No such object for this tenant.",
+    409: "Not allowed in the object's current state.",
+    413: "Request body or upload too large.",
+    422: "Request does not match the schema; `param` names the field.",
+    429: "Tenant's active job limit reached.",
+    500: "Unexpected server error (logged; no stack trace is returned).",
 }
-"""Documented on every route, so the OpenAPI spec shows the one error shape."""
+
+
+def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI `responses` of a route: the error statuses it can answer, each in the one shape."""
+    return {
+        status: {"model": ErrorResponse, "description": ERROR_DESCRIPTIONS[status]}
+        for status in (*statuses, 500)
+    }
+
+
+TENANT = (401, 403)
+"""What every tenant route can answer besides its own errors: no key, or the admin key."""
+
+
+def openapi_with_declared_errors(app: FastAPI) -> dict[str, Any]:
+    """The app's OpenAPI document with only the errors each route declares (`errors(...)`), and
+    uploads marked as binary.
+
+    FastAPI adds a 422 `HTTPValidationError` to every route with a parameter, even a plain string path
+    parameter that cannot fail, and that shape is not what the handlers here answer; such an added 422
+    is dropped, and a declared one keeps `ErrorResponse`.
+    """
+    from fastapi.openapi.utils import get_openapi
+
+    if app.openapi_schema is None:
+        document = get_openapi(
+            title=app.title, version=app.version, description=app.description, routes=app.routes
+        )
+        for path in document["paths"].values():
+            for operation in path.values():
+                added = operation.get("responses", {}).get("422", {})
+                schema = added.get("content", {}).get("application/json", {}).get("schema", {})
+                if schema.get("$ref", "").endswith("/HTTPValidationError"):
+                    del operation["responses"]["422"]
+                # Errors are JSON on every route; FastAPI files them under a text or zip route's own
+                # media type.
+                for status, response in operation.get("responses", {}).items():
+                    content = response.get("content", {})
+                    if status.isdigit() and int(status) >= 400 and "application/json" not in content:
+                        schemas_by_type = [c.get("schema") for c in content.values() if c.get("schema")]
+                        if schemas_by_type:
+                            response["content"] = {"application/json": {"schema": schemas_by_type[0]}}
+        schemas = document.get("components", {}).get("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(name, None)
+        # An upload is `contentMediaType` in OpenAPI 3.1; generators that read 3.0's `format: binary`
+        # (openapi-python-client, openapi-generator) would make it a string field otherwise.
+        for schema in schemas.values():
+            for field in (schema.get("properties") or {}).values():
+                if field.get("contentMediaType") == "application/octet-stream":
+                    field.setdefault("format", "binary")
+        app.openapi_schema = document
+    return app.openapi_schema

@@ -14,7 +14,7 @@ import anyio
 from fastapi import FastAPI
 
 from api.db import Database, migrate
-from api.errors import install_error_handlers
+from api.errors import install_error_handlers, openapi_with_declared_errors
 from api.limits import BodyLimitMiddleware
 from api.observability import ServerMetrics
 from api.routes import files, health, jobs, keys
@@ -58,6 +58,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         description="Submit and watch online policy distillation jobs. Errors: "
         '`{"error": {"code", "message", "param"}}`.',
         lifespan=lifespan,
+        # Operation ids are the route functions' names (`create_job`, `list_events`, ...): stable, and
+        # what a generated client names its methods.
+        generate_unique_id_function=lambda route: route.name,
     )
     app.state.settings = settings
     app.state.db = db
@@ -67,6 +70,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for router in (health.router, keys.router, files.router, jobs.router):
         app.include_router(router)
     install_error_handlers(app)
+    app.openapi = lambda: openapi_with_declared_errors(app)  # type: ignore[method-assign]
     metrics.instrument(app)
     # Added last, so it runs first: nothing reads a body before its size is checked.
     app.add_middleware(

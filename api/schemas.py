@@ -35,41 +35,41 @@ class KeyCreate(BaseModel):
 
 
 class KeyPublic(_Public):
-    object: Literal["api_key"] = "api_key"
-    id: str
-    tenant: str
+    object: Literal["api_key"] = Field(default="api_key", description="Always `api_key`.")
+    id: str = Field(description="Key id (not the secret); `DELETE /v1/keys/{id}` revokes it.")
+    tenant: str = Field(description="Tenant the key acts for.")
     prefix: str = Field(description="First characters of the key, to tell keys apart.")
-    created_at: int
+    created_at: int = Field(description="Creation time, Unix seconds.")
     key: str | None = Field(default=None, description="The secret key; returned once, at creation.")
 
 
 class KeyList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[KeyPublic]
+    object: Literal["list"] = Field(default="list", description="Always `list`.")
+    data: list[KeyPublic] = Field(description="The keys, without their secrets.")
 
 
 # -- files ----------------------------------------------------------------------------------------
 
 
 class FilePublic(_Public):
-    object: Literal["file"] = "file"
-    id: str
-    filename: str
-    purpose: FilePurpose
-    bytes: int
-    created_at: int
+    object: Literal["file"] = Field(default="file", description="Always `file`.")
+    id: str = Field(description="File id; jobs name datasets and workspaces by it.")
+    filename: str = Field(description="The uploaded name, reduced to safe characters.")
+    purpose: FilePurpose = Field(description="`dataset` (JSONL, validated) or `workspace` (zip, extracted).")
+    bytes: int = Field(description="Size of the upload.")
+    created_at: int = Field(description="Upload time, Unix seconds.")
     samples: int | None = Field(default=None, description="Datasets: number of validated records.")
 
 
 class FileList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[FilePublic]
+    object: Literal["list"] = Field(default="list", description="Always `list`.")
+    data: list[FilePublic] = Field(description="The tenant's files, newest first.")
 
 
 class Deleted(BaseModel):
-    id: str
-    object: str
-    deleted: bool = True
+    id: str = Field(description="Id of what was deleted.")
+    object: str = Field(description="Its kind: `file`, `opd.job` or `api_key`.")
+    deleted: bool = Field(default=True, description="Always true.")
 
 
 # -- jobs -----------------------------------------------------------------------------------------
@@ -78,24 +78,50 @@ class Deleted(BaseModel):
 class JobCreate(JobSpec):
     """A job spec; `training_datasets`/`validation_datasets` and `fcmodel.workspace` are file ids."""
 
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "job_name": "support-agent-opd",
+                    "model": "Qwen/Qwen2.5-0.5B-Instruct",
+                    "teacher_model": "/data/models/qwen2.5-7b-instruct",
+                    "training_datasets": ["file-3f9c2a1b7d4e4a0c9b1e"],
+                    "validation_datasets": ["file-8a1d0c2e5b7f4c3a9d6e"],
+                    "functions": [
+                        {
+                            "name": "judge",
+                            "type": "reward",
+                            "fcmodel": {
+                                "workspace": "file-5c7e9a2d1b3f4e6a8c0d",
+                                "classpath": "functions.reward.Judge",
+                            },
+                            "runtime": {"cpu": 1, "memory_size": 2048, "concurrency": 8},
+                        }
+                    ],
+                    "hyper_parameters": {"max_steps": 200, "batch_size": 16, "n_rollouts": 4},
+                }
+            ]
+        }
+    )
+
 
 class JobError(BaseModel):
-    code: str
-    message: str
-    param: str | None = None
+    code: str = Field(description="Machine-readable reason, e.g. `job_failed`, `driver_lost`.")
+    message: str = Field(description="What went wrong, for people.")
+    param: str | None = Field(default=None, description="The job-spec field at fault, if one is.")
 
 
 class JobPublic(_Public):
-    object: Literal["opd.job"] = "opd.job"
-    id: str
-    job_name: str
-    status: JobStatus
-    created_at: int
-    started_at: int | None = None
-    finished_at: int | None = None
-    step: int = 0
-    total_steps: int | None = None
-    eta_s: float | None = None
+    object: Literal["opd.job"] = Field(default="opd.job", description="Always `opd.job`.")
+    id: str = Field(description="Job id.")
+    job_name: str = Field(description="The spec's `job_name`.")
+    status: JobStatus = Field(description="validating_files, queued, running, pausing, paused, ...")
+    created_at: int = Field(description="Submission time, Unix seconds.")
+    started_at: int | None = Field(default=None, description="When a driver first started it.")
+    finished_at: int | None = Field(default=None, description="When it succeeded, failed or was cancelled.")
+    step: int = Field(default=0, description="Training steps done.")
+    total_steps: int | None = Field(default=None, description="Training steps planned.")
+    eta_s: float | None = Field(default=None, description="Seconds to the last step, from the pace so far.")
     metrics: dict[str, float] = Field(default_factory=dict, description="The latest step's metrics.")
     trained_tokens: float = Field(default=0.0, description="Completion tokens trained on so far.")
     fine_tuned_model: str | None = Field(
@@ -103,33 +129,37 @@ class JobPublic(_Public):
         description="Id of the checkpoint holding the trained student once the job succeeded (its last); "
         "`GET .../checkpoints/{id}/content` downloads it.",
     )
-    error: JobError | None = None
+    error: JobError | None = Field(default=None, description="Why it failed, once it has.")
     spec: dict[str, Any] = Field(description="The submitted job spec (with file ids).")
 
 
 class JobList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[JobPublic]
-    has_more: bool
+    object: Literal["list"] = Field(default="list", description="Always `list`.")
+    data: list[JobPublic] = Field(description="Jobs, newest first.")
+    has_more: bool = Field(description="More jobs follow: pass the last id as `after`.")
 
 
 class EventPublic(_Public):
-    object: Literal["opd.job.event"] = "opd.job.event"
-    id: int
-    time: float
-    type: str
-    message: str
-    data: dict[str, Any] = Field(default_factory=dict)
+    object: Literal["opd.job.event"] = Field(default="opd.job.event", description="Always `opd.job.event`.")
+    id: int = Field(description="Increasing event id; the `after` cursor and the stream's `Last-Event-ID`.")
+    time: float = Field(description="When it happened, Unix seconds.")
+    type: str = Field(description="status, step, eval, checkpoint, preflight, warning, error, autoscale, ...")
+    message: str = Field(description="One line for people.")
+    data: dict[str, Any] = Field(
+        default_factory=dict, description="The event's fields, e.g. a step's metrics."
+    )
 
 
 class EventList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[EventPublic]
-    has_more: bool
+    object: Literal["list"] = Field(default="list", description="Always `list`.")
+    data: list[EventPublic] = Field(description="Events after the cursor, oldest first.")
+    has_more: bool = Field(description="More events follow: pass the last id as `after`.")
 
 
 class CheckpointPublic(BaseModel):
-    object: Literal["opd.job.checkpoint"] = "opd.job.checkpoint"
+    object: Literal["opd.job.checkpoint"] = Field(
+        default="opd.job.checkpoint", description="Always `opd.job.checkpoint`."
+    )
     id: str = Field(
         description="Checkpoint id within its job; `GET .../checkpoints/{id}/content` downloads it."
     )
@@ -149,12 +179,14 @@ class CheckpointPublic(BaseModel):
 
 
 class CheckpointList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[CheckpointPublic]
+    object: Literal["list"] = Field(default="list", description="Always `list`.")
+    data: list[CheckpointPublic] = Field(description="Committed checkpoints, oldest first.")
 
 
 class MetricsPublic(BaseModel):
-    object: Literal["opd.job.metrics"] = "opd.job.metrics"
+    object: Literal["opd.job.metrics"] = Field(
+        default="opd.job.metrics", description="Always `opd.job.metrics`."
+    )
     data: list[dict[str, Any]] = Field(description="metrics.jsonl records: kind train|eval, step, values.")
     summary: dict[str, Any] = Field(
         default_factory=dict, description="Validation of teacher, student before and after."
@@ -162,10 +194,12 @@ class MetricsPublic(BaseModel):
 
 
 class TrajectoryList(BaseModel):
-    object: Literal["list"] = "list"
+    object: Literal["list"] = Field(default="list", description="Always `list`.")
     data: list[dict[str, Any]] = Field(description="Recent rollouts: messages, tool calls, rewards, spans.")
 
 
 class Health(BaseModel):
-    status: Literal["ok", "unavailable"]
-    checks: dict[str, str] = Field(default_factory=dict)
+    status: Literal["ok", "unavailable"] = Field(description="`ok`, or `unavailable` (then HTTP 503).")
+    checks: dict[str, str] = Field(
+        default_factory=dict, description="Readiness: `database`, `ray`, `scheduler` and what each said."
+    )

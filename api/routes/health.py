@@ -14,18 +14,19 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from api.db import ping
 from api.deps import Credentials, DatabaseDep, SchedulerDep, SettingsDep
+from api.errors import errors
 from api.schemas import Health
 from api.services import keys
 
 router = APIRouter(tags=["health"])
 
 
-@router.get("/healthz", response_model=Health)
+@router.get("/healthz", response_model=Health, responses=errors())
 def healthz() -> Health:
     return Health(status="ok")
 
 
-@router.get("/readyz", response_model=Health, responses={503: {"model": Health}})
+@router.get("/readyz", response_model=Health, responses={503: {"model": Health}, **errors()})
 async def readyz(db: DatabaseDep, scheduler: SchedulerDep) -> JSONResponse:
     checks: dict[str, str] = {}
     try:
@@ -43,7 +44,9 @@ async def readyz(db: DatabaseDep, scheduler: SchedulerDep) -> JSONResponse:
     return JSONResponse(body.model_dump(), status_code=200 if ready else 503)
 
 
-@router.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
+@router.get(
+    "/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}, **errors()}
+)
 async def metrics(request: Request, settings: SettingsDep, credentials: Credentials) -> Response:
     admin = settings.admin_key.get_secret_value() if settings.admin_key else None
     include_jobs = credentials is not None and keys.is_admin(credentials.credentials, admin)

@@ -20,7 +20,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from api.db import Database
 from api.deps import DatabaseDep, SessionDep, SettingsDep, TenantDep
-from api.errors import ERROR_RESPONSES
+from api.errors import TENANT, errors
 from api.schemas import (
     CheckpointList,
     Deleted,
@@ -37,7 +37,7 @@ from api.services.archive import stream_zip
 from api.services.states import TERMINAL
 from opd_trainer.spec.job_status import JobStatus
 
-router = APIRouter(prefix="/v1/opd/jobs", tags=["jobs"], responses=ERROR_RESPONSES)
+router = APIRouter(prefix="/v1/opd/jobs", tags=["jobs"])
 
 STREAM_POLL_S = 0.5
 KEEPALIVE_S = 15.0
@@ -54,7 +54,12 @@ SUBMISSIONS_AT_ONCE = 2
 _submissions = anyio.CapacityLimiter(SUBMISSIONS_AT_ONCE)
 
 
-@router.post("", status_code=status.HTTP_201_CREATED, response_model=JobPublic)
+@router.post(
+    "",
+    status_code=status.HTTP_201_CREATED,
+    response_model=JobPublic,
+    responses=errors(400, *TENANT, 404, 413, 422, 429),
+)
 async def create_job(
     body: JobCreate, session: SessionDep, settings: SettingsDep, tenant: TenantDep
 ) -> JobPublic:
@@ -63,7 +68,7 @@ async def create_job(
     )
 
 
-@router.get("", response_model=JobList)
+@router.get("", response_model=JobList, responses=errors(*TENANT, 404, 422))
 def list_jobs(
     session: SessionDep,
     tenant: TenantDep,
@@ -76,27 +81,27 @@ def list_jobs(
     return jobs.list_jobs(session, tenant.id, after, limit, status)
 
 
-@router.get("/{job_id}", response_model=JobPublic)
+@router.get("/{job_id}", response_model=JobPublic, responses=errors(*TENANT, 404))
 def get_job(job_id: str, session: SessionDep, tenant: TenantDep) -> JobPublic:
     return jobs.public(jobs.get_owned(session, tenant.id, job_id))
 
 
-@router.post("/{job_id}/cancel", response_model=JobPublic)
+@router.post("/{job_id}/cancel", response_model=JobPublic, responses=errors(*TENANT, 404, 409))
 def cancel_job(job_id: str, session: SessionDep, tenant: TenantDep) -> JobPublic:
     return jobs.transition(session, tenant.id, job_id, "cancel")
 
 
-@router.post("/{job_id}/pause", response_model=JobPublic)
+@router.post("/{job_id}/pause", response_model=JobPublic, responses=errors(*TENANT, 404, 409))
 def pause_job(job_id: str, session: SessionDep, tenant: TenantDep) -> JobPublic:
     return jobs.transition(session, tenant.id, job_id, "pause")
 
 
-@router.post("/{job_id}/resume", response_model=JobPublic)
+@router.post("/{job_id}/resume", response_model=JobPublic, responses=errors(*TENANT, 404, 409))
 def resume_job(job_id: str, session: SessionDep, tenant: TenantDep) -> JobPublic:
     return jobs.transition(session, tenant.id, job_id, "resume")
 
 
-@router.delete("/{job_id}", response_model=Deleted)
+@router.delete("/{job_id}", response_model=Deleted, responses=errors(*TENANT, 404, 409))
 def delete_job(job_id: str, session: SessionDep, tenant: TenantDep) -> Deleted:
     jobs.delete(session, tenant.id, job_id)
     return Deleted(id=job_id, object="opd.job")
@@ -108,6 +113,18 @@ def delete_job(job_id: str, session: SessionDep, tenant: TenantDep) -> Deleted:
     description="A page of events after the `after` cursor; with `Accept: text/event-stream`, a "
     "server-sent-event stream (`id`, `event` = type, `data` = the event) that ends with an `end` event "
     "carrying the finished job.",
+    responses={
+        200: {
+            "content": {
+                "text/event-stream": {
+                    "schema": {"type": "string"},
+                    "example": 'id: 7\nevent: step\ndata: {"id": 7, "type": "step", ...}\n\n',
+                }
+            },
+            "description": "A page of events (JSON), or the event stream (`Accept: text/event-stream`).",
+        },
+        **errors(*TENANT, 404, 422),
+    },
 )
 def list_events(
     job_id: str,
@@ -165,7 +182,9 @@ async def _stream(
 
 
 @router.get(
-    "/{job_id}/logs", response_class=PlainTextResponse, responses={200: {"content": {"text/plain": {}}}}
+    "/{job_id}/logs",
+    response_class=PlainTextResponse,
+    responses={200: {"content": {"text/plain": {}}}, **errors(*TENANT, 404, 422)},
 )
 def job_logs(
     job_id: str,
@@ -177,7 +196,7 @@ def job_logs(
     return PlainTextResponse(jobs.logs(session, tenant.id, job_id, after, limit))
 
 
-@router.get("/{job_id}/checkpoints", response_model=CheckpointList)
+@router.get("/{job_id}/checkpoints", response_model=CheckpointList, responses=errors(*TENANT, 404))
 def job_checkpoints(job_id: str, session: SessionDep, tenant: TenantDep) -> CheckpointList:
     return jobs.checkpoints(session, tenant.id, job_id)
 
@@ -185,7 +204,13 @@ def job_checkpoints(job_id: str, session: SessionDep, tenant: TenantDep) -> Chec
 @router.get(
     "/{job_id}/checkpoints/{checkpoint_id}/content",
     response_class=StreamingResponse,
-    responses={200: {"content": {"application/zip": {}}, "description": "The student model folder, zipped."}},
+    responses={
+        200: {
+            "content": {"application/zip": {"schema": {"type": "string", "format": "binary"}}},
+            "description": "The student model folder, zipped.",
+        },
+        **errors(*TENANT, 404),
+    },
     description="The checkpoint's student as a zip of its Hugging Face model folder (config, tokenizer, "
     "safetensors weights) under one top folder; `fine_tuned_model` names the final one.",
 )
@@ -201,12 +226,12 @@ def checkpoint_content(
     )
 
 
-@router.get("/{job_id}/metrics", response_model=MetricsPublic)
+@router.get("/{job_id}/metrics", response_model=MetricsPublic, responses=errors(*TENANT, 404))
 def job_metrics(job_id: str, session: SessionDep, tenant: TenantDep) -> MetricsPublic:
     return jobs.metrics(session, tenant.id, job_id)
 
 
-@router.get("/{job_id}/trajectories", response_model=TrajectoryList)
+@router.get("/{job_id}/trajectories", response_model=TrajectoryList, responses=errors(*TENANT, 404, 422))
 def job_trajectories(
     job_id: str, session: SessionDep, tenant: TenantDep, limit: Annotated[int, Query(ge=1, le=200)] = 16
 ) -> TrajectoryList:

@@ -5,24 +5,26 @@ from __future__ import annotations
 from fastapi import APIRouter, status
 
 from api.deps import AdminDep, AuthCacheDep, CallerDep, SessionDep
-from api.errors import ERROR_RESPONSES
+from api.errors import errors
 from api.schemas import Deleted, KeyCreate, KeyList, KeyPublic
 from api.services import keys
 
-router = APIRouter(prefix="/v1/keys", tags=["keys"], responses=ERROR_RESPONSES)
+router = APIRouter(prefix="/v1/keys", tags=["keys"])
 
 
-@router.post("", status_code=status.HTTP_201_CREATED, response_model=KeyPublic)
+@router.post(
+    "", status_code=status.HTTP_201_CREATED, response_model=KeyPublic, responses=errors(401, 403, 413, 422)
+)
 def create_key(body: KeyCreate, session: SessionDep, _admin: AdminDep) -> KeyPublic:
     return keys.create_key(session, body.tenant)
 
 
-@router.get("", response_model=KeyList)
+@router.get("", response_model=KeyList, responses=errors(401))
 def list_keys(session: SessionDep, caller: CallerDep) -> KeyList:
     return KeyList(data=keys.list_keys(session, None if caller is None else caller.id))
 
 
-@router.delete("/{key_id}", response_model=Deleted)
+@router.delete("/{key_id}", response_model=Deleted, responses=errors(401, 403, 404))
 def revoke_key(key_id: str, session: SessionDep, cache: AuthCacheDep, _admin: AdminDep) -> Deleted:
     keys.revoke_key(session, key_id)
     cache.clear()
