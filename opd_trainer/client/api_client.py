@@ -59,12 +59,24 @@ class OPDClient:
     """One server, one tenant key. Thread-safe as far as `httpx.Client` is."""
 
     def __init__(
-        self, base_url: str | None = None, api_key: str | None = None, timeout: float = 120.0
+        self,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        timeout: float = 120.0,
+        retries: int = 3,
+        transport: httpx.BaseTransport | None = None,
     ) -> None:
+        """`retries`: how often a request is sent again (backoff 0.5, 1, 2, 4 s..., or the server's
+        `Retry-After`) after a 503, a 429 that says when to come back (`Retry-After`), a 502 or 504, or
+        a connection failure; a request that changes something only when the server cannot have acted
+        on it (refused connection, 429, 503)."""
         self.base_url = (base_url or os.environ.get("OPD_BASE_URL") or DEFAULT_BASE_URL).rstrip("/")
         self.api_key = api_key if api_key is not None else os.environ.get("OPD_API_KEY")
+        self.retries = retries
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
+        self._http = httpx.Client(
+            base_url=self.base_url, headers=headers, timeout=timeout, transport=transport
+        )
 
     def close(self) -> None:
         self._http.close()
@@ -78,10 +90,31 @@ class OPDClient:
     # -- plumbing -------------------------------------------------------------------------------
 
     def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        response = self._http.request(method, path, **kwargs)
-        if response.status_code >= 400:
-            raise _api_error(response)
-        return response
+        idempotent = method in IDEMPOTENT_METHODS
+        for attempt in range(self.retries + 1):
+            last = attempt == self.retries
+            try:
+                response = self._http.request(method, path, **kwargs)
+            except (httpx.ConnectError, httpx.ConnectTimeout):
+                if last:
+                    raise
+                time.sleep(_backoff(attempt))
+                continue
+            except httpx.TransportError:  # sent, then lost: only a read may be repeated safely
+                if last or not idempotent:
+                    raise
+                time.sleep(_backoff(attempt))
+                continue
+            retry = response.status_code in (RETRY_ALWAYS if not idempotent else RETRY_IDEMPOTENT)
+            if response.status_code == 429 and _retry_after(response) is None:
+                retry = False  # a limit (e.g. the tenant's active jobs), not a request to slow down
+            if retry and not last:
+                time.sleep(_retry_after(response) or _backoff(attempt))
+                continue
+            if response.status_code >= 400:
+                raise _api_error(response)
+            return response
+        raise AssertionError("unreachable")
 
     def _json(self, method: str, path: str, **kwargs: Any) -> Any:
         return self._request(method, path, **kwargs).json()
@@ -364,6 +397,23 @@ class OPDClient:
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"job {job_id} still {job['status']} after {timeout_s}s")
             time.sleep(poll_s)
+
+
+IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "DELETE"})
+# Statuses after which the server has done nothing: any request may be sent again.
+RETRY_ALWAYS = frozenset({429, 503})
+# A gateway error may come after the server acted: only idempotent requests are sent again.
+RETRY_IDEMPOTENT = RETRY_ALWAYS | {502, 504}
+MAX_BACKOFF_S = 8.0
+
+
+def _backoff(attempt: int) -> float:
+    return float(min(MAX_BACKOFF_S, 0.5 * 2**attempt))
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    value = response.headers.get("Retry-After", "")
+    return min(float(value), 60.0) if value.replace(".", "", 1).isdigit() else None
 
 
 def _api_error(response: httpx.Response) -> OPDAPIError:
