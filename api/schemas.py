@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from opd_trainer.spec.job_spec import JobSpec
 from opd_trainer.spec.job_status import JobStatus
 
-FilePurpose = Literal["dataset", "workspace"]
+FilePurpose = Literal["dataset", "workspace", "model"]
 
 
 class _Public(BaseModel):
@@ -55,7 +55,10 @@ class FilePublic(_Public):
     object: Literal["file"] = Field(default="file", description="Always `file`.")
     id: str = Field(description="File id; jobs name datasets and workspaces by it.")
     filename: str = Field(description="The uploaded name, reduced to safe characters.")
-    purpose: FilePurpose = Field(description="`dataset` (JSONL, validated) or `workspace` (zip, extracted).")
+    purpose: FilePurpose = Field(
+        description="`dataset` (JSONL, validated), `workspace` (zip, extracted) or `model` (a zipped "
+        "Hugging Face model folder, extracted; a job's `model` / `teacher_model` may name it)."
+    )
     bytes: int = Field(description="Size of the upload.")
     created_at: int = Field(description="Upload time, Unix seconds.")
     samples: int | None = Field(default=None, description="Datasets: number of validated records.")

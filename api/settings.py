@@ -47,6 +47,10 @@ class Settings(BaseSettings):
     workspace_max_compression_ratio: float = Field(
         default=200.0, gt=1, description="Largest uncompressed/compressed ratio of one zip entry (zip bombs)."
     )
+    model_max_files: int = Field(default=10_000, ge=1, description="Most entries in an uploaded model zip.")
+    model_max_uncompressed_bytes: int = Field(
+        default=64 * 1024 * MIB, ge=1024, description="Largest total extracted size of an uploaded model zip."
+    )
     model_dirs: list[Path] = Field(
         default_factory=list,
         description="Operator-approved model folders (JSON list): a job's model and teacher_model must lie "
@@ -122,6 +126,10 @@ class Settings(BaseSettings):
     @property
     def workspaces_dir(self) -> Path:
         return self.data_dir / "workspaces"
+
+    @property
+    def uploaded_models_dir(self) -> Path:
+        return self.data_dir / "uploaded-models"
 
     @property
     def runs_dir(self) -> Path:

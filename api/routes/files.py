@@ -1,4 +1,4 @@
-"""Files: upload (multipart, purpose `dataset` or `workspace`), list, get, delete."""
+"""Files: upload (multipart, purpose `dataset`, `workspace` or `model`), list, get, delete."""
 
 from __future__ import annotations
 
@@ -21,9 +21,10 @@ router = APIRouter(prefix="/v1/files", tags=["files"])
     responses=errors(400, *TENANT, 413, 422),
 )
 def upload_file(
-    file: Annotated[UploadFile, File(description="A JSONL dataset or a zipped workspace.")],
+    file: Annotated[UploadFile, File(description="A JSONL dataset, a zipped workspace or a zipped model.")],
     purpose: Annotated[
-        FilePurpose, Form(description="`dataset` (JSONL, validated) or `workspace` (zip, extracted).")
+        FilePurpose,
+        Form(description="`dataset` (JSONL), `workspace` (zip) or `model` (zipped Hugging Face folder)."),
     ],
     session: SessionDep,
     settings: SettingsDep,

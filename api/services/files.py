@@ -1,4 +1,5 @@
-"""Uploaded files: datasets validated line by line, workspace zips checked before anything is extracted.
+"""Uploaded files: datasets validated line by line, workspace and model zips checked before anything
+is extracted (a model must hold one Hugging Face folder: `config.json` at its top or one folder down).
 
 A dataset is parsed with the engine's own `parse_jsonl`, so the server and `opd train` accept exactly
 the same records. A workspace zip is rejected, before a byte is extracted, for too many entries,
@@ -57,6 +58,8 @@ def upload(
         )
         if purpose == "dataset":
             record.samples = _validate_dataset(path)
+        elif purpose == "model":
+            record.extracted_dir = str(_extract_model(settings, path, file_id))
         else:
             record.extracted_dir = str(_extract_workspace(settings, path, file_id))
     except BaseException:
@@ -96,6 +99,34 @@ def _extract_workspace(settings: Settings, path: Path, file_id: str) -> Path:
     return target
 
 
+def _extract_model(settings: Settings, path: Path, file_id: str) -> Path:
+    """A zipped Hugging Face model folder (its files at the top, or under one folder), checked like a
+    workspace with the model limits, extracted; returns the folder holding `config.json`."""
+    try:
+        archive = zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, OSError):
+        raise ConfigError(f"{path.name}: a model must be a zip of its folder", field="file") from None
+    target = settings.uploaded_models_dir / file_id
+    with archive:
+        infos = check_zip(
+            archive,
+            max_files=settings.model_max_files,
+            max_uncompressed=settings.model_max_uncompressed_bytes,
+            max_ratio=settings.workspace_max_compression_ratio,
+        )
+        target.parent.mkdir(parents=True, exist_ok=True)
+        extract_zip(archive, infos, target)
+    configs = sorted(target.glob("config.json")) or sorted(target.glob("*/config.json"))
+    if len(configs) != 1:
+        shutil.rmtree(target, ignore_errors=True)
+        found = "no config.json" if not configs else "several model folders"
+        raise ConfigError(
+            f"{path.name}: not a Hugging Face model folder ({found} at its top or one folder down)",
+            field="file",
+        )
+    return configs[0].parent
+
+
 def get_owned(session: Session, tenant_id: str, file_id: str, param: str | None = None) -> File:
     record = session.get(File, file_id)
     if record is None or record.tenant_id != tenant_id:
@@ -124,4 +155,7 @@ def delete(session: Session, tenant_id: str, file_id: str) -> None:
     session.commit()
     shutil.rmtree(Path(record.path).parent, ignore_errors=True)
     if record.extracted_dir:
-        shutil.rmtree(record.extracted_dir, ignore_errors=True)
+        extracted = Path(record.extracted_dir)
+        # An uploaded model's folder may sit one level under its file id's folder: remove that.
+        root = next((p for p in (extracted, *extracted.parents) if p.name == record.id), extracted)
+        shutil.rmtree(root, ignore_errors=True)

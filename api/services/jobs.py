@@ -160,8 +160,8 @@ def check_model_access(session: Session, settings: Settings, tenant_id: str, spe
     roots = [*settings.approved_model_dirs, *(Path(run_dir) for run_dir in own_runs if run_dir)]
     for field in MODEL_FIELDS:
         value = getattr(spec, field)
-        if is_hub_id(value):
-            continue  # resolved from the server's hub cache only (`resolve_models`)
+        if is_hub_id(value) or value.startswith("file-"):
+            continue  # the hub cache, or the tenant's own upload (`resolve_models`)
         path = Path(value)
         # resolve() follows symlinks, so a link inside an approved folder cannot point out of it.
         if not (path.is_absolute() and any(path.resolve().is_relative_to(root.resolve()) for root in roots)):
@@ -175,11 +175,21 @@ def check_model_access(session: Session, settings: Settings, tenant_id: str, spe
             )
 
 
-def resolve_models(spec: JobSpec) -> JobSpec:
-    """Hugging Face ids replaced by their snapshot folders in the server's hub cache (never fetched)."""
-    return spec.model_copy(
-        update={field: local_model(getattr(spec, field), field, download=False) for field in MODEL_FIELDS}
-    )
+def resolve_models(session: Session, tenant_id: str, spec: JobSpec) -> tuple[JobSpec, list[File]]:
+    """Uploaded models (file ids) replaced by their extracted folders, Hugging Face ids by their
+    snapshot folders in the server's hub cache (never fetched); paths stay."""
+    updates: dict[str, str] = {}
+    used: list[File] = []
+    for field in MODEL_FIELDS:
+        value = getattr(spec, field)
+        if value.startswith("file-"):
+            record = _owned_file(session, tenant_id, value, "model", field)
+            assert record.extracted_dir is not None  # the upload extracted it
+            used.append(record)
+            updates[field] = record.extracted_dir
+        else:
+            updates[field] = local_model(value, field, download=False)
+    return spec.model_copy(update=updates), used
 
 
 def preflight(resolved: JobSpec) -> None:
@@ -209,7 +219,9 @@ def create(session: Session, settings: Settings, tenant_id: str, body: JobCreate
             f"tenant already has {active} unfinished jobs (limit {settings.tenant_max_active_jobs})",
         )
     check_model_access(session, settings, tenant_id, spec)
-    resolved, used = resolve_files(session, tenant_id, resolve_models(spec))
+    with_models, models_used = resolve_models(session, tenant_id, spec)
+    resolved, used = resolve_files(session, tenant_id, with_models)
+    used += models_used
     preflight(resolved)
     hp = spec.hyper_parameters
     samples = sum(f.samples or 0 for f in used if f.path in resolved.training_datasets)
@@ -237,7 +249,8 @@ def create(session: Session, settings: Settings, tenant_id: str, body: JobCreate
 
 def resolve_for_driver(session: Session, job: Job) -> JobSpec:
     """The spec a driver runs: stored ids resolved to today's server paths."""
-    resolved, _ = resolve_files(session, job.tenant_id, resolve_models(JobSpec.model_validate(job.spec)))
+    with_models, _ = resolve_models(session, job.tenant_id, JobSpec.model_validate(job.spec))
+    resolved, _ = resolve_files(session, job.tenant_id, with_models)
     return resolved
 
 

@@ -267,8 +267,8 @@ def _files_list(args: argparse.Namespace) -> int:
 
 def _files_upload(args: argparse.Namespace) -> int:
     path = Path(args.path)
-    if not path.is_file() and not (args.purpose == "workspace" and path.is_dir()):
-        kind = "a file or a workspace folder" if args.purpose == "workspace" else "a file"
+    if not path.is_file() and not (args.purpose in ("workspace", "model") and path.is_dir()):
+        kind = f"a file or a {args.purpose} folder" if args.purpose != "dataset" else "a file"
         raise ConfigError(f"{path} is not {kind}", field="path")
     uploaded = _client(args).upload_file(path, purpose=args.purpose)
     if not _json_out(args, uploaded):
@@ -408,14 +408,19 @@ def add_client_commands(commands: Any) -> None:
     files = commands.add_parser("files", help="uploaded datasets and workspaces")
     file_commands = files.add_subparsers(dest="files_command", required=True)
     listing = file_commands.add_parser("list", parents=[connection], help="your files")
-    listing.add_argument("--purpose", choices=("dataset", "workspace"), help="only this kind")
+    listing.add_argument("--purpose", choices=("dataset", "workspace", "model"), help="only this kind")
     listing.set_defaults(handler=_guarded(_files_list))
     upload = file_commands.add_parser(
-        "upload", parents=[connection], help="upload a file or workspace folder"
+        "upload", parents=[connection], help="upload a dataset, a workspace or a model"
     )
-    upload.add_argument("path", help="a JSONL dataset, or a workspace folder or .zip")
     upload.add_argument(
-        "--purpose", choices=("dataset", "workspace"), default="dataset", help="default dataset"
+        "path", help="a JSONL dataset, a workspace folder or .zip, or a Hugging Face model folder or .zip"
+    )
+    upload.add_argument(
+        "--purpose",
+        choices=("dataset", "workspace", "model"),
+        default="dataset",
+        help="default dataset; a model's file id can be a job's model or teacher_model",
     )
     upload.set_defaults(handler=_guarded(_files_upload))
     remove = file_commands.add_parser("delete", parents=[connection], help="delete a file")

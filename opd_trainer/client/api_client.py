@@ -139,11 +139,18 @@ class OPDClient:
     # -- files ----------------------------------------------------------------------------------
 
     def upload_file(self, path: str | Path, purpose: str = "dataset") -> dict[str, Any]:
+        """Uploads a dataset (JSONL), a workspace (folder or .zip) or a model (a Hugging Face model
+        folder or its .zip; a job's `model` / `teacher_model` may then name the file id)."""
         path = Path(path)
         if purpose == "workspace" and path.is_dir():
             return self.upload_bytes(
                 pack_workspace(path), f"{path.resolve().name or 'workspace'}.zip", purpose
             )
+        if purpose == "model" and path.is_dir():
+            with tempfile.TemporaryDirectory(prefix="opd-model-upload-") as scratch:
+                archive = Path(scratch) / f"{path.resolve().name or 'model'}.zip"
+                zip_folder(path, archive)  # on disk, stored: a model is not held in memory
+                return self.upload_file(archive, purpose)
         with path.open("rb") as handle:
             files = {"file": (path.name, handle)}
             return self._json("POST", "/v1/files", files=files, data={"purpose": purpose})
@@ -397,6 +404,14 @@ class OPDClient:
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"job {job_id} still {job['status']} after {timeout_s}s")
             time.sleep(poll_s)
+
+
+def zip_folder(folder: Path, archive: Path) -> None:
+    """`folder`'s files (links skipped) into a new zip at `archive`, stored, entries relative to it."""
+    with zipfile.ZipFile(archive, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as out:
+        for path in sorted(folder.rglob("*")):
+            if path.is_file() and not path.is_symlink():
+                out.write(path, path.relative_to(folder).as_posix())
 
 
 IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "DELETE"})

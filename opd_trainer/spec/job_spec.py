@@ -372,8 +372,9 @@ class JobSpec(_Strict):
     job_name: str = Field(min_length=1, max_length=128, description="Human-readable job name.")
     model: str = Field(
         min_length=1,
-        description="Student: a model folder, or a Hugging Face id (org/name[@revision]) resolved "
-        "through the hub cache (the job server uses only what its cache holds).",
+        description="Student: a model folder, a Hugging Face id (org/name[@revision]) resolved "
+        "through the hub cache (the job server uses only what its cache holds), or on the job server "
+        "the file id of an uploaded model (purpose `model`).",
     )
     teacher_model: str = Field(
         min_length=1,

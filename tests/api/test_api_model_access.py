@@ -63,3 +63,35 @@ def test_a_hugging_face_id_resolves_through_the_servers_hub_cache(tenant: Tenant
     missing = _submit(tenant, teacher_model="tiny-org/not-in-the-cache")
     assert (missing["status"], missing["param"]) == (400, "teacher_model")
     assert "not in the server's Hugging Face cache" in missing["message"]
+
+
+def test_an_uploaded_model_can_be_a_jobs_model_for_its_tenant_only(
+    tenant: Tenant, other_tenant: Tenant, tmp_path: Path
+) -> None:
+    """A Hugging Face folder uploaded with purpose `model` (the client zips it, stored, on disk) is
+    checked, extracted, and named by its file id; it stays while a job uses it."""
+    import io
+    import zipfile
+
+    model = tenant.client.upload_file(tenant.models["student"], purpose="model")
+    assert model["purpose"] == "model"
+    dataset = tenant.upload(jsonl([record()]))
+    response = tenant.http.post("/v1/opd/jobs", json=tenant.spec(dataset["id"], model=model["id"]))
+    assert response.status_code == 201, response.text
+    assert response.json()["spec"]["model"] == model["id"]
+    in_use = tenant.http.delete(f"/v1/files/{model['id']}")
+    assert in_use.status_code == 409 and in_use.json()["error"]["code"] == "file_in_use"
+
+    stolen = _submit(other_tenant, model=model["id"])
+    assert (stolen["status"], stolen["param"]) == (404, "model")
+    wrong_kind = _submit(tenant, teacher_model=dataset["id"])
+    assert (wrong_kind["status"], wrong_kind["code"]) == (400, "wrong_file_purpose")
+
+    no_config = io.BytesIO()
+    with zipfile.ZipFile(no_config, "w") as archive:
+        archive.writestr("weights/model.safetensors", b"x" * 16)
+    refused = tenant.http.post(
+        "/v1/files", files={"file": ("m.zip", no_config.getvalue())}, data={"purpose": "model"}
+    )
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "file"
+    assert "not a Hugging Face model folder" in refused.json()["error"]["message"]
