@@ -81,41 +81,47 @@ def _validate_dataset(path: Path) -> int:
         raise ConfigError(exc.message, field="file") from None
 
 
-def _extract_workspace(settings: Settings, path: Path, file_id: str) -> Path:
+def _extract(
+    path: Path, target: Path, what: str, max_files: int, max_uncompressed: int, max_ratio: float
+) -> None:
+    """Checks the zip at `path` (`check_zip`) and extracts it into the new folder `target`."""
     try:
         archive = zipfile.ZipFile(path)
     except (zipfile.BadZipFile, OSError):
-        raise ConfigError(f"{path.name}: a workspace must be a zip archive", field="file") from None
+        raise ConfigError(f"{path.name}: a {what} must be a zip archive", field="file") from None
     with archive:
         infos = check_zip(
-            archive,
-            max_files=settings.workspace_max_files,
-            max_uncompressed=settings.workspace_max_uncompressed_bytes,
-            max_ratio=settings.workspace_max_compression_ratio,
+            archive, max_files=max_files, max_uncompressed=max_uncompressed, max_ratio=max_ratio
         )
-        target = settings.workspaces_dir / file_id
         target.parent.mkdir(parents=True, exist_ok=True)
         extract_zip(archive, infos, target)
+
+
+def _extract_workspace(settings: Settings, path: Path, file_id: str) -> Path:
+    target = settings.workspaces_dir / file_id
+    _extract(
+        path,
+        target,
+        "workspace",
+        settings.workspace_max_files,
+        settings.workspace_max_uncompressed_bytes,
+        settings.workspace_max_compression_ratio,
+    )
     return target
 
 
 def _extract_model(settings: Settings, path: Path, file_id: str) -> Path:
     """A zipped Hugging Face model folder (its files at the top, or under one folder), checked like a
     workspace with the model limits, extracted; returns the folder holding `config.json`."""
-    try:
-        archive = zipfile.ZipFile(path)
-    except (zipfile.BadZipFile, OSError):
-        raise ConfigError(f"{path.name}: a model must be a zip of its folder", field="file") from None
     target = settings.uploaded_models_dir / file_id
-    with archive:
-        infos = check_zip(
-            archive,
-            max_files=settings.model_max_files,
-            max_uncompressed=settings.model_max_uncompressed_bytes,
-            max_ratio=settings.workspace_max_compression_ratio,
-        )
-        target.parent.mkdir(parents=True, exist_ok=True)
-        extract_zip(archive, infos, target)
+    _extract(
+        path,
+        target,
+        "model",
+        settings.model_max_files,
+        settings.model_max_uncompressed_bytes,
+        settings.workspace_max_compression_ratio,
+    )
     configs = sorted(target.glob("config.json")) or sorted(target.glob("*/config.json"))
     if len(configs) != 1:
         shutil.rmtree(target, ignore_errors=True)

@@ -136,7 +136,7 @@ CASES = [
     Case("jsonl: unknown record field", upload(jsonl([record(answer="x")])), 400, "file", "unknown field"),
     Case("jsonl: not UTF-8", upload(b"\xff\xfe\x00"), 400, "file", "UTF-8"),
     Case("jsonl: empty", upload(b"\n\n"), 400, "file", "no records"),
-    Case("upload: unknown purpose", upload(b"x", purpose="model"), 422, "purpose"),
+    Case("upload: unknown purpose", upload(b"x", purpose="weights"), 422, "purpose"),
     Case(
         "upload: no file part",
         lambda t, _o: t.http.post("/v1/files", data={"purpose": "dataset"}),
