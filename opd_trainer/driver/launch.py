@@ -9,6 +9,7 @@ no class. This module imports nothing but Ray.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import ray
@@ -25,9 +26,20 @@ def _create_driver(
     ).remote(spec, run_dir, job_id, storage_token)
 
 
+NAME_LOOKUP_S = 30.0
+
+
 def launch_driver(
     spec: Any, run_dir: str, job_id: str, storage_token: str | None, name: str, namespace: str
 ) -> Any:
     """A new detached driver actor named `name` in `namespace`; returns its handle."""
     ray.get(_create_driver.remote(spec, run_dir, job_id, storage_token, name, namespace))
-    return ray.get_actor(name, namespace=namespace)
+    # Ray may register a new actor's name a moment after `.remote()` returned in the task.
+    deadline = time.monotonic() + NAME_LOOKUP_S
+    while True:
+        try:
+            return ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
