@@ -33,8 +33,8 @@ from api.schemas import (
     TrajectoryList,
 )
 from api.services import jobs
-from api.services.archive import stream_zip
 from api.services.states import TERMINAL
+from opd_trainer.folder_zip import stream_zip
 from opd_trainer.spec.job_status import JobStatus
 
 router = APIRouter(prefix="/v1/opd/jobs", tags=["jobs"])

@@ -27,6 +27,7 @@ from httpx_sse import connect_sse
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exponential
 
 from opd_trainer.errors import ConfigError, OPDError
+from opd_trainer.folder_zip import stream_zip
 from opd_trainer.spec.job_spec import JobSpec, parse_job_spec, resolve_paths
 from opd_trainer.spec.job_status import TERMINAL
 from opd_trainer.workers.workspace import check_zip, extract_zip, pack_workspace
@@ -148,8 +149,11 @@ class OPDClient:
             )
         if purpose == "model" and path.is_dir():
             with tempfile.TemporaryDirectory(prefix="opd-model-upload-") as scratch:
-                archive = Path(scratch) / f"{path.resolve().name or 'model'}.zip"
-                zip_folder(path, archive)  # on disk, stored: a model is not held in memory
+                name = path.resolve().name or "model"
+                archive = Path(scratch) / f"{name}.zip"
+                with archive.open("wb") as sink:  # on disk, stored: a model is not held in memory
+                    for chunk in stream_zip(path, name):
+                        sink.write(chunk)
                 return self.upload_file(archive, purpose)
         with path.open("rb") as handle:
             files = {"file": (path.name, handle)}
@@ -404,14 +408,6 @@ class OPDClient:
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"job {job_id} still {job['status']} after {timeout_s}s")
             time.sleep(poll_s)
-
-
-def zip_folder(folder: Path, archive: Path) -> None:
-    """`folder`'s files (links skipped) into a new zip at `archive`, stored, entries relative to it."""
-    with zipfile.ZipFile(archive, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as out:
-        for path in sorted(folder.rglob("*")):
-            if path.is_file() and not path.is_symlink():
-                out.write(path, path.relative_to(folder).as_posix())
 
 
 IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "DELETE"})

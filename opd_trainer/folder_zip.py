@@ -1,5 +1,5 @@
-"""A folder streamed as a zip archive, written as it is sent: a multi-GB model is never held in
-memory nor copied to disk first.
+"""A folder as a zip archive, produced chunk by chunk: the server streams a checkpoint's model with
+it and the client writes a model folder to a file with it, so a multi-GB model is never held in memory.
 
 Entries are stored (not deflated: safetensors weights do not compress) with ZIP64 sizes, so any
 model size works; `zipfile` writes each entry's sizes after its data when the output cannot seek.
