@@ -6,8 +6,9 @@ segment building, bookkeeping) is reported as a percentage of the step (target <
 Rollout time includes the reward components (they run inside each rollout's task).
 
 Also the learner against the physical limit: its matmul FLOP rate (training = 3 × forward; forward =
-2·params + 2·layers·context·hidden per token, the LM head only on scored tokens) over the measured
-matmul FLOP rate of the learner's device (CPU: fp32 on all cores; CUDA: bf16), as a fraction.
+2·params per forwarded token + 4·hidden per attended key per layer, the LM head only on scored tokens)
+over the measured matmul FLOP rate of the learner's device (CPU: fp32 on all cores; CUDA: bf16), as a
+fraction. Forwarded tokens count shared prompt prefixes once, as the learner runs them.
 
 Launch: `.venv/bin/python benchmarks/step_breakdown.py --steps 6` (after `opd make-tiny-models`).
 """
@@ -42,18 +43,18 @@ def matmul_flops_per_s(device: str, size: int = 2048, repeats: int = 20) -> floa
     return 2 * size**3 * repeats / (time.perf_counter() - started)
 
 
-def training_flops(model_dir: Path, tokens: float, scored: float, context: float) -> float:
-    """Matmul FLOPs of forward + backward (3x forward) over `tokens`, with the LM head on `scored` only.
-
-    The learner computes logits only where tokens are scored (completions), so the head counts there.
-    """
+def training_flops(model_dir: Path, tokens: float, scored: float, attended_keys: float) -> float:
+    """Matmul FLOPs of forward + backward (3x forward) over `tokens` forwarded, whose queries read
+    `attended_keys` keys in all, with the LM head on `scored` only (the learner computes logits only
+    where tokens are scored: completions)."""
     config = json.loads((model_dir / "config.json").read_text())
     hidden, layers = config["hidden_size"], config["num_hidden_layers"]
     inter, vocab = config["intermediate_size"], config["vocab_size"]
     kv = config["num_key_value_heads"] * hidden // config["num_attention_heads"]
-    # Matmul weights only (norms and biases are noise); attention scores and values: 2·layers·context·hidden.
+    # Matmul weights only (norms and biases are noise); per attended key, scores and values: 2 × 2·hidden.
     body = layers * (2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * inter)
-    return 3 * (tokens * (2 * body + 2 * layers * context * hidden) + scored * 2 * hidden * vocab)
+    attention = layers * 4 * hidden * attended_keys
+    return 3 * (tokens * 2 * body + attention + scored * 2 * hidden * vocab)
 
 
 def run(job_file: Path, steps: int) -> dict[str, Any]:
@@ -78,14 +79,16 @@ def run(job_file: Path, steps: int) -> dict[str, Any]:
 
 
 def learner_roofline(spec: Any, measured: list[dict[str, Any]], roof: float) -> dict[str, float]:
-    tokens = sum(r["learner_tokens"] for r in measured)
-    context = tokens / sum(r["segments"] for r in measured)  # mean prompt + completion length
-    tokens_per_s = tokens / sum(r["time/learner_s"] for r in measured)  # prompt + completion tokens
+    tokens = sum(r["learner_tokens"] for r in measured)  # forwarded (shared prefixes once)
+    keys = sum(r["learner_attended_keys"] for r in measured)
+    tokens_per_s = tokens / sum(r["time/learner_s"] for r in measured)
     scored = sum(r["trained_tokens"] for r in measured)
     learner_s = sum(r["time/learner_s"] for r in measured)
-    flops = training_flops(Path(spec.model), tokens, scored, context) / learner_s
+    flops = training_flops(Path(spec.model), tokens, scored, keys) / learner_s
     return {
         "learner_tokens_per_s": tokens_per_s,
+        "learner_seconds_per_step": learner_s / len(measured),
+        "learner_tokens_per_step": tokens / len(measured),
         "learner_flops_per_s": flops,
         "matmul_flops_per_s": roof,
         "learner_fraction_of_matmul_limit": flops / roof,
@@ -104,7 +107,9 @@ def format_table(result: dict[str, Any]) -> str:
         f"trained tokens/s: {result['tokens_per_s']:.0f} (median of {result['steps_measured']} steps)"
     )
     lines.append(
-        f"learner: {result['learner_tokens_per_s']:.0f} tokens/s = {result['learner_flops_per_s'] / 1e9:.2f} "
+        f"learner: {result['learner_seconds_per_step']:.2f} s and {result['learner_tokens_per_step']:.0f} "
+        f"forwarded tokens a step, {result['learner_tokens_per_s']:.0f} tokens/s = "
+        f"{result['learner_flops_per_s'] / 1e9:.2f} "
         f"GFLOP/s, {result['learner_fraction_of_matmul_limit']:.1%} of the measured matmul rate "
         f"({result['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s)"
     )

@@ -26,6 +26,13 @@ from opd_trainer.engine.weight_sync import (
     write_shared_memory_weights,
 )
 from opd_trainer.errors import WeightSyncError
+from opd_trainer.learner.shared_prefix import (
+    PrefixPlan,
+    causal_keys,
+    plan_prefixes,
+    scatter_row_logits,
+    shared_prefix_logits,
+)
 from opd_trainer.placement import gang, in_gang, placed
 from opd_trainer.ports import free_port
 from opd_trainer.records import LLMCall
@@ -145,6 +152,20 @@ def distillation_loss(
         loss = policy + settings.kl_coef * divergence
         signal_B_T = full_width(per_token_B_S)
     return loss, {**stats, **extra, "signal_std": opd_loss.signal_std(signal_B_T.detach(), mask_B_T)}
+
+
+def prefix_plan(batch: dict[str, torch.Tensor]) -> PrefixPlan | None:
+    """The shared-prefix forward's plan of a `Learner._pad` batch (its rows' prompts and completions)."""
+    prompts, completions = [], []
+    for ids, prompt_length, length in zip(
+        batch["input_ids_B_T"].tolist(),
+        batch["prompt_lengths_B"].tolist(),
+        batch["lengths_B"].tolist(),
+        strict=True,
+    ):
+        prompts.append(ids[:prompt_length])
+        completions.append(ids[prompt_length:length])
+    return plan_prefixes(prompts, completions)
 
 
 # Our `lr_scheduler_type` names → transformers' schedules (linear warm-up from 0 in each).
@@ -288,6 +309,9 @@ class Learner:
             "mask_B_T": mask.to(device),
             "sampler_B_T": sampler.to(device),
             "teacher_B_T": teacher.to(device),
+            # Kept on the CPU: `_scored_logits` plans the shared-prefix forward from them.
+            "prompt_lengths_B": torch.tensor([len(s.prompt_token_ids) for s in segments]),
+            "lengths_B": torch.tensor(lengths),
         }
         if segments[0].teacher_top_ids is not None:
             batch.update(self._pad_top_k(segments, width - 1))
@@ -318,15 +342,23 @@ class Learner:
         }
 
     def _scored_logits(self, model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """float32 logits [B, S, V] of the positions from `first_scored_position` on (S = T − that)."""
-        # Logits only from the first completion-predicting position on: prompts are ~95 % of a tiny
-        # model's tokens, and their LM head + log-softmax was wasted work (prompt positions carry no loss).
-        ids_B_T = batch["input_ids_B_T"]
+        """float32 logits [B, S, V] of the positions from `first_scored_position` on (S = T − 1 − that).
+
+        Shared prompt prefixes are forwarded once (`learner/shared_prefix.py`): prompts are ~95 % of a
+        tiny model's tokens and mostly shared (one prompt per `n_rollouts` completions, one system
+        preamble per batch). Logits are computed only where a completion token is predicted.
+        """
         first = int(batch["first_scored_position"])
-        logits = model(
-            input_ids=ids_B_T, attention_mask=batch["attention_B_T"], logits_to_keep=ids_B_T.shape[1] - first
-        ).logits
-        return logits[:, :-1].float()
+        width = batch["input_ids_B_T"].shape[1] - 1 - first
+        plan = prefix_plan(batch)
+        if plan is None:
+            ids_B_T = batch["input_ids_B_T"]
+            logits = model(
+                input_ids=ids_B_T, attention_mask=batch["attention_B_T"], logits_to_keep=width + 1
+            ).logits
+            return logits[:, :-1].float()
+        row_logits = shared_prefix_logits(model, plan, self._device)
+        return scatter_row_logits(row_logits, plan, first, width).float()
 
     def _logprobs_of_targets(
         self, logits_B_S_V: torch.Tensor, batch: dict[str, torch.Tensor]
@@ -380,10 +412,18 @@ class Learner:
             raise ValueError("train_step needs non-empty mini-batches")
         totals: dict[str, float] = {}
         ratio_max = 0.0
+        forwarded = attended = 0
         grad_norms: list[float] = []
         for index, minibatch in enumerate(minibatches):
             num_tokens = None if minibatch_tokens is None else minibatch_tokens[index] / self.world_size
             batch = self._pad(minibatch)
+            plan = prefix_plan(batch)
+            if plan is None:
+                forwarded += int(batch["lengths_B"].sum())
+                attended += sum(causal_keys(0, length) for length in batch["lengths_B"].tolist())
+            else:
+                forwarded += plan.forwarded_tokens
+                attended += plan.attended_keys
             rewards_B = torch.tensor([s.reward for s in minibatch], device=self._device)
             reward_adv_B = opd_loss.group_reward_advantages(
                 rewards_B,
@@ -432,10 +472,9 @@ class Learner:
         metrics["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
         metrics["lr"] = float(self._engine.get_lr()[0])
         metrics["optimizer_updates"] = float(len(minibatches))
-        # Prompt + completion tokens forwarded and back-propagated: the learner's work (FLOPs ∝ this).
-        metrics["learner_tokens"] = float(
-            sum(len(s.prompt_token_ids) + len(s.completion_token_ids) for mb in minibatches for s in mb)
-        )
+        # Tokens forwarded and back-propagated (shared prefixes once): the learner's work, FLOPs ∝ this.
+        metrics["learner_tokens"] = float(forwarded)
+        metrics["learner_attended_keys"] = float(attended)
         return metrics
 
     # -- weights and checkpoints ----------------------------------------------------------------
@@ -514,7 +553,7 @@ class Learner:
 # loss terms by the mini-batch's tokens over the ranks and weights its per-token statistics by its
 # share of those tokens, so the plain mean over ranks is the whole mini-batch's value (`signal_std`,
 # a spread, is combined the same way: an approximation); counts add up.
-SUMMED_METRICS = frozenset({"learner_tokens"})
+SUMMED_METRICS = frozenset({"learner_tokens", "learner_attended_keys"})
 MAXED_METRICS = frozenset({"ratio_max"})
 SHARED_METRICS = frozenset({"grad_norm", "lr", "optimizer_updates"})  # equal on every rank
 

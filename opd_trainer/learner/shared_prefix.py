@@ -1,0 +1,163 @@
+"""The learner's forward with shared prompt prefixes computed once (issue 16).
+
+A mini-batch's rows are (prompt + completion) sequences. Completions of one prompt (`n_rollouts`) share
+the whole prompt, and prompts often share a long system / tools preamble. A plain padded forward runs
+every row's prompt through the model again; here the forward is a two-level prefix tree:
+
+1. **shared**: the tokens every row starts with, forwarded once (batch 1);
+2. **group**: rows whose prompts are equal up to their last token form a group; each group's prompt
+   after the shared part is forwarded once (batch = groups, right-padded), attending to (1) through
+   its key/value cache expanded to the groups;
+3. **row**: each row's last prompt token and its completion (batch = rows, right-padded), attending to
+   its group's cache.
+
+Only level 3 computes logits, exactly at the positions that predict completion tokens. The caches keep
+their autograd graph, so gradients reach levels 1 and 2 summed over the rows that read them: loss and
+gradients equal the plain forward's within float tolerance (tests/unit/test_shared_prefix.py), while the
+learner's work grows with completion tokens instead of `rows × prompt length`.
+
+Positions are passed explicitly (rotary embeddings see each token's true position) and the key mask
+hides the padding inside the cache, so any Hugging Face causal LM that takes `past_key_values`,
+`position_ids` and a 2-D `attention_mask` over past + new keys runs it unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class PrefixPlan:
+    """How one batch's rows are forwarded; built from token ids alone (`plan_prefixes`)."""
+
+    shared_ids: list[int]
+    """Level 1: the tokens every row starts with."""
+    group_ids: list[list[int]]
+    """Level 2, per group: its prompt (minus the last token) after the shared tokens."""
+    group_of_row: list[int]
+    row_ids: list[list[int]]
+    """Level 3, per row: its last prompt token and every completion token but the last."""
+    row_start: list[int]
+    """Position in the row's sequence of `row_ids[row][0]` (its prompt length − 1)."""
+
+    @property
+    def forwarded_tokens(self) -> int:
+        """Tokens the model runs (padding excluded): the learner's work, FLOPs ∝ this."""
+        return len(self.shared_ids) + sum(map(len, self.group_ids)) + sum(map(len, self.row_ids))
+
+    @property
+    def attended_keys(self) -> int:
+        """Σ over forwarded tokens of the keys each attends to (itself and every earlier position):
+        the attention's work, as `forwarded_tokens` is the weights'."""
+        shared = len(self.shared_ids)
+        keys = causal_keys(0, shared) + sum(causal_keys(shared, len(group)) for group in self.group_ids)
+        return keys + sum(
+            causal_keys(start, len(row)) for start, row in zip(self.row_start, self.row_ids, strict=True)
+        )
+
+
+def causal_keys(start: int, length: int) -> int:
+    """Σ of (position + 1) over `length` tokens from position `start`: keys a causal forward reads."""
+    return length * start + length * (length + 1) // 2
+
+
+def _common_prefix_length(sequences: list[list[int]]) -> int:
+    shortest = min(map(len, sequences))
+    for position in range(shortest):
+        token = sequences[0][position]
+        if any(sequence[position] != token for sequence in sequences):
+            return position
+    return shortest
+
+
+def plan_prefixes(prompts: list[list[int]], completions: list[list[int]]) -> PrefixPlan | None:
+    """The prefix tree of a batch, or None where it cannot help (a one-token prompt: no prefix)."""
+    if not prompts or min(map(len, prompts)) < 2:
+        return None
+    keys: dict[tuple[int, ...], int] = {}
+    group_of_row = [keys.setdefault(tuple(prompt[:-1]), len(keys)) for prompt in prompts]
+    group_keys = [list(key) for key in keys]
+    shared = _common_prefix_length(group_keys)
+    return PrefixPlan(
+        shared_ids=group_keys[0][:shared],
+        group_ids=[key[shared:] for key in group_keys],
+        group_of_row=group_of_row,
+        # A row with no completion still forwards its last prompt token (an unread position).
+        row_ids=[
+            prompt[-1:] + completion[:-1] for prompt, completion in zip(prompts, completions, strict=True)
+        ],
+        row_start=[len(prompt) - 1 for prompt in prompts],
+    )
+
+
+def _right_padded(rows: list[list[int]], device: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [N, W] and 0/1 key mask [N, W] of token lists padded on the right with 0."""
+    import torch
+
+    width = max(map(len, rows))
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for index, row in enumerate(rows):
+        ids[index, : len(row)] = torch.tensor(row, dtype=torch.long)
+        mask[index, : len(row)] = 1
+    return ids.to(device), mask.to(device)
+
+
+def shared_prefix_logits(model: Any, plan: PrefixPlan, device: Any) -> torch.Tensor:
+    """Logits [rows, W, V] of level 3: `[row, j]` predicts completion token j of that row."""
+    import torch
+
+    cache = None
+    key_mask_parts: list[torch.Tensor] = []
+    n_groups = len(plan.group_ids)
+    if plan.shared_ids:
+        ids = torch.tensor([plan.shared_ids], dtype=torch.long, device=device)
+        cache = model(input_ids=ids, use_cache=True, logits_to_keep=1).past_key_values
+        # Indexing is differentiable: the copies' gradients add up in the prefix's graph.
+        cache.batch_select_indices(torch.zeros(n_groups, dtype=torch.long, device=device))
+        key_mask_parts.append(torch.ones(n_groups, len(plan.shared_ids), dtype=torch.long, device=device))
+    if any(plan.group_ids):
+        ids, mask = _right_padded(plan.group_ids, device)
+        positions = len(plan.shared_ids) + torch.arange(ids.shape[1], device=device).expand_as(ids)
+        key_mask_parts.append(mask)
+        cache = model(
+            input_ids=ids,
+            attention_mask=torch.cat(key_mask_parts, dim=1),
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).past_key_values
+    row_index = torch.tensor(plan.group_of_row, dtype=torch.long, device=device)
+    if cache is not None:
+        cache.batch_select_indices(row_index)
+    key_mask = [part.index_select(0, row_index) for part in key_mask_parts]
+    ids, mask = _right_padded(plan.row_ids, device)
+    starts = torch.tensor(plan.row_start, dtype=torch.long, device=device)
+    positions = starts[:, None] + torch.arange(ids.shape[1], device=device)
+    return model(
+        input_ids=ids,
+        attention_mask=torch.cat([*key_mask, mask], dim=1),
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=cache is not None,
+    ).logits
+
+
+def scatter_row_logits(
+    row_logits_N_W_V: torch.Tensor, plan: PrefixPlan, first: int, width: int
+) -> torch.Tensor:
+    """Level-3 logits placed at their sequence positions: [rows, width, V] from position `first` on
+    (zeros where a row has none: prompt positions and padding, which the loss never reads)."""
+    import torch
+
+    rows = []
+    for row, start in enumerate(plan.row_start):
+        n = min(len(plan.row_ids[row]), width - (start - first))
+        logits = row_logits_N_W_V[row, :n]
+        rows.append(torch.nn.functional.pad(logits, (0, 0, start - first, width - (start - first) - n)))
+    return torch.stack(rows)

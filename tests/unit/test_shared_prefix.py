@@ -1,0 +1,145 @@
+"""The shared-prefix forward (learner/shared_prefix.py) equals the plain padded forward.
+
+A tiny random Qwen2 model (transformers, no DeepSpeed): logits at every scored position and the
+parameter gradients of a loss over them match the per-row forward's within float tolerance.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from opd_trainer.learner.deepspeed_learner import Learner, LearnerSettings, prefix_plan
+from opd_trainer.learner.shared_prefix import plan_prefixes
+from opd_trainer.records import LLMCall
+
+SETTINGS = LearnerSettings(
+    model_path="unused",
+    learning_rate=1e-4,
+    lr_scheduler_type="constant",
+    warmup_ratio=0.0,
+    weight_decay=0.0,
+    max_grad_norm=1.0,
+    total_updates=1,
+    temperature=1.0,
+    kl_coef=1.0,
+    kl_loss_coef=0.0,
+    reward_coef=0.0,
+    normalize_reward_by_std=False,
+    ratio_cap=2.0,
+    zero_stage=0,
+    seed=0,
+    distill_loss="sampled",
+    jsd_beta=0.5,
+)
+VOCAB = 50
+
+
+def _model() -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        attn_implementation="sdpa",
+    )
+    return Qwen2ForCausalLM(config).float()
+
+
+def _call(prompt: list[int], completion: list[int], group: int = 0) -> LLMCall:
+    return LLMCall(
+        prompt_token_ids=prompt,
+        completion_token_ids=completion,
+        sampler_logprobs=[-1.0] * len(completion),
+        teacher_logprobs=[-1.0] * len(completion),
+        group_id=group,
+        rollout_id=0,
+    )
+
+
+def _batches() -> dict[str, list[LLMCall]]:
+    generator = torch.Generator().manual_seed(3)
+
+    def tokens(length: int) -> list[int]:
+        return torch.randint(1, VOCAB, (length,), generator=generator).tolist()
+
+    system = tokens(17)
+    questions = [tokens(length) for length in (5, 9, 2)]
+    return {
+        # A system preamble shared by every prompt, several completions per prompt, ragged lengths.
+        "preamble_and_groups": [
+            _call(system + q, tokens(c), g) for g, q in enumerate(questions) for c in (1, 4, 7)
+        ],
+        # Prompts that share nothing: level 1 empty, every group its own prompt.
+        "no_common_prefix": [
+            _call(tokens(6), tokens(3)),
+            _call(tokens(11), tokens(5)),
+            _call(tokens(3), tokens(2)),
+        ],
+        # One prompt, its completions: level 2 empty.
+        "one_prompt": [_call(system, tokens(c)) for c in (2, 6, 3)],
+        # One prompt extends another (a multi-turn history and its earlier turn).
+        "nested_prompts": [_call(system, tokens(4)), _call(system + questions[0], tokens(3))],
+    }
+
+
+def _plain_logits(learner: Learner, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    first = int(batch["first_scored_position"])
+    ids = batch["input_ids_B_T"]
+    logits = model(
+        input_ids=ids, attention_mask=batch["attention_B_T"], logits_to_keep=ids.shape[1] - first
+    ).logits
+    return logits[:, :-1].float()
+
+
+@pytest.mark.parametrize("case", list(_batches()))
+def test_shared_prefix_forward_equals_the_plain_forward_in_logits_and_gradients(case: str) -> None:
+    model = _model()
+    learner = Learner(SETTINGS)
+    learner._device = torch.device("cpu")
+    batch = learner._pad(_batches()[case])
+    assert prefix_plan(batch) is not None
+    mask = batch["mask_B_T"][:, int(batch["first_scored_position"]) :]
+
+    def loss_and_grads(logits_B_S_V: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad()
+        logprobs = torch.log_softmax(logits_B_S_V, dim=-1)
+        weights = torch.linspace(0.1, 1.0, VOCAB)
+        loss = ((logprobs * weights).sum(-1) * mask).sum() / mask.sum()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    plain = _plain_logits(learner, model, batch)
+    shared = learner._scored_logits(model, batch)
+    assert shared.shape == plain.shape
+    scored = mask.bool()
+    torch.testing.assert_close(shared[scored], plain[scored], rtol=1e-4, atol=1e-4)
+    plain_loss, plain_grads = loss_and_grads(_plain_logits(learner, model, batch))
+    shared_loss, shared_grads = loss_and_grads(learner._scored_logits(model, batch))
+    torch.testing.assert_close(shared_loss, plain_loss, rtol=1e-5, atol=1e-5)
+    for (name, _), want, got in zip(model.named_parameters(), plain_grads, shared_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5, msg=name)
+
+
+def test_plan_forwards_each_shared_prefix_once() -> None:
+    system, question_a, question_b = [1] * 100, [2, 3, 4], [5, 6]
+    prompts = [system + question_a] * 4 + [system + question_b] * 4
+    completions = [[7] * 10] * 8
+    plan = plan_prefixes(prompts, completions)
+    assert plan is not None
+    assert plan.shared_ids == system
+    assert plan.group_ids == [question_a[:-1], question_b[:-1]]
+    assert plan.group_of_row == [0] * 4 + [1] * 4
+    assert plan.row_start == [102] * 4 + [101] * 4
+    # 100 + (2 + 1) + 8 × 10 tokens instead of 8 × 112.
+    assert plan.forwarded_tokens == 183
+
+
+def test_a_one_token_prompt_takes_the_plain_forward() -> None:
+    assert plan_prefixes([[4], [4, 5]], [[1], [2]]) is None
