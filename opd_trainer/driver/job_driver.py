@@ -57,7 +57,7 @@ from opd_trainer.workers.sandbox import unconfined_reason
 
 @dataclasses.dataclass
 class NextStep:
-    """A step's rollouts started early (`max_staleness >= 1`): sampling, then the teacher's scores."""
+    """A step's rollouts under way (early with `max_staleness >= 1`) and the teacher's scores of them."""
 
     cursor: dict[str, Any]  # the data cursor before this step's batch was taken
     rollouts: asyncio.Task[list[RolloutResult]]
@@ -445,20 +445,45 @@ class JobDriver:
         samples = [self.train_samples[i] for i in self.cursor.next_batch(hp.batch_size)]
         return samples, [request_seed(hp.seed, step, index) for index in range(len(samples) * hp.n_rollouts)]
 
-    def _start_next_step(self, step: int) -> NextStep:
-        """Samples step `step`'s rollouts now, with the weights the engines hold; the teacher scores
-        them as soon as they are done. The cursor state before the batch is kept for checkpoints."""
+    def _sample_and_score(
+        self, samples: list[Sample], step: int, seeds: list[int]
+    ) -> tuple[asyncio.Task[list[RolloutResult]], asyncio.Task[list[LLMCall]]]:
+        """Starts a batch's rollouts; the teacher scores each rollout as soon as it ends, not when
+        the whole batch ends. Returns the rollouts' task and the scored segments' (rollout order)."""
         assert self._runner is not None
-        cursor = self.cursor.state()
-        samples, seeds = self._next_batch(step)
+        scoring: dict[int, asyncio.Task[list[LLMCall]]] = {}
+
+        def score(result: RolloutResult) -> None:
+            if not result.failed:
+                scoring[id(result)] = asyncio.create_task(self._segments([result]))
+
         rollouts = asyncio.create_task(
-            self._runner.run(samples, self.spec.hyper_parameters.n_rollouts, step, seeds)
+            self._runner.run(samples, self.spec.hyper_parameters.n_rollouts, step, seeds, on_result=score)
         )
 
         async def scored() -> list[LLMCall]:
-            return await self._segments(await rollouts)
+            try:
+                results = await rollouts
+            finally:
+                if not rollouts.done() or rollouts.cancelled() or rollouts.exception() is not None:
+                    for task in scoring.values():
+                        task.cancel()
+            parts = await asyncio.gather(
+                *(scoring[id(r)] for r in results if id(r) in scoring), return_exceptions=True
+            )
+            for part in parts:
+                if isinstance(part, BaseException):
+                    raise part
+            return [segment for part in parts for segment in part]  # type: ignore[union-attr]
 
-        return NextStep(cursor, rollouts, asyncio.create_task(scored()))
+        return rollouts, asyncio.create_task(scored())
+
+    def _start_next_step(self, step: int) -> NextStep:
+        """Samples step `step`'s rollouts now, with the weights the engines hold; the teacher scores
+        each as soon as it is done. The cursor state before the batch is kept for checkpoints."""
+        cursor = self.cursor.state()
+        samples, seeds = self._next_batch(step)
+        return NextStep(cursor, *self._sample_and_score(samples, step, seeds))
 
     async def train_one_step(self) -> dict[str, float]:
         """One step: rollouts, teacher scores, a learner update, weights to the student engines.
@@ -476,28 +501,28 @@ class JobDriver:
         timer = time.perf_counter()
         if self._next is not None:  # sampled during the previous step
             upcoming, self._next = self._next, None
+        else:
+            samples, seeds = self._next_batch(step)
+            upcoming = NextStep(self.cursor.state(), *self._sample_and_score(samples, step, seeds))
+        try:
             results = await upcoming.rollouts
             rollout_s = time.perf_counter() - timer
             timer = time.perf_counter()
-            scored = await upcoming.scored
-        else:
-            samples, seeds = self._next_batch(step)
-            results = await self._runner.run(samples, hp.n_rollouts, step, seeds)
-            rollout_s = time.perf_counter() - timer
-            timer = time.perf_counter()
-            scored = None
-        self.log.trajectories([r.trajectory(step + 1) for r in results[:TRAJECTORIES_PER_STEP]])
-        rollout_metrics = rollout_step_metrics(results, has_rewards=bool(self.spec.reward_components))
-        if rollout_metrics["failed_ratio"] > hp.max_failed_ratio or rollout_metrics["failed_rollouts"] == len(
-            results
-        ):
-            raise OPDError(
-                f"step {step + 1}: {rollout_metrics['failed_rollouts']:.0f}/{len(results)} rollouts failed "
-                f"(max_failed_ratio={hp.max_failed_ratio}); first error: {failure_message(results)}"
-            )
+            self.log.trajectories([r.trajectory(step + 1) for r in results[:TRAJECTORIES_PER_STEP]])
+            rollout_metrics = rollout_step_metrics(results, has_rewards=bool(self.spec.reward_components))
+            failed = rollout_metrics["failed_rollouts"]
+            if rollout_metrics["failed_ratio"] > hp.max_failed_ratio or failed == len(results):
+                raise OPDError(
+                    f"step {step + 1}: {failed:.0f}/{len(results)} rollouts failed "
+                    f"(max_failed_ratio={hp.max_failed_ratio}); first error: {failure_message(results)}"
+                )
+        except BaseException:
+            await self._cancel(upcoming)
+            raise
         if hp.max_staleness > 0 and step + 1 < self.total_steps and not self._stop_requested:
             self._next = self._start_next_step(step + 1)
-        segments = scored if scored is not None else await self._segments(results)
+        # Scoring started as each rollout ended: what is timed here is the teacher's tail.
+        segments = await upcoming.scored
         teacher_s = time.perf_counter() - timer
         staleness = [step - s.weight_version for s in segments]
         if hp.max_staleness > 0:
@@ -542,9 +567,13 @@ class JobDriver:
         """Ends the next step's rollouts (stop, failure): they are sampled again after a resume."""
         upcoming, self._next = self._next, None
         if upcoming is not None:
-            for task in (upcoming.rollouts, upcoming.scored):
-                task.cancel()
-            await asyncio.gather(upcoming.rollouts, upcoming.scored, return_exceptions=True)
+            await self._cancel(upcoming)
+
+    @staticmethod
+    async def _cancel(upcoming: NextStep) -> None:
+        for task in (upcoming.rollouts, upcoming.scored):
+            task.cancel()
+        await asyncio.gather(upcoming.rollouts, upcoming.scored, return_exceptions=True)
 
     # -- evaluation -----------------------------------------------------------------------------
 

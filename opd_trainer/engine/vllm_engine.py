@@ -38,7 +38,7 @@ from opd_trainer.records import LLMCall
 from opd_trainer.spec.job_spec import EngineResources
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Awaitable, Callable
 
     from ray.actor import ActorHandle
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -513,6 +513,7 @@ class EngineGroup:
             raise ValueError("an engine group needs at least one replica")
         self.actors = actors
         self.node_ids = node_ids or []
+        self._rotation = 0  # the replica the next fan-out starts on
 
     @classmethod
     async def start(cls, config: EngineConfig, role: str) -> EngineGroup:
@@ -541,15 +542,27 @@ class EngineGroup:
         if any(v != version for v in versions):
             raise WeightSyncError(f"engines report versions {versions}, expected {version}")
 
-    def _spread(self, items: list[Any]) -> list[list[Any]]:
-        return [items[index :: len(self.actors)] for index in range(len(self.actors))]
+    async def _fan_out(
+        self, items: list[Any], call: Callable[[ActorHandle, list[Any]], Awaitable[list[Any]]]
+    ) -> list[Any]:
+        """`call(replica, chunk)` on every replica that gets items, results in input order.
 
-    @staticmethod
-    def _interleave(parts: list[list[Any]], total: int) -> list[Any]:
-        out: list[Any] = [None] * total
-        for replica, part in enumerate(parts):
-            for offset, value in enumerate(part):
-                out[replica + offset * len(parts)] = value
+        Items go round-robin from where the last fan-out stopped, so that many small batches (one
+        rollout's calls, scored as soon as it ends) spread over the replicas like one large batch.
+        """
+        count = len(self.actors)
+        start, self._rotation = self._rotation, (self._rotation + len(items)) % count
+        positions: list[list[int]] = [[] for _ in range(count)]
+        for index in range(len(items)):
+            positions[(start + index) % count].append(index)
+        busy = [(replica, chosen) for replica, chosen in enumerate(positions) if chosen]
+        parts = await asyncio.gather(
+            *(call(self.actors[replica], [items[i] for i in chosen]) for replica, chosen in busy)
+        )
+        out: list[Any] = [None] * len(items)
+        for (_, chosen), part in zip(busy, parts, strict=True):
+            for index, value in zip(chosen, part, strict=True):
+                out[index] = value
         return out
 
     async def generate_many(
@@ -557,13 +570,9 @@ class EngineGroup:
     ) -> list[LLMCall]:
         """In input order; with `seeds`, prompt i is sampled with seeds[i] (reproducible per prompt)."""
         if seeds is None:
-            parts = await asyncio.gather(
-                *(
-                    actor.generate_many.remote(chunk, **sampling)
-                    for actor, chunk in zip(self.actors, self._spread(prompts), strict=True)
-                )
+            return await self._fan_out(
+                prompts, lambda actor, chunk: actor.generate_many.remote(chunk, **sampling)
             )
-            return self._interleave(list(parts), len(prompts))
         calls = [
             self.actors[index % len(self.actors)].generate.remote(prompt, seed=seed, **sampling)
             for index, (prompt, seed) in enumerate(zip(prompts, seeds, strict=True))
@@ -571,25 +580,13 @@ class EngineGroup:
         return list(await asyncio.gather(*calls))
 
     async def score_many(self, pairs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
-        parts = await asyncio.gather(
-            *(
-                actor.score_many.remote(chunk)
-                for actor, chunk in zip(self.actors, self._spread(pairs), strict=True)
-            )
-        )
-        return self._interleave(list(parts), len(pairs))
+        return await self._fan_out(pairs, lambda actor, chunk: actor.score_many.remote(chunk))
 
     async def score_top_k_many(
         self, pairs: list[tuple[list[int], list[int]]], top_k: int
     ) -> list[TeacherScores]:
         """In input order: each pair's `TeacherScores` with the model's `top_k` tokens per position."""
-        parts = await asyncio.gather(
-            *(
-                actor.score_top_k_many.remote(chunk, top_k)
-                for actor, chunk in zip(self.actors, self._spread(pairs), strict=True)
-            )
-        )
-        return self._interleave(list(parts), len(pairs))
+        return await self._fan_out(pairs, lambda actor, chunk: actor.score_top_k_many.remote(chunk, top_k))
 
     async def health(self) -> list[dict[str, Any]]:
         return list(await asyncio.gather(*(actor.health.remote() for actor in self.actors)))

@@ -33,6 +33,8 @@ from opd_trainer.spec.job_spec import FunctionComponent
 from opd_trainer.stats import mean
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ray.actor import ActorHandle
 
     from reward_workers.pool import RewardPool
@@ -261,17 +263,28 @@ class RolloutRunner:
         result.reward = total
 
     async def run(
-        self, samples: list[Sample], n_rollouts: int, step: int, seeds: list[int]
+        self,
+        samples: list[Sample],
+        n_rollouts: int,
+        step: int,
+        seeds: list[int],
+        on_result: Callable[[RolloutResult], None] | None = None,
     ) -> list[RolloutResult]:
-        """`n_rollouts` rollouts of every sample, all in flight at once; group id = sample position."""
+        """`n_rollouts` rollouts of every sample, all in flight at once; group id = sample position.
+
+        `on_result` is called with each rollout as soon as it (and its rewards) are done, so that
+        the caller can start on it (teacher scoring) while the others are still running.
+        """
         jobs = [(group, sample) for group, sample in enumerate(samples) for _ in range(n_rollouts)]
+
+        async def one(index: int, group: int, sample: Sample) -> RolloutResult:
+            result = await self._one(f"s{step}", group, index, sample, seeds[index])
+            if on_result is not None:
+                on_result(result)
+            return result
+
         return list(
-            await asyncio.gather(
-                *(
-                    self._one(f"s{step}", group, index, sample, seeds[index])
-                    for index, (group, sample) in enumerate(jobs)
-                )
-            )
+            await asyncio.gather(*(one(index, group, sample) for index, (group, sample) in enumerate(jobs)))
         )
 
     async def validate(self, samples: list[Sample], tag: str, seeds: list[int]) -> list[RolloutResult]:
