@@ -102,14 +102,12 @@ def _start_running_job(base_url: str, key: str, job_file: Path, timeout_s: float
         job = client.submit(load_job_spec(job_file), base_dir=job_file.parent)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            got = client.get_job(job["id"])
-            if got["status"] in ("failed", "cancelled", "succeeded"):
-                raise RuntimeError(
-                    f"the running job ended before polling: {got['status']} {got.get('error')}"
-                )
-            if got["step"] >= 1:
-                print(f"job {job['id']} is training (step {got['step']}); polling starts", flush=True)
-                return job["id"]
+            got = client.get_job(job.id)
+            if got.status in ("failed", "cancelled", "succeeded"):
+                raise RuntimeError(f"the running job ended before polling: {got.status} {got.error}")
+            if got.step >= 1:
+                print(f"job {job.id} is training (step {got.step}); polling starts", flush=True)
+                return job.id
             time.sleep(2)
     raise TimeoutError("the running job did not finish a step in time")
 

@@ -16,16 +16,20 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opd_trainer.errors import ConfigError, OPDError
 from opd_trainer.spec.job_status import format_event_line
+
+if TYPE_CHECKING:
+    from api.schemas import EventPublic, JobPublic
+    from opd_trainer.client.api_client import OPDClient
 
 USAGE_ERROR = 2
 INTERRUPTED = 130
 
 
-def _client(args: argparse.Namespace) -> Any:
+def _client(args: argparse.Namespace) -> OPDClient:
     from opd_trainer.client.api_client import OPDClient
 
     api_key = args.api_key or os.environ.get("OPD_API_KEY")
@@ -44,11 +48,23 @@ def _admin_key(args: argparse.Namespace, required: bool = True) -> str | None:
 
 
 def _json_out(args: argparse.Namespace, value: Any) -> bool:
-    """Prints `value` as JSON when `-o json` was asked for; says whether it did."""
+    """Prints `value` (an API model, a list of them, or plain JSON) as JSON when `-o json` was asked
+    for; says whether it did."""
     if args.output != "json":
         return False
-    print(json.dumps(value, indent=2))
+    print(json.dumps(_jsonable(value), indent=2))
     return True
+
+
+def _jsonable(value: Any) -> Any:
+    """The API's JSON of a client answer: its models dumped as the server sends them."""
+    from pydantic import BaseModel
+
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    if isinstance(value, list):
+        return [_jsonable(item) for item in value]
+    return value
 
 
 def _when(seconds: float | None) -> str:
@@ -82,15 +98,15 @@ def _submit(args: argparse.Namespace) -> int:
     job = client.submit(spec)
     if not args.follow:
         if not _json_out(args, job):
-            print(f"submitted {job['id']} ({job['job_name']}): {job['status']}")
+            print(f"submitted {job.id} ({job.job_name}): {job.status}")
         return 0
     # Following with -o json: the finished job is the one JSON document on stdout.
-    print(f"submitted {job['id']} ({job['job_name']}): {job['status']}", flush=True, file=_notes(args))
-    plot_dir = Path(args.plot_dir) if args.plot_dir else Path("runs") / job["id"]
+    print(f"submitted {job.id} ({job.job_name}): {job.status}", flush=True, file=_notes(args))
+    plot_dir = Path(args.plot_dir) if args.plot_dir else Path("runs") / job.id
     try:
         return _follow(args, client, job, plot_dir)
     except KeyboardInterrupt:
-        return _interrupted(job["id"])
+        return _interrupted(job.id)
 
 
 def _notes(args: argparse.Namespace) -> Any:
@@ -98,23 +114,24 @@ def _notes(args: argparse.Namespace) -> Any:
     return sys.stderr if args.output == "json" else sys.stdout
 
 
-def _follow(args: argparse.Namespace, client: Any, job: dict[str, Any], plot_dir: Path) -> int:
+def _follow(args: argparse.Namespace, client: OPDClient, job: JobPublic, plot_dir: Path) -> int:
     """A progress bar fed by the job's event stream, then the final table and curves."""
     from tqdm import tqdm
 
     from opd_trainer.cli.train import format_final_table
+    from opd_trainer.client.operations import StreamEnd
     from opd_trainer.driver.plots import plot_curves
 
     notes = _notes(args)
-    bar = tqdm(total=job.get("total_steps") or None, unit="step", dynamic_ncols=True)
-    final = job
+    bar = tqdm(total=job.total_steps or None, unit="step", dynamic_ncols=True)
+    final: JobPublic | None = job
     try:
-        for event in client.stream_events(job["id"]):
-            if event["type"] == "end":
-                final = event["job"]
+        for event in client.stream_events(job.id):
+            if isinstance(event, StreamEnd):
+                final = event.job
                 break
-            data = event.get("data") or {}
-            if event["type"] == "step":
+            data = event.data
+            if event.type == "step":
                 if data.get("total_steps") and bar.total != data["total_steps"]:
                     bar.total = data["total_steps"]
                     bar.refresh()
@@ -123,26 +140,26 @@ def _follow(args: argparse.Namespace, client: Any, job: dict[str, Any], plot_dir
                     k: f"{data[k]:.3f}" for k in ("reverse_kl", "loss") if isinstance(data.get(k), float)
                 }
                 bar.set_postfix(postfix)
-            elif event["type"] != "autoscale":
-                bar.write(f"[{event['type']}] {event['message']}", file=notes)
+            elif event.type != "autoscale":
+                bar.write(f"[{event.type}] {event.message}", file=notes)
     finally:
         bar.close()
-    if args.output == "json":
-        print(json.dumps(final, indent=2))
-    else:
-        print(f"job {final['id']}: {final['status']}")
-    if final["status"] != "succeeded":
-        if final.get("error"):
-            error = final["error"]
-            field = f"{error['param']}: " if error.get("param") else ""
-            print(f"error: {field}{error['message']}", file=sys.stderr)
+    if final is None:  # deleted while followed
+        print(f"error: job {job.id} was deleted", file=sys.stderr)
         return 1
-    metrics = client.metrics(final["id"])
-    if metrics["data"]:
-        curves = plot_curves(metrics["data"], plot_dir / "curves.png", final["job_name"])
+    if not _json_out(args, final):
+        print(f"job {final.id}: {final.status}")
+    if final.status != "succeeded":
+        if final.error:
+            field = f"{final.error.param}: " if final.error.param else ""
+            print(f"error: {field}{final.error.message}", file=sys.stderr)
+        return 1
+    metrics = client.metrics(final.id)
+    if metrics.data:
+        curves = plot_curves(metrics.data, plot_dir / "curves.png", final.job_name)
         print(f"curves: {curves}", file=notes)
-    if metrics["summary"]:
-        print(format_final_table(metrics["summary"]), file=notes)
+    if metrics.summary:
+        print(format_final_table(metrics.summary), file=notes)
     return 0
 
 
@@ -151,55 +168,55 @@ def _jobs(args: argparse.Namespace) -> int:
     if _json_out(args, page):
         return 0
     rows = []
-    for job in page["data"]:
-        steps = f"{job['step']}/{job['total_steps'] if job['total_steps'] is not None else '?'}"
-        rows.append([job["id"], job["status"], steps, _when(job["created_at"]), job["job_name"]])
+    for job in page.data:
+        steps = f"{job.step}/{job.total_steps if job.total_steps is not None else '?'}"
+        rows.append([job.id, job.status, steps, _when(job.created_at), job.job_name])
     _table(["id", "status", "step", "created", "name"], rows)
-    if page["has_more"]:
+    if page.has_more:
         print(f"... more: --limit {min(100, args.limit * 2)} or -o json with the API's `after` cursor")
     return 0
 
 
 def _get(args: argparse.Namespace) -> int:
-    print(json.dumps(_client(args).get_job(args.job_id), indent=2))
+    print(json.dumps(_jsonable(_client(args).get_job(args.job_id)), indent=2))
     return 0
 
 
 def _logs(args: argparse.Namespace) -> int:
     """Every event so far, page after page; with -f, then the live stream until the job ends."""
+    from opd_trainer.client.operations import StreamEnd
+
     client = _client(args)
     last = 0
     for event in client.iter_events(args.job_id):
-        last = event["id"]
+        last = event.id
         _print_event(args, event)
     if not args.follow:
         return 0
     try:
-        for event in client.stream_events(args.job_id, after=last):
-            if event["type"] == "end":
+        for item in client.stream_events(args.job_id, after=last):
+            if isinstance(item, StreamEnd):
                 if args.output != "json":
-                    print(f"-- job {event['job']['status']}")
+                    print(f"-- job {item.job.status if item.job else 'deleted'}")
                 return 0
-            _print_event(args, event)
+            _print_event(args, item)
     except KeyboardInterrupt:
         return _interrupted(args.job_id)
     return 0
 
 
-def _print_event(args: argparse.Namespace, event: dict[str, Any]) -> None:
+def _print_event(args: argparse.Namespace, event: EventPublic) -> None:
     if args.output == "json":
-        print(json.dumps(event), flush=True)  # one object per line (JSON Lines)
+        print(json.dumps(_jsonable(event)), flush=True)  # one object per line (JSON Lines)
     else:
-        print(
-            format_event_line(event["time"], event["type"], event["message"], event.get("data")), flush=True
-        )
+        print(format_event_line(event.time, event.type, event.message, event.data), flush=True)
 
 
 def _job_action(action: str) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         job = getattr(_client(args), f"{action}_job")(args.job_id)
         if not _json_out(args, job):
-            print(f"{job['id']}: {job['status']}")
+            print(f"{job.id}: {job.status}")
         return 0
 
     return run
@@ -208,14 +225,14 @@ def _job_action(action: str) -> Callable[[argparse.Namespace], int]:
 def _delete(args: argparse.Namespace) -> int:
     deleted = _client(args).delete_job(args.job_id)
     if not _json_out(args, deleted):
-        print(f"deleted {deleted['id']}")
+        print(f"deleted {deleted.id}")
     return 0
 
 
 def _checkpoints(args: argparse.Namespace) -> int:
     checkpoints = _client(args).checkpoints(args.job_id)
     if not _json_out(args, checkpoints):
-        rows = ([c["id"], str(c["step"]), _when(c["created_at"]), c["student"]] for c in checkpoints)
+        rows = ([c.id, str(c.step), _when(c.created_at), c.student] for c in checkpoints)
         _table(["id", "step", "created", "student model folder (on the server)"], rows)
     return 0
 
@@ -236,15 +253,15 @@ def _metrics(args: argparse.Namespace) -> int:
     metrics = _client(args).metrics(args.job_id)
     if _json_out(args, metrics):
         return 0
-    steps = [r for r in metrics["data"] if r.get("kind") == "train"]
+    steps = [r for r in metrics.data if r.get("kind") == "train"]
     columns = [c for c in METRIC_COLUMNS if any(c in r for r in steps)]
     shown = steps if args.all else steps[-args.last :]
     _table(
         ["step", *columns],
         ([str(r["step"]), *(_number(r.get(c)) for c in columns)] for r in shown),
     )
-    if metrics["summary"]:
-        print(format_final_table(metrics["summary"]))
+    if metrics.summary:
+        print(format_final_table(metrics.summary))
     return 0
 
 
@@ -258,9 +275,7 @@ def _number(value: Any) -> str:
 def _files_list(args: argparse.Namespace) -> int:
     files = _client(args).list_files(purpose=args.purpose)
     if not _json_out(args, files):
-        rows = (
-            [f["id"], f["purpose"], str(f["bytes"]), _when(f["created_at"]), f["filename"]] for f in files
-        )
+        rows = ([f.id, f.purpose, str(f.bytes), _when(f.created_at), f.filename] for f in files)
         _table(["id", "purpose", "bytes", "created", "filename"], rows)
     return 0
 
@@ -272,14 +287,14 @@ def _files_upload(args: argparse.Namespace) -> int:
         raise ConfigError(f"{path} is not {kind}", field="path")
     uploaded = _client(args).upload_file(path, purpose=args.purpose)
     if not _json_out(args, uploaded):
-        print(f"{uploaded['id']} ({uploaded['purpose']}, {uploaded['bytes']} bytes): {uploaded['filename']}")
+        print(f"{uploaded.id} ({uploaded.purpose}, {uploaded.bytes} bytes): {uploaded.filename}")
     return 0
 
 
 def _files_delete(args: argparse.Namespace) -> int:
     deleted = _client(args).delete_file(args.file_id)
     if not _json_out(args, deleted):
-        print(f"deleted {deleted['id']}")
+        print(f"deleted {deleted.id}")
     return 0
 
 
@@ -293,8 +308,8 @@ def _keys_create(args: argparse.Namespace) -> int:
     with OPDClient(args.base_url, api_key="") as client:
         key = client.create_key(args.tenant, admin_key)
     if not _json_out(args, key):
-        print(f"tenant {key['tenant']}: key {key['id']}")
-        print(key["key"])
+        print(f"tenant {key.tenant}: key {key.id}")
+        print(key.key)
     return 0
 
 
@@ -308,7 +323,7 @@ def _keys_list(args: argparse.Namespace) -> int:
     else:
         keys = _client(args).list_keys()
     if not _json_out(args, keys):
-        rows = ([k["id"], k["tenant"], f"{k['prefix']}...", _when(k["created_at"])] for k in keys)
+        rows = ([k.id, k.tenant, f"{k.prefix}...", _when(k.created_at)] for k in keys)
         _table(["id", "tenant", "key", "created"], rows)
     return 0
 
@@ -319,7 +334,7 @@ def _keys_revoke(args: argparse.Namespace) -> int:
     with OPDClient(args.base_url, api_key="") as client:
         revoked = client.revoke_key(args.key_id, _admin_key(args))
     if not _json_out(args, revoked):
-        print(f"revoked {revoked['id']}")
+        print(f"revoked {revoked.id}")
     return 0
 
 

@@ -21,20 +21,19 @@ current directory, as in Bailian's scripts. It answers like Bailian's: `status_c
 `output.job_id`, or the server's HTTP status (400 for a problem found before anything was sent) with
 `code`, `message` and `param`; it never raises for a refused job, only for a server it cannot reach.
 
-`run` is the synchronous `OPDClient.run` (`opd_trainer.client`) in a worker thread (`asyncio.to_thread`):
-a submission is a few blocking uploads, once per job, so a thread costs nothing that matters and the
-upload, zip and spec logic stays in one place instead of being written again over `httpx.AsyncClient`.
+`run` is `AsyncOPDClient.run` (`opd_trainer.client`): the same validation, uploads (concurrent) and
+submission as `OPDClient.run` and `opd submit`, awaited; folders are zipped in a worker thread.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from opd_trainer.client.api_client import OPDAPIError, OPDClient
+from opd_trainer.client.async_client import AsyncOPDClient
+from opd_trainer.client.operations import OPDAPIError
 from opd_trainer.errors import ConfigError
 from opd_trainer.spec.job_spec import (
     DatasetSource,
@@ -115,8 +114,8 @@ class AgenticRL:
     def __init__(
         self, base_url: str | None = None, api_key: str | None = None, timeout: float = 120.0
     ) -> None:
-        # OPDClient reads OPD_BASE_URL / OPD_API_KEY when these are None; a client per run keeps
-        # `run` safe to call from several tasks at once (each in its own thread).
+        # The client reads OPD_BASE_URL / OPD_API_KEY when these are None; a client per run keeps
+        # `run` safe to call from several tasks at once.
         self.base_url = base_url
         self.api_key = api_key
         self.timeout = timeout
@@ -133,10 +132,9 @@ class AgenticRL:
         resources: dict[str, Any] | None = None,
     ) -> SubmissionResult:
         """Uploads the job's local datasets and workspaces and submits it; see the module docstring."""
-
-        def submit() -> str:
-            with OPDClient(self.base_url, self.api_key, self.timeout) as client:
-                return client.run(
+        try:
+            async with AsyncOPDClient(self.base_url, self.api_key, self.timeout) as client:
+                job_id = await client.run(
                     job_name=job_name,
                     model=model,
                     teacher_model=teacher_model,
@@ -146,9 +144,6 @@ class AgenticRL:
                     hyper_parameters=dict(hyper_parameters or {}),
                     resources=_plain(resources),
                 )
-
-        try:
-            job_id = await asyncio.to_thread(submit)
         except OPDAPIError as exc:
             return SubmissionResult(
                 status_code=exc.status, code=exc.code, message=exc.message, param=exc.field

@@ -42,14 +42,14 @@ def test_ported_submission_script_uploads_and_submits(env: Tenant, tmp_path: Pat
     # The seed's own runtime (10 workers of 2 CPUs) is fine here: this server never starts the job.
     job_id = asyncio.run(script.submit(model=env.models["student"], teacher_model=env.models["teacher"]))
     job = env.client.get_job(job_id)
-    assert job["status"] == "queued"
-    spec = job["spec"]
+    assert job.status == "queued"
+    spec = job.spec
     [train], [validation] = spec["training_datasets"], spec["validation_datasets"]
     assert train.startswith("file-") and validation.startswith("file-")
-    assert env.client.get_file(train)["samples"] == 2
+    assert env.client.get_file(train).samples == 2
     [rollout] = spec["functions"]
     assert rollout["type"] == "rollout" and rollout["name"] == "my-rollout"
-    assert env.client.get_file(rollout["fcmodel"]["workspace"])["purpose"] == "workspace"
+    assert env.client.get_file(rollout["fcmodel"]["workspace"]).purpose == "workspace"
     assert rollout["runtime"]["capacity"] == 10 and rollout["timeout"] == 120
     assert spec["ignored_fields"] == {
         "resources.charge_type": "mtu_postpaid",
@@ -69,7 +69,7 @@ def test_an_uploaded_file_id_is_used_as_is_and_refusals_are_results(env: Tenant)
     models = {"model": env.models["student"], "teacher_model": env.models["teacher"]}
     accepted = run(training_datasets=[TrainingDataset(file_name=dataset)], **models)
     assert accepted.status_code == 200, accepted
-    assert env.client.get_job(accepted.output.job_id)["spec"]["training_datasets"] == [dataset]
+    assert env.client.get_job(accepted.output.job_id).spec["training_datasets"] == [dataset]
 
     missing = run(training_datasets=[TrainingDataset(file_name="file-000000000000000000000000")], **models)
     assert (missing.status_code, missing.code, missing.param) == (404, "not_found", "training_datasets.0")

@@ -90,7 +90,7 @@ def test_opd_submit_uploads_the_local_files_a_bailian_job_file_names(
     monkeypatch.setenv("OPD_API_KEY", tenant.key)
     assert main(["submit", str(job_file)]) == 0
     job = tenant.client.get_job(capsys.readouterr().out.split()[1])
-    [dataset] = job["spec"]["training_datasets"]
-    assert dataset.startswith("file-") and job["spec"]["validation_datasets"] == [dataset]
-    assert tenant.client.get_file(dataset)["samples"] == 2
-    assert job["spec"]["ignored_fields"] == BAILIAN_ONLY
+    [dataset] = job.spec["training_datasets"]
+    assert dataset.startswith("file-") and job.spec["validation_datasets"] == [dataset]
+    assert tenant.client.get_file(dataset).samples == 2
+    assert job.spec["ignored_fields"] == BAILIAN_ONLY

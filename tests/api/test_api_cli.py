@@ -48,10 +48,10 @@ def test_submit_uploads_local_files_and_the_job_can_be_managed(
     assert main(["submit", str(job_file)]) == 0
     job_id = capsys.readouterr().out.split()[1]
     job = cli_env.client.get_job(job_id)
-    assert job["status"] == "queued"
-    dataset = job["spec"]["training_datasets"][0]
-    assert dataset.startswith("file-") and job["spec"]["validation_datasets"] == [dataset]  # uploaded once
-    assert job["spec"]["functions"][0]["fcmodel"]["workspace"].startswith("file-")
+    assert job.status == "queued"
+    dataset = job.spec["training_datasets"][0]
+    assert dataset.startswith("file-") and job.spec["validation_datasets"] == [dataset]  # uploaded once
+    assert job.spec["functions"][0]["fcmodel"]["workspace"].startswith("file-")
 
     assert main(["jobs"]) == 0
     assert job_id in capsys.readouterr().out
@@ -127,9 +127,9 @@ def test_submit_follow_streams_until_the_job_ends(
 
     def cancel_when_submitted() -> None:
         for _ in range(300):
-            jobs = cli_env.client.list_jobs(status="queued")["data"]
+            jobs = cli_env.client.list_jobs(status="queued").data
             if jobs:
-                cli_env.client.cancel_job(jobs[0]["id"])
+                cli_env.client.cancel_job(jobs[0].id)
                 return
             time.sleep(0.1)
 
@@ -175,10 +175,10 @@ def test_events_page_to_the_end(cli_env: Tenant, job_file: Path, capsys: pytest.
     for _ in range(3):
         cli_env.client.pause_job(job_id)
         cli_env.client.resume_job(job_id)
-    one_page = cli_env.client.events(job_id, limit=1000)["data"]
+    one_page = cli_env.client.events(job_id, limit=1000).data
     assert len(one_page) >= 7
     assert list(cli_env.client.iter_events(job_id, page_size=2)) == one_page  # pages of two, no gap
-    assert list(cli_env.client.iter_events(job_id, after=one_page[2]["id"])) == one_page[3:]
+    assert list(cli_env.client.iter_events(job_id, after=one_page[2].id)) == one_page[3:]
 
 
 def test_files_commands(cli_env: Tenant, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -256,9 +256,9 @@ def test_checkpoints_list_with_their_metrics_and_download_as_model_folders(
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
 
     checkpoints = cli_env.client.checkpoints(job_id)
-    assert [c["id"] for c in checkpoints] == ["step-000002", "step-000004"]
-    assert checkpoints[0]["metrics"] == {"reverse_kl": 0.5} and checkpoints[0]["eval"] is None
-    assert checkpoints[1]["eval"] == {"exact_match": 0.5} and checkpoints[1]["created_at"] > 0
+    assert [c.id for c in checkpoints] == ["step-000002", "step-000004"]
+    assert checkpoints[0].metrics == {"reverse_kl": 0.5} and checkpoints[0].eval is None
+    assert checkpoints[1].eval == {"exact_match": 0.5} and checkpoints[1].created_at > 0
 
     # No fine_tuned_model before the job succeeded: the command says so and which field to give.
     assert main(["download", job_id]) == 2

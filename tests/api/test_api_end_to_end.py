@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from apiserver import TINY_MODELS_DIR, Server, create_key, jsonl, make_tokenizer, record
 
-from opd_trainer.client.api_client import OPDClient
+from api.schemas import EventPublic, JobPublic
+from opd_trainer.client import OPDClient, StreamEnd
 
 if TYPE_CHECKING:
     from opd_trainer.demo.tiny_models import TinyModels
@@ -85,14 +86,25 @@ def _server(tmp_path: Path) -> Server:
     )
 
 
-def _wait(client: OPDClient, job_id: str, done: Any, timeout_s: float) -> dict[str, Any]:
+def _wait(client: OPDClient, job_id: str, done: Any, timeout_s: float) -> JobPublic:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         job = client.get_job(job_id)
         if done(job):
             return job
         time.sleep(1)
-    raise TimeoutError(f"job {job_id} still {client.get_job(job_id)['status']}")
+    raise TimeoutError(f"job {job_id} still {client.get_job(job_id).status}")
+
+
+def _followed(client: OPDClient, job_id: str) -> tuple[list[EventPublic], StreamEnd]:
+    """The job's events over the stream until it ends, and the end (the finished job)."""
+    *events, end = client.stream_events(job_id)
+    assert isinstance(end, StreamEnd), end
+    return [e for e in events if isinstance(e, EventPublic)], end  # all of them: only the last ends
+
+
+def _dump(events: list[EventPublic]) -> str:
+    return json.dumps([e.model_dump(mode="json") for e in events], indent=1)
 
 
 def _assert_same_model(downloaded: Path, on_server: Path) -> None:
@@ -117,26 +129,26 @@ def test_job_over_http_succeeds_with_events_metrics_and_checkpoint(
     try:
         client = OPDClient(server.url, create_key(server.url, "e2e"))
         job_id = client.run(**_run_args(tiny_models, tmp_path, max_steps=3, save_steps=2))
-        events = list(client.stream_events(job_id))
-        final = events[-1]["job"]
-        assert final["status"] == "succeeded", server.log() + json.dumps(events[-5:], indent=1)
-        types = [e["type"] for e in events[:-1]]
-        steps = [e["data"]["step"] for e in events[:-1] if e["type"] == "step"]
+        events, end = _followed(client, job_id)
+        final = end.job
+        assert final is not None and final.status == "succeeded", server.log() + _dump(events[-5:])
+        types = [e.type for e in events]
+        steps = [e.data["step"] for e in events if e.type == "step"]
         assert steps == [1, 2, 3] and "checkpoint" in types and "eval" in types
-        assert final["step"] == 3 and final["total_steps"] == 3 and "reverse_kl" in final["metrics"]
+        assert final.step == 3 and final.total_steps == 3 and "reverse_kl" in final.metrics
 
         metrics = client.metrics(job_id)
-        assert [r["step"] for r in metrics["data"] if r["kind"] == "train"] == [1, 2, 3]
-        assert {"teacher", "student_before", "student_after"} <= metrics["summary"].keys()
+        assert [r["step"] for r in metrics.data if r["kind"] == "train"] == [1, 2, 3]
+        assert {"teacher", "student_before", "student_after"} <= metrics.summary.keys()
         checkpoints = client.checkpoints(job_id)
-        assert [c["step"] for c in checkpoints] == [2, 3]
-        assert (Path(checkpoints[-1]["student"]) / "config.json").is_file()
-        assert final["fine_tuned_model"] == checkpoints[-1]["id"] and final["trained_tokens"] > 0
-        step_3 = next(r for r in metrics["data"] if r["kind"] == "train" and r["step"] == 3)
-        assert checkpoints[-1]["metrics"]["reverse_kl"] == step_3["reverse_kl"]
+        assert [c.step for c in checkpoints] == [2, 3]
+        assert (Path(checkpoints[-1].student) / "config.json").is_file()
+        assert final.fine_tuned_model == checkpoints[-1].id and final.trained_tokens > 0
+        step_3 = next(r for r in metrics.data if r["kind"] == "train" and r["step"] == 3)
+        assert checkpoints[-1].metrics["reverse_kl"] == step_3["reverse_kl"]
         # The trained student comes out as a model folder transformers loads, weights as trained.
         downloaded = client.download_checkpoint(job_id, target=tmp_path / "trained-student")
-        _assert_same_model(downloaded, Path(checkpoints[-1]["student"]))
+        _assert_same_model(downloaded, Path(checkpoints[-1].student))
         trajectories = client.trajectories(job_id, limit=4)
         assert len(trajectories) == 4 and all("messages" in t for t in trajectories)
         assert "[checkpoint] saved step 3" in client.logs(job_id)
@@ -153,25 +165,25 @@ def test_server_killed_mid_job_resumes_and_the_job_succeeds(
         key = create_key(server.url, "restart")
         client = OPDClient(server.url, key)
         job_id = client.run(**_run_args(tiny_models, tmp_path, max_steps=5, save_steps=1))
-        _wait(client, job_id, lambda j: j["step"] >= 2, timeout_s=900)
+        _wait(client, job_id, lambda j: j.step >= 2, timeout_s=900)
         server.kill()  # SIGKILL: no shutdown hook runs, and the embedded Ray dies with the server
 
         server.start(ready_timeout=300, wait_ready=True)
-        final = _wait(client, job_id, lambda j: j["status"] in ("succeeded", "failed", "cancelled"), 900)
-        assert final["status"] == "succeeded", server.log()
-        events = client.events(job_id, limit=1000)["data"]
-        messages = [e["message"] for e in events]
+        final = _wait(client, job_id, lambda j: j.status in ("succeeded", "failed", "cancelled"), 900)
+        assert final.status == "succeeded", server.log()
+        events = client.events(job_id, limit=1000).data
+        messages = [e.message for e in events]
         assert any("server restarted" in m for m in messages)
         assert any(m.startswith("resumed from checkpoint at step") for m in messages)
         # Every step's event reached the database at least once (steps after the checkpoint are redone).
-        step_events = Counter(e["data"]["step"] for e in events if e["type"] == "step")
+        step_events = Counter(e.data["step"] for e in events if e.type == "step")
         assert set(step_events) == {1, 2, 3, 4, 5}
         # A step event seen twice belongs to a step the resume discarded, and the resume says so.
-        discarded = {s for e in events for s in e["data"].get("discarded_steps", [])}
+        discarded = {s for e in events for s in e.data.get("discarded_steps", [])}
         assert {step for step, count in step_events.items() if count > 1} <= discarded
-        metrics = client.metrics(job_id)["data"]
+        metrics = client.metrics(job_id).data
         assert [r["step"] for r in metrics if r["kind"] == "train"] == [1, 2, 3, 4, 5]
-        assert [c["step"] for c in client.checkpoints(job_id)] == [1, 2, 3, 4, 5]
+        assert [c.step for c in client.checkpoints(job_id)] == [1, 2, 3, 4, 5]
         # Trajectories of discarded steps are gone: every step has one batch (4 prompts x 2 rollouts).
         per_step = Counter(t["step"] for t in client.trajectories(job_id, limit=200))
         assert per_step == {step: 8 for step in (1, 2, 3, 4, 5)}
@@ -187,22 +199,21 @@ def test_a_failing_driver_fails_its_job_with_the_reason(tmp_path: Path) -> None:
         client = OPDClient(server.url, create_key(server.url, "failing"))
         (tmp_path / "train.jsonl").write_bytes(jsonl([record("hello world")] * 4))
         job_id = client.run(
-            "no-weights",
-            tokenizer_only,
-            tokenizer_only,
-            [str(tmp_path / "train.jsonl")],
+            job_name="no-weights",
+            model=tokenizer_only,
+            teacher_model=tokenizer_only,
+            training_datasets=[str(tmp_path / "train.jsonl")],
             hyper_parameters={"max_steps": 1, "batch_size": 2},
             resources={"student": ENGINE, "teacher": ENGINE, "learner_gpus": 0},
         )
-        events = list(client.stream_events(job_id))
-        final = events[-1]["job"]
-        assert final["status"] == "failed" and final["error"]["code"] == "job_failed", final
-        assert final["error"]["message"] and "\x1b[" not in final["error"]["message"]
-        types = [e["type"] for e in events[:-1]]
+        events, end = _followed(client, job_id)
+        final = end.job
+        assert final is not None and final.status == "failed", final
+        assert final.error is not None and final.error.code == "job_failed", final
+        assert final.error.message and "\x1b[" not in final.error.message
+        types = [e.type for e in events]
         assert types.count("error") == 1 and "status" in types
-        assert [e["data"]["status"] for e in events[:-1] if e["type"] == "status" and "status" in e["data"]][
-            -1
-        ] == "failed"
+        assert [e.data["status"] for e in events if e.type == "status" and "status" in e.data][-1] == "failed"
     finally:
         server.stop()
 
@@ -223,18 +234,18 @@ def test_a_standby_replica_takes_over_when_the_scheduling_one_is_killed(
         assert server_ready_checks(second) == {"database": "ok", "ray": "ok", "scheduler": "standby"}
         client = OPDClient(second.url, create_key(second.url, "replicas"))  # any replica takes requests
         job_id = client.run(**_run_args(trained_models, tmp_path, max_steps=4, save_steps=1))
-        _wait(client, job_id, lambda j: j["step"] >= 2, timeout_s=900)
+        _wait(client, job_id, lambda j: j.step >= 2, timeout_s=900)
         first.kill()
 
-        final = _wait(client, job_id, lambda j: j["status"] in ("succeeded", "failed", "cancelled"), 900)
-        assert final["status"] == "succeeded", second.log()
+        final = _wait(client, job_id, lambda j: j.status in ("succeeded", "failed", "cancelled"), 900)
+        assert final.status == "succeeded", second.log()
         assert server_ready_checks(second)["scheduler"] == "leader"
-        events = client.events(job_id, limit=1000)["data"]
-        messages = [e["message"] for e in events]
+        events = client.events(job_id, limit=1000).data
+        messages = [e.message for e in events]
         assert sum(m.startswith("queued -> running") for m in messages) == 1
         assert any("server restarted; driver gone" in m for m in messages)
         assert any(m.startswith("resumed from checkpoint at step") for m in messages)
-        metrics = client.metrics(job_id)["data"]
+        metrics = client.metrics(job_id).data
         assert [r["step"] for r in metrics if r["kind"] == "train"] == [1, 2, 3, 4]
     finally:
         second.stop()

@@ -29,7 +29,7 @@ def test_python_client_zips_a_workspace_folder(server: Server, tenant: Tenant, w
     (workspace_dir / "functions" / "__pycache__").mkdir()
     (workspace_dir / "functions" / "__pycache__" / "x.pyc").write_bytes(b"\0")
     uploaded = tenant.client.upload_file(workspace_dir, "workspace")
-    extracted = server.data_dir / "workspaces" / uploaded["id"]
+    extracted = server.data_dir / "workspaces" / uploaded.id
     assert sorted(p.relative_to(extracted).as_posix() for p in extracted.rglob("*.py")) == [
         "functions/__init__.py",
         "functions/reward.py",

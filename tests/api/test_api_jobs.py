@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 import pytest
 from apiserver import Tenant, jsonl, record
+
+from api.schemas import EventPublic
+from opd_trainer.client import StreamEnd
 
 
 def test_submitted_job_is_queued_with_its_spec_and_step_count(tenant: Tenant) -> None:
@@ -89,16 +91,17 @@ def test_events_cursor_logs_and_empty_run_records(tenant: Tenant) -> None:
 
 def test_event_stream_follows_until_the_job_ends(tenant: Tenant) -> None:
     job = tenant.job()
-    received: list[dict[str, Any]] = []
+    received: list[EventPublic | StreamEnd] = []
     follower = threading.Thread(target=lambda: received.extend(tenant.client.stream_events(job["id"])))
     follower.start()
     tenant.http.post(f"/v1/opd/jobs/{job['id']}/pause")
     tenant.http.post(f"/v1/opd/jobs/{job['id']}/cancel")
     follower.join(timeout=30)
     assert not follower.is_alive()
-    assert [e["type"] for e in received] == ["status"] * 4 + ["end"]
-    assert received[-1]["job"]["status"] == "cancelled"
-    ids = [e["id"] for e in received[:-1]]
+    *events, end = received
+    assert [e.type for e in events] == ["status"] * 4 and isinstance(end, StreamEnd)
+    assert end.job is not None and end.job.status == "cancelled"
+    ids = [e.id for e in events if isinstance(e, EventPublic)]
     assert ids == sorted(ids)
 
 

@@ -74,15 +74,15 @@ def test_an_uploaded_model_can_be_a_jobs_model_for_its_tenant_only(
     import zipfile
 
     model = tenant.client.upload_file(tenant.models["student"], purpose="model")
-    assert model["purpose"] == "model"
+    assert model.purpose == "model"
     dataset = tenant.upload(jsonl([record()]))
-    response = tenant.http.post("/v1/opd/jobs", json=tenant.spec(dataset["id"], model=model["id"]))
+    response = tenant.http.post("/v1/opd/jobs", json=tenant.spec(dataset["id"], model=model.id))
     assert response.status_code == 201, response.text
-    assert response.json()["spec"]["model"] == model["id"]
-    in_use = tenant.http.delete(f"/v1/files/{model['id']}")
+    assert response.json()["spec"]["model"] == model.id
+    in_use = tenant.http.delete(f"/v1/files/{model.id}")
     assert in_use.status_code == 409 and in_use.json()["error"]["code"] == "file_in_use"
 
-    stolen = _submit(other_tenant, model=model["id"])
+    stolen = _submit(other_tenant, model=model.id)
     assert (stolen["status"], stolen["param"]) == (404, "model")
     wrong_kind = _submit(tenant, teacher_model=dataset["id"])
     assert (wrong_kind["status"], wrong_kind["code"]) == (400, "wrong_file_purpose")

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING
 import httpx
 import pytest
 
-from opd_trainer.client.api_client import OPDClient
+from api.schemas import EventPublic
+from opd_trainer.client import OPDClient, StreamEnd
 from opd_trainer.demo.tiny_models.serving import TINY_KV_CACHE_BYTES
 
 if TYPE_CHECKING:
@@ -102,21 +103,26 @@ def test_ported_bailian_job_trains_through_the_api_with_llm_spans(
         job_id = result.output.job_id
 
         client = OPDClient(server.url, key)
-        events, scraped = [], ""
+        events: list[EventPublic] = []
+        scraped, end = "", None
         for event in client.stream_events(job_id):
+            if isinstance(event, StreamEnd):
+                end = event
+                break
             events.append(event)
-            if event["type"] == "step" and not scraped:  # running: the server exports its pools live
+            if event.type == "step" and not scraped:  # running: the server exports its pools live
                 scraped = httpx.get(
                     server.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}
                 ).text
-        final = events[-1]["job"]
-        assert final["status"] == "succeeded", server.log() + json.dumps(events[-6:], indent=1)
-        assert final["step"] == 2
+        final = end.job if end else None
+        tail = json.dumps([e.model_dump(mode="json") for e in events[-6:]], indent=1)
+        assert final is not None and final.status == "succeeded", server.log() + tail
+        assert final.step == 2
 
         # The Bailian-only fields are reported once, by name, in the job's events.
-        warnings = [e for e in events[:-1] if e["type"] == "warning"]
+        warnings = [e for e in events if e.type == "warning"]
         assert len(warnings) == 1, warnings
-        assert warnings[0]["data"]["ignored_fields"] == {
+        assert warnings[0].data["ignored_fields"] == {
             **{f"resources.{k}": v for k, v in BAILIAN_ONLY.items()},
             "hyper_parameters.opd_teacher_replicas": 1,
         }
@@ -147,7 +153,7 @@ def test_ported_bailian_job_trains_through_the_api_with_llm_spans(
             assert f'opd_job_pool_workers_replaced_total{{job_id="{job_id}",pool="{pool}"}} 0.0' in scraped
         assert f'opd_job_trained_tokens_total{{job_id="{job_id}"}}' in scraped
 
-        train = [r for r in client.metrics(job_id)["data"] if r["kind"] == "train"]
+        train = [r for r in client.metrics(job_id).data if r["kind"] == "train"]
         assert [r["step"] for r in train] == [1, 2]
         assert all("reward/my-reward" in r and "rollout/tool_call_count" in r for r in train)
     finally:

@@ -4,22 +4,22 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
+from api.schemas import EventPublic
 from opd_trainer.cli import client_commands
 
 
 class InterruptedStream:
     """A client whose live stream is interrupted by the user after one event."""
 
-    def iter_events(self, job_id: str, after: int = 0) -> Iterator[dict[str, Any]]:
-        yield {"id": 1, "time": 0.0, "type": "status", "message": "queued", "data": {}}
+    def iter_events(self, job_id: str, after: int = 0) -> Iterator[EventPublic]:
+        yield EventPublic(id=1, time=0.0, type="status", message="queued")
 
-    def stream_events(self, job_id: str, after: int = 0) -> Iterator[dict[str, Any]]:
+    def stream_events(self, job_id: str, after: int = 0) -> Iterator[EventPublic]:
         assert after == 1  # the stream continues after the last event paged
-        yield {"id": 2, "time": 1.0, "type": "step", "message": "step 1/4", "data": {}}
+        yield EventPublic(id=2, time=1.0, type="step", message="step 1/4")
         raise KeyboardInterrupt
 
 
