@@ -10,7 +10,10 @@
 #   2. engine_throughput: engine actor vs raw vllm.LLM (sampling, teacher scoring, weight sync), both on
 #                         the GPU at once, bf16, compiled, the same explicit KV cache on both sides;
 #   3. rollout_gateway:   rollout pool + recording gateway vs raw engine generate (one engine on the GPU);
-#   4. step_breakdown:    a 4-step Model OPD job on the 0.5B pair (.cache/gpu-models/job.yaml, written here).
+#   4. step_breakdown:    a 4-step Model OPD job on the 0.5B pair (.cache/gpu-models/job.yaml, written here);
+#   5. staleness:         the same job with `max_staleness: 0` and `1`, side by side: what overlapping the
+#                         next step's rollouts with the learner buys when the roles do not share CPU cores
+#                         (runs only if the budget has >= 30 s left; BUDGET_S=900 leaves room for it).
 #
 # Step 4 shares the one GPU: the job gives student engine, teacher engine and learner 0.3 of it each
 # (`resources.*.gpu_fraction`, `learner_gpu_fraction`: Ray reservations and vLLM memory fractions).
@@ -47,7 +50,8 @@ nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv,noheader
 
 mkdir -p "$RESULTS"
 # A failed step must show "not run", not an earlier run's numbers.
-rm -f "$RESULTS"/engine_throughput.json "$RESULTS"/rollout_gateway.json "$RESULTS"/step_breakdown.json
+rm -f "$RESULTS"/engine_throughput.json "$RESULTS"/rollout_gateway.json "$RESULTS"/step_breakdown.json \
+    "$RESULTS"/staleness.json
 
 SUMMARY=()
 FAILED=0
@@ -152,6 +156,11 @@ resources:
 YAML
 step step_breakdown 240 "$PYTHON" benchmarks/step_breakdown.py --job "$JOB" --steps 4 \
     --out "$RESULTS/step_breakdown.json" || true
+
+# 5. overlap: max_staleness 0 vs 1 on the same job (two job starts; the last step, so that the headline
+# numbers above run first).
+step staleness 300 "$PYTHON" benchmarks/staleness.py --job "$JOB" --steps 4 \
+    --out "$RESULTS/staleness.json" || true
 
 echo
 echo "== elapsed per step (total $((SECONDS - START))s of a ${BUDGET_S}s budget)"
