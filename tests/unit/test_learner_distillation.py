@@ -10,31 +10,13 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from learner_settings import SETTINGS
 
 from opd_trainer.learner import loss as opd_loss
-from opd_trainer.learner.deepspeed_learner import Learner, LearnerSettings, distillation_loss
+from opd_trainer.learner.deepspeed_learner import Learner, distillation_loss
 from opd_trainer.records import LLMCall
 
 VOCAB, TOP_K = 11, 3
-SETTINGS = LearnerSettings(
-    model_path="unused",
-    learning_rate=1e-4,
-    lr_scheduler_type="constant",
-    warmup_ratio=0.0,
-    weight_decay=0.0,
-    max_grad_norm=1.0,
-    total_updates=1,
-    temperature=1.0,
-    kl_coef=1.0,
-    kl_loss_coef=0.0,
-    reward_coef=1.0,
-    normalize_reward_by_std=False,
-    ratio_cap=2.0,
-    zero_stage=0,
-    seed=0,
-    distill_loss="sampled",
-    jsd_beta=0.5,
-)
 ESTIMATORS = ["sampled", "sampled_baseline", "topk_reverse", "topk_forward", "jsd"]
 
 
