@@ -65,8 +65,26 @@ POOL_COUNTERS = {
 }
 
 
+# Per engine role (`engine/ROLE/KEY` in a job's metrics, from vLLM's stat logger: engine/engine_stats.py).
+ENGINE_GAUGES = {
+    "running_max": "Most requests running at once on the role's engines during the latest step.",
+    "waiting_max": "Most requests waiting at once on the role's engines during the latest step.",
+    "kv_cache_usage_max": "Highest KV-cache usage (0-1) of a replica of the role during the latest step.",
+    "prefix_cache_hit_rate": "Prefix-cache hits over queried prompt tokens so far.",
+}
+ENGINE_COUNTERS = {
+    "prompt_tokens": "Prompt tokens the role's engines processed.",
+    "generation_tokens": "Tokens the role's engines generated.",
+    "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
+    "prefix_cache_hits": "Prompt tokens found in the prefix cache.",
+    "preemptions": "Requests preempted (KV cache full).",
+    "requests_finished": "Requests the role's engines finished.",
+}
+
+
 class JobProgressCollector(Collector):
-    """Per running job, labelled by job id: steps, tokens, the latest step's metrics, its pools."""
+    """Per running job, labelled by job id: steps, tokens, the latest step's metrics, its pools and
+    engines."""
 
     def __init__(self, db: Database) -> None:
         self.db = db
@@ -91,6 +109,15 @@ class JobProgressCollector(Collector):
             key: CounterMetricFamily(f"opd_job_pool_{key}", help_text, labels=["job_id", "pool"])
             for key, help_text in POOL_COUNTERS.items()
         }
+        engine_gauges = {
+            key: GaugeMetricFamily(f"opd_job_engine_{key}", help_text, labels=["job_id", "role"])
+            for key, help_text in ENGINE_GAUGES.items()
+        }
+        engine_counters = {
+            key: CounterMetricFamily(f"opd_job_engine_{key}", help_text, labels=["job_id", "role"])
+            for key, help_text in ENGINE_COUNTERS.items()
+        }
+        grouped = {"pool": {**pool_gauges, **pool_counters}, "engine": {**engine_gauges, **engine_counters}}
         for job in running:
             step.add_metric([job.id], job.step)
             total.add_metric([job.id], job.total_steps or 0)
@@ -100,12 +127,14 @@ class JobProgressCollector(Collector):
                     gauge.add_metric([job.id], job.metrics[key])
             for name, value in job.metrics.items():
                 parts = name.split("/")
-                if len(parts) != 3 or parts[0] != "pool" or value is None:
+                if len(parts) != 3 or parts[0] not in grouped or value is None:
                     continue
-                family = pool_gauges.get(parts[2]) or pool_counters.get(parts[2])
+                family = grouped[parts[0]].get(parts[2])
                 if family is not None:
                     family.add_metric([job.id, parts[1]], value)
-        yield from (step, total, tokens, *gauges.values(), *pool_gauges.values(), *pool_counters.values())
+        yield from (step, total, tokens, *gauges.values())
+        for families in grouped.values():
+            yield from families.values()
 
 
 class ServerMetrics:

@@ -540,6 +540,7 @@ class JobDriver:
         self.step = step + 1
         step_s = time.perf_counter() - started
         trained_tokens = sum(len(s.completion_token_ids) for s in segments)
+        engine_metrics = await self._engine_metrics()  # after the step's timers: not part of a phase
         metrics = {
             **reverse_kl_metrics(
                 [s.sampler_logprobs for s in segments], [s.teacher_logprobs or [] for s in segments]
@@ -547,6 +548,7 @@ class JobDriver:
             **rollout_metrics,
             **learner_metrics,
             **pool_metrics(self._pools),
+            **engine_metrics,
             "segments": float(len(segments)),
             "trained_tokens": float(trained_tokens),
             "tokens_per_s": trained_tokens / step_s,
@@ -562,6 +564,18 @@ class JobDriver:
         }
         metrics["time/other_s"] = step_s - rollout_s - teacher_s - learner_s - next_wait_s - sync_s
         return metrics
+
+    async def _engine_metrics(self) -> dict[str, float]:
+        """`engine/ROLE/KEY` of both engine groups (`EngineGroup.stats`: totals so far, peaks since the
+        previous step)."""
+        assert self._student is not None and self._teacher is not None
+        roles = {"student": self._student, "teacher": self._teacher}
+        stats = await asyncio.gather(*(group.stats() for group in roles.values()))
+        return {
+            f"engine/{role}/{key}": value
+            for role, numbers in zip(roles, stats, strict=True)
+            for key, value in numbers.items()
+        }
 
     async def _drop_next_step(self) -> None:
         """Ends the next step's rollouts (stop, failure): they are sampled again after a resume."""

@@ -22,6 +22,7 @@ import numpy as np
 import ray
 from pydantic import BaseModel, ConfigDict, Field
 
+from opd_trainer.engine.engine_stats import EngineStats, combine
 from opd_trainer.engine.kv_cache import cpu_kv_cache_bytes
 from opd_trainer.engine.vllm_extension import EXTENSION_CLASSPATH
 from opd_trainer.engine.weight_sync import (
@@ -138,6 +139,7 @@ class Engine:
         self._weight_version = 0
         self._in_flight = 0
         self._update_lock = asyncio.Lock()
+        self._stats = EngineStats()  # fed by vLLM after every engine step (stat_loggers below)
 
     async def start(self) -> None:
         """Builds the vLLM engine once; concurrent callers wait for the same start."""
@@ -196,7 +198,7 @@ class Engine:
             )
             started = time.perf_counter()
             try:
-                self._llm = AsyncLLM.from_engine_args(args)
+                self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger])
             except Exception as exc:  # vLLM raises many types; callers need one
                 raise EngineError(f"{self.name}: vLLM engine failed to start: {exc}") from exc
             logger.info(
@@ -450,6 +452,15 @@ class Engine:
     def weight_version(self) -> int:
         return self._weight_version
 
+    def _stat_logger(self, vllm_config: Any, engine_index: int) -> EngineStats:
+        """vLLM's per-engine stat-logger factory: hands vLLM this engine's `EngineStats`."""
+        return self._stats
+
+    async def stats(self) -> dict[str, float]:
+        """`EngineStats.read()`: token, prefix-cache, preemption and request totals, and the peaks of
+        running / waiting requests and KV-cache usage since the last call."""
+        return self._stats.read()
+
     async def health(self) -> dict[str, Any]:
         """Liveness plus what a scheduler needs: version, load, whether the engine core is alive."""
         alive = self._llm is not None and not self._llm.errored
@@ -590,6 +601,10 @@ class EngineGroup:
 
     async def health(self) -> list[dict[str, Any]]:
         return list(await asyncio.gather(*(actor.health.remote() for actor in self.actors)))
+
+    async def stats(self) -> dict[str, float]:
+        """The replicas' `Engine.stats`, combined (`engine_stats.combine`)."""
+        return combine(list(await asyncio.gather(*(actor.stats.remote() for actor in self.actors))))
 
     async def shutdown(self) -> None:
         await asyncio.gather(*(actor.shutdown.remote() for actor in self.actors), return_exceptions=True)

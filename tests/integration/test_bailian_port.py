@@ -152,9 +152,15 @@ def test_ported_bailian_job_trains_through_the_api_with_llm_spans(
             assert f'opd_job_pool_workers{{job_id="{job_id}",pool="{pool}"}} 1.0' in scraped, scraped[-3000:]
             assert f'opd_job_pool_workers_replaced_total{{job_id="{job_id}",pool="{pool}"}} 0.0' in scraped
         assert f'opd_job_trained_tokens_total{{job_id="{job_id}"}}' in scraped
+        # Both engine roles, from vLLM's stat logger (engine/engine_stats.py), as of the latest step.
+        for role in ("student", "teacher"):
+            assert f'opd_job_engine_prompt_tokens_total{{job_id="{job_id}",role="{role}"}}' in scraped
 
         train = [r for r in client.metrics(job_id).data if r["kind"] == "train"]
         assert [r["step"] for r in train] == [1, 2]
         assert all("reward/my-reward" in r and "rollout/tool_call_count" in r for r in train)
+        # The student generated the rollouts; the teacher only scored them (prompt tokens, no generation).
+        assert all(r["engine/student/generation_tokens"] > 0 for r in train)
+        assert all(r["engine/teacher/prompt_tokens"] > 0 for r in train)
     finally:
         server.stop()

@@ -35,8 +35,17 @@ def test_generate_many_in_flight_returns_exact_tokens_and_logprobs(
     student_engine: Any, tiny_models: TinyModels, tokenizer: PreTrainedTokenizerBase
 ) -> None:
     prompts = _validation_prompts(tiny_models, tokenizer, 8)
+    before = ray.get(student_engine.stats.remote())
     completions = ray.get(student_engine.generate_many.remote(prompts, max_tokens=32, temperature=1.0))
     assert len(completions) == len(prompts)
+    # vLLM's stat logger saw the batch (engine/engine_stats.py): what was generated, and the prompts'
+    # shared system + tools preamble found in the prefix cache after the first prompt.
+    stats = ray.get(student_engine.stats.remote())
+    generated = sum(len(c.completion_token_ids) for c in completions)
+    assert stats["generation_tokens"] - before["generation_tokens"] == generated
+    assert stats["requests_finished"] - before["requests_finished"] == len(prompts)
+    assert stats["prefix_cache_hits"] > before["prefix_cache_hits"]
+    assert stats["running_max"] >= 1 and 0 < stats["kv_cache_usage_max"] <= 1
     for prompt, completion in zip(prompts, completions, strict=True):
         assert completion.prompt_token_ids == prompt
         assert 0 < len(completion.completion_token_ids) <= 32

@@ -30,6 +30,9 @@ def _server_with_a_running_job(tmp_path: Path) -> ServerMetrics:
                     "reverse_kl": 0.25,
                     "pool/reward:judge/workers": 2.0,
                     "pool/reward:judge/workers_replaced": 1.0,
+                    "engine/student/generation_tokens": 5120.0,
+                    "engine/teacher/kv_cache_usage_max": 0.25,
+                    "engine/teacher/unknown_key": 1.0,
                 },
             )
         )
@@ -54,4 +57,7 @@ def test_admin_scrape_adds_each_running_jobs_progress(tmp_path: Path) -> None:
     assert 'opd_job_pool_workers{job_id="opdjob-secret-id",pool="reward:judge"} 2.0' in text
     assert 'opd_job_pool_workers_replaced_total{job_id="opdjob-secret-id",pool="reward:judge"} 1.0' in text
     assert 'opd_job_trained_tokens_total{job_id="opdjob-secret-id"} 1200.0' in text
+    assert 'opd_job_engine_generation_tokens_total{job_id="opdjob-secret-id",role="student"} 5120.0' in text
+    assert 'opd_job_engine_kv_cache_usage_max{job_id="opdjob-secret-id",role="teacher"} 0.25' in text
+    assert "unknown_key" not in text
     assert "opdjob-queued" not in text
