@@ -130,7 +130,13 @@ def run_train(job_file: Path, run_dir: Path | None, stop_after: int | None) -> i
     records = RunDir(run_dir).records()
     if records:
         print(f"curves: {plot_curves(records, run_dir / 'curves.png', spec.job_name)}")
-    print(f"metrics: {run_dir / 'metrics.jsonl'}  tensorboard: {run_dir / 'tensorboard'}")
+    where = [f"metrics: {run_dir / 'metrics.jsonl'}"]
+    if "tensorboard" in spec.report_to:
+        where.append(f"tensorboard: {run_dir / 'tensorboard'}")
+    if "mlflow" in spec.report_to:
+        run_id_path = RunDir(run_dir).mlflow_run_id_path
+        where.append(f"mlflow run: {run_id_path.read_text().strip() if run_id_path.is_file() else '-'}")
+    print("  ".join(where))
     if summary:
         print(format_final_table(summary))
     print(f"finished in {time.perf_counter() - started:.0f}s")

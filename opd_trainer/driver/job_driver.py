@@ -30,6 +30,7 @@ from typing import Any
 import ray
 
 from opd_trainer.driver.run_dir import RunDir
+from opd_trainer.driver.trackers import Tracker, open_trackers
 from opd_trainer.engine.vllm_engine import EngineConfig, EngineGroup
 from opd_trainer.errors import ConfigError, OPDError
 from opd_trainer.learner.checkpoint import CheckpointStore
@@ -150,6 +151,7 @@ class JobDriver:
         self._tokenizer: Any = None
         # max_staleness > 0: the next step's rollouts, sampled while this step trains (see train_one_step).
         self._next: NextStep | None = None
+        self._trackers: list[Tracker] = []  # report_to (opened in run())
 
     # -- observation ----------------------------------------------------------------------------
 
@@ -689,6 +691,7 @@ class JobDriver:
         try:
             self._load_data()
             self._report_ignored_fields()
+            self._trackers = await asyncio.to_thread(open_trackers, self.spec, self.log, self.job_id)
             await self._start_components()
             assert self._student is not None and self._teacher is not None and self._learner is not None
             resumed = await self._resume_if_possible()
@@ -704,14 +707,14 @@ class JobDriver:
                 if self.validation_samples:
                     summary["teacher"] = await self.evaluate("teacher", "teacher")
                     summary["student_before"] = await self.evaluate("student", "student before")
-                    self.log.eval(0, summary["student_before"])
+                    self._record("eval", 0, summary["student_before"])
                 self.log.save_summary(summary)
             hp = self.spec.hyper_parameters
             self.emit("status", f"training {self.total_steps} steps", total_steps=self.total_steps)
             while self.step < self.total_steps:
                 metrics = await self.train_one_step()
                 self._latest = metrics
-                self.log.step(self.step, metrics)
+                self._record("train", self.step, metrics)
                 self.emit(
                     "step",
                     f"step {self.step}/{self.total_steps} reverse_kl={metrics['reverse_kl']:.4f} "
@@ -725,7 +728,7 @@ class JobDriver:
                     and self.step % hp.eval_steps == 0
                     and self.step < self.total_steps
                 ):
-                    self.log.eval(self.step, await self.evaluate("student", f"step {self.step}"))
+                    self._record("eval", self.step, await self.evaluate("student", f"step {self.step}"))
                 stopping = self._stop_requested or (stop_after is not None and self.step >= stop_after)
                 if self.step % hp.save_steps == 0 or stopping:
                     await self.save_checkpoint()
@@ -735,7 +738,7 @@ class JobDriver:
                     return summary
             if self.validation_samples:
                 summary["student_after"] = await self.evaluate("student", "student after")
-                self.log.eval(self.step, summary["student_after"])
+                self._record("eval", self.step, summary["student_after"])
             if self.checkpoints.latest_step() != self.step:
                 await self.save_checkpoint()
             self.log.save_summary(summary)
@@ -752,7 +755,28 @@ class JobDriver:
             self.emit("error", f"{type(exc).__name__}: {exc}")
             raise
         finally:
+            self._close_trackers()
             await self.shutdown()
+
+    def _record(self, kind: str, step: int, metrics: dict[str, float]) -> None:
+        """A training (`train`) or validation (`eval`) record: metrics.jsonl, then each tracker of
+        `report_to`; a tracker that fails is reported once and dropped, the job goes on."""
+        (self.log.step if kind == "train" else self.log.eval)(step, metrics)
+        for tracker in list(self._trackers):
+            try:
+                tracker.log(kind, step, metrics)
+            except Exception as exc:  # an external service: it must not stop training
+                self._trackers.remove(tracker)
+                problem = f"{type(exc).__name__}: {exc}"
+                self.emit("warning", f"report_to {tracker.name}: {problem}; not reporting to it any more")
+
+    def _close_trackers(self) -> None:
+        for tracker in self._trackers:
+            try:
+                tracker.close(self.status)
+            except Exception as exc:
+                self.emit("warning", f"report_to {tracker.name}: closing failed: {type(exc).__name__}: {exc}")
+        self._trackers = []
 
     def _report_ignored_fields(self) -> None:
         """One `warning` event per job for the Bailian-only settings it gave (a resumed run finds it)."""

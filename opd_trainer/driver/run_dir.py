@@ -5,7 +5,8 @@
     trajectories.jsonl  rollouts as the user's agent saw them (messages, tool calls, rewards, spans)
     summary.json        the final validation summary
     checkpoints/        `step-N/` folders and a `latest` pointer (`learner.checkpoint.CheckpointStore`)
-    tensorboard/        the same metrics for TensorBoard
+    tensorboard/        the same metrics for TensorBoard (`report_to: [tensorboard]`, driver/trackers.py)
+    mlflow.db, mlflow_run_id   `report_to: [mlflow]`: the default local store and the job's MLflow run
     curves.png          the plotted curves (`opd train`, `opd submit --follow`)
 
 Reading tolerates a file the driver is still writing (a missing file is empty, a half-written last
@@ -32,7 +33,8 @@ class RunDir:
         self.checkpoints_path = self.root / "checkpoints"
         self.tensorboard_path = self.root / "tensorboard"
         self.curves_path = self.root / "curves.png"
-        self._tensorboard: Any = None
+        self.mlflow_run_id_path = self.root / "mlflow_run_id"
+        self.mlflow_store_path = self.root / "mlflow.db"
 
     # -- reading (server, CLI, tests) ------------------------------------------------------------
 
@@ -66,13 +68,6 @@ class RunDir:
 
     # -- writing (the driver) --------------------------------------------------------------------
 
-    def _writer(self) -> Any:
-        if self._tensorboard is None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tensorboard = SummaryWriter(str(self.tensorboard_path))
-        return self._tensorboard
-
     def step(self, step: int, metrics: dict[str, float]) -> None:
         self._record("train", step, metrics)
 
@@ -81,10 +76,6 @@ class RunDir:
 
     def _record(self, kind: str, step: int, metrics: dict[str, float]) -> None:
         write_jsonl(self.metrics_path, [{"kind": kind, "step": step, **metrics}], append=True)
-        writer = self._writer()
-        for name, value in metrics.items():
-            writer.add_scalar(f"{kind}/{name}", value, step)
-        writer.flush()
 
     def event(self, event: dict[str, Any]) -> None:
         write_jsonl(self.events_path, [event], append=True)

@@ -410,6 +410,18 @@ class JobSpec(_Strict):
         "every call through the gateway unless the request sets its own.",
     )
     resources: Resources = Field(default_factory=Resources, description="Engine and learner placement.")
+    report_to: list[Literal["tensorboard", "mlflow"]] = Field(
+        default_factory=lambda: ["tensorboard"],
+        description="Experiment trackers that get every training and validation record besides the run "
+        "dir's metrics.jsonl: `tensorboard` (event files in the run dir's tensorboard/) and `mlflow` (one "
+        "run per job in the experiment named after job_name; see mlflow_tracking_uri). [] for none.",
+    )
+    mlflow_tracking_uri: str | None = Field(
+        default=None,
+        description="Where `report_to: [mlflow]` logs: an MLflow tracking URI (http://..., "
+        "sqlite:///...). Default: the MLFLOW_TRACKING_URI environment variable of the job's driver, "
+        "else a SQLite store in the run dir (mlflow.db; works offline).",
+    )
     ignored_fields: dict[str, JsonValue] = Field(
         default_factory=dict,
         description="Bailian-only settings with no meaning here, by path (`resources.charge_type`, "
@@ -435,6 +447,14 @@ class JobSpec(_Strict):
             earlier = data.get("ignored_fields")
             data["ignored_fields"] = {**(earlier if isinstance(earlier, Mapping) else {}), **moved}
         return data
+
+    @field_validator("report_to")
+    @classmethod
+    def _each_tracker_once(cls, value: list[str]) -> list[str]:
+        repeated = sorted({name for name in value if value.count(name) > 1})
+        if repeated:
+            raise ValueError(f"names {', '.join(repeated)} more than once")
+        return value
 
     @field_validator("chat_template_kwargs")
     @classmethod

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import ray
 import yaml
+from mlflow import MlflowClient
 
 from opd_trainer.cli.main import main
 from opd_trainer.demo.tiny_models import TinyModels
@@ -122,6 +123,8 @@ def test_validation_survives_solutions_of_any_shape(
         # The learner's weights go through Ray's object store (what an engine on another node gets;
         # `auto` would pick shared memory on this one-node cluster).
         "resources": {"weight_transfer": "ray"},
+        # MLflow beside TensorBoard, in its default store (SQLite in the run dir; no server).
+        "report_to": ["tensorboard", "mlflow"],
     }
     run_dir = tmp_path / "run"
     summary = _run(spec, run_dir)
@@ -140,6 +143,13 @@ def test_validation_survives_solutions_of_any_shape(
     assert summary["teacher"]["exact_match"] > summary["student_before"]["exact_match"]
     failures = [e for e in _events(run_dir) if e["type"] == "eval_failures"]
     assert len(failures) == 3  # teacher, student before, student after
+    client = MlflowClient(tracking_uri=f"sqlite:///{RunDir(run_dir).mlflow_store_path}")
+    run = client.get_run(RunDir(run_dir).mlflow_run_id_path.read_text().strip())
+    assert run.info.status == "FINISHED" and run.data.params["hyper_parameters.max_steps"] == "1"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train/reverse_kl")] == [1]
+    after = client.get_metric_history(run.info.run_id, "eval/exact_match")
+    assert [m.value for m in after][-1] == summary["student_after"]["exact_match"]
+    assert list((run_dir / "tensorboard").iterdir())
     for event in failures:
         named = {f["sample_id"] for f in event["data"]["failures"]}
         assert odd_ids <= named, event["message"]
