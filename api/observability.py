@@ -82,6 +82,17 @@ ENGINE_COUNTERS = {
 }
 
 
+def _families(
+    group: str, label: str, gauges: dict[str, str], counters: dict[str, str]
+) -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
+    """`opd_job_GROUP_KEY{job_id, label}`: a gauge per `gauges` key, a counter per `counters` key."""
+    families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
+    for kind, texts in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
+        for key, help_text in texts.items():
+            families[key] = kind(f"opd_job_{group}_{key}", help_text, labels=["job_id", label])
+    return families
+
+
 class JobProgressCollector(Collector):
     """Per running job, labelled by job id: steps, tokens, the latest step's metrics, its pools and
     engines."""
@@ -101,23 +112,11 @@ class JobProgressCollector(Collector):
             key: GaugeMetricFamily(f"opd_job_{key}", help_text, labels=["job_id"])
             for key, help_text in JOB_GAUGES.items()
         }
-        pool_gauges = {
-            key: GaugeMetricFamily(f"opd_job_pool_{key}", help_text, labels=["job_id", "pool"])
-            for key, help_text in POOL_GAUGES.items()
+        # `GROUP/NAME/KEY` metrics of a job: the family of KEY, labelled by job id and NAME.
+        grouped = {
+            "pool": _families("pool", "pool", POOL_GAUGES, POOL_COUNTERS),
+            "engine": _families("engine", "role", ENGINE_GAUGES, ENGINE_COUNTERS),
         }
-        pool_counters = {
-            key: CounterMetricFamily(f"opd_job_pool_{key}", help_text, labels=["job_id", "pool"])
-            for key, help_text in POOL_COUNTERS.items()
-        }
-        engine_gauges = {
-            key: GaugeMetricFamily(f"opd_job_engine_{key}", help_text, labels=["job_id", "role"])
-            for key, help_text in ENGINE_GAUGES.items()
-        }
-        engine_counters = {
-            key: CounterMetricFamily(f"opd_job_engine_{key}", help_text, labels=["job_id", "role"])
-            for key, help_text in ENGINE_COUNTERS.items()
-        }
-        grouped = {"pool": {**pool_gauges, **pool_counters}, "engine": {**engine_gauges, **engine_counters}}
         for job in running:
             step.add_metric([job.id], job.step)
             total.add_metric([job.id], job.total_steps or 0)
