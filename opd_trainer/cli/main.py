@@ -1,4 +1,5 @@
-"""`opd` command line: build the tiny models, train a job, run the engine round trip, serve and submit jobs.
+"""`opd` command line: build the tiny models, preview a dataset, train a job, run the engine round trip,
+serve and submit jobs.
 
 Launch: `opd --help`. Every command runs on a local embedded Ray unless RAY_ADDRESS is set.
 """
@@ -12,7 +13,9 @@ import sys
 import time
 from pathlib import Path
 
+from opd_trainer.cli.arguments import positive_int
 from opd_trainer.cli.client_commands import add_client_commands
+from opd_trainer.cli.preview import add_preview_command
 from opd_trainer.cli.serve import add_server_commands
 
 DEFAULT_MODELS_DIR = Path(".cache/tiny-models")
@@ -53,12 +56,6 @@ def _train(args: argparse.Namespace) -> int:
     return run_train(Path(args.job_file), Path(args.run_dir) if args.run_dir else None, args.stop_after)
 
 
-def _positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return int(text)
-
-
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -83,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--force", action="store_true", help="rebuild even if the cache matches")
     tiny.add_argument(
         "--threads",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="torch threads of the build (default: $OPD_TINY_MODELS_THREADS, else 2); part of the cache key, "
         "with torch's CPU kernel level ($ATEN_CPU_CAPABILITY), since either may change float rounding",
@@ -106,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     roundtrip.add_argument("--models-dir", default=str(DEFAULT_MODELS_DIR), help="tiny models directory")
     roundtrip.add_argument("--prompts", type=int, default=8, help="validation prompts to sample")
     roundtrip.set_defaults(handler=_roundtrip)
+    add_preview_command(commands)
     add_server_commands(commands)
     add_client_commands(commands)
     return parser

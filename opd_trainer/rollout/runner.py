@@ -24,11 +24,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import httpx
-from pydantic import JsonValue
 
 from opd_trainer.records import LLMCall
 from opd_trainer.sdk import PROMPT_MESSAGES_KEY, AgentOutput, ModelResource, TaskStatus, is_rollout_failure
-from opd_trainer.spec.dataset import Sample
+from opd_trainer.spec.dataset import Sample, ground_truth_of
 from opd_trainer.spec.job_spec import FunctionComponent
 from opd_trainer.stats import mean
 
@@ -95,11 +94,6 @@ class RolloutResult:
             "rollout_metrics": self.rollout_metrics,
             "spans": self.spans,
         }
-
-
-def ground_truth_of(sample: Sample) -> JsonValue:
-    """The sample's reference answer as stored: Bailian rewards `json.loads` a string, use a dict as is."""
-    return sample.rollout_extra.get("ground_truth", sample.rollout_extra.get("solution"))
 
 
 def component_reward(component: FunctionComponent, reward_score: float, metrics: dict[str, float]) -> float:

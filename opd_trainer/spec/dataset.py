@@ -35,6 +35,24 @@ class Sample:
         return str(self.rollout_extra.get("sample_id", f"{Path(self.source).name}:{self.line}"))
 
 
+def ground_truth_of(sample: Sample) -> Any:
+    """The sample's reference answer as stored (`rollout_extra.ground_truth`, else `.solution`): Bailian
+    rewards `json.loads` a string, use a dict as is."""
+    return sample.rollout_extra.get("ground_truth", sample.rollout_extra.get("solution"))
+
+
+def sample_view(sample: Sample) -> dict[str, Any]:
+    """How the trainer reads one sample, as JSON: what `opd preview` shows and processors receive."""
+    return {
+        "sample_id": sample.sample_id,
+        "source": f"{Path(sample.source).name}:{sample.line}",
+        "messages": sample.messages,
+        "tools": [tool["function"].get("name") for tool in sample.tools or []],
+        "ground_truth": ground_truth_of(sample),
+        "rollout_extra": sample.rollout_extra,
+    }
+
+
 def record_problem(record: Any) -> str | None:
     """Why a decoded record is not a valid sample, or None. Messages name the offending field."""
     if not isinstance(record, dict):
