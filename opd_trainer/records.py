@@ -41,3 +41,5 @@ class LLMCall:
     group_id: int = 0
     rollout_id: int = 0
     reward: float = 0.0
+    hindsight: float = 0.0
+    """Turn-level hindsight advantage of this call (learner/hindsight.py; 0 unless `hindsight_coef`)."""

@@ -35,6 +35,7 @@ from opd_trainer.engine.vllm_engine import EngineConfig, EngineGroup
 from opd_trainer.errors import ConfigError, OPDError
 from opd_trainer.learner.checkpoint import CheckpointStore
 from opd_trainer.learner.deepspeed_learner import LearnerGroup, LearnerSettings
+from opd_trainer.learner.hindsight import hindsight_advantages
 from opd_trainer.records import LLMCall
 from opd_trainer.rollout.chat import prompt_token_ids
 from opd_trainer.rollout.gateway import GatewayActor
@@ -240,6 +241,7 @@ class JobDriver:
             kl_coef=hp.kl_coef,
             kl_loss_coef=hp.kl_loss_coef,
             reward_coef=hp.reward_coef,
+            hindsight_coef=hp.hindsight_coef,
             normalize_reward_by_std=hp.normalize_reward_by_std,
             ratio_cap=hp.ratio_cap,
             zero_stage=spec.resources.zero_stage,
@@ -529,6 +531,14 @@ class JobDriver:
         staleness = [step - s.weight_version for s in segments]
         if hp.max_staleness > 0:
             segments = [s for s, lag in zip(segments, staleness, strict=True) if lag <= hp.max_staleness]
+        hindsight_metrics: dict[str, float] = {}
+        if hp.hindsight_coef > 0:
+            values = hindsight_advantages(segments)
+            segments = [dataclasses.replace(s, hindsight=v) for s, v in zip(segments, values, strict=True)]
+            hindsight_metrics = {
+                "hindsight/turns_up": float(sum(v > 0 for v in values)),
+                "hindsight/turns_down": float(sum(v < 0 for v in values)),
+            }
         timer = time.perf_counter()
         learner_metrics = await self._learner.train_step(self._minibatches(segments))
         learner_s = time.perf_counter() - timer
@@ -551,6 +561,7 @@ class JobDriver:
             **learner_metrics,
             **pool_metrics(self._pools),
             **engine_metrics,
+            **hindsight_metrics,
             "segments": float(len(segments)),
             "trained_tokens": float(trained_tokens),
             "tokens_per_s": trained_tokens / step_s,

@@ -61,6 +61,7 @@ class LearnerSettings:
     kl_loss_coef: float
     reward_coef: float
     normalize_reward_by_std: bool
+    hindsight_coef: float
     ratio_cap: float
     zero_stage: int
     seed: int
@@ -74,10 +75,14 @@ def distillation_loss(
     batch: dict[str, torch.Tensor],
     logits_B_S_V: torch.Tensor,
     learner_B_T: torch.Tensor,
-    reward_adv_B: torch.Tensor | None,
+    row_adv_B: torch.Tensor | None,
     num_tokens: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The `settings.distill_loss` estimator plus the reward term, and its stats (see learner/loss.py).
+    """The `settings.distill_loss` estimator plus the per-row terms, and its stats (see learner/loss.py).
+
+    `row_adv_B`: each row's advantage added to all its trained tokens through the policy gradient,
+    already weighted (`row_advantages`: reward_coef × the group-baselined reward + hindsight_coef ×
+    the turn's hindsight value), or None.
 
     `num_tokens`: the loss normaliser (None: this batch's trained tokens). A data-parallel rank passes
     the whole mini-batch's trained tokens over the number of ranks, so that the ranks' gradients,
@@ -113,7 +118,7 @@ def distillation_loss(
 
     if settings.distill_loss == "sampled":
         advantages_B_T = opd_loss.opd_advantages(
-            sampler_B_T, teacher_B_T, mask_B_T, settings.kl_coef, reward_adv_B, settings.reward_coef
+            sampler_B_T, teacher_B_T, mask_B_T, settings.kl_coef, row_adv_B, 1.0
         )
         loss, stats = opd_loss.policy_loss(
             learner_B_T, sampler_B_T, advantages_B_T, mask_B_T, settings.ratio_cap, num_tokens
@@ -126,9 +131,7 @@ def distillation_loss(
         distill_B_T = opd_loss.sampled_baseline_advantages(
             sampler_B_T, teacher_B_T, baseline_B_T, mask_B_T, settings.kl_coef
         )
-        advantages_B_T = opd_loss.add_reward_advantages(
-            distill_B_T, mask_B_T, reward_adv_B, settings.reward_coef
-        )
+        advantages_B_T = opd_loss.add_reward_advantages(distill_B_T, mask_B_T, row_adv_B, 1.0)
         loss, stats = opd_loss.policy_loss(
             learner_B_T, sampler_B_T, advantages_B_T, mask_B_T, settings.ratio_cap, num_tokens
         )
@@ -142,10 +145,9 @@ def distillation_loss(
             divergence, per_token_B_S = opd_loss.topk_jsd_loss(
                 logits_B_S_V, *top_k, beta=settings.jsd_beta, num_tokens=num_tokens
             )
-        # The reward still reaches the student through the policy gradient (zero when there is none).
-        advantages_B_T = opd_loss.add_reward_advantages(
-            torch.zeros_like(learner_B_T), mask_B_T, reward_adv_B, settings.reward_coef
-        )
+        # The reward (and hindsight) still reach the student through the policy gradient (zero when none).
+        zeros_B_T = torch.zeros_like(learner_B_T)
+        advantages_B_T = opd_loss.add_reward_advantages(zeros_B_T, mask_B_T, row_adv_B, 1.0)
         policy, stats = opd_loss.policy_loss(
             learner_B_T, sampler_B_T, advantages_B_T, mask_B_T, settings.ratio_cap, num_tokens
         )
@@ -166,6 +168,19 @@ def prefix_plan(batch: dict[str, torch.Tensor]) -> PrefixPlan | None:
         prompts.append(ids[:prompt_length])
         completions.append(ids[prompt_length:length])
     return plan_prefixes(prompts, completions)
+
+
+def row_advantages(
+    settings: LearnerSettings, reward_adv_B: torch.Tensor, hindsight_B: torch.Tensor
+) -> torch.Tensor | None:
+    """Each row's weighted policy-gradient advantage: reward_coef × its group-baselined reward plus
+    hindsight_coef × its turn's hindsight value (learner/hindsight.py); None when both weights are 0."""
+    terms = [
+        coef * values
+        for coef, values in ((settings.reward_coef, reward_adv_B), (settings.hindsight_coef, hindsight_B))
+        if coef > 0
+    ]
+    return sum(terms[1:], terms[0]) if terms else None
 
 
 # Our `lr_scheduler_type` names → transformers' schedules (linear warm-up from 0 in each).
@@ -433,12 +448,13 @@ class Learner:
             )
             logits_B_S_V = self._scored_logits(self._engine, batch)
             learner_B_T = self._logprobs_of_targets(logits_B_S_V, batch)
+            hindsight_B = torch.tensor([s.hindsight for s in minibatch], device=self._device)
             policy, stats = distillation_loss(
                 self.settings,
                 batch,
                 logits_B_S_V,
                 learner_B_T,
-                reward_adv_B if self.settings.reward_coef > 0 else None,
+                row_advantages(self.settings, reward_adv_B, hindsight_B),
                 num_tokens,
             )
             total = policy

@@ -214,6 +214,14 @@ class HyperParameters(_Strict):
         description="Weight of the group-baselined task reward in each token's advantage (the formula is in "
         "opd_trainer/learner/loss.py). Rewards count by default; 0 keeps them as logged monitoring only.",
     )
+    hindsight_coef: float = Field(
+        default=0.0,
+        ge=0,
+        description="Weight of the turn-level hindsight advantage (opd_trainer/learner/hindsight.py): at the "
+        "first turn where one of a prompt's worst trajectories parted from one of its best, from the same "
+        "context, the better turn's tokens get +hindsight_coef and the worse one's -hindsight_coef in their "
+        "advantage. 0 (default): off.",
+    )
     normalize_reward_by_std: bool = Field(default=False, description="Divide reward advantages by group std.")
     ratio_cap: float = Field(
         default=2.0,

@@ -119,7 +119,14 @@ def test_validation_survives_solutions_of_any_shape(
                 **component,
             },
         ],
-        "hyper_parameters": {"max_steps": 1, "batch_size": 4, "n_rollouts": 2, "max_tokens": 48, "seed": 3},
+        "hyper_parameters": {
+            "max_steps": 1,
+            "batch_size": 4,
+            "n_rollouts": 2,
+            "max_tokens": 48,
+            "seed": 3,
+            "hindsight_coef": 0.5,
+        },
         # The learner's weights go through Ray's object store (what an engine on another node gets;
         # `auto` would pick shared memory on this one-node cluster).
         "resources": {"weight_transfer": "ray"},
@@ -150,6 +157,10 @@ def test_validation_survives_solutions_of_any_shape(
     after = client.get_metric_history(run.info.run_id, "eval/exact_match")
     assert [m.value for m in after][-1] == summary["student_after"]["exact_match"]
     assert list((run_dir / "tensorboard").iterdir())
+    # Turn-level hindsight: every prompt whose two rollouts earned different rewards diverged at turn 0
+    # (one turn pushed up, one down); the counts come from the step's own segments.
+    [train] = [r for r in RunDir(run_dir).records() if r["kind"] == "train"]
+    assert train["hindsight/turns_up"] == train["hindsight/turns_down"] <= 4
     for event in failures:
         named = {f["sample_id"] for f in event["data"]["failures"]}
         assert odd_ids <= named, event["message"]

@@ -38,6 +38,7 @@ def _settings(tiny_models: TinyModels, zero_stage: int) -> LearnerSettings:
         kl_loss_coef=0.0,
         reward_coef=0.5,
         normalize_reward_by_std=False,
+        hindsight_coef=0.0,
         ratio_cap=2.0,
         zero_stage=zero_stage,
         seed=0,

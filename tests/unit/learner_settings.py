@@ -17,6 +17,7 @@ SETTINGS = LearnerSettings(
     kl_loss_coef=0.0,
     reward_coef=1.0,
     normalize_reward_by_std=False,
+    hindsight_coef=0.0,
     ratio_cap=2.0,
     zero_stage=0,
     seed=0,
