@@ -484,7 +484,8 @@ class JobDriver:
 
     def _start_next_step(self, step: int) -> NextStep:
         """Samples step `step`'s rollouts now, with the weights the engines hold; the teacher scores
-        each as soon as it is done. The cursor state before the batch is kept for checkpoints."""
+        each as soon as it is done. The cursor state before the batch is kept for checkpoints (used
+        when the batch is started a step early)."""
         cursor = self.cursor.state()
         samples, seeds = self._next_batch(step)
         return NextStep(cursor, *self._sample_and_score(samples, step, seeds))
@@ -506,8 +507,7 @@ class JobDriver:
         if self._next is not None:  # sampled during the previous step
             upcoming, self._next = self._next, None
         else:
-            samples, seeds = self._next_batch(step)
-            upcoming = NextStep(self.cursor.state(), *self._sample_and_score(samples, step, seeds))
+            upcoming = self._start_next_step(step)
         try:
             results = await upcoming.rollouts
             rollout_s = time.perf_counter() - timer
