@@ -138,7 +138,11 @@ def main(
         names = [name for name in (*NODES, "spare") if f"{name}_node" in node["Resources"]]
         node_of.setdefault(node["NodeID"], names[-1] if names else "?")
     placed: dict[str, list[str]] = {}
+    never_placed: list[str] = []
     for actor in list_actors(detail=True, limit=10_000):
+        if not actor.node_id:  # created, then killed before Ray found it a node (the pool gave up on it)
+            never_placed.append(f"{actor.class_name}:{actor.state}")
+            continue
         placed.setdefault(actor.class_name, []).append(node_of.get(actor.node_id, "?"))
     events = [json.loads(line) for line in (work / "run" / "events.jsonl").read_text().splitlines()]
     transfers = [e["data"]["weight_transfers"] for e in events if "weight_transfers" in e.get("data", {})]
@@ -148,6 +152,7 @@ def main(
         "exact_match_after": summary.get("student_after", {}).get("exact_match"),
         "weight_transfers": transfers,
         "placed": {name: sorted(set(nodes)) for name, nodes in placed.items()},
+        "never_placed": never_placed,
         "ratio_mean": [r["ratio_mean"] for r in steps],
         "steps": len(steps),
         "reward_mean": [r.get("reward_mean") for r in steps],
