@@ -1,9 +1,10 @@
 """The autoscaling controller both worker pools (rollout and reward) use: pure logic, a clock, gauges.
 
 A pool calls `Autoscaler.decide(PoolSnapshot(...))` on a timer and reconciles its live workers
-towards `ScaleDecision.desired`: it starts workers for an "up" decision and stops `remove` idle
-workers for a "down" one. Nothing here starts or stops anything, so the rules are testable with a
-fake clock and no Ray.
+towards `ScaleDecision.desired`: it starts `start` workers for an "up" decision (workers still
+starting count as on their way, so a slow start is not asked for again every tick) and stops
+`remove` idle workers for a "down" one. Nothing here starts or stops anything, so the rules are
+testable with a fake clock and no Ray.
 
 The rules (the product spec's runtime fields, `FunctionRuntime`):
 
@@ -115,9 +116,10 @@ class PoolSnapshot:
     queued: int  # calls waiting for a free slot on some worker
     idle_workers: int  # workers with no call in flight: the only ones a scale-down may stop
     memory_fraction: float | None = None  # max over workers of used / limit; None when not measured
+    starting: int = 0  # workers being started (not yet live): a scale-up counts them as on their way
 
     def __post_init__(self) -> None:
-        for name in ("workers", "in_flight", "queued", "idle_workers"):
+        for name in ("workers", "in_flight", "queued", "idle_workers", "starting"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.idle_workers > self.workers:
@@ -126,7 +128,8 @@ class PoolSnapshot:
 
 @dataclass(frozen=True)
 class ScaleDecision:
-    """The target pool size; for "down", `remove` idle workers go (`remove` == current − desired)."""
+    """The target pool size; for "up", `start` new workers (desired − current − those already
+    starting); for "down", `remove` idle workers go (`remove` == current − desired)."""
 
     desired: int
     current: int
@@ -134,6 +137,7 @@ class ScaleDecision:
     reason: str
     utilisation: float  # math.inf for demand on a pool with 0 workers
     remove: int = 0
+    start: int = 0
 
 
 class Autoscaler:
@@ -200,9 +204,14 @@ class Autoscaler:
             reasons.append(f"memory {snapshot.memory_fraction:.2f} > {s.memory_scale_threshold}")
         up_to = min(up_to, s.max_capacity)
 
-        if up_to > current:
+        if up_to > current + snapshot.starting:
             self._calm_since = None
-            decision = ScaleDecision(up_to, current, "up", "; ".join(reasons), utilisation)
+            start = up_to - current - snapshot.starting
+            decision = ScaleDecision(up_to, current, "up", "; ".join(reasons), utilisation, start=start)
+        elif up_to > current:  # the workers already starting cover it: no new scale-up
+            self._calm_since = None
+            reasons.append(f"{snapshot.starting} starting")
+            decision = ScaleDecision(up_to, current, "hold", "; ".join(reasons), utilisation)
         elif current > s.max_capacity:
             decision = self._remove_idle(
                 snapshot, s.max_capacity, f"{current} workers > max_capacity {s.max_capacity}", utilisation

@@ -469,7 +469,12 @@ class WorkerPool:
         in_flight = sum(self._in_flight.values())
         idle = sum(1 for w in self._workers if self._in_flight[w] == 0)
         return PoolSnapshot(
-            len(self._workers), in_flight, self._queued, idle, max(memory) if memory else None
+            len(self._workers),
+            in_flight,
+            self._queued,
+            idle,
+            max(memory) if memory else None,
+            starting=self._starting,
         )
 
     async def autoscale_once(self) -> None:
@@ -487,7 +492,7 @@ class WorkerPool:
         )
         if decision.action == "up":
             await asyncio.gather(
-                *(self._add_worker_within_max() for _ in range(decision.desired - decision.current)),
+                *(self._add_worker_within_max() for _ in range(decision.start)),
                 return_exceptions=True,
             )
         elif decision.action == "down":

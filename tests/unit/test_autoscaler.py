@@ -56,9 +56,10 @@ class Harness:
         queued: int = 0,
         idle: int = 0,
         memory: float | None = None,
+        starting: int = 0,
     ) -> ScaleDecision:
         self.clock.now = t
-        return self.scaler.decide(PoolSnapshot(workers, in_flight, queued, idle, memory))
+        return self.scaler.decide(PoolSnapshot(workers, in_flight, queued, idle, memory, starting))
 
 
 # --- settings -----------------------------------------------------------------------------------
@@ -137,7 +138,7 @@ def test_burst_scales_straight_to_the_needed_count() -> None:
     # 50 calls on 2 × 10 slots: utilisation 2.5; ceil(50 / 8) = 7 workers.
     decision = h.at(0, workers=2, in_flight=20, queued=30)
     assert decision == ScaleDecision(
-        desired=7, current=2, action="up", reason=decision.reason, utilisation=2.5, remove=0
+        desired=7, current=2, action="up", reason=decision.reason, utilisation=2.5, remove=0, start=5
     )
     assert "utilisation 2.50 > 0.8" in decision.reason
 
@@ -363,3 +364,17 @@ def test_settings_snapshot_and_decision_survive_pickle() -> None:
     ]
     for item in items:
         assert pickle.loads(pickle.dumps(item)) == item
+
+
+def test_workers_still_starting_are_not_asked_for_again() -> None:
+    """A replacement that takes seconds to start (a lost node, a slow setup) is one scale-up, not
+    one per tick: the ticks while it starts hold, and only demand beyond it starts more."""
+    h = Harness(min_capacity=1, capacity=1, max_capacity=4, concurrency=1, concurrency_scale_threshold=1.0)
+    first = h.at(0.0, workers=0, in_flight=0, queued=1)
+    assert (first.action, first.start) == ("up", 1)
+    for t in (1.0, 2.0, 3.0):
+        held = h.at(t, workers=0, in_flight=0, queued=1, starting=1)
+        assert held.action == "hold" and held.desired == 1 and "1 starting" in held.reason
+    more = h.at(4.0, workers=0, in_flight=0, queued=3, starting=1)
+    assert (more.action, more.desired, more.start) == ("up", 3, 2)
+    assert h.scaler.scale_events["up"] == 2 and len(h.events) == 2
