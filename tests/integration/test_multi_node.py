@@ -53,7 +53,7 @@ def _run_job(tiny_models: TinyModels, mode: str) -> dict[str, Any]:
         ],
         capture_output=True,
         text=True,
-        timeout=1500,
+        timeout=900,
         check=False,
     )
     assert done.returncode == 0, done.stderr[-4000:]
