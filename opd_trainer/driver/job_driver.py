@@ -146,6 +146,7 @@ class JobDriver:
         self._gateway: Any = None
         self._runner: RolloutRunner | None = None
         self._teacher_gateway: Any = None
+        self._gateways_ready: list[Any] = []  # the gateways' ready() calls, started with the engines
         self._teacher_runner: RolloutRunner | None = None
         self._pools: list[Any] = []
         self._max_length = 0
@@ -250,6 +251,13 @@ class JobDriver:
             jsd_beta=hp.jsd_beta,
         )
         self.emit("status", "starting engines and learner")
+        # The gateways (vLLM's request validation and tool-call parser: a vLLM import of their own)
+        # start beside the engines and learner; they get their engines once those are up.
+        self._gateway = self._new_gateway(spec.model)
+        self._gateways_ready = [self._gateway.ready.remote()]
+        if self.validation_samples:
+            self._teacher_gateway = self._new_gateway(spec.teacher_model)
+            self._gateways_ready.append(self._teacher_gateway.ready.remote())
         learner_gpus = spec.resources.learner_gpu_fraction if on_gpu else 0.0
         self._learner = LearnerGroup(
             settings,
@@ -314,21 +322,26 @@ class JobDriver:
             raise ConfigError(f"{path} does not exist", field=f"functions.{component.name}.fcmodel.zipdir")
         return path
 
-    async def _start_gateway(self, name: str, model: str, engines: EngineGroup) -> tuple[Any, str]:
+    def _new_gateway(self, model: str) -> Any:
+        """A recording gateway for `model`'s engines (given later, `_serve_gateway`)."""
         hp = self.spec.hyper_parameters
-        gateway = GatewayActor.options(num_cpus=0).remote(  # type: ignore[attr-defined]
-            name,
+        return GatewayActor.options(num_cpus=0).remote(  # type: ignore[attr-defined]
+            STUDENT_MODEL_NAME,
             model,
-            engines.actors,
+            [],
             max_tokens=hp.max_tokens,
             temperature=hp.temperature,
             max_length=self._max_length,
             tool_call_parser=self.spec.tool_call_parser,
             chat_template_kwargs=self.spec.chat_template_kwargs,
         )
+
+    async def _serve_gateway(self, gateway: Any, engines: EngineGroup) -> str:
+        """Hands `gateway` its engines and starts its HTTP server; returns the base URL."""
+        await gateway.set_engines.remote(engines.actors)
         # On a cluster the rollout workers may sit on other nodes: listen on every interface there.
         host = "127.0.0.1" if self._single_node() else "0.0.0.0"
-        return gateway, await gateway.serve.remote(host)
+        return await gateway.serve.remote(host)  # type: ignore[no-any-return]
 
     async def _start_rollout_path(self) -> None:
         """The recording gateway in front of the student, and the user's worker pools if any.
@@ -339,11 +352,9 @@ class JobDriver:
         from reward_workers.pool import RewardPool
         from rollout_workers.pool import RolloutPool
 
-        assert self._student is not None and self._teacher is not None
+        assert self._student is not None and self._teacher is not None and self._gateway is not None
         spec, hp = self.spec, self.spec.hyper_parameters
-        self._gateway, base_url = await self._start_gateway(STUDENT_MODEL_NAME, spec.model, self._student)
-        # vLLM's tool-call parser loads in the gateways while the pools start; a bad name fails below.
-        parsers_ready = [self._gateway.ready.remote()]
+        base_url = await self._serve_gateway(self._gateway, self._student)
 
         def on_event(event: dict[str, Any]) -> None:
             message = f"{event['pool']}: {event['from']} -> {event['to']} workers ({event['reason']})"
@@ -378,13 +389,11 @@ class JobDriver:
             "evaluator_pool": evaluator_pool,
         }
         self._runner = RolloutRunner(self.job_id, self._gateway, base_url, **options)
-        if self.validation_samples:
-            self._teacher_gateway, teacher_url = await self._start_gateway(
-                STUDENT_MODEL_NAME, spec.teacher_model, self._teacher
-            )
+        if self._teacher_gateway is not None:
+            teacher_url = await self._serve_gateway(self._teacher_gateway, self._teacher)
             self._teacher_runner = RolloutRunner(self.job_id, self._teacher_gateway, teacher_url, **options)
-            parsers_ready.append(self._teacher_gateway.ready.remote())
-        await asyncio.gather(*parsers_ready)
+        # vLLM's tool-call parsers loaded in the gateways meanwhile; a bad parser name fails here.
+        await asyncio.gather(*self._gateways_ready)
 
     @staticmethod
     def _single_node() -> bool:
