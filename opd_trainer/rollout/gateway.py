@@ -38,6 +38,7 @@ import logging
 import secrets
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -114,6 +115,45 @@ def template_kwargs(request: Any, job_defaults: dict[str, Any] | None = None) ->
 def asked_max_tokens(request: Any) -> int | None:
     """`max_completion_tokens`, else the deprecated `max_tokens` (read without pydantic's warning)."""
     return request.max_completion_tokens or request.__dict__.get("max_tokens")
+
+
+class RenderedPrompts:
+    """The token ids of the last `size` prompts rendered, by (messages, tools, template variables).
+
+    A prompt group's `n_rollouts` first calls send the same messages: one renders the chat template
+    and tokenizes, the others reuse its ids (measured: ~3 ms a render of the example's prompts).
+    A request whose parts are not JSON data is rendered every time."""
+
+    def __init__(self, size: int = 512) -> None:
+        self.size = size
+        self._ids: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def get(
+        self,
+        tokenizer: Any,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        kwargs: dict[str, Any],
+    ) -> list[int]:
+        from opd_trainer.rollout.chat import prompt_token_ids
+
+        try:
+            key = json.dumps([messages, tools, kwargs], sort_keys=True, ensure_ascii=False)
+        except (TypeError, ValueError):
+            return prompt_token_ids(tokenizer, messages, tools, kwargs)
+        ids = self._ids.get(key)
+        if ids is None:
+            self.misses += 1
+            ids = tuple(prompt_token_ids(tokenizer, messages, tools, kwargs))
+            self._ids[key] = ids
+            if len(self._ids) > self.size:
+                self._ids.popitem(last=False)
+        else:
+            self.hits += 1
+            self._ids.move_to_end(key)
+        return list(ids)
 
 
 @dataclass
@@ -230,6 +270,7 @@ class Gateway:
         self._sessions: dict[str, RolloutSession] = {}
         self._in_flight = [0] * len(self.engines)
         self._tokenizer: Any = None
+        self._prompts = RenderedPrompts()
         self._server: Any = None
         self.base_url = ""
         self.calls_served = 0
@@ -295,14 +336,12 @@ class Gateway:
         self._parsing()
 
     def _prompt_ids(self, request: Any) -> tuple[list[dict[str, Any]], list[int]]:
-        from opd_trainer.rollout.chat import prompt_token_ids
-
         self._load_tokenizer()
         messages = normalize_messages(request.messages)
         tools = None
         if request.tools and request.tool_choice != "none":
             tools = [tool.model_dump(exclude_none=True) for tool in request.tools]  # as the client sent them
-        return messages, prompt_token_ids(
+        return messages, self._prompts.get(
             self._tokenizer, messages, tools, template_kwargs(request, self.chat_template_kwargs)
         )
 
@@ -455,7 +494,13 @@ class Gateway:
 
         @app.get("/health")
         async def health() -> dict[str, Any]:
-            return {"status": "ok", "rollouts_open": len(self._sessions), "calls_served": self.calls_served}
+            return {
+                "status": "ok",
+                "rollouts_open": len(self._sessions),
+                "calls_served": self.calls_served,
+                "prompt_cache_hits": self._prompts.hits,
+                "prompt_cache_misses": self._prompts.misses,
+            }
 
         @app.post("/v1/chat/completions", response_model=None)
         async def chat_completions(raw: Request) -> JSONResponse | StreamingResponse:

@@ -171,3 +171,35 @@ def test_the_job_spec_refuses_template_arguments_the_trainer_sets() -> None:
             }
         )
     assert "tokenize" in str(error.value)
+
+
+def test_a_repeated_prompt_is_rendered_once_and_gets_the_same_ids(gateway: Gateway) -> None:
+    """The n_rollouts first calls of a prompt group share one render; any change renders anew."""
+    before = (gateway._prompts.hits, gateway._prompts.misses)
+    first = prompt(gateway, chat_template_kwargs={"enable_thinking": False, "marker": 1})
+    again = prompt(gateway, chat_template_kwargs={"enable_thinking": False, "marker": 1})
+    assert again == first and again is not first
+    again.append(-1)  # a caller's list is its own: the cached ids stay as rendered
+    assert prompt(gateway, chat_template_kwargs={"enable_thinking": False, "marker": 1}) == first
+    other = prompt(gateway, chat_template_kwargs={"enable_thinking": True, "marker": 1})
+    assert other != first
+    assert (gateway._prompts.hits - before[0], gateway._prompts.misses - before[1]) == (2, 2)
+
+
+def test_the_prompt_cache_keeps_only_the_most_recent() -> None:
+    from opd_trainer.rollout.gateway import RenderedPrompts
+
+    class CountingTokenizer:
+        renders = 0
+
+        def apply_chat_template(self, messages: list[dict[str, str]], **_: object) -> str:
+            CountingTokenizer.renders += 1
+            return messages[0]["content"]
+
+        def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+            return [len(text)]
+
+    cache, tokenizer = RenderedPrompts(size=2), CountingTokenizer()
+    for content in ("a", "bb", "a", "ccc", "a", "bb"):  # "bb" falls out when "ccc" comes in
+        cache.get(tokenizer, [{"role": "user", "content": content}], None, {})
+    assert (cache.hits, cache.misses, CountingTokenizer.renders) == (2, 4, 4)
