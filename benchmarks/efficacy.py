@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from harness import JobRun, example_rewards, job_spec, run_job, write_json
+from harness import JobRun, example_rewards, job_spec, run_job, save_figure, write_json
 
 from opd_trainer.spec.job_spec import DEFAULT_DISTILL_LOSS, DEFAULT_TEACHER_TOP_K
 
@@ -201,14 +201,7 @@ def plot(per_arm: dict[str, list[dict[str, Any]]], path: Path) -> None:
         ylabel="validation exact match",
         title="Accuracy by wall time",
     )
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"plot: {path}")
+    save_figure(fig, path)
 
 
 def main() -> None:

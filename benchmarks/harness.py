@@ -149,3 +149,17 @@ def write_json(path: Path, result: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}")
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    """Grid and legend on every axis, then the figure to `path` (PNG), closed."""
+    import matplotlib.pyplot as plt
+
+    for ax in fig.axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"plot: {path}")

@@ -1,12 +1,16 @@
 """Overlapped rollouts: the example job with `max_staleness: 0` and `1`, side by side in one run.
 
 With `max_staleness: 1` the next step's rollouts (and their teacher scores) run while the learner
-trains, one weight version behind. This reports each setting's median step time and samples/s
-(step 1 excluded: it pays one-off warm-up, and cannot overlap) and their ratio, plus how much of a
-step the learner then still waits for rollouts. On a CPU box every role shares the same cores, so
-overlap can only win what the roles leave idle; on GPUs the roles run on different devices.
+trains, one weight version behind. For every seed this runs both settings and reports each one's
+median step time and samples/s (step 1 excluded: it pays one-off warm-up, and cannot overlap) and
+their ratio, how much of a step the learner still waits for rollouts, and validation exact match:
+at the end, and after the same training time (the shorter run's training seconds, start-up and
+evaluations excluded: the last validation each run had reached by then). On a CPU box every role
+shares the same cores, so overlap can only win what the roles leave idle; on GPUs the roles run on
+different devices.
 
-Launch: `.venv/bin/python benchmarks/staleness.py --steps 8` (after `opd make-tiny-models`).
+Launch: `.venv/bin/python benchmarks/staleness.py --steps 12 --eval-every 4 --seeds 0 1 2`
+(after `opd make-tiny-models`); `--eval-every 0` skips validation (what `gpu_check.sh` runs).
 """
 
 from __future__ import annotations
@@ -17,16 +21,24 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from harness import EXAMPLE_JOB, job_spec, run_job, write_json
+from harness import EXAMPLE_JOB, job_spec, run_job, save_figure, write_json
 
 
-def measure(job_file: Path, steps: int, max_staleness: int) -> dict[str, Any]:
-    spec = job_spec(job_file, max_steps=steps, eval_steps=10**6, max_staleness=max_staleness)
-    spec = spec.model_copy(update={"validation_datasets": []})
+def measure(job_file: Path, steps: int, max_staleness: int, seed: int, eval_every: int) -> dict[str, Any]:
+    eval_steps = eval_every if eval_every > 0 else 10**6
+    spec = job_spec(job_file, max_steps=steps, eval_steps=eval_steps, max_staleness=max_staleness, seed=seed)
+    if eval_every <= 0:
+        spec = spec.model_copy(update={"validation_datasets": []})
     run = run_job(spec)
     measured = run.train[1:]
+    curve = [
+        {"step": r["step"], "exact_match": r["exact_match"], "train_s": run.train_s_until(r["step"])}
+        for r in run.evals
+        if "exact_match" in r
+    ]
     return {
         "max_staleness": max_staleness,
+        "seed": seed,
         "steps_measured": len(measured),
         "step_s": statistics.median(r["time/step_s"] for r in measured),
         "samples_per_s": statistics.median(r["rollouts"] / r["time/step_s"] for r in measured),
@@ -35,31 +47,103 @@ def measure(job_file: Path, steps: int, max_staleness: int) -> dict[str, Any]:
         "learner_s": statistics.median(r["time/learner_s"] for r in measured),
         "staleness_mean": statistics.mean(r["staleness/mean"] for r in measured),
         "final_reverse_kl": run.train[-1]["reverse_kl"],
+        "train_s": run.train_s,
+        "curve": curve,
+        "final_exact_match": curve[-1]["exact_match"] if curve else None,
     }
+
+
+def exact_match_by(curve: list[dict[str, Any]], train_s: float) -> float | None:
+    """The last validation a run had reached after `train_s` training seconds."""
+    reached = [p for p in curve if p["train_s"] <= train_s + 1e-9]
+    return reached[-1]["exact_match"] if reached else None
+
+
+def compare(on_policy: dict[str, Any], overlapped: dict[str, Any]) -> dict[str, Any]:
+    common_s = min(on_policy["train_s"], overlapped["train_s"])
+    return {
+        "seed": on_policy["seed"],
+        "samples_per_s_ratio": overlapped["samples_per_s"] / on_policy["samples_per_s"],
+        "common_train_s": common_s,
+        "exact_match_at_common_s": {
+            "0": exact_match_by(on_policy["curve"], common_s),
+            "1": exact_match_by(overlapped["curve"], common_s),
+        },
+    }
+
+
+def plot(runs: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    colours = {0: "tab:blue", 1: "tab:orange"}
+    for run in runs:
+        if not run["curve"]:
+            continue
+        label = f"max_staleness {run['max_staleness']}, seed {run['seed']}"
+        ax.plot(
+            [p["train_s"] for p in run["curve"]],
+            [p["exact_match"] for p in run["curve"]],
+            marker="o",
+            color=colours[run["max_staleness"]],
+            alpha=0.4 + 0.2 * (run["seed"] % 3),
+            label=label,
+        )
+    ax.set(xlabel="training seconds (start-up and evaluations excluded)", ylabel="validation exact match")
+    ax.set_title("max_staleness 0 vs 1: accuracy by training time")
+    save_figure(fig, path)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--job", type=Path, default=EXAMPLE_JOB)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="each runs both settings")
+    parser.add_argument(
+        "--eval-every", type=int, default=0, help="validate every N steps (0: no validation, timing only)"
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/staleness.json"))
     args = parser.parse_args()
-    on_policy = measure(args.job, args.steps, 0)
-    overlapped = measure(args.job, args.steps, 1)
+    runs: list[dict[str, Any]] = []
+    comparisons = []
+    for seed in args.seeds:
+        on_policy = measure(args.job, args.steps, 0, seed, args.eval_every)
+        overlapped = measure(args.job, args.steps, 1, seed, args.eval_every)
+        runs += [on_policy, overlapped]
+        comparisons.append(compare(on_policy, overlapped))
+        print(json.dumps(comparisons[-1]), flush=True)
+    ratios = [c["samples_per_s_ratio"] for c in comparisons]
     result = {
-        "on_policy": on_policy,
-        "overlapped": overlapped,
-        "samples_per_s_ratio": overlapped["samples_per_s"] / on_policy["samples_per_s"],
+        "runs": runs,
+        "per_seed": comparisons,
+        "samples_per_s_ratio": statistics.median(ratios),
+        # The single-seed shape earlier reports and the GPU check read.
+        "on_policy": runs[0],
+        "overlapped": runs[1],
     }
-    print(f"{'max_staleness':<15}{'step s':>9}{'samples/s':>11}{'rollout wait s':>16}{'learner s':>11}")
-    for row in (on_policy, overlapped):
+    print(
+        f"{'max_staleness':<14}{'seed':>5}{'step s':>9}{'samples/s':>11}{'rollout wait s':>16}"
+        f"{'learner s':>11}{'train s':>9}{'final EM':>10}"
+    )
+    for row in runs:
+        final = "-" if row["final_exact_match"] is None else f"{row['final_exact_match']:.3f}"
         print(
-            f"{row['max_staleness']:<15}{row['step_s']:>9.2f}{row['samples_per_s']:>11.2f}"
-            f"{row['rollout_wait_s']:>16.2f}{row['learner_s']:>11.2f}"
+            f"{row['max_staleness']:<14}{row['seed']:>5}{row['step_s']:>9.2f}{row['samples_per_s']:>11.2f}"
+            f"{row['rollout_wait_s']:>16.2f}{row['learner_s']:>11.2f}{row['train_s']:>9.1f}{final:>10}"
         )
-    print(f"samples/s, max_staleness 1 / 0: {result['samples_per_s_ratio']:.2f}x")
+    for c in comparisons:
+        at = c["exact_match_at_common_s"]
+        print(
+            f"seed {c['seed']}: samples/s 1 / 0 = {c['samples_per_s_ratio']:.2f}x; exact match after "
+            f"{c['common_train_s']:.1f} training s: {at['0']} (0) vs {at['1']} (1)"
+        )
+    print(f"samples/s, max_staleness 1 / 0 (median over seeds): {result['samples_per_s_ratio']:.2f}x")
     write_json(args.out, result)
-    print(json.dumps(result, indent=2))
+    if args.eval_every > 0:
+        plot(runs, args.out.with_suffix(".png"))
 
 
 if __name__ == "__main__":
