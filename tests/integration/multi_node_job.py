@@ -140,7 +140,7 @@ def main(
     placed: dict[str, list[str]] = {}
     never_placed: list[str] = []
     for actor in list_actors(detail=True, limit=10_000):
-        if not actor.node_id:  # created, then killed before Ray found it a node (the pool gave up on it)
+        if not actor.node_id:  # created, but Ray never gave it a node (its start failed or was abandoned)
             never_placed.append(f"{actor.class_name}:{actor.state}")
             continue
         placed.setdefault(actor.class_name, []).append(node_of.get(actor.node_id, "?"))
