@@ -43,6 +43,13 @@ class JobRun:
     def train_s_until(self, step: int) -> float:
         return sum(r["time/step_s"] for r in self.train if r["step"] <= step)
 
+    def exact_match_curve(self) -> list[dict[str, float]]:
+        """Validation points (step 0 = before training): exact match and cumulative training seconds."""
+        return [
+            {"step": r["step"], "exact_match": r["exact_match"], "train_s": self.train_s_until(r["step"])}
+            for r in self.evals
+        ]
+
 
 def example_rewards() -> list[dict[str, Any]]:
     """The tool-routing example's two reward components (decision + arguments), for a Model OPD job."""

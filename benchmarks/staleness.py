@@ -31,11 +31,7 @@ def measure(job_file: Path, steps: int, max_staleness: int, seed: int, eval_ever
         spec = spec.model_copy(update={"validation_datasets": []})
     run = run_job(spec)
     measured = run.train[1:]
-    curve = [
-        {"step": r["step"], "exact_match": r["exact_match"], "train_s": run.train_s_until(r["step"])}
-        for r in run.evals
-        if "exact_match" in r
-    ]
+    curve = run.exact_match_curve()
     return {
         "max_staleness": max_staleness,
         "seed": seed,

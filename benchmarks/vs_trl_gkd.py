@@ -79,13 +79,6 @@ def their_samples_per_s(run: TrlRun) -> float:
     return run.config["batch_size"] * len(step_s) / sum(step_s)
 
 
-def our_curve(run: JobRun) -> list[dict[str, float]]:
-    return [
-        {"step": r["step"], "exact_match": r["exact_match"], "train_s": run.train_s_until(r["step"])}
-        for r in run.evals
-    ]
-
-
 def seconds_to(curve: list[dict[str, float]], target: float) -> float | None:
     return next((p["train_s"] for p in curve if p["exact_match"] >= target), None)
 
@@ -115,7 +108,7 @@ def compare(args: argparse.Namespace, eval_file: Path, their_run: TrlRun, estima
         estimator,
         top_k,
     )
-    our_points, their_points = our_curve(our_run), their_run.evals
+    our_points, their_points = our_run.exact_match_curve(), their_run.evals
     target = min(max(p["exact_match"] for p in our_points), max(p["exact_match"] for p in their_points))
     our_s, their_s = seconds_to(our_points, target), seconds_to(their_points, target)
     our_sps, their_sps = our_samples_per_s(our_run), their_samples_per_s(their_run)
