@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from opd_trainer.driver.run_dir import RunDir
 from opd_trainer.driver.trackers import Tracker, open_trackers
@@ -323,9 +324,15 @@ class JobDriver:
         return path
 
     def _new_gateway(self, model: str) -> Any:
-        """A recording gateway for `model`'s engines (given later, `_serve_gateway`)."""
+        """A recording gateway for `model`'s engines (given later, `_serve_gateway`), on this driver's
+        node: a zero-CPU actor fits anywhere, and one Ray put on a worker node would take the job
+        down with that node (seen in CI: the gateway landed on the processor pools' node, killed)."""
         hp = self.spec.hyper_parameters
-        return GatewayActor.options(num_cpus=0).remote(  # type: ignore[attr-defined]
+        this_node = ray.get_runtime_context().get_node_id()
+        beside_the_driver = NodeAffinitySchedulingStrategy(this_node, soft=False)
+        return GatewayActor.options(  # type: ignore[attr-defined]
+            num_cpus=0, scheduling_strategy=beside_the_driver
+        ).remote(
             STUDENT_MODEL_NAME,
             model,
             [],

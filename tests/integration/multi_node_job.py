@@ -15,9 +15,9 @@ weights through Ray's object store after every step.
 `model-kill`: a Model OPD job (built-in rollout, a user reward) whose pool node is killed without
 warning once the first step is written; a second pool node joins then, and the pool must re-form on it.
 
-Prints one JSON line: the job's summary, where Ray placed each kind of actor (a dead node's actors
-count too), the weight handoffs used and the per-step metrics that tell whether the engine sampled
-with the learner's weights.
+Writes one JSON object to the file its fifth argument names: the job's summary, where Ray placed
+each kind of actor (a dead node's actors count too), the weight handoffs used and the per-step
+metrics that tell whether the engine sampled with the learner's weights.
 """
 
 from __future__ import annotations
@@ -170,7 +170,8 @@ if __name__ == "__main__":
     ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
     try:
         arguments = (Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]))
-        print(json.dumps(main(mode, cluster, nodes["pools"], *arguments)))
+        # A file, not stdout: the raylets of nodes added later print their own lines there.
+        Path(sys.argv[5]).write_text(json.dumps(main(mode, cluster, nodes["pools"], *arguments)))
     finally:
         session_dir = Path(cluster.head_node.get_session_dir_path())
         ray.shutdown()
