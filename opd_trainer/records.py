@@ -5,11 +5,13 @@ Each stage fills its part and passes a copy on (`dataclasses.replace`):
 - the student engine (`engine.vllm_engine.Engine.generate`): the exact prompt and completion token ids,
   the sampler's logprob of each completion token, the text, vLLM's finish reason and the weight
   version it sampled with;
-- the rollout gateway (agentic rollouts): the OpenAI messages it was asked with, the reply message it
-  returned, OpenAI's finish reason (`stop`, `length`, `tool_calls`) and the call's latency;
+- the rollout gateway (agentic rollouts): the OpenAI messages it was asked with (and the tools and
+  chat-template variables they were rendered with), the reply message it returned, OpenAI's finish
+  reason (`stop`, `length`, `tool_calls`) and the call's latency;
 - the job driver, for the learner: the teacher's logprob of each completion token (and with
   `hyper_parameters.teacher_top_k` = K > 0 its K most likely tokens per position, [T, K] int32 /
-  float32 arrays, else None), the prompt group, the rollout index and the rollout's reward.
+  float32 arrays, else None), whether the teacher scored it with hindsight, the prompt group, the
+  rollout index and the rollout's reward.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ class LLMCall:
     text: str = ""
     # -- served (the rollout gateway) --
     messages: list[dict[str, Any]] = field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
+    """The tools the prompt was rendered with (None: none)."""
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """The chat-template variables the prompt was rendered with (job's and request's)."""
     response_message: dict[str, Any] = field(default_factory=dict)
     latency_s: float = 0.0
     # -- scored and grouped (the job driver, for the learner) --
@@ -43,3 +49,5 @@ class LLMCall:
     reward: float = 0.0
     hindsight: float = 0.0
     """Turn-level hindsight advantage of this call (learner/hindsight.py; 0 unless `hindsight_coef`)."""
+    teacher_saw_note: bool = False
+    """The teacher scored this call with the reference in its context (driver/teacher_hindsight.py)."""

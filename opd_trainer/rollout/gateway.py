@@ -41,7 +41,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import ray
 from fastapi import FastAPI, Request
@@ -166,6 +166,15 @@ class RolloutSession:
     started_calls: int = 0
 
 
+class RenderedPrompt(NamedTuple):
+    """A request's conversation as rendered for the engine, and what it was rendered with."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    template_kwargs: dict[str, Any]
+    prompt_ids: list[int]
+
+
 @dataclass
 class PreparedCall:
     """One chat completion between its checks and its sampling: where it is recorded, what is sampled."""
@@ -173,8 +182,7 @@ class PreparedCall:
     key: str
     session: RolloutSession
     started: float
-    messages: list[dict[str, Any]]
-    prompt_ids: list[int]
+    rendered: RenderedPrompt
     sampling: dict[str, Any]  # Engine.generate's keyword arguments
     parsing: ToolCallParsing | None  # None: no tools to parse
     request: Any  # vLLM's ChatCompletionRequest, as the tool-call parser adjusted it
@@ -335,15 +343,15 @@ class Gateway:
         markers the tokenizer lacks), so a job fails at start naming `tool_call_parser`."""
         self._parsing()
 
-    def _prompt_ids(self, request: Any) -> tuple[list[dict[str, Any]], list[int]]:
+    def _render(self, request: Any) -> RenderedPrompt:
         self._load_tokenizer()
         messages = normalize_messages(request.messages)
         tools = None
         if request.tools and request.tool_choice != "none":
             tools = [tool.model_dump(exclude_none=True) for tool in request.tools]  # as the client sent them
-        return messages, self._prompts.get(
-            self._tokenizer, messages, tools, template_kwargs(request, self.chat_template_kwargs)
-        )
+        kwargs = template_kwargs(request, self.chat_template_kwargs)
+        ids = self._prompts.get(self._tokenizer, messages, tools, kwargs)
+        return RenderedPrompt(messages, tools, kwargs, ids)
 
     async def _prepare(self, key: str, request: Any) -> PreparedCall:
         """Everything decided before sampling; raises for a request that cannot be served."""
@@ -351,7 +359,8 @@ class Gateway:
         if session is None:
             raise PermissionError("unknown or expired API key")
         started = time.perf_counter()
-        messages, prompt_ids = self._prompt_ids(request)
+        rendered = self._render(request)
+        prompt_ids = rendered.prompt_ids
         if len(prompt_ids) >= self.max_length:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit max_length={self.max_length}")
         asked = asked_max_tokens(request) or self.max_tokens
@@ -372,7 +381,7 @@ class Gateway:
         structured = request.extract_structured_outputs()
         if structured is not None:
             sampling["structured_outputs"] = structured
-        return PreparedCall(key, session, started, messages, prompt_ids, sampling, parsing, request)
+        return PreparedCall(key, session, started, rendered, sampling, parsing, request)
 
     def _replica(self) -> int:
         return min(range(len(self.engines)), key=self._in_flight.__getitem__)
@@ -390,7 +399,9 @@ class Gateway:
         call = dataclasses.replace(
             completion,
             finish_reason=finish,
-            messages=prepared.messages,
+            messages=prepared.rendered.messages,
+            tools=prepared.rendered.tools,
+            template_kwargs=prepared.rendered.template_kwargs,
             response_message=message,
             latency_s=time.perf_counter() - prepared.started,
         )
@@ -398,7 +409,8 @@ class Gateway:
         if self._session(prepared.key) is prepared.session:
             prepared.session.calls.append(call)
         self.calls_served += 1
-        prompt_tokens, completion_tokens = len(prepared.prompt_ids), len(completion.completion_token_ids)
+        prompt_tokens = len(prepared.rendered.prompt_ids)
+        completion_tokens = len(completion.completion_token_ids)
         body = {
             "id": prepared.response_id,
             "object": "chat.completion",
@@ -418,7 +430,8 @@ class Gateway:
         replica = self._replica()
         self._in_flight[replica] += 1
         try:
-            completion = await self.engines[replica].generate.remote(prepared.prompt_ids, **prepared.sampling)
+            engine = self.engines[replica]
+            completion = await engine.generate.remote(prepared.rendered.prompt_ids, **prepared.sampling)
         finally:
             self._in_flight[replica] -= 1
         return self._record(prepared, completion)
@@ -452,7 +465,7 @@ class Gateway:
             pieces = (
                 self.engines[replica]
                 .generate_stream.options(num_returns="streaming")
-                .remote(prepared.prompt_ids, **prepared.sampling)
+                .remote(prepared.rendered.prompt_ids, **prepared.sampling)
             )
             async for ref in pieces:
                 piece = await ref

@@ -51,8 +51,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Gateway:
 
 
 def prompt(gateway: Gateway, **body: object) -> list[int]:
-    _, ids = gateway._prompt_ids(chat_request({"messages": MESSAGES, **body}))
-    return ids
+    return gateway._render(chat_request({"messages": MESSAGES, **body})).prompt_ids
 
 
 def think_id(gateway: Gateway) -> int:
@@ -148,11 +147,11 @@ def test_the_jobs_template_variables_apply_unless_the_request_sets_its_own(gatew
         max_length=512,
         chat_template_kwargs={"enable_thinking": False},
     )
-    switched = job._prompt_ids(chat_request({"messages": MESSAGES}))[1]
+    switched = job._render(chat_request({"messages": MESSAGES})).prompt_ids
     assert switched == prompt(gateway, enable_thinking=False) != plain
-    assert job._prompt_ids(chat_request({"messages": MESSAGES, "enable_thinking": True}))[1] == plain
+    assert job._render(chat_request({"messages": MESSAGES, "enable_thinking": True})).prompt_ids == plain
     kwargs = {"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": True}}
-    assert job._prompt_ids(chat_request(kwargs))[1] == plain
+    assert job._render(chat_request(kwargs)).prompt_ids == plain
 
 
 def test_the_job_spec_refuses_template_arguments_the_trainer_sets() -> None:
