@@ -22,7 +22,7 @@ from opd_trainer.errors import OPDError
 from opd_trainer.spec.dataset import load_samples
 from opd_trainer.spec.job_spec import JobSpec, load_job_spec
 from opd_trainer.spec.model_source import local_model
-from opd_trainer.spec.preflight import check_same_tokenizer, resolve_max_length
+from opd_trainer.spec.preflight import check_references, check_same_tokenizer, resolve_max_length
 
 # Per-validation bookkeeping, not a measurement: left out of the table.
 _NOT_IN_TABLE = frozenset({"samples"})
@@ -30,7 +30,8 @@ _NOT_IN_TABLE = frozenset({"samples"})
 
 def preflight_local(spec: JobSpec) -> None:
     """Cheap checks before anything starts: datasets parse, tokenizers match, max_length fits."""
-    load_samples(spec.training_datasets, "training_datasets")
+    train = load_samples(spec.training_datasets, "training_datasets")
+    check_references(train, spec.hyper_parameters.teacher_hindsight)
     if spec.validation_datasets:
         load_samples(spec.validation_datasets, "validation_datasets")
     check_same_tokenizer(spec.model, spec.teacher_model)

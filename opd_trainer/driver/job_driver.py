@@ -31,6 +31,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from opd_trainer.driver.run_dir import RunDir
+from opd_trainer.driver.teacher_hindsight import teacher_inputs
 from opd_trainer.driver.trackers import Tracker, open_trackers
 from opd_trainer.engine.vllm_engine import EngineConfig, EngineGroup
 from opd_trainer.errors import ConfigError, OPDError
@@ -50,9 +51,14 @@ from opd_trainer.rollout.runner import (
     validation_metrics,
 )
 from opd_trainer.shared_storage import check_probe
-from opd_trainer.spec.dataset import EpochCursor, Sample, load_samples
+from opd_trainer.spec.dataset import EpochCursor, Sample, ground_truth_of, load_samples
 from opd_trainer.spec.job_spec import EngineResources, FunctionComponent, JobSpec
-from opd_trainer.spec.preflight import check_drift, check_same_tokenizer, resolve_max_length
+from opd_trainer.spec.preflight import (
+    check_drift,
+    check_references,
+    check_same_tokenizer,
+    resolve_max_length,
+)
 from opd_trainer.stats import mean
 from opd_trainer.workers.pool import pool_metrics
 from opd_trainer.workers.sandbox import unconfined_reason
@@ -168,6 +174,7 @@ class JobDriver:
             raise self._storage_error
         spec, hp = self.spec, self.spec.hyper_parameters
         self.train_samples = load_samples(spec.training_datasets, "training_datasets")
+        check_references(self.train_samples, hp.teacher_hindsight)
         if spec.validation_datasets:
             self.validation_samples = load_samples(spec.validation_datasets, "validation_datasets")
         self.total_steps = hp.total_steps(len(self.train_samples))
@@ -436,10 +443,12 @@ class JobDriver:
         """One segment per recorded LLM call of every successful rollout, scored by the teacher."""
         assert self._teacher is not None
         calls = [(r, c) for r in results if not r.failed for c in r.calls if c.completion_token_ids]
-        top_k = self.spec.hyper_parameters.teacher_top_k
-        teacher = await self._teacher.score_top_k_many(
-            [(c.prompt_token_ids, c.completion_token_ids) for _, c in calls], top_k
-        )
+        hp = self.spec.hyper_parameters
+        top_k = hp.teacher_top_k
+        with_reference = hp.teacher_hindsight == "reference"
+        referenced = [(c, ground_truth_of(r.sample) if with_reference else None) for r, c in calls]
+        inputs = teacher_inputs(self._tokenizer, referenced, self._max_length)
+        teacher = await self._teacher.score_top_k_many(inputs.pairs, top_k)
         return [
             dataclasses.replace(
                 c,
@@ -449,8 +458,9 @@ class JobDriver:
                 reward=r.reward,
                 teacher_top_ids=scores.top_ids if top_k else None,
                 teacher_top_logprobs=scores.top_logprobs if top_k else None,
+                teacher_saw_note=noted,
             )
-            for (r, c), scores in zip(calls, teacher, strict=True)
+            for (r, c), scores, noted in zip(calls, teacher, inputs.noted, strict=True)
         ]
 
     def _minibatches(self, segments: list[LLMCall]) -> list[list[LLMCall]]:
@@ -548,13 +558,13 @@ class JobDriver:
         if hp.max_staleness > 0:
             segments = [s for s, lag in zip(segments, staleness, strict=True) if lag <= hp.max_staleness]
         hindsight_metrics: dict[str, float] = {}
+        if hp.teacher_hindsight != "none":
+            hindsight_metrics["hindsight/teacher_note_share"] = mean([s.teacher_saw_note for s in segments])
         if hp.hindsight_coef > 0:
             values = hindsight_advantages(segments)
             segments = [dataclasses.replace(s, hindsight=v) for s, v in zip(segments, values, strict=True)]
-            hindsight_metrics = {
-                "hindsight/turns_up": float(sum(v > 0 for v in values)),
-                "hindsight/turns_down": float(sum(v < 0 for v in values)),
-            }
+            hindsight_metrics["hindsight/turns_up"] = float(sum(v > 0 for v in values))
+            hindsight_metrics["hindsight/turns_down"] = float(sum(v < 0 for v in values))
         timer = time.perf_counter()
         learner_metrics = await self._learner.train_step(self._minibatches(segments))
         learner_s = time.perf_counter() - timer

@@ -47,6 +47,9 @@ class _Strict(BaseModel):
 
 
 # Bailian settings that have no meaning for this trainer: billing and Bailian's own teacher deployment.
+SELF_TEACHER = "self"
+"""`teacher_model: self`: the student's initial weights score the student (frozen)."""
+
 BAILIAN_ONLY_RESOURCES = frozenset({"charge_type", "mtu_spec_code", "mtu_capacity"})
 BAILIAN_ONLY_HYPER_PARAMETER_PREFIX = "opd_teacher_"
 
@@ -222,6 +225,15 @@ class HyperParameters(_Strict):
         "context, the better turn's tokens get +hindsight_coef and the worse one's -hindsight_coef in their "
         "advantage. 0 (default): off.",
     )
+    teacher_hindsight: Literal["none", "reference"] = Field(
+        default="none",
+        description="Hindsight for the teacher (opd_trainer/driver/teacher_hindsight.py). 'reference': the "
+        "teacher scores every LLM call of a rollout with the sample's reference answer "
+        "(rollout_extra.ground_truth, else .solution) added to its context as a system note; what the "
+        "student is sampled on and trained on never holds it. Calls of samples without a reference, and "
+        "calls the note cannot be placed in, are scored as sampled (`hindsight/teacher_note_share` per "
+        "step). Pairs with `teacher_model: self`. 'none' (default): the teacher sees what the student saw.",
+    )
     normalize_reward_by_std: bool = Field(default=False, description="Divide reward advantages by group std.")
     ratio_cap: float = Field(
         default=2.0,
@@ -386,7 +398,10 @@ class JobSpec(_Strict):
     )
     teacher_model: str = Field(
         min_length=1,
-        description="Teacher, given like `model`: same tokenizer and chat template as the student.",
+        description="Teacher, given like `model`: same tokenizer and chat template as the student. "
+        "`self`: a frozen copy of the student's initial weights (hindsight self-distillation with "
+        "`hyper_parameters.teacher_hindsight`; without it, the KL only holds the student near its start); "
+        "the job then shows `model` here.",
     )
     training_datasets: list[DatasetFile] = Field(
         min_length=1,
@@ -436,6 +451,13 @@ class JobSpec(_Strict):
         "`resources.mtu_spec_code`, `resources.mtu_capacity`, `hyper_parameters.opd_teacher_*`): "
         "set aside from the document as given and reported once in the job's events.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _teacher_self(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and data.get("teacher_model") == SELF_TEACHER and "model" in data:
+            return {**data, "teacher_model": data["model"]}
+        return data
 
     @model_validator(mode="before")
     @classmethod

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from opd_trainer.errors import ConfigError
+from opd_trainer.spec.dataset import Sample, ground_truth_of
 
 # Config keys different model families use for their context window, most common first.
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
@@ -167,3 +168,14 @@ async def check_drift(learner: Any, probe: list[Any], max_drift: float) -> dict[
             field="hyper_parameters.max_drift",
         )
     return {"mean": mean, "max": worst, "tokens": float(len(diffs))}
+
+
+def check_references(samples: list[Sample], teacher_hindsight: str) -> None:
+    """`teacher_hindsight: reference` needs reference answers to show the teacher: at least one
+    training sample must carry one (`rollout_extra.ground_truth` or `.solution`)."""
+    if teacher_hindsight == "reference" and all(ground_truth_of(s) is None for s in samples):
+        raise ConfigError(
+            "'reference' shows the teacher each sample's reference answer, and no training sample has one "
+            "(rollout_extra.ground_truth or rollout_extra.solution)",
+            field="hyper_parameters.teacher_hindsight",
+        )

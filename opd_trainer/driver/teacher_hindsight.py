@@ -1,0 +1,90 @@
+"""Hindsight for the teacher: context the teacher scores with and the student never sees.
+
+With `hyper_parameters.teacher_hindsight: reference`, every LLM call of a rollout whose sample has a
+reference answer (`rollout_extra.ground_truth`, else `.solution`) is scored by the teacher on the
+call's conversation with one note added, the reference: as a system message in front, or appended to
+the system message the conversation already has. The completion scored is the student's, token for
+token; the student's prompt (what it was sampled on and what the learner trains it on) is untouched.
+So the teacher's log-probabilities are those of a model that knows where the task should end up
+(seed 003's hindsight beacon, kept out of what the model sees at inference), which is what lets the
+initial student serve as its own teacher (`teacher_model: self`).
+
+The note is placed by re-rendering the call's messages with the chat template. A call whose prompt
+cannot be rebuilt exactly from its messages (the rendering differs from the ids it was sampled on),
+one whose template refuses the note's system message, and one the note would push past
+`max_length`, are scored without it and counted.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from jinja2 import TemplateError
+
+from opd_trainer.records import LLMCall
+from opd_trainer.rollout.chat import prompt_token_ids
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+NOTE = (
+    "Hindsight for scoring (never shown to the assistant being trained): a correct final answer to "
+    "this task is: {reference}"
+)
+
+
+def reference_note(reference: Any) -> str:
+    """The note for one sample's reference answer (JSON for anything but a string)."""
+    text = reference if isinstance(reference, str) else json.dumps(reference, ensure_ascii=False)
+    return NOTE.format(reference=text)
+
+
+def with_note(messages: list[dict[str, Any]], note: str) -> list[dict[str, Any]]:
+    """`messages` with `note` appended to their leading system message, or in one put in front."""
+    if messages and messages[0].get("role") == "system" and isinstance(messages[0].get("content"), str):
+        first = messages[0]
+        return [{**first, "content": f"{first['content']}\n\n{note}"}, *messages[1:]]
+    return [{"role": "system", "content": note}, *messages]
+
+
+@dataclass(frozen=True)
+class TeacherInputs:
+    """What the teacher scores: one (prompt ids, completion ids) pair per call, and per call whether
+    its prompt carries the note."""
+
+    pairs: list[tuple[list[int], list[int]]]
+    noted: list[bool]
+
+
+def teacher_inputs(
+    tokenizer: PreTrainedTokenizerBase,
+    calls: list[tuple[LLMCall, Any]],
+    max_length: int,
+) -> TeacherInputs:
+    """The teacher's view of each (call, reference) pair; a None reference leaves the call as sampled."""
+    pairs: list[tuple[list[int], list[int]]] = []
+    noted: list[bool] = []
+    for call, reference in calls:
+        prompt = call.prompt_token_ids
+        if reference is not None:
+            with_reference = _noted_prompt(tokenizer, call, reference_note(reference))
+            if with_reference and len(with_reference) + len(call.completion_token_ids) <= max_length:
+                prompt = with_reference
+        pairs.append((prompt, call.completion_token_ids))
+        noted.append(prompt is not call.prompt_token_ids)
+    return TeacherInputs(pairs, noted)
+
+
+def _noted_prompt(tokenizer: PreTrainedTokenizerBase, call: LLMCall, note: str) -> list[int]:
+    """The call's prompt re-rendered with `note`; [] when its messages do not rebuild its prompt."""
+    if not call.messages:
+        return []
+    rebuilt = prompt_token_ids(tokenizer, call.messages, call.tools, call.template_kwargs)
+    if rebuilt != call.prompt_token_ids:
+        return []
+    try:
+        return prompt_token_ids(tokenizer, with_note(call.messages, note), call.tools, call.template_kwargs)
+    except TemplateError:  # a template that refuses a system message (or one where it stands)
+        return []

@@ -1,0 +1,159 @@
+"""`teacher_hindsight: reference`: the teacher scores the student's tokens with the reference answer in
+its context; the student's prompt (sampled on, trained on) never holds it.
+
+A word-level tokenizer with a ChatML-like template stands in for a model's; the teacher engine is a fake
+that records what it was asked to score (the real engines: tests/integration/test_teacher_hindsight.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from opd_trainer.driver.teacher_hindsight import reference_note, teacher_inputs, with_note
+from opd_trainer.records import LLMCall
+from opd_trainer.rollout.chat import prompt_token_ids
+from opd_trainer.spec.dataset import Sample
+from opd_trainer.spec.job_spec import parse_job_spec
+
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+NO_SYSTEM_TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
+    "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+MESSAGES = [{"role": "user", "content": "what is 2 + 3"}]
+
+
+def _tokenizer(folder: Path, template: str) -> Any:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    words = ["[UNK]", "<|im_start|>", "<|im_end|>", "user", "assistant", "system", "what", "is", "5"]
+    words += ["2", "3", "+", ":", "a", "correct", "final", "answer", "to", "this", "task", "be", "brief"]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        unk_token="[UNK]",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    fast.chat_template = template
+    fast.save_pretrained(str(folder))
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return _tokenizer(tmp_path_factory.mktemp("chatml"), TEMPLATE)
+
+
+def _call(tokenizer: Any, messages: list[dict[str, Any]], completion: list[int]) -> LLMCall:
+    prompt = prompt_token_ids(tokenizer, messages)
+    return LLMCall(prompt, completion, [-1.0] * len(completion), messages=messages)
+
+
+def test_the_note_joins_the_system_message_or_stands_in_front() -> None:
+    note = reference_note({"answer": 5})
+    assert '{"answer": 5}' in note
+    assert with_note(MESSAGES, note) == [{"role": "system", "content": note}, *MESSAGES]
+    system = [{"role": "system", "content": "be brief"}, *MESSAGES]
+    assert with_note(system, note)[0]["content"] == f"be brief\n\n{note}"
+    assert with_note(system, note)[1:] == MESSAGES
+
+
+def test_the_teacher_scores_the_students_tokens_after_a_prompt_holding_the_reference(tokenizer: Any) -> None:
+    call = _call(tokenizer, MESSAGES, [8])
+    inputs = teacher_inputs(tokenizer, [(call, "5"), (call, None)], max_length=512)
+    (noted, completion), (plain, _) = inputs.pairs
+    assert completion == [8] and plain == call.prompt_token_ids
+    assert noted == prompt_token_ids(tokenizer, with_note(MESSAGES, reference_note("5")))
+    assert noted[-len(call.prompt_token_ids) + 1 :] == call.prompt_token_ids[1:]  # same conversation after it
+    assert inputs.noted == [True, False]
+
+
+def test_calls_the_note_cannot_reach_are_scored_as_sampled_and_counted(
+    tokenizer: Any, tmp_path: Path
+) -> None:
+    rebuilt_differently = LLMCall([1, 2, 3], [8], [-1.0], messages=MESSAGES)  # not what the template renders
+    no_messages = LLMCall([1, 2, 3], [8], [-1.0])
+    fits = _call(tokenizer, MESSAGES, [8])
+    too_long = len(teacher_inputs(tokenizer, [(fits, "5")], max_length=512).pairs[0][0])
+    inputs = teacher_inputs(
+        tokenizer, [(rebuilt_differently, "5"), (no_messages, "5"), (fits, "5")], max_length=too_long
+    )
+    assert [prompt for prompt, _ in inputs.pairs] == [[1, 2, 3], [1, 2, 3], fits.prompt_token_ids]
+    assert inputs.noted == [False, False, False]
+    no_system = _tokenizer(tmp_path, NO_SYSTEM_TEMPLATE)
+    refused = _call(no_system, MESSAGES, [8])
+    inputs = teacher_inputs(no_system, [(refused, "5")], max_length=512)
+    assert inputs.pairs == [(refused.prompt_token_ids, [8])] and inputs.noted == [False]
+
+
+class RecordingTeacher:
+    def __init__(self) -> None:
+        self.pairs: list[tuple[list[int], list[int]]] = []
+
+    async def score_top_k_many(self, pairs: list[tuple[list[int], list[int]]], top_k: int) -> list[Any]:
+        from opd_trainer.engine.vllm_engine import TeacherScores
+
+        self.pairs += pairs
+        return [TeacherScores(np.full(len(c), -0.5, dtype=np.float32), None, None) for _, c in pairs]
+
+
+def test_the_driver_scores_with_the_reference_and_trains_on_the_students_prompt(
+    tokenizer: Any, tmp_path: Path
+) -> None:
+    from opd_trainer.driver.job_driver import JobDriver
+    from opd_trainer.rollout.runner import RolloutResult
+
+    train = tmp_path / "train.jsonl"
+    train.write_text(json.dumps({"messages": MESSAGES, "rollout_extra": {"ground_truth": "5"}}) + "\n")
+    spec = parse_job_spec(
+        {
+            "job_name": "j",
+            "model": "s",
+            "teacher_model": "self",
+            "training_datasets": [str(train)],
+            "hyper_parameters": {"teacher_hindsight": "reference"},
+        }
+    )
+    assert spec.teacher_model == "s"  # `self`: the initial student
+    driver = JobDriver(spec, str(tmp_path / "run"))
+    driver._tokenizer, driver._max_length = tokenizer, 512
+    teacher = RecordingTeacher()
+    driver._teacher = teacher
+    sample = Sample("train.jsonl", 1, MESSAGES, None, {"ground_truth": "5"})
+    call = _call(tokenizer, MESSAGES, [8])
+    segments = asyncio.run(driver._segments([RolloutResult(0, 0, "r0", sample, calls=[call])]))
+    [(teacher_prompt, completion)] = teacher.pairs
+    note_ids = tokenizer.encode(reference_note("5"), add_special_tokens=False)
+    assert completion == [8] and _holds(teacher_prompt, note_ids)
+    [segment] = segments
+    assert segment.prompt_token_ids == call.prompt_token_ids
+    assert not _holds(segment.prompt_token_ids, note_ids)
+    assert segment.teacher_saw_note
+
+
+def _holds(ids: list[int], part: list[int]) -> bool:
+    return any(ids[i : i + len(part)] == part for i in range(len(ids) - len(part) + 1))
+
+
+def test_reference_hindsight_needs_references_in_the_training_data() -> None:
+    from opd_trainer.errors import ConfigError
+    from opd_trainer.spec.preflight import check_references
+
+    bare = Sample("train.jsonl", 1, MESSAGES, None)
+    with pytest.raises(ConfigError) as raised:
+        check_references([bare], "reference")
+    assert raised.value.field == "hyper_parameters.teacher_hindsight"
+    check_references([bare], "none")
+    check_references([bare, Sample("train.jsonl", 2, MESSAGES, None, {"solution": 5})], "reference")
