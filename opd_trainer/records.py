@@ -6,8 +6,8 @@ Each stage fills its part and passes a copy on (`dataclasses.replace`):
   the sampler's logprob of each completion token, the text, vLLM's finish reason and the weight
   version it sampled with;
 - the rollout gateway (agentic rollouts): the OpenAI messages it was asked with (and the tools and
-  chat-template variables they were rendered with), the reply message it returned, OpenAI's finish
-  reason (`stop`, `length`, `tool_calls`) and the call's latency;
+  chat-template variables they were rendered with), the reply message it returned and whether it
+  was well formed, OpenAI's finish reason (`stop`, `length`, `tool_calls`) and the call's latency;
 - the job driver, for the learner: the teacher's logprob of each completion token (and with
   `hyper_parameters.teacher_top_k` = K > 0 its K most likely tokens per position, [T, K] int32 /
   float32 arrays, else None), whether the teacher scored it with hindsight, the prompt group, the
@@ -39,6 +39,9 @@ class LLMCall:
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     """The chat-template variables the prompt was rendered with (job's and request's)."""
     response_message: dict[str, Any] = field(default_factory=dict)
+    format_valid: bool = True
+    """The reply was well formed: not cut off by max_tokens and, with tools offered, no call markup left
+    unparsed and every call naming an offered tool with a JSON object of arguments."""
     latency_s: float = 0.0
     # -- scored and grouped (the job driver, for the learner) --
     teacher_logprobs: list[float] | None = None

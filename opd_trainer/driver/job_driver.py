@@ -39,6 +39,7 @@ from opd_trainer.learner.checkpoint import CheckpointStore
 from opd_trainer.learner.deepspeed_learner import LearnerGroup, LearnerSettings
 from opd_trainer.learner.hindsight import hindsight_advantages
 from opd_trainer.records import LLMCall
+from opd_trainer.rollout.agent_eval import agent_metrics, pass_at_k, success_by_threshold
 from opd_trainer.rollout.chat import prompt_token_ids
 from opd_trainer.rollout.gateway import GatewayActor
 from opd_trainer.rollout.runner import (
@@ -647,6 +648,19 @@ class JobDriver:
         )
         metrics = validation_metrics(results, has_rewards=bool(self.spec.reward_components))
         metrics["reverse_kl"] = reverse_kl
+        succeeded = success_by_threshold(hp.eval_success_threshold)
+        metrics |= agent_metrics(results, succeeded)
+        if hp.eval_pass_k > 1:
+            k = hp.eval_pass_k
+            sampled = await runner.validate(
+                samples,
+                f"{tag}-pass",
+                [request_seed(hp.seed, -2, i) for i in range(len(samples) * k)],
+                per_sample=k,
+                temperature=hp.eval_temperature,
+            )
+            groups = [sampled[i * k : (i + 1) * k] for i in range(len(samples))]
+            metrics[f"agent/pass_at_{k}"] = pass_at_k(groups, succeeded)
         failures = scoring_failures(results)
         if failures:
             shown = ", ".join(f"{f['sample_id']} ({f['error'][:120]})" for f in failures[:REPORTED_FAILURES])

@@ -396,9 +396,13 @@ class Gateway:
         if tool_calls:
             message["tool_calls"] = tool_calls
         finish = _finish_reason(prepared, completion, bool(tool_calls))
+        format_valid = completion.finish_reason != "length" and (
+            prepared.parsing is None or prepared.parsing.well_formed(content, tool_calls, prepared.request)
+        )
         call = dataclasses.replace(
             completion,
             finish_reason=finish,
+            format_valid=format_valid,
             messages=prepared.rendered.messages,
             tools=prepared.rendered.tools,
             template_kwargs=prepared.rendered.template_kwargs,

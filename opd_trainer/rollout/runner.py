@@ -177,11 +177,19 @@ class RolloutRunner:
             result.error = output.error or "rollout reported failure"
 
     async def _one(
-        self, tag: str, group: int, index: int, sample: Sample, seed: int, *, validating: bool = False
+        self,
+        tag: str,
+        group: int,
+        index: int,
+        sample: Sample,
+        seed: int,
+        *,
+        validating: bool = False,
+        temperature: float | None = None,
     ) -> RolloutResult:
+        """One rollout, sampled at `temperature` (None: the job's), rewarded (and, when validating,
+        evaluated)."""
         result = RolloutResult(group, index, f"{self.job_id}-{tag}-r{index}", sample)
-        # Validation is greedy, so the same weights always give the same validation numbers.
-        temperature = 0.0 if validating else None
         key = await self.gateway.open_rollout.remote(result.rollout_id, temperature=temperature, seed=seed)
         try:
             if self.rollout_pool is None:
@@ -281,13 +289,26 @@ class RolloutRunner:
             await asyncio.gather(*(one(index, group, sample) for index, (group, sample) in enumerate(jobs)))
         )
 
-    async def validate(self, samples: list[Sample], tag: str, seeds: list[int]) -> list[RolloutResult]:
-        """One greedy rollout per sample, scored by the rewards and the evaluator (if any)."""
+    async def validate(
+        self,
+        samples: list[Sample],
+        tag: str,
+        seeds: list[int],
+        *,
+        per_sample: int = 1,
+        temperature: float = 0.0,
+    ) -> list[RolloutResult]:
+        """`per_sample` rollouts of each sample (in sample order; group id = sample position), scored by
+        the rewards and the evaluator (if any). Greedy by default, so the same weights always give the
+        same validation numbers; pass@k samples at a temperature."""
+        jobs = [(group, sample) for group, sample in enumerate(samples) for _ in range(per_sample)]
         return list(
             await asyncio.gather(
                 *(
-                    self._one(tag, index, index, sample, seeds[index], validating=True)
-                    for index, sample in enumerate(samples)
+                    self._one(
+                        tag, group, index, sample, seeds[index], validating=True, temperature=temperature
+                    )
+                    for index, (group, sample) in enumerate(jobs)
                 )
             )
         )

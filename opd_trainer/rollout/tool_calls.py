@@ -16,6 +16,7 @@ training emits malformed calls often, and that is data.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -49,6 +50,9 @@ class ToolCallParsing:
         logging.getLogger(parser_class.tool_parser_cls.__module__).setLevel(logging.CRITICAL)
         self.name = name
         self._tokenizer = tokenizer
+        # Where a parser declares its call marker (hermes: "<tool_call>"), one left in the content
+        # is a call it could not read.
+        self._call_marker: str | None = getattr(parser_class.tool_parser_cls, "tool_call_start_token", None)
 
     def adjust(self, request: Any) -> Any:
         """vLLM's `ChatCompletionRequest` adjusted by the parser as vLLM's server does: its
@@ -72,3 +76,21 @@ class ToolCallParsing:
             for call in calls
         ]
         return content or None, tool_calls
+
+    def well_formed(self, content: str | None, tool_calls: list[dict[str, Any]], request: Any) -> bool:
+        """Whether a parsed reply is well formed: no call marker left in its content, and every call
+        names one of the request's tools with a JSON object of arguments."""
+        if self._call_marker and content and self._call_marker in content:
+            return False
+        offered = {tool.function.name for tool in request.tools or []}
+        for call in tool_calls:
+            function = call.get("function", {})
+            if function.get("name") not in offered:
+                return False
+            try:
+                arguments = json.loads(function.get("arguments") or "{}")
+            except ValueError:
+                return False
+            if not isinstance(arguments, dict):
+                return False
+        return True

@@ -241,6 +241,22 @@ class HyperParameters(_Strict):
         description="Truncation cap of the importance ratio (>= 1: on-policy ratios are 1).",
     )
     eval_steps: int = Field(default=10, ge=1, description="Validate every this many steps.")
+    eval_success_threshold: float = Field(
+        default=1.0,
+        description="A validation trajectory counts as a success (`agent/task_success`, pass@k) when its "
+        "evaluator score, or without an evaluator its reward, is at least this.",
+    )
+    eval_pass_k: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="k of pass@k: with k > 1 each validation prompt is also rolled out k times at "
+        "`eval_temperature` and `agent/pass_at_k` reports the share of prompts where one of them succeeded "
+        "(k times more validation rollouts). 1 (default): the greedy validation pass only.",
+    )
+    eval_temperature: float = Field(
+        default=1.0, gt=0, description="Sampling temperature of the pass@k rollouts (validation is greedy)."
+    )
     save_steps: int = Field(
         default=50, ge=1, description="Checkpoint every this many steps (and at the end)."
     )

@@ -126,6 +126,7 @@ def test_validation_survives_solutions_of_any_shape(
             "max_tokens": 48,
             "seed": 3,
             "hindsight_coef": 0.5,
+            "eval_pass_k": 2,
         },
         # The learner's weights go through Ray's object store (what an engine on another node gets;
         # `auto` would pick shared memory on this one-node cluster).
@@ -148,6 +149,15 @@ def test_validation_survives_solutions_of_any_shape(
     # The teacher is the baseline through the same agent: on the 19 scorable samples (teacher ~0.95 exact
     # match, student ~0.3 by the factory's contract) it beats the student on any build.
     assert summary["teacher"]["exact_match"] > summary["student_before"]["exact_match"]
+    # Agent-level layers, from what the gateway recorded; odd solutions simply carry no reference calls.
+    shares = ("format_valid_turns", "turn_success", "task_success", "pass_at_2", "cut_off_share")
+    for label in ("teacher", "student_before", "student_after"):
+        metrics = summary[label]
+        assert all(0.0 <= metrics[f"agent/{name}"] <= 1.0 for name in shares), metrics
+        assert 0.0 <= metrics["agent/tool_call_accuracy"] <= 1.0
+        assert metrics["agent/tool_calls_per_trajectory"] >= 0.0
+    teacher, student = summary["teacher"], summary["student_before"]
+    assert teacher["agent/tool_call_accuracy"] > student["agent/tool_call_accuracy"]
     failures = [e for e in _events(run_dir) if e["type"] == "eval_failures"]
     assert len(failures) == 3  # teacher, student before, student after
     client = MlflowClient(tracking_uri=f"sqlite:///{RunDir(run_dir).mlflow_store_path}")

@@ -60,6 +60,11 @@ def test_hermes_calls_content_and_malformed_output(tokenizer: Any) -> None:
     assert parsing.parse("It is sunny.", request) == ("It is sunny.", [])
     malformed = '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>'
     assert parsing.parse(malformed, request) == (malformed, [])
+    # What validation's `agent/format_valid_turns` counts: markup left unread, or a call to no offered tool.
+    assert parsing.well_formed(content, calls, request) and parsing.well_formed("It is sunny.", [], request)
+    assert not parsing.well_formed(*parsing.parse(malformed, request), request)
+    unknown = parsing.parse('<tool_call>{"name": "get_time", "arguments": {}}</tool_call>', request)
+    assert unknown[1] and not parsing.well_formed(*unknown, request)
 
 
 def test_pythonic_calls(tokenizer: Any) -> None:

@@ -1,0 +1,146 @@
+"""Agent-level validation metrics, in the layers seed 003 evaluates tool-using agents by.
+
+Computed by the trainer from what every rollout records (the gateway's LLM calls and the conversation
+the rollout returned), so they hold for any task and any agent; `agent/` in the validation metrics:
+
+- `format_valid_turns`: share of turns (LLM calls) whose reply was well formed (`LLMCall.format_valid`:
+  not cut off by `max_tokens`; with tools offered, no call markup the parser could not read, every call
+  naming an offered tool with a JSON object of arguments).
+- `turn_success`: share of turns that were well formed and whose tool calls each got a result that is
+  not an error. A result is an error when the tool message has `status: "error"`, its content is a JSON
+  object with a true `error` / `is_error`, or its text starts with "error" (LangChain's and LangGraph's
+  convention); a call with no result in the conversation did not succeed.
+- `task_success`: share of trajectories whose evaluator score (without an evaluator, reward) reaches
+  `hyper_parameters.eval_success_threshold`.
+- `tool_calls_per_trajectory`, and `cut_off_share`: trajectories whose last turn still asked for tools
+  (the agent's loop ended it before a final answer: a turn limit, a loop).
+- `tool_call_accuracy` / `tool_name_accuracy`, for samples whose reference answer lists `tool_calls`
+  (`{name, arguments}` or OpenAI's `{function: {name, arguments}}`): the trajectory made exactly those
+  calls (as a multiset; arguments compared as JSON), or the same tool names.
+- `pass@k` (with `hyper_parameters.eval_pass_k` = k > 1): share of prompts where at least one of k
+  rollouts sampled at `eval_temperature` succeeded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections import Counter
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from opd_trainer.records import LLMCall
+from opd_trainer.rollout.runner import RolloutResult
+from opd_trainer.spec.dataset import ground_truth_of
+from opd_trainer.stats import mean
+
+Succeeded = Callable[[RolloutResult], bool | None]
+
+
+def success_by_threshold(threshold: float) -> Succeeded:
+    """Success = the evaluator's score (else the reward) >= `threshold`; None for a failed rollout
+    (no score: counted as not succeeded by the callers that need a verdict)."""
+
+    def succeeded(result: RolloutResult) -> bool | None:
+        if result.failed:
+            return None
+        score = result.eval_score if result.eval_score is not None else result.reward
+        return score >= threshold
+
+    return succeeded
+
+
+def _function(call: dict[str, Any]) -> tuple[str, Any]:
+    """(name, arguments decoded) of a tool call in OpenAI's shape or the flat `{name, arguments}`."""
+    function = call.get("function", call)
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        with contextlib.suppress(ValueError):  # undecodable: compared as the text it is
+            arguments = json.loads(arguments or "{}")
+    return str(function.get("name", "")), arguments
+
+
+def _canonical(call: dict[str, Any]) -> str:
+    return json.dumps(_function(call), sort_keys=True, ensure_ascii=False)
+
+
+def _is_error(message: dict[str, Any]) -> bool:
+    if message.get("status") == "error":
+        return True
+    content = message.get("content")
+    if isinstance(content, list):  # content parts
+        content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    text = str(content or "").strip()
+    try:
+        decoded = json.loads(text)
+    except ValueError:
+        decoded = None
+    if isinstance(decoded, dict) and (decoded.get("error") or decoded.get("is_error")):
+        return True
+    return text.lower().startswith("error")
+
+
+def _tool_results(messages: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {m["tool_call_id"]: m for m in messages if m.get("role") == "tool" and m.get("tool_call_id")}
+
+
+def _turn_succeeded(call: LLMCall, results: dict[str, dict[str, Any]]) -> bool:
+    if not call.format_valid:
+        return False
+    for tool_call in call.response_message.get("tool_calls") or []:
+        answer = results.get(tool_call.get("id", ""))
+        if answer is None or _is_error(answer):
+            return False
+    return True
+
+
+def reference_tool_calls(result: RolloutResult) -> list[dict[str, Any]] | None:
+    """The tool calls the sample's reference answer lists, or None when it lists none."""
+    reference = ground_truth_of(result.sample)
+    if isinstance(reference, str):
+        try:
+            reference = json.loads(reference)
+        except ValueError:
+            return None
+    calls = reference.get("tool_calls") if isinstance(reference, dict) else None
+    return calls if isinstance(calls, list) and all(isinstance(c, dict) for c in calls) else None
+
+
+def _made_calls(result: RolloutResult) -> list[dict[str, Any]]:
+    return [tc for call in result.calls for tc in call.response_message.get("tool_calls") or []]
+
+
+def agent_metrics(results: list[RolloutResult], succeeded: Succeeded) -> dict[str, float]:
+    """The `agent/` metrics of one validation pass (one rollout per sample); see the module docstring."""
+    good = [r for r in results if not r.failed]
+    turns = [(call, r) for r in good for call in r.calls if call.completion_token_ids]
+    results_of = {id(r): _tool_results(r.messages) for r in good}
+    metrics = {
+        "agent/format_valid_turns": mean([float(call.format_valid) for call, _ in turns]),
+        "agent/turn_success": mean([float(_turn_succeeded(call, results_of[id(r)])) for call, r in turns]),
+        "agent/task_success": mean([float(bool(succeeded(r))) for r in results]),
+        "agent/tool_calls_per_trajectory": mean([float(len(_made_calls(r))) for r in good]),
+        "agent/cut_off_share": mean(
+            [float(bool(r.calls) and r.calls[-1].finish_reason == "tool_calls") for r in good]
+        ),
+    }
+    referenced = [(r, calls) for r in good if (calls := reference_tool_calls(r)) is not None]
+    if referenced:
+        for name, key in (("tool_call_accuracy", _canonical), ("tool_name_accuracy", _name)):
+            metrics[f"agent/{name}"] = mean(
+                [float(_multiset(_made_calls(r), key) == _multiset(ref, key)) for r, ref in referenced]
+            )
+    return metrics
+
+
+def _name(call: dict[str, Any]) -> str:
+    return _function(call)[0]
+
+
+def _multiset(calls: Iterable[dict[str, Any]], key: Callable[[dict[str, Any]], str]) -> Counter[str]:
+    return Counter(key(call) for call in calls)
+
+
+def pass_at_k(groups: list[list[RolloutResult]], succeeded: Succeeded) -> float:
+    """Share of prompts (one list of k rollouts each) where at least one rollout succeeded."""
+    return mean([float(any(bool(succeeded(r)) for r in group)) for group in groups])
