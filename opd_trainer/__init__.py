@@ -12,5 +12,18 @@
 - `demo`: the tiny models and the tool-routing task the examples and tests use; nothing else
   in the trainer imports it.
 
-`errors` holds the exceptions every role raises.
+`errors` holds the exceptions every role raises; `tuner` is `tune(...)`, a job from a Python script.
 """
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def __getattr__(name: str) -> Any:
+    """`opd_trainer.tune` is `opd_trainer.tuner.tune`, imported on first use."""
+    if name == "tune":
+        from opd_trainer.tuner import tune
+
+        return tune
+    raise AttributeError(f"module 'opd_trainer' has no attribute {name!r}")

@@ -4,7 +4,8 @@ Validates the whole file as a job would (every bad line, with its number), then 
 samples as the trainer hands them on: sample id, source line, the conversation, the tools' names, the
 ground truth rewards receive and `rollout_extra`. With `--tokenizer` (the student's folder or Hugging
 Face id) it also renders each prompt with the model's chat template and counts its tokens, and gives
-the longest prompt of the file, which is what `max_length` must exceed.
+the longest prompt of the file, which is what `max_length` must exceed. A task record (no `messages`)
+is shown as written: a workflow function writes its prompt, so it has no prompt tokens to count.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from opd_trainer.spec.dataset import load_samples, sample_view
 CONTENT_CHARS = 200
 
 
-def _prompt_lengths(tokenizer_path: str, samples: list[Any]) -> list[int]:
+def _prompt_lengths(tokenizer_path: str, samples: list[Any]) -> list[int | None]:
     from transformers import AutoTokenizer
 
     from opd_trainer.rollout.chat import prompt_token_ids
@@ -31,11 +32,14 @@ def _prompt_lengths(tokenizer_path: str, samples: list[Any]) -> list[int]:
     except (OSError, ValueError) as exc:
         problem = f"cannot load a tokenizer from {tokenizer_path}: {exc}"
         raise ConfigError(problem, field="tokenizer") from None
-    return [len(prompt_token_ids(tokenizer, s.messages, s.tools)) for s in samples]
+    return [len(prompt_token_ids(tokenizer, s.messages, s.tools)) if s.messages else None for s in samples]
 
 
 def _text(view: dict[str, Any], prompt_tokens: int | None) -> str:
     lines = [f"== {view['sample_id']} ({view['source']})"]
+    if not view["messages"]:
+        task = json.dumps(view["rollout_extra"].get("task"), ensure_ascii=False)
+        lines.append(f"  task: {task if len(task) <= CONTENT_CHARS else task[:CONTENT_CHARS] + '...'}")
     for message in view["messages"]:
         content = message.get("content")
         text = content if isinstance(content, str) else json.dumps(content, ensure_ascii=False)
@@ -73,8 +77,9 @@ def _preview(args: argparse.Namespace) -> int:
     for index, view in enumerate(views):
         print(_text(view, lengths[index] if lengths is not None else None))
     summary = f"{len(samples)} samples, all valid"
-    if lengths is not None:
-        summary += f"; prompt tokens max {max(lengths)}, mean {sum(lengths) / len(lengths):.0f}"
+    counted = [length for length in lengths or [] if length is not None]
+    if counted:
+        summary += f"; prompt tokens max {max(counted)}, mean {sum(counted) / len(counted):.0f}"
     print(summary)
     return 0
 

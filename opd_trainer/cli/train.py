@@ -22,7 +22,12 @@ from opd_trainer.errors import OPDError
 from opd_trainer.spec.dataset import load_samples
 from opd_trainer.spec.job_spec import JobSpec, load_job_spec
 from opd_trainer.spec.model_source import local_model
-from opd_trainer.spec.preflight import check_references, check_same_tokenizer, resolve_max_length
+from opd_trainer.spec.preflight import (
+    check_references,
+    check_same_tokenizer,
+    check_task_records,
+    resolve_max_length,
+)
 
 # Per-validation bookkeeping, not a measurement: left out of the table.
 _NOT_IN_TABLE = frozenset({"samples"})
@@ -32,8 +37,10 @@ def preflight_local(spec: JobSpec) -> None:
     """Cheap checks before anything starts: datasets parse, tokenizers match, max_length fits."""
     train = load_samples(spec.training_datasets, "training_datasets")
     check_references(train, spec.hyper_parameters.teacher_hindsight)
+    check_task_records(train, "training_datasets", spec.is_agentic)
     if spec.validation_datasets:
-        load_samples(spec.validation_datasets, "validation_datasets")
+        validation = load_samples(spec.validation_datasets, "validation_datasets")
+        check_task_records(validation, "validation_datasets", spec.is_agentic)
     check_same_tokenizer(spec.model, spec.teacher_model)
     resolve_max_length(spec.hyper_parameters.max_length, spec.model, spec.teacher_model)
 
@@ -98,21 +105,23 @@ async def _follow(driver: Any, run: Any) -> Any:
         bar.close()
 
 
-def run_train(job_file: Path, run_dir: Path | None, stop_after: int | None) -> int:
+def prepare_spec(spec: JobSpec) -> JobSpec:
+    """`spec` with Hugging Face ids turned into their snapshot folders (downloaded if missing, as the
+    server resolves them), after the local pre-flight checks; raises `OPDError` naming the field."""
+    spec = spec.model_copy(
+        update={f: local_model(getattr(spec, f), f, download=True) for f in ("model", "teacher_model")}
+    )
+    preflight_local(spec)
+    return spec
+
+
+def train_spec(spec: JobSpec, run_dir: Path | None = None, stop_after: int | None = None) -> dict[str, Any]:
+    """Runs a prepared `spec` on the local (or `RAY_ADDRESS`) Ray cluster with progress on the terminal;
+    returns the job's summary. Raises `OPDError` when the job fails."""
     from opd_trainer.driver.job_driver import JobDriverActor
     from opd_trainer.driver.ray_runtime import init_ray
     from opd_trainer.shared_storage import write_probe
 
-    try:
-        spec = load_job_spec(job_file)
-        # Hugging Face ids become their snapshot folders (downloaded if missing), as the server does.
-        spec = spec.model_copy(
-            update={f: local_model(getattr(spec, f), f, download=True) for f in ("model", "teacher_model")}
-        )
-        preflight_local(spec)
-    except OPDError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     run_dir = run_dir or Path("runs") / spec.job_name
     print(f"job {spec.job_name}: run directory {run_dir} (re-run to resume from its latest checkpoint)")
     started = time.perf_counter()
@@ -122,10 +131,7 @@ def run_train(job_file: Path, run_dir: Path | None, stop_after: int | None) -> i
         spec, str(run_dir.resolve()), "local", token
     )
     try:
-        summary = asyncio.run(_follow(driver, driver.run.remote(stop_after)))
-    except OPDError as exc:
-        print(f"error: {exc.field + ': ' if exc.field else ''}{exc.message}", file=sys.stderr)
-        return 1
+        summary: dict[str, Any] = asyncio.run(_follow(driver, driver.run.remote(stop_after)))
     finally:
         ray.kill(driver)
     records = RunDir(run_dir).records()
@@ -141,4 +147,19 @@ def run_train(job_file: Path, run_dir: Path | None, stop_after: int | None) -> i
     if summary:
         print(format_final_table(summary))
     print(f"finished in {time.perf_counter() - started:.0f}s")
+    return summary
+
+
+def run_train(job_file: Path, run_dir: Path | None, stop_after: int | None) -> int:
+    """`opd train`: exit code 2 for a job file that fails pre-flight, 1 for a job that fails."""
+    try:
+        spec = prepare_spec(load_job_spec(job_file))
+    except OPDError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        train_spec(spec, run_dir, stop_after)
+    except OPDError as exc:
+        print(f"error: {exc.field + ': ' if exc.field else ''}{exc.message}", file=sys.stderr)
+        return 1
     return 0

@@ -58,6 +58,7 @@ from opd_trainer.spec.preflight import (
     check_drift,
     check_references,
     check_same_tokenizer,
+    check_task_records,
     resolve_max_length,
 )
 from opd_trainer.stats import mean
@@ -176,8 +177,10 @@ class JobDriver:
         spec, hp = self.spec, self.spec.hyper_parameters
         self.train_samples = load_samples(spec.training_datasets, "training_datasets")
         check_references(self.train_samples, hp.teacher_hindsight)
+        check_task_records(self.train_samples, "training_datasets", spec.is_agentic)
         if spec.validation_datasets:
             self.validation_samples = load_samples(spec.validation_datasets, "validation_datasets")
+            check_task_records(self.validation_samples, "validation_datasets", spec.is_agentic)
         self.total_steps = hp.total_steps(len(self.train_samples))
         self.cursor = EpochCursor(len(self.train_samples), hp.seed)
 
@@ -647,7 +650,8 @@ class JobDriver:
             self._validation_reverse_kl() if policy == "student" else asyncio.sleep(0, 0.0),
         )
         metrics = validation_metrics(results, has_rewards=bool(self.spec.reward_components))
-        metrics["reverse_kl"] = reverse_kl
+        if reverse_kl is not None:  # None: task records only, no prompt to sample on
+            metrics["reverse_kl"] = reverse_kl
         succeeded = success_by_threshold(hp.eval_success_threshold)
         metrics |= agent_metrics(results, succeeded)
         if hp.eval_pass_k > 1:
@@ -679,7 +683,7 @@ class JobDriver:
         )
         return metrics
 
-    async def _validation_reverse_kl(self) -> float:
+    async def _validation_reverse_kl(self) -> float | None:
         """Mean `logp_student − logp_teacher` per token of seeded student samples on validation prompts.
 
         Sampled at the job's temperature straight from the student engines (no user code), so it
@@ -687,7 +691,10 @@ class JobDriver:
         """
         assert self._teacher is not None and self._student is not None
         hp = self.spec.hyper_parameters
-        prompts = [self._prompt(s) for s in self.validation_samples]
+        # Task records have no prompt of their own (a workflow writes it): they take no part here.
+        prompts = [self._prompt(s) for s in self.validation_samples if s.messages]
+        if not prompts:
+            return None
         sampled = await self._student.generate_many(
             prompts,
             seeds=[request_seed(hp.seed, -1, i) for i in range(len(prompts))],
@@ -848,7 +855,7 @@ class JobDriver:
         """A few student samples, to compare the learner's logprobs with the sampler's (drift)."""
         assert self._student is not None
         hp = self.spec.hyper_parameters
-        samples = self.train_samples[: min(4, len(self.train_samples))]
+        samples = [s for s in self.train_samples if s.messages][:4]  # task records have no prompt
         prompts = [self._prompt(s) for s in samples]
         completions = await self._student.generate_many(
             prompts,

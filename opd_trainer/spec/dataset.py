@@ -4,6 +4,12 @@ One record: `{"messages": [...], "tools": [...]?, "rollout_extra": {...}?}` wher
 OpenAI chat history ending where the model answers next (a user or tool message). `rollout_extra` is
 the user's: any JSON object, handed to their processors as it is (`solution` / `ground_truth` may be
 any JSON value); only `sample_id`, if present, is read here.
+
+A record without `messages` is a *task record* (Hugging Face datasets' shape, e.g.
+`{"question": "What is 2 + 2?", "answer": "4"}`): any non-empty JSON object, kept whole as the sample's
+`rollout_extra.task` for a workflow function to turn into a conversation (`opd_trainer/sdk/workflow.py`);
+its reference answer is its `ground_truth`, else `answer`, else `solution`. Such samples have no
+messages, so a job on them needs a rollout component (`TASK_RECORDS_NEED_A_ROLLOUT`).
 """
 
 from __future__ import annotations
@@ -17,6 +23,11 @@ from typing import Any
 from opd_trainer.errors import ConfigError
 
 ROLES = {"system", "user", "assistant", "tool"}
+TASK_KEY = "task"  # rollout_extra key of a task record (sdk/workflow.py reads it under the same name)
+TASK_RECORDS_NEED_A_ROLLOUT = (
+    "holds task records (no `messages`): give the job a rollout component, e.g. a workflow function, "
+    "to turn each task into a conversation"
+)
 MAX_REPORTED_PROBLEMS = 20
 
 
@@ -38,7 +49,11 @@ class Sample:
 def ground_truth_of(sample: Sample) -> Any:
     """The sample's reference answer as stored (`rollout_extra.ground_truth`, else `.solution`): Bailian
     rewards `json.loads` a string, use a dict as is."""
-    return sample.rollout_extra.get("ground_truth", sample.rollout_extra.get("solution"))
+    extra = sample.rollout_extra
+    task = extra.get(TASK_KEY)
+    if not sample.messages and isinstance(task, dict):
+        return task.get("ground_truth", task.get("answer", task.get("solution")))
+    return extra.get("ground_truth", extra.get("solution"))
 
 
 def sample_view(sample: Sample) -> dict[str, Any]:
@@ -57,6 +72,8 @@ def record_problem(record: Any) -> str | None:
     """Why a decoded record is not a valid sample, or None. Messages name the offending field."""
     if not isinstance(record, dict):
         return "a record must be a JSON object"
+    if "messages" not in record:
+        return None if record else "a record must not be empty"
     unknown = set(record) - {"messages", "tools", "rollout_extra"}
     if unknown:
         return f"unknown field(s) {sorted(unknown)}"
@@ -110,6 +127,9 @@ def parse_jsonl(text: str, source: str) -> list[Sample]:
         problem = record_problem(record)
         if problem:
             problems.append(f"line {number}: {problem}")
+            continue
+        if "messages" not in record:  # a task record, kept whole
+            samples.append(Sample(source, number, [], None, {TASK_KEY: record}))
             continue
         samples.append(
             Sample(source, number, record["messages"], record.get("tools"), record.get("rollout_extra", {}))

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from opd_trainer.errors import ConfigError
-from opd_trainer.spec.dataset import Sample, ground_truth_of
+from opd_trainer.spec.dataset import TASK_RECORDS_NEED_A_ROLLOUT, Sample, ground_truth_of
 
 # Config keys different model families use for their context window, most common first.
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
@@ -179,3 +179,9 @@ def check_references(samples: list[Sample], teacher_hindsight: str) -> None:
             "(rollout_extra.ground_truth or rollout_extra.solution)",
             field="hyper_parameters.teacher_hindsight",
         )
+
+
+def check_task_records(samples: list[Sample], field: str, has_rollout: bool) -> None:
+    """Task records (no `messages`) become conversations only through a rollout component."""
+    if not has_rollout and any(not s.messages for s in samples):
+        raise ConfigError(f"{field} {TASK_RECORDS_NEED_A_ROLLOUT}", field=field)

@@ -1,5 +1,8 @@
 """Loads a user's rollout or reward processor class from a workspace by classpath; the one loader.
 
+A classpath may also name an `async def` workflow (rollout) or judge (reward, evaluator) function with
+AgentScope's tuner signatures; it is wrapped into a processor class (`opd_trainer/sdk/workflow.py`).
+
 A workspace is a directory such as
 
     functions/__init__.py
@@ -260,6 +263,8 @@ def _check_class(
             f"{where}: class {target.class_name} not found in module {target.module or target.file}{hint}",
             field=field,
         )
+    if inspect.isfunction(obj):
+        return _function_processor(obj, target, where, kind, field)
     if not isinstance(obj, type):
         raise ProcessorLoadError(
             f"{where}: {target.class_name} is a {type(obj).__name__}, not a class; expected a subclass of "
@@ -279,6 +284,28 @@ def _check_class(
             f"{where}: class {target.class_name} is abstract: implement {missing}", field=field
         )
     return obj
+
+
+def _function_processor(function: Any, target: _Target, where: str, kind: Kind, field: str) -> type:
+    """A workflow (rollout) or judge (reward) function wrapped as a processor class (sdk/workflow.py)."""
+    from opd_trainer.sdk.workflow import judge_processor, workflow_processor
+
+    shape = "(task, model, auxiliary_models)" if kind == "rollout" else "(task, response, auxiliary_models)"
+    if not inspect.iscoroutinefunction(function):
+        raise ProcessorLoadError(
+            f"{where}: {target.class_name} is a function, not a class: name a subclass of "
+            f"{_qualified(BASES[kind])}, or make it an `async def {target.class_name}{shape}` "
+            f"{'workflow' if kind == 'rollout' else 'judge'} function",
+            field=field,
+        )
+    try:
+        inspect.signature(function).bind(None, None, {})
+    except TypeError:
+        raise ProcessorLoadError(
+            f"{where}: {target.class_name}{inspect.signature(function)} cannot be called as {shape}",
+            field=field,
+        ) from None
+    return workflow_processor(function) if kind == "rollout" else judge_processor(function)
 
 
 def _check_workspace(workspace: Path, classpath: str, component: str | None) -> Path:

@@ -215,6 +215,7 @@ def test_not_a_class(tmp_path: Path) -> None:
     error = load_error(workspace, "functions.plain.process")
     assert "process is a function, not a class" in error.message
     assert "opd_trainer.sdk.AbstractRolloutProcessor" in error.message
+    assert "async def process(task, model, auxiliary_models)` workflow function" in error.message
 
 
 def test_wrong_base_class(tmp_path: Path) -> None:

@@ -1,0 +1,96 @@
+"""`tune(...)` with AgentScope-style workflow and judge functions on task records, end to end: the
+workflow's `model` is the gateway-bound chat model (no agentscope installed here), the judge scores the
+workflow's response, and validation reports the judge's reward and the agent-level layers."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import ModuleType
+
+from opd_trainer.demo.tiny_models import TinyModels
+from opd_trainer.driver.run_dir import RunDir
+from opd_trainer.jsonl import read_jsonl, write_jsonl
+from opd_trainer.tuner import DatasetConfig, tune
+
+AGENT = """
+import json
+from pathlib import Path
+
+from opd_trainer.tuner import JudgeOutput, WorkflowOutput
+
+SETUP = json.loads((Path(__file__).parent / "setup.json").read_text())
+
+
+async def workflow(task, model, auxiliary_models=None):
+    messages = [{"role": "system", "content": SETUP["system"]}, {"role": "user", "content": task["question"]}]
+    return WorkflowOutput(response=await model(messages, tools=SETUP["tools"]))
+
+
+async def judge(task, response, auxiliary_models=None):
+    made = [call["function"]["name"] for call in response.get("tool_calls") or []]
+    wanted = [call["name"] for call in task["answer"].get("tool_calls") or []]
+    return JudgeOutput(reward=float(made == wanted), metrics={"called_a_tool": float(bool(made))})
+"""
+
+
+def _task(record: dict) -> dict:
+    """A chat sample of the tiny task as a free-form task record."""
+    question = next(m["content"] for m in record["messages"] if m["role"] == "user")
+    return {"question": question, "answer": json.loads(record["rollout_extra"]["solution"])}
+
+
+def _workspace(tiny_models: TinyModels, folder: Path) -> ModuleType:
+    first = read_jsonl(tiny_models.data_dir / "train.jsonl")[0]
+    setup = {"system": first["messages"][0]["content"], "tools": first["tools"]}
+    folder.mkdir()
+    (folder / "setup.json").write_text(json.dumps(setup))
+    (folder / "tool_agent.py").write_text(AGENT)
+    spec = importlib.util.spec_from_file_location("tool_agent", folder / "tool_agent.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tune_trains_a_workflow_judged_by_a_judge_on_task_records(
+    ray_session: None, tiny_models: TinyModels, tmp_path: Path
+) -> None:
+    agent = _workspace(tiny_models, tmp_path / "workspace")
+    data = tmp_path / "data"
+    data.mkdir()
+    write_jsonl(
+        data / "train.jsonl", [_task(r) for r in read_jsonl(tiny_models.data_dir / "train.jsonl")[:8]]
+    )
+    write_jsonl(
+        data / "test.jsonl", [_task(r) for r in read_jsonl(tiny_models.data_dir / "validation.jsonl")[:24]]
+    )
+    assert DatasetConfig(path=data, split="train").preview(n=1)[0]["answer"]["decision"]
+    summary = tune(
+        workflow_func=agent.workflow,
+        judge_func=agent.judge,
+        model=str(tiny_models.student),
+        teacher_model=str(tiny_models.teacher),
+        train_dataset=DatasetConfig(path=data, split="train"),
+        eval_dataset=DatasetConfig(path=data, split="test"),
+        job_name="tune-workflow",
+        run_dir=tmp_path / "run",
+        hyper_parameters={
+            "max_steps": 2,
+            "batch_size": 4,
+            "n_rollouts": 2,
+            "max_tokens": 48,
+            "eval_steps": 100,
+        },
+    )
+    steps = [r for r in RunDir(tmp_path / "run").records() if r["kind"] == "train"]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["failed_rollouts"] == 0 and r["trained_tokens"] > 0 for r in steps), steps
+    before, teacher = summary["student_before"], summary["teacher"]
+    for metrics in (before, teacher, summary["student_after"]):
+        assert metrics["samples"] == 24 and metrics["failed_samples"] == 0, metrics
+        assert 0.0 <= metrics["reward/judge"] <= 1.0 and 0.0 <= metrics["agent/format_valid_turns"] <= 1.0
+        assert "reverse_kl" not in metrics  # task records have no prompt of their own to sample on
+    # The judge sees what the model answered: the teacher (~95 % right on this task) beats the student.
+    assert teacher["reward/judge"] > before["reward/judge"], summary

@@ -1,0 +1,112 @@
+"""Workflow and judge functions (AgentScope tuner signatures) loaded by classpath and run as processors,
+task records in datasets, `DatasetConfig.preview`. The model the workflow gets is exercised against the
+real gateway in tests/integration/test_workflow_functions.py; here the workflow does not call it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from opd_trainer.errors import ConfigError
+from opd_trainer.sdk import ModelResource, RewardInput, RolloutInput
+from opd_trainer.sdk.workflow import GatewayChatModel, chat_model
+from opd_trainer.spec.dataset import ground_truth_of, load_samples
+from opd_trainer.spec.preflight import check_task_records
+from opd_trainer.tuner import DatasetConfig
+from opd_trainer.workers.classpath import ProcessorLoadError, instantiate_processor, load_processor_class
+
+FUNCTIONS = """
+from opd_trainer.tuner import JudgeOutput, WorkflowOutput
+
+
+async def workflow(task, model, auxiliary_models=None):
+    assert auxiliary_models == {} and model.model_name == "student"
+    return WorkflowOutput(response={"answer": task["question"].split()[-1]}, metrics={"turns": 1.0})
+
+
+async def judge(task, response, auxiliary_models=None):
+    right = response["answer"] == task["answer"]
+    return JudgeOutput(reward=1.0 if right else 0.0, metrics={"right": float(right)})
+
+
+def not_async(task, model):
+    return None
+
+
+async def one_argument(task):
+    return None
+"""
+
+
+@pytest.fixture
+def workspace(tmp_path: Path) -> Path:
+    folder = tmp_path / "ws"
+    folder.mkdir()
+    (folder / "math_agent.py").write_text(FUNCTIONS)
+    return folder
+
+
+def _resource() -> ModelResource:
+    return ModelResource(model_name="student", base_url="http://127.0.0.1:9/v1", api_key="k")
+
+
+def test_a_workflow_and_a_judge_run_as_processors(workspace: Path) -> None:
+    workflow = instantiate_processor(load_processor_class(workspace, "math_agent.py:workflow", "rollout"))
+    judge = instantiate_processor(load_processor_class(workspace, "math_agent.py:judge", "reward"))
+    task = {"question": "what is 2 + 2 = 4", "answer": "4"}
+    rollout = RolloutInput(
+        messages=[],
+        rollout_extra={"task": task},
+        sampling_params={"temperature": 0.7},
+        model_resource=_resource(),
+    )
+    output = asyncio.run(workflow.process(rollout))
+    agent = output.agent_output
+    assert agent is not None and agent.rollout_metrics == {"turns": 1.0}
+    assert agent.messages == [{"role": "assistant", "content": json.dumps({"answer": "4"})}]
+    assert agent.rollout_extra["task"] == task  # the judge gets the task as the workflow did
+    scored = asyncio.run(judge.process(RewardInput(ground_truth="4", agent_output=agent)))
+    assert scored.reward is not None and scored.reward.reward_score == 1.0
+    assert scored.reward.reward_metrics == {"right": 1.0}
+
+
+@pytest.mark.parametrize(
+    ("name", "problem"), [("not_async", "a function, not a class"), ("one_argument", "cannot be called as")]
+)
+def test_functions_that_do_not_fit_the_signatures_are_refused_naming_the_field(
+    workspace: Path, name: str, problem: str
+) -> None:
+    with pytest.raises(ProcessorLoadError, match=problem) as raised:
+        load_processor_class(workspace, f"math_agent.py:{name}", "rollout", component="agent")
+    assert raised.value.field == "functions.agent.fcmodel.classpath"
+
+
+def test_the_model_is_the_gateway_bound_fallback_without_agentscope() -> None:
+    import importlib.util
+
+    assert importlib.util.find_spec("agentscope") is None  # the test venv has no agentscope
+    model = chat_model(_resource(), {"temperature": 0.5, "max_tokens": 8, "seed": 3, "top_p": 1.0})
+    assert isinstance(model, GatewayChatModel)
+    assert model.generate_kwargs == {"temperature": 0.5, "max_tokens": 8, "seed": 3}
+
+
+def test_task_records_load_whole_and_need_a_rollout(tmp_path: Path) -> None:
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"question": "What is 2 + 2?", "answer": "4"}\n{"question": "4 + 4?", "answer": "8"}\n')
+    samples = load_samples([str(data)], "training_datasets")
+    assert [s.messages for s in samples] == [[], []]
+    assert samples[0].rollout_extra == {"task": {"question": "What is 2 + 2?", "answer": "4"}}
+    assert ground_truth_of(samples[1]) == "8"
+    with pytest.raises(ConfigError) as raised:
+        check_task_records(samples, "training_datasets", has_rollout=False)
+    assert raised.value.field == "training_datasets" and "rollout component" in raised.value.message
+    check_task_records(samples, "training_datasets", has_rollout=True)
+    assert DatasetConfig(path=tmp_path, split="train").preview(n=1) == [
+        {"question": "What is 2 + 2?", "answer": "4"}
+    ]
+    (tmp_path / "bad.jsonl").write_text("{}\n")
+    with pytest.raises(ConfigError, match="line 1: a record must not be empty"):
+        DatasetConfig(path=tmp_path / "bad.jsonl").preview()
