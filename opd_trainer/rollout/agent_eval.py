@@ -6,14 +6,17 @@ the rollout returned), so they hold for any task and any agent; `agent/` in the 
 - `format_valid_turns`: share of turns (LLM calls) whose reply was well formed (`LLMCall.format_valid`:
   not cut off by `max_tokens`; with tools offered, no call markup the parser could not read, every call
   naming an offered tool with a JSON object of arguments).
-- `turn_success`: share of turns that were well formed and whose tool calls each got a result that is
-  not an error. A result is an error when the tool message has `status: "error"`, its content is a JSON
-  object with a true `error` / `is_error`, or its text starts with "error" (LangChain's and LangGraph's
-  convention); a call with no result in the conversation did not succeed.
+- `turn_success`: share of turns that were well formed and, in a trajectory where the agent runs tools
+  (its conversation holds tool messages), whose tool calls each got a result that is not an error. A
+  result is an error when the tool message has `status: "error"`, its content is a JSON object with a
+  true `error` / `is_error`, or its text starts with "error" (LangChain's and LangGraph's convention);
+  a call with no result there did not succeed. An agent whose answer *is* the call (it runs no tools)
+  is judged on format alone.
 - `task_success`: share of trajectories whose evaluator score (without an evaluator, reward) reaches
   `hyper_parameters.eval_success_threshold`.
-- `tool_calls_per_trajectory`, and `cut_off_share`: trajectories whose last turn still asked for tools
-  (the agent's loop ended it before a final answer: a turn limit, a loop).
+- `tool_calls_per_trajectory`, and `cut_off_share`: trajectories of agents that run tools whose last
+  turn asked for tools that never ran (the agent's loop ended before a final answer: a turn limit, a
+  loop).
 - `tool_call_accuracy` / `tool_name_accuracy`, for samples whose reference answer lists `tool_calls`
   (`{name, arguments}` or OpenAI's `{function: {name, arguments}}`): the trajectory made exactly those
   calls (as a multiset; arguments compared as JSON), or the same tool names.
@@ -85,13 +88,24 @@ def _tool_results(messages: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def _turn_succeeded(call: LLMCall, results: dict[str, dict[str, Any]]) -> bool:
+    """`results`: the trajectory's tool messages by call id, empty for an agent that runs no tools."""
     if not call.format_valid:
         return False
+    if not results:
+        return True
     for tool_call in call.response_message.get("tool_calls") or []:
         answer = results.get(tool_call.get("id", ""))
         if answer is None or _is_error(answer):
             return False
     return True
+
+
+def _cut_off(result: RolloutResult, results: dict[str, dict[str, Any]]) -> bool:
+    """An agent that runs tools stopped on a turn whose tool calls never ran."""
+    if not results or not result.calls:
+        return False
+    last = result.calls[-1].response_message.get("tool_calls") or []
+    return any(call.get("id") not in results for call in last)
 
 
 def reference_tool_calls(result: RolloutResult) -> list[dict[str, Any]] | None:
@@ -120,9 +134,7 @@ def agent_metrics(results: list[RolloutResult], succeeded: Succeeded) -> dict[st
         "agent/turn_success": mean([float(_turn_succeeded(call, results_of[id(r)])) for call, r in turns]),
         "agent/task_success": mean([float(bool(succeeded(r))) for r in results]),
         "agent/tool_calls_per_trajectory": mean([float(len(_made_calls(r))) for r in good]),
-        "agent/cut_off_share": mean(
-            [float(bool(r.calls) and r.calls[-1].finish_reason == "tool_calls") for r in good]
-        ),
+        "agent/cut_off_share": mean([float(_cut_off(r, results_of[id(r)])) for r in good]),
     }
     referenced = [(r, calls) for r in good if (calls := reference_tool_calls(r)) is not None]
     if referenced:

@@ -62,7 +62,11 @@ def test_turns_tools_and_cut_offs_of_a_validation_pass() -> None:
     )
     # 3: one malformed reply (cut by max_tokens), no tools, no reference.
     three = _rollout(3, [_turn([], "length", valid=False)], [], 0.0)
+    # 4: an agent whose answer is the call (it runs no tools): judged on format, never cut off.
+    four = _rollout(4, [_turn([_tool_call("c4", "refund", {"order": 7})], "tool_calls")], [], 0.0)
     metrics = agent_metrics([one, two, three], success_by_threshold(1.0))
+    alone = agent_metrics([four], success_by_threshold(1.0))
+    assert alone["agent/turn_success"] == 1.0 and alone["agent/cut_off_share"] == 0.0
     assert metrics["agent/format_valid_turns"] == pytest.approx(4 / 5)
     # Successful turns: one's two; two's first failed (error), its second has no result; three's invalid.
     assert metrics["agent/turn_success"] == pytest.approx(2 / 5)
