@@ -14,9 +14,9 @@ it as any other processor.
   `rollout_extra`.
 - `model`: a chat model bound to the student through the job's recording gateway (this rollout's key,
   seed, temperature and max_tokens): AgentScope's `OpenAIChatModel` (non-streaming) when the worker can
-  import `agentscope` (list it in the workspace's requirements.txt), so `ReActAgent(model=model, ...)`
-  runs unchanged; otherwise `GatewayChatModel`, whose `await model(messages, tools=None, **kwargs)`
-  returns the assistant message as an OpenAI dict.
+  import AgentScope 1.x, the version with the tuner (`agentscope>=1,<2` in the workspace's
+  requirements.txt), so `ReActAgent(model=model, ...)` runs unchanged; otherwise `GatewayChatModel`,
+  whose `await model(messages, tools=None, **kwargs)` returns the assistant message as an OpenAI dict.
 - `auxiliary_models`: an empty dict: this trainer serves user code no model but the student yet.
 - The workflow's `reward` (if set) is the rollout's own reward (used when the job has no reward
   component), its `metrics` are logged as rollout metrics, and its `response` reaches the judge: an
@@ -92,17 +92,19 @@ class GatewayChatModel:
 
 
 def chat_model(resource: ModelResource, sampling: dict[str, Any]) -> Any:
-    """AgentScope's `OpenAIChatModel` on the gateway where `agentscope` imports, else `GatewayChatModel`."""
+    """AgentScope's `OpenAIChatModel` on the gateway where AgentScope 1.x (the tuner's API) imports, else
+    `GatewayChatModel` (AgentScope 2.x rebuilt its model classes and has no tuner: not bound)."""
     generate = {k: v for k, v in sampling.items() if k in {"temperature", "max_tokens", "seed"}}
     try:
         from agentscope.model import OpenAIChatModel
     except ImportError:
         return GatewayChatModel(resource, generate)
+    parameters = inspect.signature(OpenAIChatModel).parameters
+    if "model_name" not in parameters:
+        return GatewayChatModel(resource, generate)
     # Retries off: a retried call would be recorded (and trained on) twice.
     client = {"base_url": resource.base_url, "max_retries": 0}
-    named = (
-        "client_kwargs" if "client_kwargs" in inspect.signature(OpenAIChatModel).parameters else "client_args"
-    )
+    named = "client_kwargs" if "client_kwargs" in parameters else "client_args"  # renamed within 1.x
     return OpenAIChatModel(
         model_name=resource.model_name,
         api_key=resource.api_key.get_secret_value(),
