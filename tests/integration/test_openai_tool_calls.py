@@ -7,6 +7,7 @@ gateway (which uses the same parser registry, `tool_call_parser`) answers the sa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -222,3 +224,71 @@ def test_an_unknown_or_unfitting_tool_call_parser_fails_naming_the_field(
         finally:
             ray.get(gateway.shutdown.remote())
             ray.kill(gateway)
+
+
+def _holds(ids: list[int], part: list[int]) -> bool:
+    return any(ids[i : i + len(part)] == part for i in range(len(ids) - len(part) + 1))
+
+
+def test_a_multi_turn_trajectory_trains_its_tool_calls_and_never_the_tool_output(
+    teacher_engine: Any, tiny_models: TinyModels
+) -> None:
+    """Two turns through the recording gateway (a tool call, its result, the answer), then the
+    learner's loss mask of the recorded calls, token by token: every token the model wrote (the call's
+    `<tool_call>` markup included) is trained, every other token (the prompt, the tool output) is not."""
+    import torch
+
+    from opd_trainer.learner.deepspeed_learner import Learner
+
+    records = [
+        r
+        for r in read_jsonl(tiny_models.data_dir / "validation.jsonl")
+        if r["rollout_extra"]["category"] == "tool_call"
+    ]
+    gateway = GatewayActor.remote(  # type: ignore[attr-defined]
+        "teacher", str(tiny_models.teacher), [teacher_engine], max_tokens=64, temperature=1.0, max_length=1024
+    )
+    base_url = ray.get(gateway.serve.remote())
+    ray.get(gateway.ready.remote())
+    try:
+        for record in records[:8]:  # the first the teacher answers with a call (6 of 8 do, greedy)
+            key = ray.get(gateway.open_rollout.remote(f"two-turns-{id(record)}", temperature=0.0))
+            client = OpenAI(base_url=base_url, api_key=key)
+            first = (
+                client.chat.completions.create(
+                    model="teacher", messages=record["messages"], tools=record["tools"]
+                )
+                .choices[0]
+                .message
+            )
+            if first.tool_calls:
+                break
+            ray.get(gateway.close_rollout.remote(key))
+        call = first.tool_calls[0]
+        tool_output = '{"status": "shipped", "eta_days": 3}'
+        history = [
+            *record["messages"],
+            first.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": tool_output},
+        ]
+        client.chat.completions.create(model="teacher", messages=history, tools=record["tools"])
+        calls = ray.get(gateway.close_rollout.remote(key))
+    finally:
+        ray.get(gateway.shutdown.remote())
+        ray.kill(gateway)
+    assert len(calls) == 2
+    segments = [dataclasses.replace(c, teacher_logprobs=c.sampler_logprobs) for c in calls]
+    batch = Learner._pad(SimpleNamespace(_device=torch.device("cpu")), segments)  # type: ignore[arg-type]
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_models.teacher))
+    # Its inner tokens: at its edges the template's own text may merge with it differently.
+    output_ids = tokenizer.encode(tool_output, add_special_tokens=False)[1:-1]
+    for row, segment in enumerate(segments):
+        length = len(segment.prompt_token_ids) + len(segment.completion_token_ids)
+        targets = batch["targets_B_T"][row, : length - 1].tolist()
+        trained = batch["mask_B_T"][row, : length - 1].bool().tolist()
+        assert [t for t, m in zip(targets, trained, strict=True) if m] == segment.completion_token_ids
+        assert not _holds([t for t, m in zip(targets, trained, strict=True) if m], output_ids)
+    # The first turn's completion is the call, markup and all; the second turn sees the tool's output
+    # only as context.
+    assert "<tool_call>" in tokenizer.decode(segments[0].completion_token_ids, skip_special_tokens=False)
+    assert _holds(segments[1].prompt_token_ids, output_ids)
