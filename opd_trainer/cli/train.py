@@ -94,7 +94,11 @@ async def _follow(driver: Any, run: Any) -> Any:
                 bar.update(progress["step"] - bar.n)
             metrics = progress["metrics"]
             if metrics:
-                postfix = {"KL": f"{metrics['reverse_kl']:.3f}", "tok/s": f"{metrics['tokens_per_s']:.0f}"}
+                postfix = {}
+                if "reverse_kl" in metrics:  # validation of task records alone reports none
+                    postfix["KL"] = f"{metrics['reverse_kl']:.3f}"
+                if "tokens_per_s" in metrics:
+                    postfix["tok/s"] = f"{metrics['tokens_per_s']:.0f}"
                 if "reward_mean" in metrics:
                     postfix["reward"] = f"{metrics['reward_mean']:.3f}"
                 bar.set_postfix(postfix)
