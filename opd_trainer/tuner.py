@@ -49,6 +49,13 @@ class DatasetConfig:
         return [s.rollout_extra["task"] if not s.messages else sample_view(s) for s in samples]
 
 
+def dataset_file(dataset: DatasetConfig | str | Path, split: str) -> str:
+    """The JSONL file of `dataset`: a `DatasetConfig` as configured; a path as a file, or a folder's
+    `{split}.jsonl` (`train` for training, `test` for evaluation, as AgentScope's datasets)."""
+    config = dataset if isinstance(dataset, DatasetConfig) else DatasetConfig(dataset, split)
+    return str(config.file)
+
+
 def _component(name: str, kind: str, function: Callable[..., Any], field: str) -> dict[str, Any]:
     source = inspect.getsourcefile(function)
     if source is None or not inspect.iscoroutinefunction(function):
@@ -84,16 +91,13 @@ def tune(
     if judge_func is not None:
         functions.append(_component("judge", "reward", judge_func, "judge_func"))
 
-    def file_of(dataset: DatasetConfig | str | Path) -> str:
-        return str((dataset if isinstance(dataset, DatasetConfig) else DatasetConfig(dataset)).file)
-
     spec = parse_job_spec(
         {
             "job_name": job_name,
             "model": model,
             "teacher_model": teacher_model,
-            "training_datasets": [file_of(train_dataset)],
-            "validation_datasets": [file_of(eval_dataset)] if eval_dataset is not None else [],
+            "training_datasets": [dataset_file(train_dataset, "train")],
+            "validation_datasets": [dataset_file(eval_dataset, "test")] if eval_dataset is not None else [],
             "functions": functions,
             **job_fields,
         }

@@ -110,3 +110,14 @@ def test_task_records_load_whole_and_need_a_rollout(tmp_path: Path) -> None:
     (tmp_path / "bad.jsonl").write_text("{}\n")
     with pytest.raises(ConfigError, match="line 1: a record must not be empty"):
         DatasetConfig(path=tmp_path / "bad.jsonl").preview()
+
+
+def test_tune_reads_a_folder_by_split_train_for_training_test_for_evaluation(tmp_path: Path) -> None:
+    from opd_trainer.tuner import dataset_file
+
+    assert dataset_file(tmp_path, "train") == str(tmp_path / "train.jsonl")
+    assert dataset_file(tmp_path, "test") == str(tmp_path / "test.jsonl")
+    assert dataset_file(DatasetConfig(tmp_path, "dev"), "test") == str(tmp_path / "dev.jsonl")
+    single = tmp_path / "tasks.jsonl"
+    single.write_text("{}\n")
+    assert dataset_file(single, "test") == str(single)
