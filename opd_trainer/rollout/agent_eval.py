@@ -7,7 +7,7 @@ the rollout returned), so they hold for any task and any agent; `agent/` in the 
   not cut off by `max_tokens`; with tools offered, no call markup the parser could not read, every call
   naming an offered tool with a JSON object of arguments).
 - `turn_success`: share of turns that were well formed and, in a trajectory where the agent runs tools
-  (its conversation holds tool messages), whose tool calls each got a result that is not an error. A
+  (tool messages answer its own calls), whose tool calls each got a result that is not an error. A
   result is an error when the tool message has `status: "error"`, its content is a JSON object with a
   true `error` / `is_error`, or its text starts with "error" (LangChain's and LangGraph's convention);
   a call with no result there did not succeed. An agent whose answer *is* the call (it runs no tools)
@@ -83,8 +83,15 @@ def _is_error(message: dict[str, Any]) -> bool:
     return text.lower().startswith("error")
 
 
-def _tool_results(messages: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    return {m["tool_call_id"]: m for m in messages if m.get("role") == "tool" and m.get("tool_call_id")}
+def _tool_results(result: RolloutResult) -> dict[str, dict[str, Any]]:
+    """The tool messages answering calls this rollout's model made, by call id (a dataset's history may
+    hold tool messages of its own: they say nothing of whether this agent runs tools)."""
+    made = {call.get("id") for call in _made_calls(result)}
+    return {
+        m["tool_call_id"]: m
+        for m in result.messages
+        if m.get("role") == "tool" and m.get("tool_call_id") in made
+    }
 
 
 def _turn_succeeded(call: LLMCall, results: dict[str, dict[str, Any]]) -> bool:
@@ -128,7 +135,7 @@ def agent_metrics(results: list[RolloutResult], succeeded: Succeeded) -> dict[st
     """The `agent/` metrics of one validation pass (one rollout per sample); see the module docstring."""
     good = [r for r in results if not r.failed]
     turns = [(call, r) for r in good for call in r.calls if call.completion_token_ids]
-    results_of = {id(r): _tool_results(r.messages) for r in good}
+    results_of = {id(r): _tool_results(r) for r in good}
     metrics = {
         "agent/format_valid_turns": mean([float(call.format_valid) for call, _ in turns]),
         "agent/turn_success": mean([float(_turn_succeeded(call, results_of[id(r)])) for call, r in turns]),

@@ -65,6 +65,8 @@ def test_turns_tools_and_cut_offs_of_a_validation_pass() -> None:
     # 4: an agent whose answer is the call (it runs no tools): judged on format, never cut off.
     four = _rollout(4, [_turn([_tool_call("c4", "refund", {"order": 7})], "tool_calls")], [], 0.0)
     metrics = agent_metrics([one, two, three], success_by_threshold(1.0))
+    # ... also when the sample's own history holds a tool message (not an answer to this model's calls).
+    four.messages.insert(1, {"role": "tool", "tool_call_id": "history-1", "content": "Error: earlier"})
     alone = agent_metrics([four], success_by_threshold(1.0))
     assert alone["agent/turn_success"] == 1.0 and alone["agent/cut_off_share"] == 0.0
     assert metrics["agent/format_valid_turns"] == pytest.approx(4 / 5)
