@@ -25,7 +25,7 @@ from typing import Any
 
 from opd_trainer.errors import ConfigError
 from opd_trainer.sdk.workflow import JudgeOutput, WorkflowOutput
-from opd_trainer.spec.dataset import load_samples, sample_view
+from opd_trainer.spec.dataset import TASK_KEY, load_samples, sample_view
 
 __all__ = ["DatasetConfig", "JudgeOutput", "WorkflowOutput", "tune"]
 
@@ -46,7 +46,7 @@ class DatasetConfig:
         """The first `n` records as the trainer reads them (a task record as written; a chat sample as
         processors see it); raises `ConfigError` naming every bad line of the whole file."""
         samples = load_samples([str(self.file)], "dataset")[:n]
-        return [s.rollout_extra["task"] if not s.messages else sample_view(s) for s in samples]
+        return [s.rollout_extra[TASK_KEY] if not s.messages else sample_view(s) for s in samples]
 
 
 def dataset_file(dataset: DatasetConfig | str | Path, split: str) -> str:

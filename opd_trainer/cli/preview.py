@@ -17,7 +17,7 @@ from typing import Any
 
 from opd_trainer.cli.arguments import positive_int
 from opd_trainer.errors import ConfigError
-from opd_trainer.spec.dataset import load_samples, sample_view
+from opd_trainer.spec.dataset import TASK_KEY, load_samples, sample_view
 
 CONTENT_CHARS = 200
 
@@ -38,7 +38,7 @@ def _prompt_lengths(tokenizer_path: str, samples: list[Any]) -> list[int | None]
 def _text(view: dict[str, Any], prompt_tokens: int | None) -> str:
     lines = [f"== {view['sample_id']} ({view['source']})"]
     if not view["messages"]:
-        task = json.dumps(view["rollout_extra"].get("task"), ensure_ascii=False)
+        task = json.dumps(view["rollout_extra"].get(TASK_KEY), ensure_ascii=False)
         lines.append(f"  task: {task if len(task) <= CONTENT_CHARS else task[:CONTENT_CHARS] + '...'}")
     for message in view["messages"]:
         content = message.get("content")

@@ -44,10 +44,8 @@ from opd_trainer.sdk.types import (
     RolloutInput,
     RolloutOutput,
 )
+from opd_trainer.spec.dataset import TASK_KEY  # a task record's key, also that of the task handed to rewards
 
-TASK_KEY = "task"
-"""`rollout_extra` key of a task record (the dataset's own object, `spec/dataset.py`), and of the task
-handed to rewards."""
 RESPONSE_KEY = "workflow_response"
 """`AgentOutput.rollout_extra` key of the workflow's response, as it travels to the judge."""
 _MSG_MARK = "__agentscope_msg__"

@@ -23,7 +23,7 @@ from typing import Any
 from opd_trainer.errors import ConfigError
 
 ROLES = {"system", "user", "assistant", "tool"}
-TASK_KEY = "task"  # rollout_extra key of a task record (sdk/workflow.py reads it under the same name)
+TASK_KEY = "task"  # rollout_extra key of a task record (read by sdk/workflow.py, tuner.py, opd preview)
 TASK_RECORDS_NEED_A_ROLLOUT = (
     "holds task records (no `messages`): give the job a rollout component, e.g. a workflow function, "
     "to turn each task into a conversation"
