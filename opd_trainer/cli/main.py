@@ -25,7 +25,9 @@ def _make_tiny_models(args: argparse.Namespace) -> int:
     from opd_trainer.demo.tiny_models import build_tiny_models
 
     started = time.perf_counter()
-    models = build_tiny_models(Path(args.dir), seed=args.seed, force=args.force, threads=args.threads)
+    models = build_tiny_models(
+        Path(args.dir), seed=args.seed, force=args.force, threads=args.threads, variant=args.variant
+    )
     print(f"tiny models in {models.teacher.parent} ({time.perf_counter() - started:.1f}s)")
     for role in ("teacher", "student"):
         m = models.manifest[role]["validation"]
@@ -84,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="torch threads of the build (default: $OPD_TINY_MODELS_THREADS, else 2); part of the cache key, "
         "with torch's CPU kernel level ($ATEN_CPU_CAPABILITY), since either may change float rounding",
+    )
+    tiny.add_argument(
+        "--variant",
+        choices=["tool_routing", "self_correction"],
+        default="tool_routing",
+        help="task mix: the demo's tool routing, or that plus tool errors the agent corrects in its next "
+        "turn; adds the episodes of examples/self_correction_agentic to data/",
     )
     tiny.set_defaults(handler=_make_tiny_models)
 

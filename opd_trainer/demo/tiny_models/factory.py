@@ -60,7 +60,7 @@ from opd_trainer.demo.tiny_models.training import (
     ProgressFn,
     SftConfig,
 )
-from opd_trainer.demo.tool_routing import evaluator, task
+from opd_trainer.demo.tool_routing import evaluator, self_correction, task
 from opd_trainer.jsonl import write_jsonl
 
 logger = logging.getLogger(__name__)
@@ -74,9 +74,20 @@ _HASHED_SOURCES = (
     Path(tiny_tokenizer.__file__).with_name("chat_template.jinja"),
     Path(task.__file__),
     Path(evaluator.__file__),
+    Path(self_correction.__file__),
 )
 N_TRAIN = 4000
 N_VALIDATION = 200
+# The task mix the models are trained on: the demo's tool routing, or that plus the self-correction turn
+# of `demo/tool_routing/self_correction.py` (a call on a moved item, then the same call on its new id).
+VARIANTS: dict[str, tuple[str, ...]] = {
+    "tool_routing": task.CATEGORIES,
+    "self_correction": task.SELF_CORRECTION_CATEGORIES,
+}
+DEFAULT_VARIANT = "tool_routing"
+# Agent episodes of the self-correction variant (openings only; the agent plays them against the tools).
+N_EPISODES_TRAIN = 2000
+N_EPISODES_VALIDATION = 64
 VOCAB_SIZE = 1536
 TEACHER_TARGET_EM = 0.95
 STUDENT_EM_BAND = (0.3, 0.45)
@@ -128,6 +139,8 @@ THREADS_ENV = "OPD_TINY_MODELS_THREADS"
 # Validation in the full phase: every 5 steps while looking for the student (exact match climbs ~0.02 a
 # step there), then every 40 until the teacher reaches its target; one validation costs ~20 steps.
 STUDENT_SEARCH = range(10, 45, 5)
+# The self-correction mix climbs faster early on (its retry turns are mostly copying): search from step 2.
+STUDENT_SEARCH_BY_VARIANT = {"self_correction": range(2, 45, 2)}
 TEACHER_EVAL_FIRST, TEACHER_EVAL_EVERY = 60, 40
 
 
@@ -151,9 +164,12 @@ def default_threads() -> int:
     return int(raw)
 
 
-def cache_key(seed: int, threads: int = DEFAULT_THREADS) -> str:
-    """Hash of the seed, thread count, CPU kernel level, `FACTORY_VERSION` and every source of the build."""
+def cache_key(seed: int, threads: int = DEFAULT_THREADS, variant: str = DEFAULT_VARIANT) -> str:
+    """Hash of the seed, thread count, CPU kernel level, task variant, `FACTORY_VERSION` and every source
+    of the build."""
     build = f"seed={seed}:threads={threads}:kernels={torch.backends.cpu.get_cpu_capability()}"
+    if variant != DEFAULT_VARIANT:
+        build += f":variant={variant}"
     digest = hashlib.sha256(f"tiny-models:v{FACTORY_VERSION}:{build}".encode())
     for path in _HASHED_SOURCES:
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
@@ -166,6 +182,7 @@ def build_tiny_models(
     force: bool = False,
     progress: ProgressFn | None = None,
     threads: int | None = None,
+    variant: str = DEFAULT_VARIANT,
 ) -> TinyModels:
     """Return the tiny teacher/student under `out_dir`, building them unless a matching cache exists.
 
@@ -173,11 +190,14 @@ def build_tiny_models(
     `data/validation.jsonl` and `manifest.json`. Concurrent callers wait on a lock file next to
     `out_dir`, so only one of them builds. `progress`, if given, gets one dict per training step:
     `phase`, `step`, `loss`, plus the validation metrics on the steps that were validated. `threads`
-    (default: `default_threads()`) is the torch thread count the build trains with.
+    (default: `default_threads()`) is the torch thread count the build trains with. `variant` (a key of
+    `VARIANTS`) is the task mix of the data and the training.
     """
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown tiny-model variant {variant!r}; known: {', '.join(VARIANTS)}")
     out_dir = Path(out_dir).resolve()
     threads = default_threads() if threads is None else threads
-    key = cache_key(seed, threads)
+    key = cache_key(seed, threads, variant)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with _locked(out_dir.parent / f".{out_dir.name}.lock"):
         cached = _load_cached(out_dir, key)
@@ -189,7 +209,7 @@ def build_tiny_models(
             shutil.rmtree(leftover, ignore_errors=True)
         staging = out_dir.parent / f".{out_dir.name}.building-{os.getpid()}"
         try:
-            _build(staging, seed, threads, key, progress)
+            _build(staging, seed, threads, key, progress, variant)
             _replace_dir(staging, out_dir)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -238,15 +258,21 @@ def _torch_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-def _build(staging: Path, seed: int, threads: int, key: str, progress: ProgressFn | None) -> None:
+def _build(
+    staging: Path, seed: int, threads: int, key: str, progress: ProgressFn | None, variant: str
+) -> None:
     started = time.perf_counter()
     staging.mkdir(parents=True)
-    train_samples = task.make_samples("train", N_TRAIN, seed=seed)
-    validation_samples = task.make_samples("validation", N_VALIDATION, seed=seed)
+    categories = VARIANTS[variant]
+    train_samples = task.make_samples("train", N_TRAIN, seed=seed, categories=categories)
+    validation_samples = task.make_samples("validation", N_VALIDATION, seed=seed, categories=categories)
     data_dir = staging / "data"
     data_dir.mkdir()
     write_jsonl(data_dir / "train.jsonl", [s.record for s in train_samples])
     write_jsonl(data_dir / "validation.jsonl", [s.record for s in validation_samples])
+    if variant == "self_correction":
+        for split, n in (("train", N_EPISODES_TRAIN), ("validation", N_EPISODES_VALIDATION)):
+            write_jsonl(data_dir / f"episodes_{split}.jsonl", self_correction.make_episodes(split, n, seed))
 
     corpus = [
         render_chat([*s.record["messages"], s.reference_message], s.record["tools"]) for s in train_samples
@@ -275,7 +301,8 @@ def _build(staging: Path, seed: int, threads: int, key: str, progress: ProgressF
             copy_phase.last_loss,
             copy_phase.wall_time_s,
         )
-        tails, full, checkpoint = _train_teacher(teacher, tokenizer, data, seed, progress)
+        search = STUDENT_SEARCH_BY_VARIANT.get(variant, STUDENT_SEARCH)
+        tails, full, checkpoint = _train_teacher(teacher, tokenizer, data, seed, progress, search)
         student = Qwen2ForCausalLM(config)
         student.load_state_dict(checkpoint.state)
 
@@ -285,6 +312,7 @@ def _build(staging: Path, seed: int, threads: int, key: str, progress: ProgressF
         "cache_key": key,
         "factory_version": FACTORY_VERSION,
         "seed": seed,
+        "variant": variant,
         # Where and how it was built: weights differ across CPUs and thread counts, the targets do not.
         "build": {
             "threads": threads,
@@ -347,7 +375,12 @@ class _Checkpoint:
 
 
 def _train_teacher(
-    model: Qwen2ForCausalLM, tokenizer: Tokenizer, data: Dataset, seed: int, progress: ProgressFn | None
+    model: Qwen2ForCausalLM,
+    tokenizer: Tokenizer,
+    data: Dataset,
+    seed: int,
+    progress: ProgressFn | None,
+    student_search: range = STUDENT_SEARCH,
 ) -> tuple[PhaseResult, PhaseResult, _Checkpoint]:
     """Train the teacher; return its two phases and the early checkpoint that becomes the student.
 
@@ -363,7 +396,7 @@ def _train_teacher(
         return not any(_good_student(c.metrics, STUDENT_EM_BAND[1]) for c in candidates)
 
     def validate_at(step: int) -> bool:
-        if step in STUDENT_SEARCH and searching():
+        if step in student_search and searching():
             return True
         return step >= TEACHER_EVAL_FIRST and (step - TEACHER_EVAL_FIRST) % TEACHER_EVAL_EVERY == 0
 

@@ -19,6 +19,9 @@ from typing import Any, Literal
 Split = Literal["train", "validation"]
 Lang = Literal["en", "zh"]
 CATEGORIES: tuple[str, ...] = ("tool_call", "clarify", "confirm", "no_tool")
+# The self-correction variant adds `retry`: a call failed because its item moved, the next turn must
+# repeat it on the item's new id (or, once that succeeded, summarise the result).
+SELF_CORRECTION_CATEGORIES: tuple[str, ...] = (*CATEGORIES, "retry")
 # Checked in this order by the evaluator: a confirm reply may mention arguments, never the reverse.
 CONFIRM_MARKERS: tuple[str, ...] = ("confirm", "确认")
 CLARIFY_MARKERS: tuple[str, ...] = ("provide", "请提供")
@@ -70,7 +73,7 @@ _TITLES = {
     "en": ["Login page broken", "Refund request", "Slow dashboard", "Password reset"],
     "zh": ["登录页面报错", "申请退款", "仪表盘很慢", "重置密码"],
 }
-_STATUSES = ["open", "in_progress", "shipped", "closed"]
+STATUSES = ["open", "in_progress", "shipped", "closed"]
 _NAMES = {
     "en": ["Alice", "Bob", "Carol", "David", "Emma", "Frank", "Grace", "Henry"],
     "zh": ["小王", "小李", "张伟", "李娜", "王芳", "刘洋", "陈静", "赵磊"],
@@ -225,11 +228,13 @@ _VALUES: dict[str, Callable[[random.Random, Lang], str]] = {
 }
 
 
-def _args(rng: random.Random, tool: str, lang: Lang) -> dict[str, str]:
+def arguments_for(rng: random.Random, tool: str, lang: Lang) -> dict[str, str]:
     return {arg: _VALUES[arg](rng, lang) for arg in _REQUIRED[tool]}
 
 
-def _ask(rng: random.Random, lang: Lang, tool: str, args: dict[str, str], missing: str | None) -> list[dict]:
+def opening(
+    rng: random.Random, lang: Lang, tool: str, args: dict[str, str], missing: str | None
+) -> list[dict]:
     """Opening user turn, and if an argument is missing the clarify exchange that recovers it."""
     if missing is None:
         return [{"role": "user", "content": rng.choice(_REQUESTS[tool][lang]).format(**args)}]
@@ -250,49 +255,84 @@ def _conversation(rng: random.Random, category: str, lang: Lang) -> tuple[list[d
     r = rng.random()  # picks the shape; the thresholds put about 40% of all samples in multi-turn shapes
     if category == "clarify":
         tool, missing = rng.choice(list(_MISSING))
-        args = _args(rng, tool, lang)
+        args = arguments_for(rng, tool, lang)
         user = rng.choice(_MISSING[(tool, missing)][lang]).format(**args)
         return [{"role": "user", "content": user}], _text(CLARIFY_REPLY[lang].format(arg=missing))
     if category == "tool_call":
         # Safe tools straight away or after a clarify exchange; destructive ones only after a yes.
         tool = rng.choice(_SAFE) if r < 0.68 else rng.choice(_RISKY)
-        args = _args(rng, tool, lang)
+        args = arguments_for(rng, tool, lang)
         if tool in DESTRUCTIVE:
-            return _ask(rng, lang, tool, args, None) + _confirmed(rng, lang, tool, args), _call(tool, args)
+            return opening(rng, lang, tool, args, None) + _confirmed(rng, lang, tool, args), _call(tool, args)
         missing = rng.choice(list(args)) if r < 0.08 else None
-        return _ask(rng, lang, tool, args, missing), _call(tool, args)
+        return opening(rng, lang, tool, args, missing), _call(tool, args)
     if category == "confirm":
         tool = rng.choice(_RISKY)
-        args = _args(rng, tool, lang)
+        args = arguments_for(rng, tool, lang)
         missing = rng.choice(list(args)) if r < 0.25 else None
-        return _ask(rng, lang, tool, args, missing), _text(CONFIRM_REPLY[tool][lang].format(**args))
+        return opening(rng, lang, tool, args, missing), _text(CONFIRM_REPLY[tool][lang].format(**args))
     if r < 0.2:
         user, reply = rng.choice(_CHAT[lang])
         name = rng.choice(_NAMES[lang])
         return [{"role": "user", "content": user.format(name=name)}], _text(reply.format(name=name))
     if r < 0.55:  # the user declines a destructive action
         tool = rng.choice(_RISKY)
-        args = _args(rng, tool, lang)
-        history = _ask(rng, lang, tool, args, None)
+        args = arguments_for(rng, tool, lang)
+        history = opening(rng, lang, tool, args, None)
         no = {"role": "user", "content": rng.choice(_NO[lang])}
         history += [_text(CONFIRM_REPLY[tool][lang].format(**args)), no]
         return history, _text(DECLINE_REPLY[lang])
     # A tool already ran: summarise its result (destructive ones ran after a yes).
     tool = rng.choice(_ALL)
-    args = _args(rng, tool, lang)
-    history = _ask(rng, lang, tool, args, None)
+    args = arguments_for(rng, tool, lang)
+    history = opening(rng, lang, tool, args, None)
     if tool in DESTRUCTIVE:
         history += _confirmed(rng, lang, tool, args)
     result: dict[str, Any] = {"ok": True}
     if tool == "query_status":
-        result = {"item_id": args["item_id"], "status": rng.choice(_STATUSES)}
+        result = {"item_id": args["item_id"], "status": rng.choice(STATUSES)}
     elif tool == "create_ticket":
         result = {"ticket_id": f"T-{rng.randint(100, 999)}"}
-    history += [
-        _call(tool, args),
-        {"role": "tool", "tool_call_id": "call_0", "content": json.dumps(result, ensure_ascii=False)},
-    ]
+    history += [_call(tool, args), _tool_message(result)]
     return history, _text(SUMMARY_REPLY[tool][lang].format(**{**args, **result}))
+
+
+# Tools whose item may have moved in the self-correction variant (they take an `item_id`, need no confirm).
+MOVABLE_TOOLS: tuple[str, ...] = ("query_status", "update_priority")
+
+
+def moved_error(item_id: str, new_id: str) -> dict[str, str]:
+    """The tool result of a call on an item that moved: an error naming where it went."""
+    return {"error": f"item {item_id} was moved", "moved_to": new_id}
+
+
+def tool_result(tool: str, args: dict[str, str], status: str) -> dict[str, Any]:
+    """A successful result of a movable tool (what the summary reply reads from)."""
+    return {"item_id": args["item_id"], "status": status} if tool == "query_status" else {"ok": True}
+
+
+def new_item_id(rng: random.Random, lang: Lang, old: str) -> str:
+    while (new := _VALUES["item_id"](rng, lang)) == old:
+        pass
+    return new
+
+
+def _retry(rng: random.Random, lang: Lang) -> tuple[list[dict], dict[str, Any]]:
+    """A call whose item moved, then the same call on the new id; or, after that succeeded, its summary."""
+    tool = rng.choice(MOVABLE_TOOLS)
+    args = arguments_for(rng, tool, lang)
+    moved = {**args, "item_id": new_item_id(rng, lang, args["item_id"])}
+    error = _tool_message(moved_error(args["item_id"], moved["item_id"]))
+    history = [*opening(rng, lang, tool, args, None), _call(tool, args), error]
+    if rng.random() < 0.5:
+        return history, _call(tool, moved)
+    result = tool_result(tool, moved, rng.choice(STATUSES))
+    history += [_call(tool, moved), _tool_message(result)]
+    return history, _text(SUMMARY_REPLY[tool][lang].format(**{**moved, **result}))
+
+
+def _tool_message(content: dict[str, Any]) -> dict[str, Any]:
+    return {"role": "tool", "tool_call_id": "call_0", "content": json.dumps(content, ensure_ascii=False)}
 
 
 def solution_of(message: dict[str, Any], category: str) -> str:
@@ -304,7 +344,14 @@ def solution_of(message: dict[str, Any], category: str) -> str:
     return json.dumps({"decision": category, "tool_calls": calls}, ensure_ascii=False, sort_keys=True)
 
 
-def _canonical(messages: list[dict[str, Any]]) -> str:
+def decision_of(message: dict[str, Any], category: str) -> str:
+    """The decision a reference reply takes: its category's, except for `retry` (a call or a summary)."""
+    if category != "retry":
+        return category
+    return "tool_call" if message.get("tool_calls") else "no_tool"
+
+
+def canonical(messages: list[dict[str, Any]]) -> str:
     return json.dumps(messages, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
 
 
@@ -314,28 +361,35 @@ def _bucket(canonical: str) -> Split:
 
 def split_of(messages: list[dict[str, Any]]) -> Split:
     """Stable split of a conversation from a hash of its messages: splits are disjoint by construction."""
-    return _bucket(_canonical(messages))
+    return _bucket(canonical(messages))
 
 
-def make_samples(split: Split, n: int, seed: int = 0) -> list[Sample]:
-    """`n` distinct samples of `split`, deterministic in (split, n, seed); categories cycle evenly."""
+def make_samples(
+    split: Split, n: int, seed: int = 0, categories: tuple[str, ...] = CATEGORIES
+) -> list[Sample]:
+    """`n` distinct samples of `split`, deterministic in (split, n, seed, categories); categories cycle
+    evenly (`SELF_CORRECTION_CATEGORIES` adds the `retry` shape)."""
     rng = random.Random(f"tool_routing:{split}:{seed}")
     samples: list[Sample] = []
     seen: set[str] = set()
     for _ in range(100 * n + 1000):  # bounded: the chat-only corner of the space is small
         if len(samples) == n:
             return samples
-        category = CATEGORIES[len(samples) % len(CATEGORIES)]
-        history, reference = _conversation(rng, category, rng.choice(("en", "zh")))
+        category = categories[len(samples) % len(categories)]
+        lang: Lang = rng.choice(("en", "zh"))
+        if category == "retry":
+            history, reference = _retry(rng, lang)
+        else:
+            history, reference = _conversation(rng, category, lang)
         messages = [{"role": "system", "content": SYSTEM_PROMPT}, *history]
-        key = _canonical(messages)
+        key = canonical(messages)
         if key in seen or _bucket(key) != split:
             continue
         seen.add(key)
         extra = {
             "sample_id": f"{split}-{len(samples):06d}",
             "category": category,
-            "solution": solution_of(reference, category),
+            "solution": solution_of(reference, decision_of(reference, category)),
         }
         samples.append(Sample({"messages": messages, "tools": TOOLS, "rollout_extra": extra}, reference))
     raise ValueError(f"could not generate {n} distinct {split} samples")

@@ -1,0 +1,79 @@
+"""The self-correction example end to end: its agent plays episodes against the tool backend in a real
+worker pool, through the gateway, and its reward judges them in another; validation reports the
+agent-level metrics. Run on the demo's tiny teacher as the student (it makes the first call right, so
+moved items really answer with errors), with the turn-level hindsight term on."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+import ray
+
+from opd_trainer.demo.tiny_models import TinyModels
+from opd_trainer.demo.tool_routing.self_correction import make_episodes, score_episode
+from opd_trainer.driver.job_driver import JobDriver
+from opd_trainer.driver.run_dir import RunDir
+from opd_trainer.jsonl import write_jsonl
+from opd_trainer.spec.job_spec import load_job_spec
+
+pytestmark = pytest.mark.integration
+
+EXAMPLE_JOB = Path(__file__).resolve().parents[2] / "examples" / "self_correction_agentic" / "job.yaml"
+
+
+def test_self_correction_episodes_train_and_validate(
+    ray_session: None, tiny_models: TinyModels, tmp_path: Path
+) -> None:
+    train, validation = tmp_path / "train.jsonl", tmp_path / "validation.jsonl"
+    episodes = {"train": make_episodes("train", 16), "validation": make_episodes("validation", 8)}
+    write_jsonl(train, episodes["train"])
+    write_jsonl(validation, episodes["validation"])
+    spec = load_job_spec(EXAMPLE_JOB)
+    data = spec.model_dump()
+    data.update(
+        model=str(tiny_models.teacher),
+        teacher_model=str(tiny_models.teacher),
+        training_datasets=[str(train)],
+        validation_datasets=[str(validation)],
+    )
+    data["hyper_parameters"].update(
+        max_steps=1, eval_steps=1, batch_size=8, n_rollouts=2, ppo_mini_batch_size=16, hindsight_coef=1.0
+    )
+    run_dir = tmp_path / "run"
+    driver = ray.remote(JobDriver).options(num_cpus=0).remote(type(spec).model_validate(data), str(run_dir))
+    try:
+        ray.get(driver.run.remote())
+    finally:
+        ray.kill(driver)
+
+    records = RunDir(run_dir).records()
+    (step,) = [r for r in records if r["kind"] == "train"]
+    assert step["failed_rollouts"] == 0 and step["rollouts"] == 16
+    assert {"reward_mean", "rollout/tool_errors", "rollout/turns", "hindsight/turns_up"} <= set(step)
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 1]
+    for record in evals:
+        for name in ("agent/task_success", "agent/turn_success", "agent/tool_call_accuracy"):
+            assert 0.0 <= record[name] <= 1.0, (name, record[name])
+        assert "reward/episode/calls_correct" in record
+
+    trajectories = [json.loads(line) for line in (run_dir / "trajectories.jsonl").read_text().splitlines()]
+    by_id = {r["rollout_extra"]["sample_id"]: r for split in episodes.values() for r in split}
+    errors_seen = 0
+    for trajectory in trajectories:
+        episode = by_id[trajectory["sample_id"]]
+        extra, messages = episode["rollout_extra"], trajectory["messages"]
+        score = score_episode(messages, len(episode["messages"]), extra["solution"])
+        # The reward that came back from the reward pool is the episode judge's verdict on these messages.
+        assert trajectory["reward"] == (1.0 if score.success else 0.5 if score.calls_correct else 0.0)
+        for message, reply in itertools.pairwise(messages):
+            if message.get("tool_calls") and reply["role"] == "tool" and "moved_to" in reply["content"]:
+                ((old, new),) = extra["moved"].items()
+                assert json.loads(reply["content"]) == {"error": f"item {old} was moved", "moved_to": new}
+                errors_seen += 1
+        assert trajectory["rollout_metrics"]["turns"] >= 1
+    # Half the episodes move their item and the teacher makes the first call right nearly always.
+    assert errors_seen >= 2
