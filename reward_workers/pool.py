@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import JsonValue
 
-from opd_trainer.sdk import AgentOutput, RequestMetadata, RewardInput, RewardOutput
+from opd_trainer.sdk import AgentOutput, ModelResource, RequestMetadata, RewardInput, RewardOutput
 from opd_trainer.spec.job_spec import FunctionComponent
 from opd_trainer.workers.pool import WorkerPool
 
@@ -23,12 +23,19 @@ class RewardPool(WorkerPool):
         super().__init__(job_id, component, workspace, **options)
 
     async def score(
-        self, *, sample_id: str, rollout_id: str, ground_truth: JsonValue, agent_output: AgentOutput
+        self,
+        *,
+        sample_id: str,
+        rollout_id: str,
+        ground_truth: JsonValue,
+        agent_output: AgentOutput,
+        auxiliary_models: dict[str, ModelResource] | None = None,
     ) -> tuple[RewardOutput, list[dict[str, Any]]]:
         def payload(attempt_id: int) -> RewardInput:
             return RewardInput(
                 ground_truth=ground_truth,
                 agent_output=agent_output,
+                auxiliary_models=auxiliary_models or {},
                 request_metadata=RequestMetadata(
                     job_id=self.job_id, sample_id=sample_id, rollout_id=rollout_id, attempt_id=attempt_id
                 ),

@@ -33,6 +33,7 @@ class RolloutPool(WorkerPool):
         rollout_extra: dict[str, Any],
         sampling_params: dict[str, Any],
         model_resource: ModelResource,
+        auxiliary_models: dict[str, ModelResource] | None = None,
     ) -> tuple[RolloutOutput, list[dict[str, Any]], int]:
         """Returns the processor's output, its trace spans and the attempt that produced it."""
 
@@ -44,6 +45,7 @@ class RolloutPool(WorkerPool):
                 rollout_extra=rollout_extra,
                 sampling_params=sampling_params,
                 model_resource=model_resource,
+                auxiliary_models=auxiliary_models or {},
                 request_metadata=RequestMetadata(
                     job_id=self.job_id, sample_id=sample_id, rollout_id=rollout_id, attempt_id=attempt_id
                 ),

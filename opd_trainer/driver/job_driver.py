@@ -44,6 +44,8 @@ from opd_trainer.rollout.chat import prompt_token_ids
 from opd_trainer.rollout.gateway import GatewayActor
 from opd_trainer.rollout.runner import (
     STUDENT_MODEL_NAME,
+    TEACHER_MODEL_NAME,
+    AuxiliaryModel,
     RolloutResult,
     RolloutRunner,
     failure_message,
@@ -265,10 +267,10 @@ class JobDriver:
         self.emit("status", "starting engines and learner")
         # The gateways (vLLM's request validation and tool-call parser: a vLLM import of their own)
         # start beside the engines and learner; they get their engines once those are up.
-        self._gateway = self._new_gateway(spec.model)
+        self._gateway = self._new_gateway(spec.model, STUDENT_MODEL_NAME)
         self._gateways_ready = [self._gateway.ready.remote()]
-        if self.validation_samples:
-            self._teacher_gateway = self._new_gateway(spec.teacher_model)
+        if self.validation_samples or spec.auxiliary_models:
+            self._teacher_gateway = self._new_gateway(spec.teacher_model, TEACHER_MODEL_NAME)
             self._gateways_ready.append(self._teacher_gateway.ready.remote())
         learner_gpus = spec.resources.learner_gpu_fraction if on_gpu else 0.0
         self._learner = LearnerGroup(
@@ -334,7 +336,7 @@ class JobDriver:
             raise ConfigError(f"{path} does not exist", field=f"functions.{component.name}.fcmodel.zipdir")
         return path
 
-    def _new_gateway(self, model: str) -> Any:
+    def _new_gateway(self, model: str, served_name: str) -> Any:
         """A recording gateway for `model`'s engines (given later, `_serve_gateway`), on this driver's
         node: a zero-CPU actor fits anywhere, and one Ray put on a worker node would take the job
         down with that node (seen in CI: the gateway landed on the processor pools' node, killed)."""
@@ -344,7 +346,7 @@ class JobDriver:
         return GatewayActor.options(  # type: ignore[attr-defined]
             num_cpus=0, scheduling_strategy=beside_the_driver
         ).remote(
-            STUDENT_MODEL_NAME,
+            served_name,
             model,
             [],
             max_tokens=hp.max_tokens,
@@ -365,7 +367,8 @@ class JobDriver:
         """The recording gateway in front of the student, and the user's worker pools if any.
 
         With validation data, a second gateway fronts the teacher, so the teacher's baseline runs through
-        the same rollout, reward and evaluator code as the student's validation.
+        the same rollout, reward and evaluator code as the student's validation; the same gateway serves
+        the teacher to the processors under the names in `auxiliary_models`.
         """
         from reward_workers.pool import RewardPool
         from rollout_workers.pool import RolloutPool
@@ -399,16 +402,23 @@ class JobDriver:
             if unconfined is not None:
                 self.emit("warning", f"user processors run without a sandbox: {unconfined}", sandbox="none")
         await asyncio.gather(*(pool.start() for pool in self._pools))
+        teacher_url = None
+        if self._teacher_gateway is not None:
+            teacher_url = await self._serve_gateway(self._teacher_gateway, self._teacher)
+        auxiliary = {
+            name: AuxiliaryModel(self._teacher_gateway, teacher_url, TEACHER_MODEL_NAME)
+            for name in spec.auxiliary_models  # every value is "teacher", the only model served
+        }
         options: dict[str, Any] = {
             "max_tokens": hp.max_tokens,
             "temperature": hp.temperature,
             "rollout_pool": rollout_pool,
             "reward_pools": reward_pools,
             "evaluator_pool": evaluator_pool,
+            "auxiliary_models": auxiliary,
         }
         self._runner = RolloutRunner(self.job_id, self._gateway, base_url, **options)
-        if self._teacher_gateway is not None:
-            teacher_url = await self._serve_gateway(self._teacher_gateway, self._teacher)
+        if self._teacher_gateway is not None and teacher_url is not None and self.validation_samples:
             self._teacher_runner = RolloutRunner(self.job_id, self._teacher_gateway, teacher_url, **options)
         # vLLM's tool-call parsers loaded in the gateways meanwhile; a bad parser name fails here.
         await asyncio.gather(*self._gateways_ready)

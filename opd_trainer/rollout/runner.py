@@ -40,6 +40,17 @@ if TYPE_CHECKING:
     from rollout_workers.pool import RolloutPool
 
 STUDENT_MODEL_NAME = "student"
+TEACHER_MODEL_NAME = "teacher"  # the name the teacher's gateway answers under (baseline, auxiliary model)
+
+
+@dataclass(frozen=True)
+class AuxiliaryModel:
+    """A model served to processors besides the student (job field `auxiliary_models`): a gateway of its
+    own, whose recorded calls are dropped when the rollout ends (never trained, never scored)."""
+
+    gateway: ActorHandle
+    base_url: str
+    model_name: str
 
 
 @dataclass
@@ -63,6 +74,7 @@ class RolloutResult:
     eval_score: float | None = None
     eval_metrics: dict[str, float] = field(default_factory=dict)
     eval_error: str = ""
+    auxiliary_calls: int = 0
 
     @property
     def failed(self) -> bool:
@@ -88,6 +100,7 @@ class RolloutResult:
                 }
                 for c in self.calls
             ],
+            "auxiliary_calls": self.auxiliary_calls,
             "reward": self.reward,
             "component_rewards": self.component_rewards,
             "reward_metrics": self.reward_metrics,
@@ -116,6 +129,7 @@ class RolloutRunner:
         rollout_pool: RolloutPool | None = None,
         reward_pools: list[RewardPool] | None = None,
         evaluator_pool: RewardPool | None = None,
+        auxiliary_models: dict[str, AuxiliaryModel] | None = None,
     ) -> None:
         self.job_id = job_id
         self.gateway = gateway
@@ -125,6 +139,7 @@ class RolloutRunner:
         self.rollout_pool = rollout_pool
         self.reward_pools = reward_pools or []
         self.evaluator_pool = evaluator_pool
+        self.auxiliary_models = auxiliary_models or {}
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=256))
 
     async def close(self) -> None:
@@ -155,7 +170,9 @@ class RolloutRunner:
             rollout_extra={**sample.rollout_extra, PROMPT_MESSAGES_KEY: len(sample.messages)},
         )
 
-    async def _agentic(self, result: RolloutResult, key: str, seed: int) -> None:
+    async def _agentic(
+        self, result: RolloutResult, key: str, seed: int, auxiliary: dict[str, ModelResource]
+    ) -> None:
         assert self.rollout_pool is not None
         sample = result.sample
         output, spans, attempt = await self.rollout_pool.rollout(
@@ -167,6 +184,7 @@ class RolloutRunner:
             rollout_extra=sample.rollout_extra,
             sampling_params={"temperature": self.temperature, "max_tokens": self.max_tokens, "seed": seed},
             model_resource=ModelResource(model_name=STUDENT_MODEL_NAME, base_url=self.base_url, api_key=key),
+            auxiliary_models=auxiliary,
         )
         result.spans, result.attempt_id = spans, attempt
         result.agent_output = output.agent_output
@@ -190,31 +208,62 @@ class RolloutRunner:
         """One rollout, sampled at `temperature` (None: the job's), rewarded (and, when validating,
         evaluated)."""
         result = RolloutResult(group, index, f"{self.job_id}-{tag}-r{index}", sample)
+        auxiliary = await self._open_auxiliary(result.rollout_id, seed)
+        try:
+            await self._sample_and_score(result, seed, auxiliary, validating, temperature)
+        finally:
+            result.auxiliary_calls = await self._close_auxiliary(auxiliary)
+        return result
+
+    async def _sample_and_score(
+        self,
+        result: RolloutResult,
+        seed: int,
+        auxiliary: dict[str, ModelResource],
+        validating: bool,
+        temperature: float | None,
+    ) -> None:
         key = await self.gateway.open_rollout.remote(result.rollout_id, temperature=temperature, seed=seed)
         try:
             if self.rollout_pool is None:
                 await self._builtin(result, key, seed)
             else:
-                await self._agentic(result, key, seed)
+                await self._agentic(result, key, seed, auxiliary)
         except Exception as exc:  # one broken rollout must not fail the step
             result.error = f"{type(exc).__name__}: {exc}"
         finally:
             result.calls = await self.gateway.close_rollout.remote(key)
         if result.failed:
-            return result
+            return
         # The evaluator first: a reward that fails must not hide the sample from the evaluator.
         if validating and self.evaluator_pool is not None:
-            await self._evaluate(result)
-        await self._score(result)
-        return result
+            await self._evaluate(result, auxiliary)
+        await self._score(result, auxiliary)
 
-    async def _evaluate(self, result: RolloutResult) -> None:
+    async def _open_auxiliary(self, rollout_id: str, seed: int) -> dict[str, ModelResource]:
+        """A key per auxiliary model for one rollout and its scoring; their calls are greedy."""
+        resources = {}
+        for name, model in self.auxiliary_models.items():
+            key = await model.gateway.open_rollout.remote(rollout_id, temperature=0.0, seed=seed)
+            resources[name] = ModelResource(model_name=model.model_name, base_url=model.base_url, api_key=key)
+        return resources
+
+    async def _close_auxiliary(self, resources: dict[str, ModelResource]) -> int:
+        """Ends the auxiliary keys; their recorded calls are counted and dropped."""
+        calls = 0
+        for name, resource in resources.items():
+            gateway = self.auxiliary_models[name].gateway
+            calls += len(await gateway.close_rollout.remote(resource.api_key.get_secret_value()))
+        return calls
+
+    async def _evaluate(self, result: RolloutResult, auxiliary: dict[str, ModelResource]) -> None:
         assert self.evaluator_pool is not None
         output, spans = await self.evaluator_pool.score(
             sample_id=result.sample.sample_id,
             rollout_id=result.rollout_id,
             ground_truth=ground_truth_of(result.sample),
             agent_output=result.agent_output or AgentOutput(messages=result.messages),
+            auxiliary_models=auxiliary,
         )
         result.spans.extend(spans)
         name = self.evaluator_pool.component.name
@@ -230,7 +279,7 @@ class RolloutRunner:
         result.eval_score = values.pop("eval_score")
         result.eval_metrics = values
 
-    async def _score(self, result: RolloutResult) -> None:
+    async def _score(self, result: RolloutResult, auxiliary: dict[str, ModelResource]) -> None:
         agent_output = result.agent_output or AgentOutput(messages=result.messages)
         if not self.reward_pools:
             # A rollout processor may score itself (Bailian's AgentOutput.reward_score).
@@ -243,6 +292,7 @@ class RolloutRunner:
                     rollout_id=result.rollout_id,
                     ground_truth=ground_truth_of(result.sample),
                     agent_output=agent_output,
+                    auxiliary_models=auxiliary,
                 )
                 for pool in self.reward_pools
             )

@@ -144,6 +144,11 @@ class RolloutInput(_Input):
         default_factory=dict, description="Sampling settings to pass to the student (temperature, ...)."
     )
     model_resource: ModelResource = Field(description="The student endpoint.")
+    auxiliary_models: dict[str, ModelResource] = Field(
+        default_factory=dict,
+        description="Other models the job serves to its processors (job field `auxiliary_models`), by "
+        "name; calls to them are never trained on.",
+    )
     # Optional, as in Bailian's SDK: a local test builds a RolloutInput without it; workers always set it.
     request_metadata: RequestMetadata | None = Field(default=None, description="Ids of this rollout attempt.")
 
@@ -175,6 +180,11 @@ class RewardInput(_Input):
         default=None, description="Ids of the rollout being scored."
     )
     agent_output: AgentOutput = Field(description="The rollout's conversation.")
+    auxiliary_models: dict[str, ModelResource] = Field(
+        default_factory=dict,
+        description="Other models the job serves to its processors (job field `auxiliary_models`), by "
+        "name, e.g. the teacher as an LLM judge.",
+    )
 
 
 class Reward(_Output):

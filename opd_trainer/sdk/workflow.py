@@ -17,7 +17,9 @@ it as any other processor.
   import AgentScope 1.x, the version with the tuner (`agentscope>=1,<2` in the workspace's
   requirements.txt), so `ReActAgent(model=model, ...)` runs unchanged; otherwise `GatewayChatModel`,
   whose `await model(messages, tools=None, **kwargs)` returns the assistant message as an OpenAI dict.
-- `auxiliary_models`: an empty dict: this trainer serves user code no model but the student yet.
+- `auxiliary_models`: the models the job serves to its processors besides the student (job field
+  `auxiliary_models`, e.g. `{judge: teacher}`), by name, each a chat model of the same kind as `model`
+  bound to its own gateway (greedy, never trained on); `{}` when the job names none.
 - The workflow's `reward` (if set) is the rollout's own reward (used when the job has no reward
   component), its `metrics` are logged as rollout metrics, and its `response` reaches the judge: an
   AgentScope `Msg` travels as its dict and is rebuilt as a `Msg` where the judge's worker has
@@ -112,6 +114,12 @@ def chat_model(resource: ModelResource, sampling: dict[str, Any]) -> Any:
     )
 
 
+def auxiliary_chat_models(resources: dict[str, ModelResource]) -> dict[str, Any]:
+    """The `auxiliary_models` a workflow or judge receives: a chat model per served model (their gateways
+    set temperature and cap max_tokens)."""
+    return {name: chat_model(resource, {}) for name, resource in resources.items()}
+
+
 def task_of(rollout_input: RolloutInput) -> dict[str, Any]:
     """The `task` a workflow receives; see the module docstring."""
     extra = rollout_input.rollout_extra
@@ -161,7 +169,7 @@ def workflow_processor(function: Workflow) -> type[AbstractRolloutProcessor]:
         async def process(self, rollout_input: RolloutInput) -> RolloutOutput:
             task = task_of(rollout_input)
             model = chat_model(rollout_input.model_resource, rollout_input.sampling_params)
-            output = await function(task, model, {})
+            output = await function(task, model, auxiliary_chat_models(rollout_input.auxiliary_models))
             if not isinstance(output, WorkflowOutput):
                 output = WorkflowOutput.model_validate(output, from_attributes=True)
             messages = [*rollout_input.messages, {"role": "assistant", "content": _text_of(output.response)}]
@@ -195,7 +203,7 @@ def judge_processor(function: Workflow) -> type[AbstractRewardProcessor]:
             else:
                 messages = reward_input.agent_output.messages
                 response = messages[-1].get("content") if messages else None
-            output = await function(task, response, {})
+            output = await function(task, response, auxiliary_chat_models(reward_input.auxiliary_models))
             if not isinstance(output, JudgeOutput):
                 output = JudgeOutput.model_validate(output, from_attributes=True)
             return RewardOutput(

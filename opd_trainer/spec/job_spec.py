@@ -448,6 +448,15 @@ class JobSpec(_Strict):
         '`chat_template_kwargs` (e.g. {"enable_thinking": false} for Qwen3): built-in rollouts, and '
         "every call through the gateway unless the request sets its own.",
     )
+    auxiliary_models: dict[str, Literal["teacher"]] = Field(
+        default_factory=dict,
+        description="Models served to the user's processors besides the student, by the name they look "
+        "them up under (`RolloutInput.auxiliary_models`, `RewardInput.auxiliary_models`, a workflow's or "
+        "judge's `auxiliary_models`), e.g. {judge: teacher} for an LLM judge. `teacher`: the job's "
+        "teacher engines through a gateway of their own; calls are greedy (temperature 0), capped at "
+        "max_tokens, never trained on and never scored. Another model would need engines of its own: "
+        "not served.",
+    )
     resources: Resources = Field(default_factory=Resources, description="Engine and learner placement.")
     report_to: list[Literal["tensorboard", "mlflow"]] = Field(
         default_factory=lambda: ["tensorboard"],

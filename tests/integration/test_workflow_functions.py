@@ -1,6 +1,7 @@
 """`tune(...)` with AgentScope-style workflow and judge functions on task records, end to end: the
 workflow's `model` is the gateway-bound chat model (no agentscope installed here), the judge scores the
-workflow's response, and validation reports the judge's reward and the agent-level layers."""
+workflow's response and asks the teacher for a second opinion (`auxiliary_models`), and validation
+reports the judge's reward and the agent-level layers."""
 
 from __future__ import annotations
 
@@ -31,7 +32,12 @@ async def workflow(task, model, auxiliary_models=None):
 async def judge(task, response, auxiliary_models=None):
     made = [call["function"]["name"] for call in response.get("tool_calls") or []]
     wanted = [call["name"] for call in task["answer"].get("tool_calls") or []]
-    return JudgeOutput(reward=float(made == wanted), metrics={"called_a_tool": float(bool(made))})
+    # A second opinion from the job's auxiliary model (the teacher): logged, not part of the reward.
+    messages = [{"role": "system", "content": SETUP["system"]}, {"role": "user", "content": task["question"]}]
+    opinion = await auxiliary_models["second_opinion"](messages, tools=SETUP["tools"])
+    agrees = [call["function"]["name"] for call in opinion.get("tool_calls") or []] == made
+    metrics = {"called_a_tool": float(bool(made)), "teacher_agrees": float(agrees)}
+    return JudgeOutput(reward=float(made == wanted), metrics=metrics)
 """
 
 
@@ -79,6 +85,7 @@ def test_tune_trains_a_workflow_judged_by_a_judge_on_task_records(
         eval_dataset=DatasetConfig(path=data, split="test"),
         job_name="tune-workflow",
         run_dir=tmp_path / "run",
+        auxiliary_models={"second_opinion": "teacher"},
         hyper_parameters={
             "max_steps": 2,
             "batch_size": 4,
@@ -90,10 +97,21 @@ def test_tune_trains_a_workflow_judged_by_a_judge_on_task_records(
     steps = [r for r in RunDir(tmp_path / "run").records() if r["kind"] == "train"]
     assert [r["step"] for r in steps] == [1, 2]
     assert all(r["failed_rollouts"] == 0 and r["trained_tokens"] > 0 for r in steps), steps
+    # The judge's call to the teacher went through the teacher's gateway: counted, never trained on.
+    assert all(r["llm_calls_per_rollout"] == 1 for r in steps), steps
+    trajectories = [
+        json.loads(line) for line in (tmp_path / "run" / "trajectories.jsonl").read_text().splitlines()
+    ]
+    assert trajectories and all(t["auxiliary_calls"] == 1 and len(t["llm_calls"]) == 1 for t in trajectories)
     before, teacher = summary["student_before"], summary["teacher"]
     for metrics in (before, teacher, summary["student_after"]):
         assert metrics["samples"] == 24 and metrics["failed_samples"] == 0, metrics
         assert 0.0 <= metrics["reward/judge"] <= 1.0 and 0.0 <= metrics["agent/format_valid_turns"] <= 1.0
+        assert 0.0 <= metrics["reward/judge/teacher_agrees"] <= 1.0
+    # The second opinion is the teacher's (greedy): it agrees with the teacher's own greedy answers (all
+    # 24 here; not asserted exactly, batches may round differently) more than with the student's.
+    agrees = (teacher["reward/judge/teacher_agrees"], before["reward/judge/teacher_agrees"])
+    assert agrees[0] >= 0.75 and agrees[0] > agrees[1], agrees
     assert "reverse_kl" not in before  # task records have no prompt of their own to sample on
     # The judge sees what the model answered: on requests that need a tool call, the teacher names the
     # right tools more often than the student (measured: 15 vs 9 of 24).

@@ -62,6 +62,7 @@ def test_every_field_has_a_description() -> None:
         ),
         ({"resources": {"learner_gpu_fraction": 1.5}}, "resources.learner_gpu_fraction"),
         ({"training_datasets": []}, "training_datasets"),
+        ({"auxiliary_models": {"judge": "gpt-4o"}}, "auxiliary_models.judge"),
         (
             {"functions": [{"name": "r", "type": "reward", "fcmodel": {"classpath": "a.B"}}]},
             "functions.0.fcmodel",
@@ -86,6 +87,13 @@ def test_bad_fields_are_named(patch: dict, field: str) -> None:
         parse_job_spec({**MINIMAL, **patch})
     assert raised.value.field == field
     assert field in str(raised.value)
+
+
+def test_the_teacher_can_be_served_to_processors_by_name() -> None:
+    assert parse_job_spec({**MINIMAL, "auxiliary_models": {"judge": "teacher"}}).auxiliary_models == {
+        "judge": "teacher"
+    }
+    assert parse_job_spec(MINIMAL).auxiliary_models == {}
 
 
 def test_one_gpu_can_be_shared() -> None:

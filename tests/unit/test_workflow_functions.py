@@ -93,6 +93,40 @@ def test_the_model_is_the_gateway_bound_fallback_without_agentscope() -> None:
     assert model.generate_kwargs == {"temperature": 0.5, "max_tokens": 8, "seed": 3}
 
 
+def test_auxiliary_models_reach_the_workflow_and_the_judge_as_chat_models(tmp_path: Path) -> None:
+    (tmp_path / "aux_agent.py").write_text(AUXILIARY)
+    workflow = instantiate_processor(load_processor_class(tmp_path, "aux_agent.py:workflow", "rollout"))
+    judge = instantiate_processor(load_processor_class(tmp_path, "aux_agent.py:judge", "reward"))
+    teacher = ModelResource(model_name="teacher", base_url="http://127.0.0.1:9/v1", api_key="t")
+    rollout = RolloutInput(
+        messages=[],
+        rollout_extra={"task": {"question": "q"}},
+        model_resource=_resource(),
+        auxiliary_models={"judge": teacher},
+    )
+    agent = asyncio.run(workflow.process(rollout)).agent_output
+    assert agent is not None and agent.rollout_metrics == {"auxiliary": 1.0}
+    scored = asyncio.run(judge.process(RewardInput(agent_output=agent, auxiliary_models={"judge": teacher})))
+    assert scored.reward is not None and scored.reward.reward_score == 1.0
+    # A job that names none hands an empty dict.
+    assert asyncio.run(judge.process(RewardInput(agent_output=agent))).reward.reward_score == 0.0
+
+
+AUXILIARY = """
+from opd_trainer.tuner import JudgeOutput, WorkflowOutput
+
+
+async def workflow(task, model, auxiliary_models=None):
+    judge = auxiliary_models["judge"]
+    assert judge.model_name == "teacher" and not judge.generate_kwargs  # its gateway sets sampling
+    return WorkflowOutput(response="r", metrics={"auxiliary": float(len(auxiliary_models))})
+
+
+async def judge(task, response, auxiliary_models=None):
+    return JudgeOutput(reward=float(list(auxiliary_models) == ["judge"]))
+"""
+
+
 def test_task_records_load_whole_and_need_a_rollout(tmp_path: Path) -> None:
     data = tmp_path / "train.jsonl"
     data.write_text('{"question": "What is 2 + 2?", "answer": "4"}\n{"question": "4 + 4?", "answer": "8"}\n')
