@@ -31,7 +31,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from opd_trainer.driver.run_dir import RunDir
-from opd_trainer.driver.teacher_hindsight import teacher_inputs
+from opd_trainer.driver.teacher_hindsight import hindsight_notes, teacher_inputs
 from opd_trainer.driver.trackers import Tracker, open_trackers
 from opd_trainer.engine.vllm_engine import EngineConfig, EngineGroup
 from opd_trainer.errors import ConfigError, OPDError
@@ -54,7 +54,7 @@ from opd_trainer.rollout.runner import (
     validation_metrics,
 )
 from opd_trainer.shared_storage import check_probe
-from opd_trainer.spec.dataset import EpochCursor, Sample, ground_truth_of, load_samples
+from opd_trainer.spec.dataset import EpochCursor, Sample, load_samples
 from opd_trainer.spec.job_spec import EngineResources, FunctionComponent, JobSpec
 from opd_trainer.spec.preflight import (
     check_drift,
@@ -459,9 +459,9 @@ class JobDriver:
         calls = [(r, c) for r in results if not r.failed for c in r.calls if c.completion_token_ids]
         hp = self.spec.hyper_parameters
         top_k = hp.teacher_top_k
-        with_reference = hp.teacher_hindsight == "reference"
-        referenced = [(c, ground_truth_of(r.sample) if with_reference else None) for r, c in calls]
-        inputs = teacher_inputs(self._tokenizer, referenced, self._max_length)
+        notes = [note for r in results if not r.failed for note in hindsight_notes(r, hp.teacher_hindsight)]
+        noted_calls = [(c, note) for (_, c), note in zip(calls, notes, strict=True)]
+        inputs = teacher_inputs(self._tokenizer, noted_calls, self._max_length)
         teacher = await self._teacher.score_top_k_many(inputs.pairs, top_k)
         return [
             dataclasses.replace(

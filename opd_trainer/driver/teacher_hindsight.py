@@ -1,9 +1,15 @@
 """Hindsight for the teacher: context the teacher scores with and the student never sees.
 
-With `hyper_parameters.teacher_hindsight: reference`, every LLM call of a rollout whose sample has a
-reference answer (`rollout_extra.ground_truth`, else `.solution`) is scored by the teacher on the
-call's conversation with one note added, the reference: as a system message in front, or appended to
-the system message the conversation already has. The completion scored is the student's, token for
+`hyper_parameters.teacher_hindsight` picks the note:
+
+- `reference`: every LLM call of a rollout whose sample has a reference answer
+  (`rollout_extra.ground_truth`, else `.solution`) gets the reference.
+- `outcome`: every LLM call after which the agent ran tools gets what those tools answered (the next
+  call's conversation, or the rollout's final one, holds them): a call that hit an error is scored by a
+  teacher that knows the error that followed.
+
+The teacher scores the call's conversation with the note added as a system message in front, or
+appended to the system message the conversation already has. The completion scored is the student's, token for
 token; the student's prompt (what it was sampled on and what the learner trains it on) is untouched.
 So the teacher's log-probabilities are those of a model that knows where the task should end up
 (seed 003's hindsight beacon, kept out of what the model sees at inference), which is what lets the
@@ -25,14 +31,40 @@ from jinja2 import TemplateError
 
 from opd_trainer.records import LLMCall
 from opd_trainer.rollout.chat import prompt_token_ids
+from opd_trainer.spec.dataset import ground_truth_of
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    from opd_trainer.rollout.runner import RolloutResult
 
 NOTE = (
     "Hindsight for scoring (never shown to the assistant being trained): a correct final answer to "
     "this task is: {reference}"
 )
+
+
+OUTCOME_NOTE = (
+    "Hindsight for scoring (never shown to the assistant being trained): after this reply, the tools "
+    "answered: {results}"
+)
+
+
+def outcome_notes(calls: list[LLMCall], final_messages: list[dict[str, Any]]) -> list[str | None]:
+    """Per call of one rollout (call order), the note on what the tools answered after it: the tool
+    messages between its conversation plus its reply and the next call's conversation (the rollout's
+    final messages after the last call); None where no tool answered it."""
+    notes: list[str | None] = []
+    for index, call in enumerate(calls):
+        after = calls[index + 1].messages if index + 1 < len(calls) else final_messages
+        start = len(call.messages) + 1  # the call's conversation, then its reply
+        following = []
+        for message in after[start:] if call.messages else []:
+            if message.get("role") != "tool":
+                break
+            following.append(str(message.get("content") or ""))
+        notes.append(OUTCOME_NOTE.format(results=" | ".join(following)) if following else None)
+    return notes
 
 
 def reference_note(reference: Any) -> str:
@@ -49,6 +81,19 @@ def with_note(messages: list[dict[str, Any]], note: str) -> list[dict[str, Any]]
     return [{"role": "system", "content": note}, *messages]
 
 
+def hindsight_notes(result: RolloutResult, mode: str) -> list[str | None]:
+    """The note for each call of `result` the teacher scores (those with completion tokens, in call
+    order) under `teacher_hindsight: mode`; None: scored as sampled."""
+    notes: list[str | None] = [None] * len(result.calls)
+    if mode == "reference":
+        reference = ground_truth_of(result.sample)
+        if reference is not None:
+            notes = [reference_note(reference)] * len(result.calls)
+    elif mode == "outcome":
+        notes = outcome_notes(result.calls, result.messages)
+    return [note for call, note in zip(result.calls, notes, strict=True) if call.completion_token_ids]
+
+
 @dataclass(frozen=True)
 class TeacherInputs:
     """What the teacher scores: one (prompt ids, completion ids) pair per call, and per call whether
@@ -60,18 +105,18 @@ class TeacherInputs:
 
 def teacher_inputs(
     tokenizer: PreTrainedTokenizerBase,
-    calls: list[tuple[LLMCall, Any]],
+    calls: list[tuple[LLMCall, str | None]],
     max_length: int,
 ) -> TeacherInputs:
-    """The teacher's view of each (call, reference) pair; a None reference leaves the call as sampled."""
+    """The teacher's view of each (call, note) pair; a None note leaves the call as sampled."""
     pairs: list[tuple[list[int], list[int]]] = []
     noted: list[bool] = []
-    for call, reference in calls:
+    for call, note in calls:
         prompt = call.prompt_token_ids
-        if reference is not None:
-            with_reference = _noted_prompt(tokenizer, call, reference_note(reference))
-            if with_reference and len(with_reference) + len(call.completion_token_ids) <= max_length:
-                prompt = with_reference
+        if note is not None:
+            with_note_ids = _noted_prompt(tokenizer, call, note)
+            if with_note_ids and len(with_note_ids) + len(call.completion_token_ids) <= max_length:
+                prompt = with_note_ids
         pairs.append((prompt, call.completion_token_ids))
         noted.append(prompt is not call.prompt_token_ids)
     return TeacherInputs(pairs, noted)

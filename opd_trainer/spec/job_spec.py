@@ -225,14 +225,15 @@ class HyperParameters(_Strict):
         "context, the better turn's tokens get +hindsight_coef and the worse one's -hindsight_coef in their "
         "advantage. 0 (default): off.",
     )
-    teacher_hindsight: Literal["none", "reference"] = Field(
+    teacher_hindsight: Literal["none", "reference", "outcome"] = Field(
         default="none",
-        description="Hindsight for the teacher (opd_trainer/driver/teacher_hindsight.py). 'reference': the "
-        "teacher scores every LLM call of a rollout with the sample's reference answer "
-        "(rollout_extra.ground_truth, else .solution) added to its context as a system note; what the "
-        "student is sampled on and trained on never holds it. Calls of samples without a reference, and "
-        "calls the note cannot be placed in, are scored as sampled (`hindsight/teacher_note_share` per "
-        "step). Pairs with `teacher_model: self`. 'none' (default): the teacher sees what the student saw.",
+        description="Hindsight for the teacher (opd_trainer/driver/teacher_hindsight.py): a system note "
+        "added to the context the teacher scores each LLM call with; what the student is sampled on and "
+        "trained on never holds it. 'reference': the sample's reference answer (rollout_extra.ground_truth, "
+        "else .solution). 'outcome': what the tools answered after the call (e.g. the error it caused), "
+        "for calls the agent ran tools for. Calls with nothing to note, and calls the note cannot be placed "
+        "in, are scored as sampled (`hindsight/teacher_note_share` per step). Pairs with `teacher_model: "
+        "self`. 'none' (default): the teacher sees what the student saw.",
     )
     normalize_reward_by_std: bool = Field(default=False, description="Divide reward advantages by group std.")
     ratio_cap: float = Field(
@@ -540,6 +541,11 @@ class JobSpec(_Strict):
         names = [f.name for f in self.functions]
         if len(names) != len(set(names)):
             raise ValueError("component names must be unique")
+        if self.hyper_parameters.teacher_hindsight == "outcome" and not self.rollout_components:
+            raise ValueError(
+                "hyper_parameters.teacher_hindsight 'outcome' notes what the tools answered after each call: "
+                "it needs a rollout component whose agent runs tools"
+            )
         return self
 
     @property

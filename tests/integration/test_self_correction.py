@@ -1,7 +1,8 @@
 """The self-correction example end to end: its agent plays episodes against the tool backend in a real
 worker pool, through the gateway, and its reward judges them in another; validation reports the
 agent-level metrics. Run on the demo's tiny teacher as the student (it makes the first call right, so
-moved items really answer with errors), with the turn-level hindsight term on."""
+moved items really answer with errors), with the turn-level hindsight term and `teacher_hindsight:
+outcome` on."""
 
 from __future__ import annotations
 
@@ -40,7 +41,13 @@ def test_self_correction_episodes_train_and_validate(
         validation_datasets=[str(validation)],
     )
     data["hyper_parameters"].update(
-        max_steps=1, eval_steps=1, batch_size=8, n_rollouts=2, ppo_mini_batch_size=16, hindsight_coef=1.0
+        max_steps=1,
+        eval_steps=1,
+        batch_size=8,
+        n_rollouts=2,
+        ppo_mini_batch_size=16,
+        hindsight_coef=1.0,
+        teacher_hindsight="outcome",
     )
     run_dir = tmp_path / "run"
     driver = ray.remote(JobDriver).options(num_cpus=0).remote(type(spec).model_validate(data), str(run_dir))
@@ -53,6 +60,9 @@ def test_self_correction_episodes_train_and_validate(
     (step,) = [r for r in records if r["kind"] == "train"]
     assert step["failed_rollouts"] == 0 and step["rollouts"] == 16
     assert {"reward_mean", "rollout/tool_errors", "rollout/turns", "hindsight/turns_up"} <= set(step)
+    # The teacher scored every call its agent ran tools for knowing what they answered (the final
+    # answers, after which no tool ran, as sampled).
+    assert 0.0 < step["hindsight/teacher_note_share"] < 1.0
     evals = [r for r in records if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == [0, 1]
     for record in evals:

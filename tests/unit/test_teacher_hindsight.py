@@ -1,5 +1,6 @@
-"""`teacher_hindsight: reference`: the teacher scores the student's tokens with the reference answer in
-its context; the student's prompt (sampled on, trained on) never holds it.
+"""`teacher_hindsight`: the teacher scores the student's tokens with a note in its context (the reference
+answer, or what the tools answered after the call); the student's prompt (sampled on, trained on) never
+holds it.
 
 A word-level tokenizer with a ChatML-like template stands in for a model's; the teacher engine is a fake
 that records what it was asked to score (the real engines: tests/integration/test_teacher_hindsight.py).
@@ -15,7 +16,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from opd_trainer.driver.teacher_hindsight import reference_note, teacher_inputs, with_note
+from opd_trainer.driver.teacher_hindsight import (
+    hindsight_notes,
+    outcome_notes,
+    reference_note,
+    teacher_inputs,
+    with_note,
+)
 from opd_trainer.records import LLMCall
 from opd_trainer.rollout.chat import prompt_token_ids
 from opd_trainer.spec.dataset import Sample
@@ -72,7 +79,7 @@ def test_the_note_joins_the_system_message_or_stands_in_front() -> None:
 
 def test_the_teacher_scores_the_students_tokens_after_a_prompt_holding_the_reference(tokenizer: Any) -> None:
     call = _call(tokenizer, MESSAGES, [8])
-    inputs = teacher_inputs(tokenizer, [(call, "5"), (call, None)], max_length=512)
+    inputs = teacher_inputs(tokenizer, [(call, reference_note("5")), (call, None)], max_length=512)
     (noted, completion), (plain, _) = inputs.pairs
     assert completion == [8] and plain == call.prompt_token_ids
     assert noted == prompt_token_ids(tokenizer, with_note(MESSAGES, reference_note("5")))
@@ -86,15 +93,16 @@ def test_calls_the_note_cannot_reach_are_scored_as_sampled_and_counted(
     rebuilt_differently = LLMCall([1, 2, 3], [8], [-1.0], messages=MESSAGES)  # not what the template renders
     no_messages = LLMCall([1, 2, 3], [8], [-1.0])
     fits = _call(tokenizer, MESSAGES, [8])
-    too_long = len(teacher_inputs(tokenizer, [(fits, "5")], max_length=512).pairs[0][0])
+    note = reference_note("5")
+    too_long = len(teacher_inputs(tokenizer, [(fits, note)], max_length=512).pairs[0][0])
     inputs = teacher_inputs(
-        tokenizer, [(rebuilt_differently, "5"), (no_messages, "5"), (fits, "5")], max_length=too_long
+        tokenizer, [(rebuilt_differently, note), (no_messages, note), (fits, note)], max_length=too_long
     )
     assert [prompt for prompt, _ in inputs.pairs] == [[1, 2, 3], [1, 2, 3], fits.prompt_token_ids]
     assert inputs.noted == [False, False, False]
     no_system = _tokenizer(tmp_path, NO_SYSTEM_TEMPLATE)
     refused = _call(no_system, MESSAGES, [8])
-    inputs = teacher_inputs(no_system, [(refused, "5")], max_length=512)
+    inputs = teacher_inputs(no_system, [(refused, note)], max_length=512)
     assert inputs.pairs == [(refused.prompt_token_ids, [8])] and inputs.noted == [False]
 
 
@@ -143,6 +151,36 @@ def test_the_driver_scores_with_the_reference_and_trains_on_the_students_prompt(
     assert segment.teacher_saw_note
 
 
+CALL = {"id": "c0", "type": "function", "function": {"name": "query", "arguments": "{}"}}
+REPLY = {"role": "assistant", "content": "", "tool_calls": [CALL]}
+ERROR = {"role": "tool", "tool_call_id": "c0", "content": '{"error": "item moved", "moved_to": "K-2"}'}
+
+
+def test_outcome_notes_hold_what_the_tools_answered_after_each_call() -> None:
+    first = LLMCall([1], [2], [-1.0], messages=MESSAGES)
+    second_messages = [*MESSAGES, REPLY, ERROR]
+    second = LLMCall([1], [2], [-1.0], messages=second_messages)
+    final = [*second_messages, {"role": "assistant", "content": "K-2 is open"}]
+    notes = outcome_notes([first, second], final)
+    assert notes[0] is not None and ERROR["content"] in notes[0] and notes[1] is None
+    # The last call of a rollout whose agent ran its tools: the rollout's final messages hold them.
+    assert outcome_notes([first], [*MESSAGES, REPLY, ERROR, ERROR])[0].count("moved_to") == 2  # type: ignore[union-attr]
+    assert outcome_notes([LLMCall([1], [2], [-1.0])], final) == [None]  # no messages recorded
+
+
+def test_hindsight_notes_follow_the_mode_and_skip_calls_the_teacher_does_not_score() -> None:
+    from opd_trainer.rollout.runner import RolloutResult
+
+    sample = Sample("t.jsonl", 1, MESSAGES, None, {"ground_truth": "5"})
+    empty = LLMCall([1], [], [], messages=MESSAGES)  # no completion: not a segment, gets no note
+    first = LLMCall([1], [2], [-1.0], messages=MESSAGES)
+    result = RolloutResult(0, 0, "r0", sample, calls=[empty, first], messages=[*MESSAGES, REPLY, ERROR])
+    assert hindsight_notes(result, "none") == [None]
+    assert hindsight_notes(result, "reference") == [reference_note("5")]
+    [outcome] = hindsight_notes(result, "outcome")
+    assert outcome is not None and "moved_to" in outcome
+
+
 def _holds(ids: list[int], part: list[int]) -> bool:
     return any(ids[i : i + len(part)] == part for i in range(len(ids) - len(part) + 1))
 
@@ -157,3 +195,16 @@ def test_reference_hindsight_needs_references_in_the_training_data() -> None:
     assert raised.value.field == "hyper_parameters.teacher_hindsight"
     check_references([bare], "none")
     check_references([bare, Sample("train.jsonl", 2, MESSAGES, None, {"solution": 5})], "reference")
+
+
+def test_outcome_hindsight_needs_an_agent() -> None:
+    from opd_trainer.errors import ConfigError
+
+    job = {"job_name": "j", "model": "s", "teacher_model": "t", "training_datasets": ["d.jsonl"]}
+    with pytest.raises(ConfigError, match=r"hyper_parameters\.teacher_hindsight 'outcome'"):
+        parse_job_spec({**job, "hyper_parameters": {"teacher_hindsight": "outcome"}})
+    rollout = {"name": "agent", "type": "rollout", "fcmodel": {"zipdir": "w", "classpath": "a.B"}}
+    agentic = parse_job_spec(
+        {**job, "functions": [rollout], "hyper_parameters": {"teacher_hindsight": "outcome"}}
+    )
+    assert agentic.hyper_parameters.teacher_hindsight == "outcome"
