@@ -10,6 +10,7 @@ import os
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
@@ -18,6 +19,9 @@ from postgres_server import PostgresUnavailable, throwaway_postgres
 
 from opd_trainer.client.api_client import OPDClient
 
+if TYPE_CHECKING:
+    from opd_trainer.demo.tiny_models import TinyModels
+
 # Small limits, so the oversized-upload and body cases need only kilobytes.
 SERVER_ENV = {
     "OPD_MAX_CONCURRENT_JOBS": "0",
@@ -25,6 +29,15 @@ SERVER_ENV = {
     "OPD_MAX_BODY_BYTES": str(64 * 1024),
     "OPD_TENANT_MAX_ACTIVE_JOBS": "4",
 }
+
+
+@pytest.fixture
+def trained_models(request: pytest.FixtureRequest) -> TinyModels:
+    """`tests/conftest.py`'s session fixture `tiny_models`; skips where it is not there yet."""
+    try:
+        return request.getfixturevalue("tiny_models")
+    except pytest.FixtureLookupError:
+        pytest.skip("needs the tiny_models fixture of tests/conftest.py")
 
 
 @pytest.fixture(scope="session")

@@ -38,15 +38,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
 ENGINE = {"kv_cache_memory_bytes": 134217728, "dtype": "float32"}
 
 
-@pytest.fixture
-def trained_models(request: pytest.FixtureRequest) -> TinyModels:
-    """`tests/conftest.py`'s session fixture `tiny_models`; skips where it is not there yet."""
-    try:
-        return request.getfixturevalue("tiny_models")
-    except pytest.FixtureLookupError:
-        pytest.skip("needs the tiny_models fixture of tests/conftest.py")
-
-
 def _subset(source: Path, target: Path, count: int) -> str:
     lines = [line for line in source.read_text().splitlines() if line.strip()][:count]
     target.write_text("\n".join(lines) + "\n")

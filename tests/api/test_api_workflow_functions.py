@@ -48,15 +48,6 @@ async def judge(task, response, auxiliary_models=None):
 """
 
 
-@pytest.fixture
-def trained_models(request: pytest.FixtureRequest) -> TinyModels:
-    """`tests/conftest.py`'s session fixture `tiny_models`; skips where it is not there yet."""
-    try:
-        return request.getfixturevalue("tiny_models")
-    except pytest.FixtureLookupError:
-        pytest.skip("needs the tiny_models fixture of tests/conftest.py")
-
-
 def _task(record: dict) -> dict:
     question = next(m["content"] for m in record["messages"] if m["role"] == "user")
     return {"question": question, "answer": json.loads(record["rollout_extra"]["solution"])}
