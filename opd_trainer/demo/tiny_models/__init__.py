@@ -3,7 +3,8 @@
 `build_tiny_models(out_dir)` trains a byte-level BPE tokenizer (Qwen2.5 ChatML layout, hermes tool-call
 markers) and two small `Qwen2ForCausalLM` checkpoints on the synthetic tool-routing task: a competent
 teacher and a weaker student of the same architecture that on-policy distillation can improve. Both load
-with transformers' `Auto*` classes and with vLLM.
+with transformers' `Auto*` classes and with vLLM. `variant="self_correction"` trains them on the task plus
+the self-correction turns of `demo/tool_routing/self_correction.py` and writes its agent episodes.
 
 The factory names are imported on first use, so that `opd_trainer.demo.tiny_models.tokenizer` (and unit
 tests of it) never pull in torch or transformers.
