@@ -63,7 +63,10 @@ def job(mode: str, student: Path, teacher: Path, data: Path, work: Path) -> dict
         train, validation_datasets, steps = data / "train.jsonl", [str(validation)], 3
     else:  # the built-in rollout on the arithmetic data, the reward pool alone holding user code
         functions = [decision]
-        train, validation_datasets, steps = data / "train.jsonl", [], 4
+        # Steps enough that the pool node is gone while the job still runs: the node is killed after
+        # step 1 is written and adding the spare node first takes a few steps' time on a loaded box
+        # (CI once finished all of 4 steps before the kill).
+        train, validation_datasets, steps = data / "train.jsonl", [], 8
     engine = {"kv_cache_memory_bytes": TINY_KV_CACHE_BYTES, "dtype": "float32"}
     return {
         "job_name": f"multi-node-{mode}",
@@ -124,6 +127,7 @@ def main(
         .remote(spec, str(work / "run"))
     )
     node_of = {}
+    steps_when_killed = None
     try:
         finished = driver.run.remote()
         if mode == "model-kill":
@@ -131,6 +135,7 @@ def main(
             cluster.add_node(num_cpus=2, resources={"pools_node": 100, "spare_node": 1})
             node_of[pool_node.node_id] = "pools"  # ray.nodes() forgets its resources once it is gone
             cluster.remove_node(pool_node, allow_graceful=False)
+            steps_when_killed = sum(1 for r in RunDir(work / "run").records() if r["kind"] == "train")
         summary = ray.get(finished)
     finally:
         ray.kill(driver)
@@ -155,6 +160,7 @@ def main(
         "never_placed": never_placed,
         "ratio_mean": [r["ratio_mean"] for r in steps],
         "steps": len(steps),
+        "steps_when_killed": steps_when_killed,
         "reward_mean": [r.get("reward_mean") for r in steps],
         "failed_rollouts": [r["failed_rollouts"] for r in steps],
         "workers_replaced": [r["pool/decision/workers_replaced"] for r in steps],

@@ -90,9 +90,11 @@ def test_a_model_opd_job_survives_losing_its_pool_node(tiny_models: TinyModels, 
     """A Model OPD job (built-in rollout, a user reward) on the same layout. Once its first step is
     written the node holding the reward pool is killed without warning and another joins: the pool
     replaces its worker there, the call in flight is retried, and the job finishes every step.
-    Measured: the worker replaced during step 3, no rollout failed, 3 min 40 s."""
+    Measured: the worker replaced during step 3, no rollout failed, 3 min 40 s (with 4 steps; CI then
+    once finished all 4 before the node was gone, so the job has 8)."""
     result = _run_job(tiny_models, "model-kill", tmp_path)
-    assert result["succeeded"] and result["steps"] == 4, result
+    assert result["succeeded"] and result["steps"] == 8, result
+    assert result["steps_when_killed"] < 8, result  # the node went while the job ran
     assert result["weight_transfers"] == [["ray"]]
     assert result["placed"]["ProcessorWorker"] == ["pools", "spare"], result["placed"]
     # CI once lost the job with the pool node: Ray had put the (zero-CPU) gateway there.
