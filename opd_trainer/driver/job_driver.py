@@ -418,7 +418,7 @@ class JobDriver:
             "auxiliary_models": auxiliary,
         }
         self._runner = RolloutRunner(self.job_id, self._gateway, base_url, **options)
-        if self._teacher_gateway is not None and teacher_url is not None and self.validation_samples:
+        if teacher_url is not None and self.validation_samples:
             self._teacher_runner = RolloutRunner(self.job_id, self._teacher_gateway, teacher_url, **options)
         # vLLM's tool-call parsers loaded in the gateways meanwhile; a bad parser name fails here.
         await asyncio.gather(*self._gateways_ready)
