@@ -1,8 +1,12 @@
 """Rollouts through the worker pool + recording gateway vs raw engine `generate`, side by side.
 
-- throughput: completion tokens/s of N rollouts run by a one-call rollout processor in the rollout pool
-  (OpenAI client → gateway → engine, tokens recorded) over the engine actor's `generate_many` on the
-  same prompts, sampling settings and seeds (target >= 0.9);
+- throughput: completion tokens/s of N rollouts run as the job driver runs a step's rollouts
+  (`RolloutRunner`: a key per rollout, then a one-call rollout processor in the rollout pool: OpenAI
+  client → gateway → engine, tokens recorded) over the engine actor's `generate` called directly on the
+  same prompts, sampling settings and seeds (target >= 0.9); also the built-in rollout of Model OPD
+  jobs (the driver's own request to the gateway, no pool);
+- CPU: milliseconds of CPU each process on the path (driver, rollout worker, gateway, engine actor,
+  vLLM's engine core) spends per rollout on each path (median of the rounds);
 - overhead: per-call latency of a 1-token completion through the gateway (HTTP + chat template +
   recording) minus the same request sent straight to the engine actor, in milliseconds.
 
@@ -23,6 +27,7 @@ from typing import Any
 
 import harness
 import httpx
+import psutil
 import ray
 from make_random_model import open_models_dir
 from transformers import AutoTokenizer
@@ -33,7 +38,8 @@ from opd_trainer.engine.vllm_engine import EngineConfig, start_engines
 from opd_trainer.jsonl import read_jsonl
 from opd_trainer.rollout.chat import prompt_token_ids
 from opd_trainer.rollout.gateway import GatewayActor
-from opd_trainer.sdk import ModelResource
+from opd_trainer.rollout.runner import RolloutRunner
+from opd_trainer.spec.dataset import Sample
 from opd_trainer.spec.job_spec import FunctionComponent
 from rollout_workers.pool import RolloutPool
 
@@ -52,6 +58,37 @@ class OneCall(AbstractRolloutProcessor):
         return RolloutOutput(agent_output=AgentOutput(
             messages=[*rollout_input.messages, reply.choices[0].message.model_dump(exclude_none=True)]))
 """
+
+
+# The processes on a rollout's path, by the title Ray / vLLM give them (None: this process, the runner
+# as the job driver runs it).
+PROCESS_TITLES = {
+    "driver": None,
+    "rollout worker": "ray::ProcessorWorker",
+    "gateway": "ray::Gateway",
+    "engine actor": "ray::Engine",
+    "engine core": "VLLM::EngineCore",
+}
+
+
+class ProcessCpu:
+    """CPU seconds used so far by each process of `PROCESS_TITLES`."""
+
+    def __init__(self) -> None:
+        found: dict[str, psutil.Process] = {"driver": psutil.Process()}
+        for process in psutil.process_iter(["cmdline"]):
+            command = " ".join(process.info["cmdline"] or [])
+            for name, title in PROCESS_TITLES.items():
+                if title is not None and command.startswith(title):
+                    found[name] = process
+        self.processes = found
+
+    def seconds(self) -> dict[str, float]:
+        return {name: sum(p.cpu_times()[:2]) for name, p in self.processes.items()}
+
+    def per_call_ms(self, before: dict[str, float], calls: int) -> dict[str, float]:
+        now = self.seconds()
+        return {name: 1000 * (now[name] - before[name]) / calls for name in now}
 
 
 def engine_config(model_dir: Path, device: str) -> EngineConfig:
@@ -102,25 +139,24 @@ async def run(
     pool = RolloutPool("bench", component, workspace)
     await pool.start()
 
-    async def through_pool() -> float:
-        async def one(index: int) -> int:
-            key = await gateway.open_rollout.remote(f"bench-{index}")
-            await pool.rollout(
-                sample_id=str(index),
-                rollout_id=f"bench-{index}",
-                messages=records[index]["messages"],
-                tools=records[index]["tools"],
-                ground_truth=None,
-                rollout_extra={},
-                sampling_params={"max_tokens": max_tokens, "seed": seeds[index]},
-                model_resource=ModelResource(model_name="student", base_url=base_url, api_key=key),
-            )
-            calls = await gateway.close_rollout.remote(key)
-            return sum(len(c.completion_token_ids) for c in calls)
+    samples = [
+        Sample(source="validation.jsonl", line=i, messages=r["messages"], tools=r["tools"])
+        for i, r in enumerate(records)
+    ]
+    agentic = RolloutRunner(
+        "bench", gateway, base_url, max_tokens=max_tokens, temperature=1.0, rollout_pool=pool
+    )
+    builtin = RolloutRunner("bench", gateway, base_url, max_tokens=max_tokens, temperature=1.0)
 
+    async def through(runner: RolloutRunner) -> float:
+        """A step's rollouts as the job driver runs them (keys, pool or built-in call, recorded calls)."""
         started = time.perf_counter()
-        tokens = sum(await asyncio.gather(*(one(i) for i in range(len(records)))))
-        return tokens / (time.perf_counter() - started)
+        results = await runner.run(samples, 1, 0, seeds)
+        seconds = time.perf_counter() - started
+        failed = [r.error for r in results if r.failed]
+        if failed:
+            raise RuntimeError(f"{len(failed)} rollouts failed, first: {failed[0]}")
+        return sum(len(c.completion_token_ids) for r in results for c in r.calls) / seconds
 
     async def raw() -> float:
         started = time.perf_counter()
@@ -133,11 +169,20 @@ async def run(
         return sum(len(c.completion_token_ids) for c in completions) / (time.perf_counter() - started)
 
     await raw()
-    await through_pool()  # warm both paths
-    pooled, direct = [], []
+    await through(agentic)  # warm every path
+    await through(builtin)
+    processes = ProcessCpu()
+    pooled, direct, plain = [], [], []
+    cpu: dict[str, list[dict[str, float]]] = {"raw": [], "pool": [], "builtin": []}
     for _ in range(rounds):
-        direct.append(await raw())
-        pooled.append(await through_pool())
+        for path, runs, measure in (
+            ("raw", direct, raw),
+            ("pool", pooled, lambda: through(agentic)),
+            ("builtin", plain, lambda: through(builtin)),
+        ):
+            before = processes.seconds()
+            runs.append(await measure())
+            cpu[path].append(processes.per_call_ms(before, len(records)))
 
     # Per-call overhead: the same 1-token request via HTTP gateway vs straight to the engine actor.
     key = await gateway.open_rollout.remote("overhead")
@@ -160,19 +205,31 @@ async def run(
             await engine.generate.remote(prompts[0], max_tokens=1, temperature=1.0)
             engine_ms.append(1000 * (time.perf_counter() - started))
     await gateway.close_rollout.remote(key)
+    await agentic.close()
+    await builtin.close()
     await pool.shutdown()
     await gateway.shutdown.remote()
     await engine.shutdown.remote()
     ray.kill(engine)
 
-    pooled_tps, raw_tps = statistics.median(pooled), statistics.median(direct)
+    pooled_tps, raw_tps, builtin_tps = (
+        statistics.median(pooled),
+        statistics.median(direct),
+        statistics.median(plain),
+    )
     return {
         "rollouts": len(records),
         "max_tokens": max_tokens,
         "pool_gateway_tokens_per_s": pooled_tps,
+        "builtin_gateway_tokens_per_s": builtin_tps,
         "raw_engine_tokens_per_s": raw_tps,
         "throughput_ratio": pooled_tps / raw_tps,
+        "builtin_throughput_ratio": builtin_tps / raw_tps,
         "throughput_target": 0.9,
+        "cpu_ms_per_rollout": {
+            path: {name: statistics.median(r[name] for r in runs) for name in runs[0]}
+            for path, runs in cpu.items()
+        },
         "gateway_call_ms_p50": statistics.median(gateway_ms),
         "engine_call_ms_p50": statistics.median(engine_ms),
         "gateway_overhead_ms_p50": statistics.median(gateway_ms) - statistics.median(engine_ms),
@@ -182,12 +239,16 @@ async def run(
 def format_table(result: dict[str, Any]) -> str:
     rows = [
         ("tokens/s via rollout pool + gateway", f"{result['pool_gateway_tokens_per_s']:.0f}"),
+        ("tokens/s via built-in rollout + gateway", f"{result['builtin_gateway_tokens_per_s']:.0f}"),
         ("tokens/s via raw engine generate", f"{result['raw_engine_tokens_per_s']:.0f}"),
-        ("ratio (target >= 0.90)", f"{result['throughput_ratio']:.2f}"),
+        ("ratio, pool (target >= 0.90)", f"{result['throughput_ratio']:.2f}"),
+        ("ratio, built-in (Model OPD)", f"{result['builtin_throughput_ratio']:.2f}"),
         ("1-token call via gateway, ms (p50)", f"{result['gateway_call_ms_p50']:.1f}"),
         ("same call straight to engine, ms", f"{result['engine_call_ms_p50']:.1f}"),
         ("gateway overhead per call, ms", f"{result['gateway_overhead_ms_p50']:.1f}"),
     ]
+    for path, usage in result["cpu_ms_per_rollout"].items():
+        rows.append((f"CPU ms a rollout, {path}", "  ".join(f"{k} {v:.1f}" for k, v in usage.items())))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value:>8}" for name, value in rows)
 
@@ -208,7 +269,6 @@ def main() -> None:
     )
     print(format_table(result))
     harness.write_json(args.out, result)
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -156,6 +156,14 @@ class RenderedPrompts:
         return list(ids)
 
 
+class RolloutKeyRequest(NamedTuple):
+    """What `Gateway.open_rollouts` opens a key for (see `open_rollout`)."""
+
+    rollout_id: str
+    temperature: float | None = None
+    seed: int | None = None
+
+
 @dataclass
 class RolloutSession:
     rollout_id: str
@@ -302,6 +310,11 @@ class Gateway:
         expires = time.monotonic() + (ttl_s or self.key_ttl_s)
         self._sessions[key] = RolloutSession(rollout_id, expires, temperature=temperature, seed=seed)
         return key
+
+    def open_rollouts(self, rollouts: list[RolloutKeyRequest]) -> list[str]:
+        """`open_rollout` for many rollouts in one call (a step's, as one Ray round trip instead of one
+        per rollout); keys in the order asked."""
+        return [self.open_rollout(r.rollout_id, temperature=r.temperature, seed=r.seed) for r in rollouts]
 
     def close_rollout(self, key: str) -> list[LLMCall]:
         """Ends the key (later calls get 401) and returns what it recorded, in call order."""

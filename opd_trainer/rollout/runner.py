@@ -23,9 +23,10 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import httpx
+import aiohttp
 
 from opd_trainer.records import LLMCall
+from opd_trainer.rollout.gateway import RolloutKeyRequest
 from opd_trainer.sdk import PROMPT_MESSAGES_KEY, AgentOutput, ModelResource, TaskStatus, is_rollout_failure
 from opd_trainer.spec.dataset import Sample, ground_truth_of
 from opd_trainer.spec.job_spec import FunctionComponent
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from rollout_workers.pool import RolloutPool
 
 STUDENT_MODEL_NAME = "student"
+RolloutKeys = tuple[str, dict[str, ModelResource]]  # a rollout's student key and its auxiliary models
 TEACHER_MODEL_NAME = "teacher"  # the name the teacher's gateway answers under (baseline, auxiliary model)
 
 
@@ -140,10 +142,22 @@ class RolloutRunner:
         self.reward_pools = reward_pools or []
         self.evaluator_pool = evaluator_pool
         self.auxiliary_models = auxiliary_models or {}
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=256))
+        self._http: aiohttp.ClientSession | None = None
+
+    def _session(self) -> aiohttp.ClientSession:
+        """The built-in rollout's HTTP client, made on the driver's event loop at first use. aiohttp, not
+        httpx: httpx's pool checks every idle connection's socket on each request, which with a step's
+        rollouts in flight cost more of the driver's CPU than the requests themselves."""
+        if self._http is None:
+            self._http = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=600.0), connector=aiohttp.TCPConnector(limit=256)
+            )
+        return self._http
 
     async def close(self) -> None:
-        await self._http.aclose()
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
 
     async def _builtin(self, result: RolloutResult, key: str, seed: int) -> None:
         sample = result.sample
@@ -155,13 +169,13 @@ class RolloutRunner:
         }
         if sample.tools:
             body["tools"] = sample.tools
-        response = await self._http.post(
+        async with self._session().post(
             f"{self.base_url}/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
-        )
-        if response.status_code != 200:
-            result.error = f"gateway answered {response.status_code}: {response.text[:500]}"
-            return
-        message = response.json()["choices"][0]["message"]
+        ) as response:
+            if response.status != 200:
+                result.error = f"gateway answered {response.status}: {(await response.text())[:500]}"
+                return
+            message = (await response.json())["choices"][0]["message"]
         result.messages = [*sample.messages, message]
         # Rewards see where the given conversation ends, as they do after an agentic rollout that
         # follows the same convention (examples/tool_routing_agentic): the reply is what they judge.
@@ -194,23 +208,38 @@ class RolloutRunner:
         if is_rollout_failure(output):
             result.error = output.error or "rollout reported failure"
 
+    async def _open_keys(
+        self, rollout_ids: list[str], seeds: list[int], temperature: float | None
+    ) -> list[RolloutKeys]:
+        """For each rollout, its student key (sampling at `temperature`, None: the job's) and a greedy key
+        per auxiliary model, opened in one Ray call per gateway rather than one per rollout."""
+        student = await self.gateway.open_rollouts.remote(
+            [RolloutKeyRequest(r, temperature, seed) for r, seed in zip(rollout_ids, seeds, strict=True)]
+        )
+        auxiliary: list[dict[str, ModelResource]] = [{} for _ in rollout_ids]
+        for name, model in self.auxiliary_models.items():
+            keys = await model.gateway.open_rollouts.remote(
+                [RolloutKeyRequest(r, 0.0, seed) for r, seed in zip(rollout_ids, seeds, strict=True)]
+            )
+            for resources, key in zip(auxiliary, keys, strict=True):
+                resources[name] = ModelResource(
+                    model_name=model.model_name, base_url=model.base_url, api_key=key
+                )
+        return list(zip(student, auxiliary, strict=True))
+
     async def _one(
         self,
-        tag: str,
-        group: int,
-        index: int,
-        sample: Sample,
+        result: RolloutResult,
         seed: int,
+        keys: RolloutKeys,
         *,
         validating: bool = False,
-        temperature: float | None = None,
     ) -> RolloutResult:
-        """One rollout, sampled at `temperature` (None: the job's), rewarded (and, when validating,
-        evaluated)."""
-        result = RolloutResult(group, index, f"{self.job_id}-{tag}-r{index}", sample)
-        auxiliary = await self._open_auxiliary(result.rollout_id, seed)
+        """One rollout with its keys (see `_open_keys`), rewarded (and, when validating, evaluated); its
+        keys are closed when it ends."""
+        key, auxiliary = keys
         try:
-            await self._sample_and_score(result, seed, auxiliary, validating, temperature)
+            await self._sample_and_score(result, key, seed, auxiliary, validating)
         finally:
             result.auxiliary_calls = await self._close_auxiliary(auxiliary)
         return result
@@ -218,12 +247,11 @@ class RolloutRunner:
     async def _sample_and_score(
         self,
         result: RolloutResult,
+        key: str,
         seed: int,
         auxiliary: dict[str, ModelResource],
         validating: bool,
-        temperature: float | None,
     ) -> None:
-        key = await self.gateway.open_rollout.remote(result.rollout_id, temperature=temperature, seed=seed)
         try:
             if self.rollout_pool is None:
                 await self._builtin(result, key, seed)
@@ -239,14 +267,6 @@ class RolloutRunner:
         if validating and self.evaluator_pool is not None:
             await self._evaluate(result, auxiliary)
         await self._score(result, auxiliary)
-
-    async def _open_auxiliary(self, rollout_id: str, seed: int) -> dict[str, ModelResource]:
-        """A key per auxiliary model for one rollout and its scoring; their calls are greedy."""
-        resources = {}
-        for name, model in self.auxiliary_models.items():
-            key = await model.gateway.open_rollout.remote(rollout_id, temperature=0.0, seed=seed)
-            resources[name] = ModelResource(model_name=model.model_name, base_url=model.base_url, api_key=key)
-        return resources
 
     async def _close_auxiliary(self, resources: dict[str, ModelResource]) -> int:
         """Ends the auxiliary keys; their recorded calls are counted and dropped."""
@@ -327,17 +347,17 @@ class RolloutRunner:
         `on_result` is called with each rollout as soon as it (and its rewards) are done, so that
         the caller can start on it (teacher scoring) while the others are still running.
         """
-        jobs = [(group, sample) for group, sample in enumerate(samples) for _ in range(n_rollouts)]
+        results = self._results(samples, n_rollouts, f"s{step}")
+        seeds = seeds[: len(results)]
+        keys = await self._open_keys([r.rollout_id for r in results], seeds, None)
 
-        async def one(index: int, group: int, sample: Sample) -> RolloutResult:
-            result = await self._one(f"s{step}", group, index, sample, seeds[index])
+        async def one(result: RolloutResult, seed: int, rollout_keys: RolloutKeys) -> RolloutResult:
+            await self._one(result, seed, rollout_keys)
             if on_result is not None:
                 on_result(result)
             return result
 
-        return list(
-            await asyncio.gather(*(one(index, group, sample) for index, (group, sample) in enumerate(jobs)))
-        )
+        return list(await asyncio.gather(*(one(*job) for job in zip(results, seeds, keys, strict=True))))
 
     async def validate(
         self,
@@ -351,17 +371,23 @@ class RolloutRunner:
         """`per_sample` rollouts of each sample (in sample order; group id = sample position), scored by
         the rewards and the evaluator (if any). Greedy by default, so the same weights always give the
         same validation numbers; pass@k samples at a temperature."""
-        jobs = [(group, sample) for group, sample in enumerate(samples) for _ in range(per_sample)]
+        results = self._results(samples, per_sample, tag)
+        seeds = seeds[: len(results)]
+        keys = await self._open_keys([r.rollout_id for r in results], seeds, temperature)
         return list(
             await asyncio.gather(
-                *(
-                    self._one(
-                        tag, group, index, sample, seeds[index], validating=True, temperature=temperature
-                    )
-                    for index, (group, sample) in enumerate(jobs)
-                )
+                *(self._one(*job, validating=True) for job in zip(results, seeds, keys, strict=True))
             )
         )
+
+    def _results(self, samples: list[Sample], per_sample: int, tag: str) -> list[RolloutResult]:
+        """The (empty) results of `per_sample` rollouts of each sample: group id = sample position,
+        index = position in the list."""
+        jobs = [(group, sample) for group, sample in enumerate(samples) for _ in range(per_sample)]
+        return [
+            RolloutResult(group, index, f"{self.job_id}-{tag}-r{index}", sample)
+            for index, (group, sample) in enumerate(jobs)
+        ]
 
 
 def rollout_step_metrics(results: list[RolloutResult], has_rewards: bool) -> dict[str, float]:

@@ -1,0 +1,126 @@
+"""A step's rollout keys: opened in one gateway call per model (`Gateway.open_rollouts`), each with its
+rollout's seed and temperature, handed to that rollout only, and closed when it ends.
+
+The gateways are real `Gateway` objects called in-process; a fake rollout pool stands in for the Ray
+workers (the real path: tests/integration).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from opd_trainer.records import LLMCall
+from opd_trainer.rollout.gateway import Gateway, RolloutKeyRequest
+from opd_trainer.rollout.runner import AuxiliaryModel, RolloutRunner
+from opd_trainer.sdk import AgentOutput, ModelResource, RolloutOutput
+from opd_trainer.spec.dataset import Sample
+
+
+class InProcessActor:
+    """`actor.method.remote(...)` on a plain object, awaited like a Ray call; counts calls per method."""
+
+    def __init__(self, target: Any) -> None:
+        self.target = target
+        self.calls: dict[str, int] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        method: Callable[..., Any] = getattr(self.target, name)
+        calls = self.calls
+
+        class Method:
+            @staticmethod
+            async def remote(*args: Any, **kwargs: Any) -> Any:
+                calls[name] = calls.get(name, 0) + 1
+                return method(*args, **kwargs)
+
+        return Method
+
+
+class RecordingPool:
+    """Records what each rollout was given and makes one student call with its key."""
+
+    def __init__(self, student: Gateway) -> None:
+        self.student = student
+        self.given: list[dict[str, Any]] = []
+
+    async def rollout(
+        self,
+        *,
+        rollout_id: str,
+        sampling_params: dict[str, Any],
+        model_resource: ModelResource,
+        auxiliary_models: dict[str, ModelResource],
+        **_: Any,
+    ) -> tuple[RolloutOutput, list[Any], int]:
+        key = model_resource.api_key.get_secret_value()
+        session = self.student._sessions[key]
+        self.given.append(
+            {
+                "rollout_id": rollout_id,
+                "session_rollout_id": session.rollout_id,
+                "seed": sampling_params["seed"],
+                "session_seed": session.seed,
+                "temperature": session.temperature,
+                "auxiliary": {n: r.api_key.get_secret_value() for n, r in auxiliary_models.items()},
+            }
+        )
+        session.calls.append(LLMCall(prompt_token_ids=[1], completion_token_ids=[2], sampler_logprobs=[-0.1]))
+        messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+        return RolloutOutput(agent_output=AgentOutput(messages=messages, reward_score=1.0)), [], 0
+
+
+def gateway(name: str) -> Gateway:
+    # These gateways never render a prompt, so they load no tokenizer and need no engine.
+    return Gateway(name, "unused-tokenizer", [], max_tokens=8, temperature=1.0, max_length=64)
+
+
+def test_open_rollouts_opens_one_key_per_request_in_order() -> None:
+    student = gateway("student")
+    keys = student.open_rollouts(
+        [RolloutKeyRequest("a", 0.0, 7), RolloutKeyRequest("b"), RolloutKeyRequest("c")]
+    )
+    assert len(set(keys)) == 3
+    sessions = [student._sessions[k] for k in keys]
+    assert [s.rollout_id for s in sessions] == ["a", "b", "c"]
+    assert [(s.temperature, s.seed) for s in sessions] == [(0.0, 7), (None, None), (None, None)]
+    assert [student.close_rollout(k) for k in keys] == [[], [], []]
+    assert student._sessions == {}
+
+
+@pytest.mark.parametrize("validating", [False, True])
+def test_a_step_opens_its_keys_in_one_call_per_gateway_and_closes_each(validating: bool) -> None:
+    student, judge = gateway("student"), gateway("teacher")
+    student_actor, judge_actor = InProcessActor(student), InProcessActor(judge)
+    pool = RecordingPool(student)
+    runner = RolloutRunner(
+        "job",
+        student_actor,
+        "http://student/v1",
+        max_tokens=8,
+        temperature=1.0,
+        rollout_pool=pool,  # type: ignore[arg-type]
+        auxiliary_models={"judge": AuxiliaryModel(judge_actor, "http://teacher/v1", "teacher")},
+    )
+    samples = [Sample("train.jsonl", i, [{"role": "user", "content": f"q{i}"}], None) for i in range(3)]
+    seeds = [10, 11, 12, 13, 14, 15, 99]  # longer than needed: the extra seed is not used
+    if validating:
+        results = asyncio.run(runner.validate(samples, "v0", seeds, per_sample=2, temperature=0.5))
+    else:
+        results = asyncio.run(runner.run(samples, 2, 3, seeds))
+
+    assert [r.group_id for r in results] == [0, 0, 1, 1, 2, 2]
+    assert not any(r.failed for r in results) and [len(r.calls) for r in results] == [1] * 6
+    assert student_actor.calls == {"open_rollouts": 1, "close_rollout": 6}
+    assert judge_actor.calls == {"open_rollouts": 1, "close_rollout": 6}
+    assert student._sessions == {} and judge._sessions == {}  # every key was closed
+    given = sorted(pool.given, key=lambda g: g["seed"])
+    tag = "v0" if validating else "s3"
+    assert [g["rollout_id"] for g in given] == [f"job-{tag}-r{i}" for i in range(6)]
+    assert all(g["session_rollout_id"] == g["rollout_id"] for g in given)
+    assert [g["session_seed"] for g in given] == [10, 11, 12, 13, 14, 15]
+    assert {g["temperature"] for g in given} == {0.5 if validating else None}
+    assert len({g["auxiliary"]["judge"] for g in given}) == 6
