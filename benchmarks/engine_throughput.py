@@ -1,7 +1,9 @@
 """Engine actor vs raw vLLM, measured side by side in one run; prints a table and writes JSON.
 
 - generate: tokens/s of `EngineActor.generate_many` (through Ray, logprobs on) over raw
-  `vllm.LLM.generate` on the same model, prompts and greedy sampling (target >= 0.9).
+  `vllm.LLM.generate` on the same model, prompts and greedy sampling (target >= 0.9); also over raw
+  `vllm.LLM.generate` asked for the sampled tokens' logprobs as well (`logprobs=0`), which the
+  trainer needs and the plain call does not compute.
 - score: scored tokens/s of `EngineActor.score_many` (teacher forcing of given completions) over raw
   `vllm.LLM.generate` with `prompt_logprobs=0` on the same prompt + completion sequences (target >= 0.9);
 - teacher top-k: seconds of `EngineActor.score_top_k_many` at `--teacher-top-k` over seconds of
@@ -74,10 +76,12 @@ def _raw_llm(config: Any, device: str) -> Any:
     )
 
 
-def _raw_generate_tokens_per_s(llm: Any, prompts: list[list[int]], max_tokens: int) -> float:
+def _raw_generate_tokens_per_s(
+    llm: Any, prompts: list[list[int]], max_tokens: int, logprobs: int | None = None
+) -> float:
     from vllm import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs)
     started = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - started
@@ -153,9 +157,10 @@ async def run(
     # Warm both once (first calls allocate and JIT), then alternate measured rounds.
     _raw_generate_tokens_per_s(llm, prompts[:4], 8)
     await _actor_generate_tokens_per_s(actor, prompts[:4], 8)
-    raw, ours = [], []
+    raw, raw_logprobs, ours = [], [], []
     for _ in range(rounds):
         raw.append(_raw_generate_tokens_per_s(llm, prompts, max_tokens))
+        raw_logprobs.append(_raw_generate_tokens_per_s(llm, prompts, max_tokens, logprobs=0))
         ours.append(await _actor_generate_tokens_per_s(actor, prompts, max_tokens))
     # Score the student's own greedy completions, as the teacher does in a step.
     completions = await actor.generate_many.remote(prompts, max_tokens=max_tokens, temperature=0.0)
@@ -173,6 +178,7 @@ async def run(
     ray.kill(actor)
 
     raw_tps, ours_tps = statistics.median(raw), statistics.median(ours)
+    raw_logprobs_tps = statistics.median(raw_logprobs)
     raw_score_tps, ours_score_tps = statistics.median(raw_score), statistics.median(ours_score)
     return {
         "model": str(models.student),
@@ -183,6 +189,8 @@ async def run(
         "engine_actor_tokens_per_s": ours_tps,
         "generate_ratio": ours_tps / raw_tps,
         "generate_target": 0.9,
+        "raw_vllm_logprobs_tokens_per_s": raw_logprobs_tps,
+        "generate_ratio_same_work": ours_tps / raw_logprobs_tps,
         "raw_vllm_score_tokens_per_s": raw_score_tps,
         "engine_actor_score_tokens_per_s": ours_score_tps,
         "score_ratio": ours_score_tps / raw_score_tps,
@@ -202,6 +210,8 @@ def format_table(result: dict[str, Any]) -> str:
         ("generate tokens/s: engine actor", f"{result['engine_actor_tokens_per_s']:.0f}"),
         ("generate tokens/s: raw vllm.LLM", f"{result['raw_vllm_tokens_per_s']:.0f}"),
         ("ratio actor / raw (target >= 0.90)", f"{result['generate_ratio']:.2f}"),
+        ("generate tokens/s: raw, logprobs=0 too", f"{result['raw_vllm_logprobs_tokens_per_s']:.0f}"),
+        ("ratio actor / raw with logprobs", f"{result['generate_ratio_same_work']:.2f}"),
         ("score tokens/s: engine actor", f"{result['engine_actor_score_tokens_per_s']:.0f}"),
         ("score tokens/s: raw prompt_logprobs", f"{result['raw_vllm_score_tokens_per_s']:.0f}"),
         ("ratio actor / raw (target >= 0.90)", f"{result['score_ratio']:.2f}"),

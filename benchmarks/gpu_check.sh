@@ -116,7 +116,7 @@ step engine_throughput 270 "$PYTHON" benchmarks/engine_throughput.py --device cu
     --models-dir "$MODELS_DIR" --prompts 200 --max-tokens 128 --rounds 3 \
     --out "$RESULTS/engine_throughput.json" || true
 step rollout_gateway 180 "$PYTHON" benchmarks/rollout_gateway.py --device cuda \
-    --models-dir "$MODELS_DIR" --rollouts 128 --max-tokens 128 --rounds 3 \
+    --models-dir "$MODELS_DIR" --prompts 32 --n-rollouts 4 --max-tokens 128 --rounds 3 \
     --out "$RESULTS/rollout_gateway.json" || true
 
 # 4. the OPD step breakdown: student engine, teacher engine and learner share GPU 0 (see top).

@@ -23,6 +23,12 @@ ROWS: list[tuple[str, str, Callable[[dict[str, Any]], str], str]] = [
     ),
     (
         "engine_throughput",
+        "sampling: engine actor / raw vllm.LLM with logprobs=0",
+        lambda r: f"{r['generate_ratio_same_work']:.2f}x",
+        "—",
+    ),
+    (
+        "engine_throughput",
         "teacher scoring: actor / raw prompt logprobs",
         lambda r: f"{r['score_ratio']:.2f}x",
         ">= 0.9x",
@@ -44,6 +50,12 @@ ROWS: list[tuple[str, str, Callable[[dict[str, Any]], str], str]] = [
         "rollout via pool + gateway / raw engine",
         lambda r: f"{r['throughput_ratio']:.2f}x",
         ">= 0.9x",
+    ),
+    (
+        "rollout_gateway",
+        "built-in (Model OPD) rollout via gateway / raw engine",
+        lambda r: f"{r['builtin_throughput_ratio']:.2f}x",
+        "—",
     ),
     (
         "step_breakdown",

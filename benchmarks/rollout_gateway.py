@@ -1,10 +1,12 @@
 """Rollouts through the worker pool + recording gateway vs raw engine `generate`, side by side.
 
-- throughput: completion tokens/s of N rollouts run as the job driver runs a step's rollouts
-  (`RolloutRunner`: a key per rollout, then a one-call rollout processor in the rollout pool: OpenAI
-  client → gateway → engine, tokens recorded) over the engine actor's `generate` called directly on the
-  same prompts, sampling settings and seeds (target >= 0.9); also the built-in rollout of Model OPD
-  jobs (the driver's own request to the gateway, no pool);
+- throughput: completion tokens/s of a step's rollouts (`--prompts` × `--n-rollouts`, the example
+  job's shape) run as the job driver runs them (`RolloutRunner`: a key per rollout, then a one-call
+  rollout processor in the rollout pool: OpenAI client → gateway → engine, tokens recorded) over the
+  engine actor's `generate` called directly with the same sampling settings and seeds (target >= 0.9);
+  also the built-in rollout of Model OPD jobs (the driver's own request to the gateway, no pool). Each
+  path gets fresh training prompts every round, so the gateway renders each prompt group once, as in
+  a job, and never reuses a render from an earlier round;
 - CPU: milliseconds of CPU each process on the path (driver, rollout worker, gateway, engine actor,
   vLLM's engine core) spends per rollout on each path (median of the rounds);
 - overhead: per-call latency of a 1-token completion through the gateway (HTTP + chat template +
@@ -98,7 +100,8 @@ def engine_config(model_dir: Path, device: str) -> EngineConfig:
 
 async def run(
     models_dir: Path,
-    num_rollouts: int,
+    num_prompts: int,
+    n_rollouts: int,
     max_tokens: int,
     rounds: int,
     overhead_calls: int,
@@ -106,9 +109,12 @@ async def run(
 ) -> dict[str, Any]:
     models = build_tiny_models(models_dir) if device == "cpu" else open_models_dir(models_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(models.student))
-    records = read_jsonl(models.data_dir / "validation.jsonl")[:num_rollouts]
-    prompts = [prompt_token_ids(tokenizer, r["messages"], r["tools"]) for r in records]
-    seeds = list(range(len(records)))
+    records = read_jsonl(models.data_dir / "train.jsonl")
+    # Every path samples prompts of its own each round, as a job's step does: the gateway has rendered
+    # none of them before (it renders a prompt group's prompt once for its n_rollouts calls).
+    batches = (records[i : i + num_prompts] for i in range(0, len(records), num_prompts))
+    num_rollouts = num_prompts * n_rollouts
+    seeds = list(range(num_rollouts))
 
     init_ray()
     config = engine_config(models.student, device)
@@ -139,10 +145,6 @@ async def run(
     pool = RolloutPool("bench", component, workspace)
     await pool.start()
 
-    samples = [
-        Sample(source="validation.jsonl", line=i, messages=r["messages"], tools=r["tools"])
-        for i, r in enumerate(records)
-    ]
     agentic = RolloutRunner(
         "bench", gateway, base_url, max_tokens=max_tokens, temperature=1.0, rollout_pool=pool
     )
@@ -150,8 +152,12 @@ async def run(
 
     async def through(runner: RolloutRunner) -> float:
         """A step's rollouts as the job driver runs them (keys, pool or built-in call, recorded calls)."""
+        samples = [
+            Sample(source="train.jsonl", line=i, messages=r["messages"], tools=r["tools"])
+            for i, r in enumerate(next(batches))
+        ]
         started = time.perf_counter()
-        results = await runner.run(samples, 1, 0, seeds)
+        results = await runner.run(samples, n_rollouts, 0, seeds)
         seconds = time.perf_counter() - started
         failed = [r.error for r in results if r.failed]
         if failed:
@@ -159,6 +165,9 @@ async def run(
         return sum(len(c.completion_token_ids) for r in results for c in r.calls) / seconds
 
     async def raw() -> float:
+        batch = next(batches)
+        rendered = [prompt_token_ids(tokenizer, r["messages"], r["tools"]) for r in batch]
+        prompts = [ids for ids in rendered for _ in range(n_rollouts)]
         started = time.perf_counter()
         completions = await asyncio.gather(
             *(
@@ -182,10 +191,11 @@ async def run(
         ):
             before = processes.seconds()
             runs.append(await measure())
-            cpu[path].append(processes.per_call_ms(before, len(records)))
+            cpu[path].append(processes.per_call_ms(before, num_rollouts))
 
     # Per-call overhead: the same 1-token request via HTTP gateway vs straight to the engine actor.
     key = await gateway.open_rollout.remote("overhead")
+    overhead_prompt = prompt_token_ids(tokenizer, records[0]["messages"], records[0]["tools"])
     body = {
         "model": "student",
         "messages": records[0]["messages"],
@@ -202,7 +212,7 @@ async def run(
             response.raise_for_status()
             gateway_ms.append(1000 * (time.perf_counter() - started))
             started = time.perf_counter()
-            await engine.generate.remote(prompts[0], max_tokens=1, temperature=1.0)
+            await engine.generate.remote(overhead_prompt, max_tokens=1, temperature=1.0)
             engine_ms.append(1000 * (time.perf_counter() - started))
     await gateway.close_rollout.remote(key)
     await agentic.close()
@@ -218,7 +228,8 @@ async def run(
         statistics.median(plain),
     )
     return {
-        "rollouts": len(records),
+        "prompts": num_prompts,
+        "n_rollouts": n_rollouts,
         "max_tokens": max_tokens,
         "pool_gateway_tokens_per_s": pooled_tps,
         "builtin_gateway_tokens_per_s": builtin_tps,
@@ -256,8 +267,9 @@ def format_table(result: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models-dir", type=Path, default=Path(".cache/tiny-models"))
-    parser.add_argument("--rollouts", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--prompts", type=int, default=16, help="prompts a round (fresh ones every round)")
+    parser.add_argument("--n-rollouts", type=int, default=4, help="rollouts of each prompt")
+    parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--overhead-calls", type=int, default=30)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/rollout_gateway.json"))
@@ -265,7 +277,15 @@ def main() -> None:
     args = parser.parse_args()
     harness.check_device(parser, args.device)
     result = asyncio.run(
-        run(args.models_dir, args.rollouts, args.max_tokens, args.rounds, args.overhead_calls, args.device)
+        run(
+            args.models_dir,
+            args.prompts,
+            args.n_rollouts,
+            args.max_tokens,
+            args.rounds,
+            args.overhead_calls,
+            args.device,
+        )
     )
     print(format_table(result))
     harness.write_json(args.out, result)

@@ -6,6 +6,7 @@ import asyncio
 import pickle
 import threading
 
+import openai
 import pytest
 from pydantic import SecretStr, ValidationError
 
@@ -291,7 +292,9 @@ def test_openai_client_shares_one_pool_per_loop_and_swaps_the_key() -> None:
 
     first, second, other_url = asyncio.run(clients())
     assert (first.api_key, second.api_key) == ("k1", "k2")
-    assert first._client is second._client  # one httpx pool for the loop and base URL
+    assert first._client is second._client  # one connection pool for the loop and base URL
+    # openai's aiohttp transport: httpx's own pool probes every idle connection on each request.
+    assert isinstance(first._client, openai.DefaultAioHttpClient)
     assert other_url._client is not first._client
     assert first.max_retries == 0  # a retried call would be recorded twice by the gateway
     assert trace_client(first) is first  # already traced
