@@ -79,6 +79,7 @@ ENGINE_COUNTERS = {
     "prefix_cache_hits": "Prompt tokens found in the prefix cache.",
     "preemptions": "Requests preempted (KV cache full).",
     "requests_finished": "Requests the role's engines finished.",
+    "scores_rescored": "Scoring requests rerun without the prefix cache (it held part of the completion).",
 }
 
 

@@ -3,11 +3,12 @@
 `EngineStats` is a per-engine stat logger for `AsyncLLM.from_engine_args(stat_loggers=[...])`: vLLM
 calls `record` with its scheduler and iteration stats after each engine step. It has the methods of
 `vllm.v1.metrics.loggers.StatLoggerBase` without subclassing it, so that the driver, which only combines
-the numbers, does not import vLLM (seconds and hundreds of MB). It
-keeps running totals (prompt and generated tokens, prefix-cache queries and hits, preemptions, finished
-requests) and the peaks of the live numbers (requests running and waiting, KV-cache usage) since they
-were last read. `EngineGroup.stats` sums a role's replicas; the driver adds them to each step's metrics
-as `engine/ROLE/KEY`, and the job server exports them (`opd_job_engine_*`).
+the numbers, does not import vLLM (seconds and hundreds of MB). It keeps running totals (prompt and
+generated tokens, prefix-cache queries and hits, preemptions, finished requests, scoring requests
+rerun without the prefix cache) and the peaks of the live numbers (requests running and waiting,
+KV-cache usage) since they were last read. `EngineGroup.stats` sums a role's replicas; the driver
+adds them to each step's metrics as `engine/ROLE/KEY`, and the job server exports them
+(`opd_job_engine_*`).
 
 vLLM says its `SchedulerStats` / `IterationStats` are not a stable interface: this module is the one
 place that reads them (vLLM is pinned in pyproject.toml).
@@ -24,6 +25,7 @@ TOTALS = (
     "prefix_cache_hits",
     "preemptions",
     "requests_finished",
+    "scores_rescored",
 )
 PEAKS = ("running_max", "waiting_max", "kv_cache_usage_max")
 
@@ -60,6 +62,11 @@ class EngineStats:
             self.totals["generation_tokens"] += iteration_stats.num_generation_tokens
             self.totals["preemptions"] += iteration_stats.num_preempted_reqs
             self.totals["requests_finished"] += len(iteration_stats.finished_requests)
+
+    def count_rescore(self) -> None:
+        """A teacher-forcing request scored a second time, without the prefix cache (see
+        `Engine._prompt_logprobs`): the cache had covered some of its completion."""
+        self.totals["scores_rescored"] += 1
 
     def log_engine_initialized(self) -> None:
         pass

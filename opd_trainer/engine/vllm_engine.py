@@ -351,16 +351,29 @@ class Engine:
                 f"{self.name}: sequence of {len(sequence)} tokens exceeds max_model_len="
                 f"{self.config.max_model_len}"
             )
-        params = SamplingParams(
-            max_tokens=1,
-            temperature=1.0,
-            prompt_logprobs=top_k,
-            flat_logprobs=True,
-            detokenize=False,
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )
-        final = await self._run(sequence, params)
         first, count = len(prompt_token_ids), len(completion_token_ids)
+
+        def params(read_prefix_cache: bool) -> SamplingParams:
+            return SamplingParams(
+                max_tokens=1,
+                temperature=1.0,
+                prompt_logprobs=top_k,
+                flat_logprobs=True,
+                detokenize=False,
+                output_kind=RequestOutputKind.FINAL_ONLY,
+                skip_reading_prefix_cache=not read_prefix_cache,
+            )
+
+        # vLLM skips the prefix cache for prompt logprobs (a cached position gets none), but only the
+        # completion's positions are needed: the shared system prompt, tools and the rollout's own
+        # prompt are read from the cache and not forwarded again. Position p's logprob comes from the
+        # forward at p - 1, so the cache may cover at most the prompt's first `first - 1` tokens; when a
+        # sibling's completion put more of this sequence in the cache, the request is scored again
+        # without it (counted: `scores_rescored`).
+        final = await self._run(sequence, params(read_prefix_cache=True))
+        if (final.num_cached_tokens or 0) >= first:
+            self._stats.count_rescore()
+            final = await self._run(sequence, params(read_prefix_cache=False))
         return completion_rows(final.prompt_logprobs, first, count, top_k + 1)
 
     async def score(self, prompt_token_ids: list[int], completion_token_ids: list[int]) -> list[float]:

@@ -161,3 +161,40 @@ def test_teacher_top_k_is_the_teachers_own_top_k_as_compact_arrays(
         at_ids = want_B_V.gather(-1, torch.tensor(got.top_ids, dtype=torch.long)).numpy()
         assert np.abs(got.top_logprobs - at_ids).max() < 1e-3
         assert all(len(set(row)) == top_k for row in got.top_ids.tolist())
+
+
+def test_scoring_reads_the_prompt_from_the_prefix_cache_and_reruns_when_the_cache_holds_the_completion(
+    teacher_engine: Any, tiny_models: TinyModels, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """Teacher forcing reads cached prompt blocks instead of forwarding them again; when the cache also
+    holds part of the completion (scored before), the request is rerun without the cache. Either way the
+    logprobs are those of a full forward in transformers."""
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    first, second = _validation_prompts(tiny_models, tokenizer, 6)[4:6]
+    # A completion longer than a KV-cache block, so that scoring it twice finds some of it cached.
+    completion = second[-200:]
+    pair, other = (first, completion), (first, completion[:40])
+
+    def stats() -> dict[str, float]:
+        return ray.get(teacher_engine.stats.remote())  # type: ignore[no-any-return]
+
+    cold = ray.get(teacher_engine.score_top_k_many.remote([pair], 4))[0]
+    before = stats()
+    warm = ray.get(teacher_engine.score_top_k_many.remote([pair], 4))[0]
+    after = stats()
+    assert after["scores_rescored"] - before["scores_rescored"] == 1  # the completion was in the cache
+    # A different completion of the same prompt: the prompt comes from the cache, nothing is rerun.
+    shorter = ray.get(teacher_engine.score_top_k_many.remote([other], 4))[0]
+    last = stats()
+    assert last["scores_rescored"] == after["scores_rescored"]
+    assert last["prefix_cache_hits"] - after["prefix_cache_hits"] >= len(first) // 2
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_models.teacher), dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([first + completion])).logits[0, len(first) - 1 : -1]
+    want = torch.log_softmax(logits.float(), dim=-1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+    for got, length in ((cold, 200), (warm, 200), (shorter, 40)):
+        assert np.abs(got.logprobs - want.numpy()[:length]).max() < 1e-3
+    assert np.abs(warm.top_logprobs - cold.top_logprobs).max() < 1e-4
