@@ -6,7 +6,8 @@ what a worker imports are the same files. `pack_workspace` skips what is not par
 (caches, VCS folders, local environments, compiled files, symbolic links) and is deterministic: the
 same folder gives the same bytes. `check_zip` refuses, before a byte is written, an archive that is
 too large, holds too many entries, escapes its folder, links out, is encrypted or looks like a zip
-bomb; `extract_zip` writes the checked entries into a fresh folder, all or nothing.
+bomb (an entry over 1 MiB, or the entries together, expanding more than `max_ratio` times);
+`extract_zip` writes the checked entries into a fresh folder, all or nothing.
 """
 
 from __future__ import annotations
@@ -107,6 +108,14 @@ def check_zip(
                 f"zip entry {name!r} expands {ratio:.0f}x (limit {max_ratio:.0f}x): refusing a zip bomb",
                 field=field,
             )
+    # Entries under the per-entry threshold are checked together: thousands of small, highly
+    # compressed entries are the same bomb split into pieces.
+    compressed = sum(info.compress_size for info in infos)
+    ratio = total / max(compressed, 1)
+    if total >= RATIO_CHECK_MIN_BYTES and ratio > max_ratio:
+        raise ConfigError(
+            f"zip expands {ratio:.0f}x overall (limit {max_ratio:.0f}x): refusing a zip bomb", field=field
+        )
     return infos
 
 
