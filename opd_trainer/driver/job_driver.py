@@ -34,7 +34,7 @@ from opd_trainer.driver.run_dir import RunDir
 from opd_trainer.driver.teacher_hindsight import hindsight_notes, teacher_inputs
 from opd_trainer.driver.trackers import Tracker, open_trackers
 from opd_trainer.engine.vllm_engine import EngineConfig, EngineGroup
-from opd_trainer.errors import ConfigError, OPDError
+from opd_trainer.errors import ConfigError, OPDError, ProcessorLoadError
 from opd_trainer.learner.checkpoint import CheckpointStore
 from opd_trainer.learner.deepspeed_learner import LearnerGroup, LearnerSettings
 from opd_trainer.learner.hindsight import hindsight_advantages
@@ -65,7 +65,13 @@ from opd_trainer.spec.preflight import (
 )
 from opd_trainer.stats import mean
 from opd_trainer.workers.pool import pool_metrics
-from opd_trainer.workers.sandbox import unconfined_reason
+from opd_trainer.workers.sandbox import (
+    SandboxUnavailable,
+    configured_mode,
+    configured_network,
+    effective_mode,
+    unconfined_reason,
+)
 
 
 @dataclasses.dataclass
@@ -122,12 +128,21 @@ class JobDriver:
     """Runs one job; `progress()` and `events()` may be called while `run()` is in flight."""
 
     def __init__(
-        self, spec: JobSpec, run_dir: str, job_id: str = "local", storage_token: str | None = None
+        self,
+        spec: JobSpec,
+        run_dir: str,
+        job_id: str = "local",
+        storage_token: str | None = None,
+        *,
+        server: bool = False,
     ) -> None:
         """`storage_token`: what the caller wrote into the run dir (`shared_storage.write_probe`); the
-        driver and every learner rank check they see it before anything else. Nothing here can fail:
-        errors surface from `run()` as the job's error, where the server reports them."""
+        driver and every learner rank check they see it before anything else. `server`: started by
+        the job server, whose tenants' code runs only sandboxed (`workers.sandbox.effective_mode`).
+        Nothing here can fail: errors surface from `run()` as the job's error, where the server
+        reports them."""
         self.spec = spec
+        self.server = server
         self.job_id = job_id
         self.run_dir = Path(run_dir)
         self.storage_token = storage_token
@@ -381,27 +396,34 @@ class JobDriver:
             message = f"{event['pool']}: {event['from']} -> {event['to']} workers ({event['reason']})"
             self.emit("autoscale", message, **{k: v for k, v in event.items() if k != "type"})
 
+        options: dict[str, Any] = {"on_event": on_event}
+        if spec.functions:
+            try:
+                options["sandbox_mode"] = effective_mode(configured_mode(), server=self.server)
+            except SandboxUnavailable as exc:
+                raise ProcessorLoadError(str(exc), field="functions") from None
+            options["sandbox_network"] = configured_network()
         rollout_pool = None
         for component in spec.rollout_components:
-            rollout_pool = RolloutPool(self.job_id, component, self._workspace(component), on_event=on_event)
+            rollout_pool = RolloutPool(self.job_id, component, self._workspace(component), **options)
         reward_pools = [
-            RewardPool(self.job_id, c, self._workspace(c), on_event=on_event) for c in spec.reward_components
+            RewardPool(self.job_id, c, self._workspace(c), **options) for c in spec.reward_components
         ]
         evaluator_pool = None
         if self.validation_samples:
             for component in spec.evaluator_components:
-                evaluator_pool = RewardPool(
-                    self.job_id, component, self._workspace(component), on_event=on_event
-                )
+                evaluator_pool = RewardPool(self.job_id, component, self._workspace(component), **options)
         self._pools = [p for p in (rollout_pool, *reward_pools, evaluator_pool) if p is not None]
         if self._pools:
             self.emit(
                 "status", "loading user processors: " + ", ".join(p.component.name for p in self._pools)
             )
-            unconfined = unconfined_reason()
-            if unconfined is not None:
-                self.emit("warning", f"user processors run without a sandbox: {unconfined}", sandbox="none")
+            if options["sandbox_mode"] == "none":
+                why = unconfined_reason()
+                self.emit("warning", f"user processors run without a sandbox: {why}", sandbox="none")
         await asyncio.gather(*(pool.start() for pool in self._pools))
+        for pool in self._pools:
+            self.emit("status", f"{pool.component.name} runs in {pool.confinement}", sandbox=pool.confinement)
         teacher_url = None
         if self._teacher_gateway is not None:
             teacher_url = await self._serve_gateway(self._teacher_gateway, self._teacher)

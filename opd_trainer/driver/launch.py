@@ -23,7 +23,7 @@ def _create_driver(
 
     JobDriverActor.options(  # type: ignore[attr-defined]
         name=name, namespace=namespace, lifetime="detached", num_cpus=0
-    ).remote(spec, run_dir, job_id, storage_token)
+    ).remote(spec, run_dir, job_id, storage_token, server=True)  # tenants' code: sandboxed or refused
 
 
 NAME_LOOKUP_S = 30.0

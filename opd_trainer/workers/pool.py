@@ -1,20 +1,23 @@
 """Autoscaled pool of Ray actors that run one user processor component (shared by rollout and reward pools).
 
-Each `ProcessorWorkerActor` loads the user's class by classpath from the component's workspace, runs
-`setup()` once and then
-up to `concurrency` `process` calls at once, each bounded by the component `timeout`. User failures are
-contained: an exception or a timeout becomes a FAILED output with one line naming the component and the
-cause (the traceback goes to the worker's log), never a crashed job. The pool enforces what the worker
-cannot: a call whose worker does not answer within `timeout` + a grace period (synchronous code blocking
-the worker's event loop) fails and that worker is killed and replaced; a worker whose resident memory
-exceeds `memory_size` (checked every `autoscale_interval_s`) is killed and its calls fail naming the
-limit. A worker that dies is replaced (one replacement per worker, never beyond `max_capacity`) and its
-in-flight calls are retried with `attempt_id + 1`, a bounded number of times.
+Each `ProcessorWorkerActor` is trusted code: it never imports the user's processor. It runs it in a
+sandboxed child process (`processor_channel.SandboxedProcessor`: bubblewrap, its own PID, IPC and
+network namespaces, a clean environment, no Ray credential, memory and process bounds) and passes
+calls to it as JSON validated by the SDK's models. The child loads the user's class by classpath
+from the component's workspace, runs `setup()` once and then up to `concurrency` `process` calls at
+once, each bounded by the component `timeout`. User failures are contained: an exception or a
+timeout becomes a FAILED output with one line naming the component and the cause (the traceback goes
+to the worker's log), never a crashed job. A sandbox that stops answering (synchronous code blocking
+its event loop), exceeds `memory_size` (the kernel's cgroup limit, or the pool's check of the tree's
+resident memory every `autoscale_interval_s`) or exits fails its calls naming the cause, and its
+worker is killed and replaced. A worker that dies is replaced (one replacement per worker, never
+beyond `max_capacity`) and its in-flight calls are retried with `attempt_id + 1`, a bounded number of
+times.
 
-The workspace travels as a zip through Ray's object store (so workers on any node get it; Ray refuses
-local directories in per-actor runtime environments) and is unpacked into the worker's own folder,
-which becomes its working directory. `requirements.txt` is installed by Ray's runtime environment
-(`pip`), per component, together with the component's `env`.
+The workspace travels as a zip through Ray's object store (so workers on any node get it) and is
+unpacked inside the sandbox, into its private `/tmp`. `requirements.txt` (package specifiers only)
+is installed by the worker into the sandbox's own folder, in a sandbox of its own; the component's
+`env` is the child's environment, on top of the sandbox's allowlist.
 
 Placement: with `OPD_USER_CODE_RESOURCE` set where the job driver runs (the Helm chart sets it to the
 resource its user-code worker group advertises), every worker requires one unit of that Ray resource,
@@ -30,21 +33,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import tempfile
 import time
-import traceback
-import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
 import ray
-from ray.exceptions import RayActorError, RuntimeEnvSetupError
+from ray.exceptions import RayActorError
 
 from opd_trainer.errors import ProcessorLoadError
 from opd_trainer.spec.job_spec import FunctionComponent
 from opd_trainer.workers.autoscaler import Autoscaler, AutoscalerSettings, PoolSnapshot
-from opd_trainer.workers.workspace import pack_workspace, unpack_workspace
+from opd_trainer.workers.requirements import requirements_of
+from opd_trainer.workers.workspace import pack_workspace
 
 logger = logging.getLogger(__name__)
 
@@ -52,10 +53,11 @@ Kind = Literal["rollout", "reward"]
 MAX_ATTEMPTS = 3
 MB = 1024 * 1024
 # A call's answer may come this long after the worker's own `timeout` before the pool gives up on it
-# (Ray round trip and a loaded machine); then the worker is taken to be blocked and is killed.
+# (Ray round trip and a loaded machine); then the worker is taken to be blocked and is killed. The
+# worker's own watchdog on its sandbox fires at half this grace, so the worker normally answers first.
 TIMEOUT_GRACE_S = 10.0
 TIMEOUT_GRACE_FRACTION = 0.25
-# Starting a worker: placing it, building its runtime environment (pip) and loading the user's class.
+# Starting a worker: placing it, installing its requirements and loading the user's class.
 START_TIMEOUT_S = 120.0
 START_TIMEOUT_WITH_PIP_S = 900.0
 STATS_TIMEOUT_S = 5.0
@@ -68,167 +70,77 @@ def user_code_resources() -> dict[str, float]:
     return {name: 1.0} if name else {}
 
 
-def one_line(exc: BaseException) -> str:
-    """`Type: message` on one line (the first line of the message; tracebacks belong in logs)."""
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+def grace_s(timeout_s: float) -> float:
+    return max(TIMEOUT_GRACE_S, TIMEOUT_GRACE_FRACTION * timeout_s)
 
 
 class ProcessorWorker:
-    """Runs inside one actor whose working directory is the component's workspace."""
+    """A trusted worker: holds one sandboxed processor process and relays calls to it."""
 
     def __init__(
         self,
         workspace_zip: bytes,
-        classpath: str,
+        component: FunctionComponent,
         kind: Kind,
-        component: str,
-        concurrency: int,
-        timeout_s: float,
-        memory_limit_mb: int,
+        requirements: list[str],
+        mode: str,
+        network: str,
     ) -> None:
-        self.workspace = Path(tempfile.mkdtemp(prefix=f"opd-{component}-"))
-        unpack_workspace(workspace_zip, self.workspace)
-        # User code may open files relative to its workspace, as it would on Bailian.
-        os.chdir(self.workspace)
-        self.classpath = classpath
+        from opd_trainer.workers.processor_channel import SandboxedProcessor
+
+        runtime = component.runtime
         self.kind = kind
-        self.component = component
-        self.timeout_s = timeout_s
-        self.memory_limit_mb = memory_limit_mb
-        self._slots = asyncio.Semaphore(concurrency)
-        self._in_flight = 0
-        self._processor: Any = None
+        self.memory_limit_mb = runtime.memory_size
+        self.sandboxed = SandboxedProcessor(
+            workspace_zip=workspace_zip,
+            classpath=component.fcmodel.classpath,
+            kind=kind,
+            component=component.name,
+            concurrency=runtime.concurrency,
+            timeout_s=component.timeout,
+            answer_grace_s=grace_s(component.timeout) / 2,
+            memory_mb=runtime.memory_size,
+            scratch_mb=runtime.disk_size,
+            cpus=runtime.cpu,
+            runtime_env=dict(runtime.env),
+            requirements=requirements,
+            mode=mode,
+            network=network,
+        )
 
-    def load(self) -> str:
-        """Imports and sets up the user's class; raises `ProcessorLoadError` with the user's traceback."""
-        from opd_trainer.sdk.tracing import configure_tracing, ensure_observed
-        from opd_trainer.workers.classpath import instantiate_processor, load_processor_class
+    async def load(self) -> str:
+        """Starts the sandbox and the user's `setup()`; raises `ProcessorLoadError` naming the cause."""
+        from opd_trainer.workers.sandbox import bwrap_problem
 
-        if self._processor is None:
-            configure_tracing(f"opd-{self.kind}-worker")
-            # One workspace per worker process: no isolation, so lazy imports inside process() work.
-            cls = load_processor_class(
-                Path.cwd(), self.classpath, self.kind, component=self.component, isolate=False
+        if self.sandboxed.mode == "bwrap" and (problem := bwrap_problem()) is not None:
+            raise ProcessorLoadError(
+                f"the processor sandbox cannot start on this worker's node: {problem}",
+                field=f"functions.{self.sandboxed.component}.fcmodel",
             )
-            self._processor = ensure_observed(instantiate_processor(cls, component=self.component))
-        return type(self._processor).__name__
-
-    def _failed(self, message: str) -> Any:
-        from opd_trainer.sdk import RewardOutput, RolloutOutput, TaskStatus
-
-        output_type = RolloutOutput if self.kind == "rollout" else RewardOutput
-        return output_type(status=TaskStatus.FAILED, error=message)
+        return await self.sandboxed.start()
 
     async def call(self, payload: Any, rollout_id: str) -> dict[str, Any]:
-        """One `process` call; always returns {"output", "spans", "seconds"}, never raises for user faults."""
-        from opd_trainer.sdk import call_processor
-        from opd_trainer.sdk.tracing import collect_spans
+        """One `process` call; returns {"output", "spans", "seconds"} (+ "lost", "sent" when the
+        sandbox is gone), never raises for user faults."""
+        from opd_trainer.sdk import RewardOutput, RolloutOutput
 
-        self.load()
-        started = time.perf_counter()
-        async with self._slots:
-            self._in_flight += 1
-            try:
-                output = await asyncio.wait_for(call_processor(self._processor, payload), self.timeout_s)
-            except TimeoutError:
-                output = self._failed(f"{self.component}: timed out after {self.timeout_s:g}s")
-            except Exception as exc:
-                logger.error(
-                    "%s: process() raised\n%s",
-                    self.component,
-                    "".join(traceback.format_exception(exc, limit=-8)),
-                )
-                output = self._failed(f"{self.component}: {one_line(exc)}")
-            finally:
-                self._in_flight -= 1
-        return {
-            "output": output,
-            "spans": collect_spans(rollout_id),
-            "seconds": time.perf_counter() - started,
-        }
+        output_type = RolloutOutput if self.kind == "rollout" else RewardOutput
+        return await self.sandboxed.call(payload, rollout_id, output_type)
 
-    def confinement(self) -> str | None:
-        """ "bwrap" when this worker runs inside the sandbox (`opd_trainer.workers.sandbox`), else None."""
-        from opd_trainer.workers.sandbox import SANDBOXED_ENV
+    async def confinement(self) -> str:
+        """What holds the user's code (sandbox, network, user, limits), for the job's events."""
+        return self.sandboxed.describe()
 
-        return os.environ.get(SANDBOXED_ENV)
+    async def stats(self) -> dict[str, float]:
+        resident = self.sandboxed.resident_mb()
+        in_flight = len(self.sandboxed._pending)
+        return {"in_flight": float(in_flight), "memory_fraction": resident / self.memory_limit_mb}
 
-    def stats(self) -> dict[str, float]:
-        import psutil
-
-        rss_mb = psutil.Process(os.getpid()).memory_info().rss / MB
-        return {"in_flight": float(self._in_flight), "memory_fraction": rss_mb / self.memory_limit_mb}
+    async def close(self) -> None:
+        await self.sandboxed.close()
 
 
 ProcessorWorkerActor = ray.remote(ProcessorWorker)
-
-
-def requirements_of(workspace: Path) -> list[str]:
-    """The requirement lines of the workspace's requirements.txt (dir or zip), comments dropped."""
-    if workspace.is_file():
-        with zipfile.ZipFile(workspace) as archive:
-            names = set(archive.namelist())
-            text = archive.read("requirements.txt").decode() if "requirements.txt" in names else ""
-    else:
-        file = workspace / "requirements.txt"
-        text = file.read_text() if file.exists() else ""
-    lines = (line.split("#", 1)[0].strip() for line in text.splitlines())
-    return [line for line in lines if line]
-
-
-def check_requirements_install(requirements: list[str], field: str, timeout_s: float = 300.0) -> None:
-    """Resolves the requirements with `pip install --dry-run` before any worker starts.
-
-    Ray builds a runtime environment by cloning the interpreter's whole virtualenv before running pip,
-    and retries a failing install, so a typo in requirements.txt would cost minutes before it is seen;
-    a dry run names the problem in seconds.
-    """
-    import subprocess
-    import sys
-
-    if not requirements:
-        return
-    command = [
-        sys.executable,
-        "-m",
-        "pip",
-        "install",
-        "--dry-run",
-        "--quiet",
-        "--disable-pip-version-check",
-        *requirements,
-    ]
-    try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        raise ProcessorLoadError(
-            f"requirements.txt could not be resolved within {timeout_s:.0f}s", field=field
-        ) from None
-    if result.returncode != 0:
-        errors = [line for line in result.stderr.splitlines() if line.startswith("ERROR")] or [
-            result.stderr[-800:]
-        ]
-        raise ProcessorLoadError("requirements.txt failed to install: " + " ".join(errors), field=field)
-
-
-def runtime_env_for(
-    component: FunctionComponent, workspace: Path, sandbox: str | None = None
-) -> dict[str, Any] | None:
-    """Ray runtime environment of a component's workers: its pip requirements, env vars and, with
-    `sandbox` (from `opd_trainer.workers.sandbox.worker_py_executable`), the launcher that confines them.
-
-    None when there is none of these, so Ray can reuse its already started worker processes.
-    """
-    env: dict[str, Any] = {}
-    if component.runtime.env:
-        env["env_vars"] = dict(component.runtime.env)
-    requirements = requirements_of(workspace)
-    if requirements:
-        env["pip"] = {"packages": requirements, "pip_check": False}
-    if sandbox:
-        env["py_executable"] = sandbox
-    return env or None
 
 
 class WorkerPool:
@@ -243,7 +155,11 @@ class WorkerPool:
         autoscale_interval_s: float = 1.0,
         scale_down_cooldown_s: float = 30.0,
         on_event: Callable[[dict[str, Any]], None] | None = None,
+        sandbox_mode: str = "bwrap",
+        sandbox_network: str = "gateway",
     ) -> None:
+        """`sandbox_mode` ("bwrap" or "none") and `sandbox_network` ("gateway" or "host") come from
+        `opd_trainer.workers.sandbox.effective_mode` / `configured_network` where the driver runs."""
         self.job_id = job_id
         self.component = component
         # An evaluator implements the reward interface (RewardInput -> RewardOutput).
@@ -261,7 +177,10 @@ class WorkerPool:
         # Workers the pool killed on purpose, and why: their calls fail with that reason, not a retry.
         self._killed: dict[Any, str] = {}
         self._starting = 0  # workers being started: they count against max_capacity
-        self._sandbox: str | None = None  # the confining launcher, set by start()
+        self.sandbox_mode = sandbox_mode
+        self.sandbox_network = sandbox_network
+        self.confinement: str | None = None  # what the first worker reported, for the job's events
+        self._requirements: list[str] = []
         self._resources = user_code_resources()
         self._queued = 0
         self._free = asyncio.Condition()
@@ -280,28 +199,24 @@ class WorkerPool:
     @property
     def call_timeout_s(self) -> float:
         """How long the pool waits for one call's answer before it kills the worker."""
-        timeout = self.component.timeout
-        return timeout + max(TIMEOUT_GRACE_S, TIMEOUT_GRACE_FRACTION * timeout)
+        return self.component.timeout + grace_s(self.component.timeout)
 
     async def _new_worker(self) -> Any:
         runtime = self.component.runtime
-        runtime_env = runtime_env_for(self.component, self.workspace, self._sandbox)
         worker = ProcessorWorkerActor.options(  # type: ignore[attr-defined]
             num_cpus=runtime.cpu,
             memory=runtime.memory_size * MB,
             resources=self._resources,
-            runtime_env=runtime_env,
             max_concurrency=max(16, runtime.concurrency * 2),
         ).remote(
             self._workspace_ref,
-            self.component.fcmodel.classpath,
+            self.component,
             self.kind,
-            self.component.name,
-            runtime.concurrency,
-            self.component.timeout,
-            runtime.memory_size,
+            self._requirements,
+            self.sandbox_mode,
+            self.sandbox_network,
         )
-        start_timeout = START_TIMEOUT_WITH_PIP_S if runtime_env and "pip" in runtime_env else START_TIMEOUT_S
+        start_timeout = START_TIMEOUT_WITH_PIP_S if self._requirements else START_TIMEOUT_S
         try:
             await asyncio.wait_for(worker.load.remote(), start_timeout)
         except TimeoutError:
@@ -311,36 +226,21 @@ class WorkerPool:
                 needs += f", Ray resource {next(iter(self._resources))} ({USER_CODE_RESOURCE_ENV})"
             raise ProcessorLoadError(
                 f"a worker did not start within {start_timeout:.0f}s: Ray could not place it "
-                f"({needs}) or its setup() did not return",
+                f"({needs}), its requirements did not install or its setup() did not return",
                 field=self.field,
-            ) from None
-        except RuntimeEnvSetupError as exc:
-            ray.kill(worker)
-            raise ProcessorLoadError(
-                f"the workspace's requirements.txt failed to install: {str(exc)[-1500:]}", field=self.field
             ) from None
         except ProcessorLoadError:
             ray.kill(worker)
             raise
-        if self._sandbox and await worker.confinement.remote() != "bwrap":
-            ray.kill(worker)
-            raise ProcessorLoadError(
-                "the worker started outside its sandbox (Ray did not use the confining launcher)",
-                field=self.field,
-            )
+        if self.confinement is None:
+            self.confinement = await worker.confinement.remote()
         self._workers.append(worker)
         self._in_flight[worker] = 0
         return worker
 
     async def start(self) -> None:
         """Starts `capacity` workers (at least one: load errors surface before training) + the autoscaler."""
-        from opd_trainer.workers.sandbox import SandboxUnavailable, worker_py_executable
-
-        try:
-            self._sandbox = worker_py_executable(scratch_mb=self.component.runtime.disk_size)
-        except SandboxUnavailable as exc:
-            raise ProcessorLoadError(str(exc), field=self.field) from None
-        await asyncio.to_thread(check_requirements_install, requirements_of(self.workspace), self.field)
+        self._requirements = requirements_of(self.workspace, field=f"{self.field}.requirements.txt")
         self._workspace_ref = ray.put(pack_workspace(self.workspace))
         initial = max(1, self.autoscaler.initial_workers())
         await asyncio.gather(*(self._new_worker() for _ in range(initial)))
@@ -426,6 +326,14 @@ class WorkerPool:
                 await self._replace(worker)
                 continue
             await self._release(worker)
+            lost = result.pop("lost", None)
+            if lost is not None:  # the sandbox is gone: replace its worker
+                sent = result.pop("sent", True)
+                await self._kill(worker, lost)
+                if not sent:  # the call never reached user code: send it again, elsewhere
+                    self.retries += 1
+                    continue
+                return self._failure(lost, attempt, result["seconds"])
             self.calls += 1
             result["attempt_id"] = attempt
             return result
