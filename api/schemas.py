@@ -168,10 +168,10 @@ class CheckpointPublic(BaseModel):
     )
     step: int = Field(description="Training steps done when it was saved.")
     created_at: int = Field(description="When it was committed (Unix seconds).")
-    path: str = Field(description="Checkpoint folder on the server's data volume.")
+    path: str = Field(description="The checkpoint's folder, named `<job id>/checkpoints/<id>`.")
     student: str = Field(
-        description="The student as a Hugging Face model folder on the server; "
-        "a new job's `model` may name it."
+        description="The student as a Hugging Face model folder, named `<job id>/checkpoints/<id>/student`; "
+        "a new job of the same tenant may give this name as its `model` or `teacher_model`."
     )
     metrics: dict[str, float | None] = Field(
         default_factory=dict, description="The training metrics of its step (metrics.jsonl)."

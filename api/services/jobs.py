@@ -31,6 +31,7 @@ from api.schemas import (
     MetricsPublic,
     TrajectoryList,
 )
+from api.services import server_paths
 from api.services.ids import new_id
 from api.services.states import ACTIVE, TERMINAL, next_status
 from api.settings import Settings
@@ -75,6 +76,8 @@ def public(job: Job) -> JobPublic:
     found = JobPublic.model_validate(job)
     if job.status == JobStatus.SUCCEEDED:
         found.fine_tuned_model = RunDir(job.run_dir).latest_checkpoint_id()
+    if found.error is not None:
+        found.error.message = server_paths.public_text(found.error.message, server_paths.data_dir_of(job))
     return found
 
 
@@ -151,38 +154,51 @@ MODEL_FIELDS = ("model", "teacher_model")
 
 def check_model_access(session: Session, settings: Settings, tenant_id: str, spec: JobSpec) -> None:
     """`model` / `teacher_model` may name only folders under an operator-approved model directory
-    (`OPD_MODEL_DIRS`) or inside one of this tenant's own jobs (its checkpoints).
+    (`OPD_MODEL_DIRS`) or inside one of this tenant's own jobs (its checkpoints, by path or as
+    `<job id>/checkpoints/<id>/student`).
 
     Checked before anything looks at the path, with one message whether or not the path exists, so the
     answer reveals nothing about the server's filesystem or other tenants' jobs.
     """
-    own_runs = session.scalars(select(Job.run_dir).where(Job.tenant_id == tenant_id)).all()
-    roots = [*settings.approved_model_dirs, *(Path(run_dir) for run_dir in own_runs if run_dir)]
+    own_jobs = session.execute(select(Job.id, Job.run_dir).where(Job.tenant_id == tenant_id)).all()
+    roots = [*settings.approved_model_dirs, *(Path(run_dir) for _, run_dir in own_jobs if run_dir)]
     for field in MODEL_FIELDS:
         value = getattr(spec, field)
-        if is_hub_id(value) or value.startswith("file-"):
+        checkpoint = server_paths.CHECKPOINT_MODEL.fullmatch(value)
+        if checkpoint is not None:
+            if any(job_id == checkpoint["job"] for job_id, _ in own_jobs):
+                continue
+        elif is_hub_id(value) or value.startswith("file-"):
             continue  # the hub cache, or the tenant's own upload (`resolve_models`)
-        path = Path(value)
-        # resolve() follows symlinks, so a link inside an approved folder cannot point out of it.
-        if not (path.is_absolute() and any(path.resolve().is_relative_to(root.resolve()) for root in roots)):
-            raise APIError(
-                400,
-                "model_not_allowed",
-                f"{field} {value!r} is not an approved model: use a folder under the server's model "
-                "directories (OPD_MODEL_DIRS), a checkpoint of one of your own jobs, or a Hugging Face "
-                "id (org/name) in the server's hub cache",
-                field,
-            )
+        else:
+            path = Path(value)
+            # resolve() follows symlinks, so a link inside an approved folder cannot point out of it.
+            if path.is_absolute() and any(path.resolve().is_relative_to(root.resolve()) for root in roots):
+                continue
+        raise APIError(
+            400,
+            "model_not_allowed",
+            f"{field} {value!r} is not an approved model: use a folder under the server's model "
+            "directories (OPD_MODEL_DIRS), a checkpoint of one of your own jobs "
+            "(<job id>/checkpoints/<checkpoint id>/student), or a Hugging Face id (org/name) in the "
+            "server's hub cache",
+            field,
+        )
 
 
 def resolve_models(session: Session, tenant_id: str, spec: JobSpec) -> tuple[JobSpec, list[File]]:
-    """Uploaded models (file ids) replaced by their extracted folders, Hugging Face ids by their
-    snapshot folders in the server's hub cache (never fetched); paths stay."""
+    """Uploaded models (file ids) replaced by their extracted folders, checkpoints of the tenant's
+    jobs by their folders, Hugging Face ids by their snapshot folders in the server's hub cache (never
+    fetched); paths stay."""
     updates: dict[str, str] = {}
     used: list[File] = []
     for field in MODEL_FIELDS:
         value = getattr(spec, field)
-        if value.startswith("file-"):
+        checkpoint = server_paths.CHECKPOINT_MODEL.fullmatch(value)
+        if checkpoint is not None:
+            source = get_owned(session, tenant_id, checkpoint["job"], field)
+            updates[field] = str(Path(source.run_dir) / checkpoint["folder"])
+        elif value.startswith("file-"):
             record = _owned_file(session, tenant_id, value, "model", field)
             assert record.extracted_dir is not None  # the upload extracted it
             used.append(record)
@@ -193,7 +209,8 @@ def resolve_models(session: Session, tenant_id: str, spec: JobSpec) -> tuple[Job
 
 
 def preflight(resolved: JobSpec) -> None:
-    """Static checks on the resolved spec; raises `ConfigError` naming the field."""
+    """Static checks on the resolved spec; raises `ConfigError` naming the field. Its messages name
+    server paths: `create` passes them through `server_paths.public_text`."""
     for component in resolved.functions:
         assert component.fcmodel.zipdir is not None  # resolve_files put the extracted dir there
         problems = validate_workspace(Path(component.fcmodel.zipdir), component.fcmodel.classpath)
@@ -222,7 +239,10 @@ def create(session: Session, settings: Settings, tenant_id: str, body: JobCreate
     with_models, models_used = resolve_models(session, tenant_id, spec)
     resolved, used = resolve_files(session, tenant_id, with_models)
     used += models_used
-    preflight(resolved)
+    try:
+        preflight(resolved)
+    except ConfigError as exc:
+        raise ConfigError(server_paths.public_text(exc.message, settings.data_dir), field=exc.field) from None
     hp = spec.hyper_parameters
     samples = sum(f.samples or 0 for f in used if f.path in resolved.training_datasets)
     job_id = new_id("opdjob")
@@ -275,16 +295,22 @@ def events_after(session: Session, job_id: str, after: int, limit: int) -> list[
 
 
 def list_events(session: Session, tenant_id: str, job_id: str, after: int, limit: int) -> EventList:
-    get_owned(session, tenant_id, job_id)
+    data_dir = server_paths.data_dir_of(get_owned(session, tenant_id, job_id))
     rows = events_after(session, job_id, after, limit + 1)
-    return EventList(data=[EventPublic.model_validate(e) for e in rows[:limit]], has_more=len(rows) > limit)
+    return EventList(
+        data=[server_paths.public_event(e, data_dir) for e in rows[:limit]], has_more=len(rows) > limit
+    )
 
 
 def stream_snapshot(session: Session, job_id: str, after: int) -> tuple[list[EventPublic], JobPublic | None]:
-    """New events and the job's state for one turn of the SSE stream (the job may have been deleted)."""
-    events = [EventPublic.model_validate(e) for e in events_after(session, job_id, after, 500)]
+    """New events and the job's state for one turn of the SSE stream (the job may have been deleted,
+    and its events with it)."""
     job = session.scalar(select(Job).where(Job.id == job_id))
-    return events, (public(job) if job is not None else None)
+    if job is None:
+        return [], None
+    data_dir = server_paths.data_dir_of(job)
+    events = [server_paths.public_event(e, data_dir) for e in events_after(session, job_id, after, 500)]
+    return events, public(job)
 
 
 def format_log_line(event: JobEvent | EventPublic) -> str:
@@ -293,12 +319,14 @@ def format_log_line(event: JobEvent | EventPublic) -> str:
 
 
 def logs(session: Session, tenant_id: str, job_id: str, after: int, limit: int) -> str:
-    get_owned(session, tenant_id, job_id)
-    return "".join(format_log_line(e) + "\n" for e in events_after(session, job_id, after, limit))
+    data_dir = server_paths.data_dir_of(get_owned(session, tenant_id, job_id))
+    events = (server_paths.public_event(e, data_dir) for e in events_after(session, job_id, after, limit))
+    return "".join(format_log_line(e) + "\n" for e in events)
 
 
 def checkpoints(session: Session, tenant_id: str, job_id: str) -> CheckpointList:
-    run_dir = RunDir(get_owned(session, tenant_id, job_id).run_dir)
+    job = get_owned(session, tenant_id, job_id)
+    run_dir = RunDir(job.run_dir)
     records = finite(run_dir.records())
     by_step = {(r.get("kind"), r.get("step")): r for r in records}
 
@@ -310,7 +338,11 @@ def checkpoints(session: Session, tenant_id: str, job_id: str) -> CheckpointList
     return CheckpointList(
         data=[
             CheckpointPublic(
-                **found,
+                **{
+                    **found,
+                    "path": server_paths.run_name(job, found["path"]),
+                    "student": server_paths.run_name(job, found["student"]),
+                },
                 metrics=values(by_step.get(("train", found["step"]))) or {},
                 eval=values(by_step.get(("eval", found["step"]))),
             )

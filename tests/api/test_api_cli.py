@@ -259,6 +259,15 @@ def test_checkpoints_list_with_their_metrics_and_download_as_model_folders(
     assert [c.id for c in checkpoints] == ["step-000002", "step-000004"]
     assert checkpoints[0].metrics == {"reverse_kl": 0.5} and checkpoints[0].eval is None
     assert checkpoints[1].eval == {"exact_match": 0.5} and checkpoints[1].created_at > 0
+    # Named by the job's id, not by the server's folder; a new job of the tenant may start from one.
+    assert (checkpoints[1].path, checkpoints[1].student) == (
+        f"{job_id}/checkpoints/step-000004",
+        f"{job_id}/checkpoints/step-000004/student",
+    )
+    dataset = cli_env.upload(jsonl([record("c")]))
+    again = cli_env.http.post("/v1/opd/jobs", json=cli_env.spec(dataset["id"], model=checkpoints[1].student))
+    assert again.status_code == 201, again.text
+    assert again.json()["spec"]["model"] == checkpoints[1].student
 
     # No fine_tuned_model before the job succeeded: the command says so and which field to give.
     assert main(["download", job_id]) == 2

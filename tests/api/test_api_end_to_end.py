@@ -133,13 +133,16 @@ def test_job_over_http_succeeds_with_events_metrics_and_checkpoint(
         assert {"teacher", "student_before", "student_after"} <= metrics.summary.keys()
         checkpoints = client.checkpoints(job_id)
         assert [c.step for c in checkpoints] == [2, 3]
-        assert (Path(checkpoints[-1].student) / "config.json").is_file()
+        # Named by the job's id (no server path); the folder is under the server's runs.
+        assert checkpoints[-1].student == f"{job_id}/checkpoints/{checkpoints[-1].id}/student"
+        on_server = server.data_dir.resolve() / "runs" / checkpoints[-1].student
+        assert (on_server / "config.json").is_file()
         assert final.fine_tuned_model == checkpoints[-1].id and final.trained_tokens > 0
         step_3 = next(r for r in metrics.data if r["kind"] == "train" and r["step"] == 3)
         assert checkpoints[-1].metrics["reverse_kl"] == step_3["reverse_kl"]
         # The trained student comes out as a model folder transformers loads, weights as trained.
         downloaded = client.download_checkpoint(job_id, target=tmp_path / "trained-student")
-        _assert_same_model(downloaded, Path(checkpoints[-1].student))
+        _assert_same_model(downloaded, on_server)
         trajectories = client.trajectories(job_id, limit=4)
         assert len(trajectories) == 4 and all("messages" in t for t in trajectories)
         assert "[checkpoint] saved step 3" in client.logs(job_id)

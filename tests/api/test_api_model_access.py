@@ -34,6 +34,7 @@ def test_a_tenant_may_name_its_own_jobs_checkpoints_but_not_another_tenants(
     # The owner passes the access check; this queued job has no checkpoint yet, so the folder is missing.
     owner = _submit(other_tenant, model=str(checkpoint))
     assert (owner["status"], owner["param"]) == (400, "model") and "not found" in owner["message"]
+    assert str(server.data_dir.resolve()) not in owner["message"]  # named by the job's id instead
 
 
 def test_a_link_inside_an_approved_folder_cannot_point_out_of_it(tenant: Tenant, models_root: Path) -> None:
@@ -95,3 +96,34 @@ def test_an_uploaded_model_can_be_a_jobs_model_for_its_tenant_only(
     )
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "file"
     assert "not a Hugging Face model folder" in refused.json()["error"]["message"]
+
+
+def test_a_hub_revision_that_is_a_path_is_refused_alike_whatever_it_reaches(
+    server: Server, tenant: Tenant, other_tenant: Tenant
+) -> None:
+    """Issue 29: `org/x@<data dir>/uploaded-models/<id>/ptr` reached another tenant's model folder
+    through a pointer file, and `@/etc` and `@/nonexistent` answered differently. Every revision with
+    a path in it now gets one answer, naming the field and no server path."""
+    model = other_tenant.client.upload_file(other_tenant.models["student"], purpose="model")
+    data = server.data_dir.resolve()
+    revisions = [f"{data}/uploaded-models/{model.id}/ptr", "/etc", "/nonexistent", f"{data}/runs", "../../x"]
+    answers = [_submit(tenant, model=f"tiny-org/x@{revision}") for revision in revisions]
+    for answer in answers:
+        assert (answer["status"], answer["param"]) == (400, "model"), answer
+        assert str(data) not in answer["message"] and "/etc" not in answer["message"]
+    assert len({answer["message"] for answer in answers}) == 1
+    assert "not a commit hash, branch or tag name" in answers[0]["message"]
+
+
+def test_a_checkpoint_is_named_by_its_job_id_and_only_its_tenant_may_use_it(
+    tenant: Tenant, other_tenant: Tenant
+) -> None:
+    job = other_tenant.job()
+    name = f"{job['id']}/checkpoints/step-000001/student"
+    refused = _submit(tenant, model=name)
+    assert (refused["status"], refused["code"], refused["param"]) == (400, "model_not_allowed", "model")
+    # The owner passes the access check; this queued job has no checkpoint yet. The answer names the
+    # checkpoint as the owner does, not by its folder on the server.
+    owner = _submit(other_tenant, teacher_model=name)
+    assert (owner["status"], owner["param"]) == (400, "teacher_model")
+    assert owner["message"] == f"model folder {name} not found on the server"
