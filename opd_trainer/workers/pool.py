@@ -120,7 +120,7 @@ class ProcessorWorker:
         return await self.sandboxed.start()
 
     async def call(self, payload: Any, rollout_id: str) -> dict[str, Any]:
-        """One `process` call; returns {"output", "spans", "seconds"} (+ "lost", "sent" when the
+        """One `process` call; returns {"output", "spans", "seconds"} (+ "lost", "retry" when the
         sandbox is gone), never raises for user faults."""
         from opd_trainer.sdk import RewardOutput, RolloutOutput
 
@@ -328,11 +328,12 @@ class WorkerPool:
             await self._release(worker)
             lost = result.pop("lost", None)
             if lost is not None:  # the sandbox is gone: replace its worker
-                sent = result.pop("sent", True)
-                await self._kill(worker, lost)
-                if not sent:  # the call never reached user code: send it again, elsewhere
+                if result.pop("retry"):  # it exited, as a dying worker would: send the call again
                     self.retries += 1
+                    ray.kill(worker)  # its other calls see a dead worker and are retried too
+                    await self._replace(worker, lost)
                     continue
+                await self._kill(worker, lost)
                 return self._failure(lost, attempt, result["seconds"])
             self.calls += 1
             result["attempt_id"] = attempt

@@ -101,10 +101,12 @@ class SandboxedProcessor:
         self._started: asyncio.Future[dict[str, Any]] | None = None
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._forwarding: dict[int, asyncio.Future[None]] = {}
-        self._gateways: dict[tuple[str, int], int] = {}  # (host, port) -> loopback port in the sandbox
+        # (host, port) of a gateway -> its loopback port in the sandbox, once the relay is open
+        self._gateways: dict[tuple[str, int], asyncio.Future[int]] = {}
         self._relays: list[asyncio.Server] = []
         self._next_id = 0
         self.lost: str | None = None  # why the sandbox is gone; None while it serves
+        self.retryable = False  # whether calls it lost may be sent again (it exited, or never got them)
 
     # -- paths as the sandboxed process sees them ---------------------------------------------------
     def _inside(self, host_path: Path, sandbox_path: str) -> str:
@@ -259,6 +261,7 @@ class SandboxedProcessor:
                 self.lost = f"exceeded memory_size {self.memory_mb} MB; its processes were killed"
             else:
                 self.lost = f"its process exited (code {code})"
+                self.retryable = True  # as a worker that died: its calls go to a replacement
         if self.limits is not None:
             self.limits.kill_all()
         if self._started is not None and not self._started.done():
@@ -276,19 +279,21 @@ class SandboxedProcessor:
             return url
         parts = urlsplit(url)
         key = (parts.hostname or "127.0.0.1", parts.port or (443 if parts.scheme == "https" else 80))
-        port = self._gateways.get(key)
-        if port is None:
+        relay = self._gateways.get(key)
+        if relay is None:  # the first call to reach this gateway opens its relay; others wait for it
             port = FIRST_FORWARD_PORT + len(self._gateways)
-            socket_path = self.control_dir / f"gateway-{port}.sock"
-            self._relays.append(await serve_unix_to_tcp(str(socket_path), *key))
-            waiter = asyncio.get_running_loop().create_future()
-            self._forwarding[port] = waiter
-            self._send(
-                {"type": "forward", "port": port, "socket": f"{sandbox.CONTROL_DIR}/{socket_path.name}"}
-            )
-            await waiter
-            self._gateways[key] = port
+            relay = self._gateways[key] = asyncio.ensure_future(self._open_relay(key, port))
+        port = await asyncio.shield(relay)
         return urlunsplit((parts.scheme, f"127.0.0.1:{port}", parts.path, parts.query, parts.fragment))
+
+    async def _open_relay(self, gateway: tuple[str, int], port: int) -> int:
+        socket_path = self.control_dir / f"gateway-{port}.sock"
+        self._relays.append(await serve_unix_to_tcp(str(socket_path), *gateway))
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._forwarding[port] = waiter
+        self._send({"type": "forward", "port": port, "socket": f"{sandbox.CONTROL_DIR}/{socket_path.name}"})
+        await waiter
+        return port
 
     async def _wire_payload(self, payload: BaseModel) -> dict[str, Any]:
         """The payload as JSON for the sandbox: keys in clear (they are its credential), gateway URLs
@@ -311,10 +316,11 @@ class SandboxedProcessor:
 
     async def call(self, payload: BaseModel, rollout_id: str, output_type: type[BaseModel]) -> dict[str, Any]:
         """One `process` call. Returns {"output", "spans", "seconds"} and, when the sandbox is gone,
-        "lost" (why) and "sent" (whether the call reached it: a call that did not may be retried)."""
+        "lost" (why) and "retry" (whether the call may be sent to another worker: the sandbox exited,
+        or never received it; not after a timeout, the memory limit or an invalid answer)."""
         started = time.perf_counter()
         if self.lost is not None:
-            return self._failure(output_type, self.lost, started, sent=False)
+            return self._failure(output_type, self.lost, started, retry=True)
         self._next_id += 1
         call_id = self._next_id
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
@@ -331,10 +337,11 @@ class SandboxedProcessor:
                 "(synchronous code blocking the event loop?); the sandbox was restarted"
             )
             await self._kill()
-            return self._failure(output_type, self.lost, started, sent=True)
+            return self._failure(output_type, self.lost, started, retry=False)
         except (ConnectionError, OSError):
             self._pending.pop(call_id, None)
-            return self._failure(output_type, self.lost or "its process exited", started, sent=True)
+            reason = self.lost or "its process exited"
+            return self._failure(output_type, reason, started, retry=self.retryable)
         return self._validated(answer, output_type, started)
 
     def _validated(
@@ -353,11 +360,11 @@ class SandboxedProcessor:
         return {"output": output, "spans": spans[:MAX_SPANS], "seconds": time.perf_counter() - started}
 
     def _failure(
-        self, output_type: type[BaseModel], reason: str, started: float, *, sent: bool
+        self, output_type: type[BaseModel], reason: str, started: float, *, retry: bool
     ) -> dict[str, Any]:
         output = output_type.model_validate({"status": "FAILED", "error": f"{self.component}: {reason}"})
         seconds = time.perf_counter() - started
-        return {"output": output, "spans": [], "seconds": seconds, "lost": reason, "sent": sent}
+        return {"output": output, "spans": [], "seconds": seconds, "lost": reason, "retry": retry}
 
     # -- resources and teardown -----------------------------------------------------------------------
     def resident_mb(self) -> float:
