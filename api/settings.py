@@ -35,6 +35,12 @@ class Settings(BaseSettings):
     max_concurrent_jobs: int = Field(
         default=1, ge=0, description="Jobs running at once; 0 keeps every job queued and never starts Ray."
     )
+    max_concurrent_jobs_per_tenant: int | None = Field(
+        default=None,
+        ge=1,
+        description="Jobs of one tenant running at once; None means max_concurrent_jobs. Below it, one "
+        "tenant's jobs (stuck or many) leave slots to the others; queued jobs start fairly across tenants.",
+    )
     tenant_max_active_jobs: int = Field(
         default=8, ge=1, description="Non-terminal jobs (queued, running, paused, ...) one tenant may hold."
     )
@@ -69,6 +75,22 @@ class Settings(BaseSettings):
         description="Seconds the scheduler lease lasts without renewal: with several API replicas on one "
         "database, one schedules and another takes over this long after it stops renewing (at once after "
         "a graceful stop, or when the holder ran on the same host and its process is gone).",
+    )
+    cancel_grace_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=3600,
+        description="Seconds a cancelled job's driver has to stop by itself (after its current step, with "
+        "a checkpoint); past it the scheduler kills the driver and every actor it started, and the job is "
+        "cancelled.",
+    )
+    driver_unresponsive_s: float = Field(
+        default=120.0,
+        gt=0,
+        le=3600,
+        description="Seconds a job's driver may go without answering the scheduler's poll (its start "
+        "included) before it counts as lost: killed and restarted from its checkpoint, at most "
+        "max_driver_restarts times.",
     )
     max_driver_restarts: int = Field(
         default=2, ge=0, description="Times a job's driver that died is restarted from its checkpoint."
@@ -106,6 +128,12 @@ class Settings(BaseSettings):
             raise ValueError("max_body_bytes must not exceed max_upload_bytes")
         return self
 
+    @model_validator(mode="after")
+    def _answer_time_above_poll(self) -> Settings:
+        if self.driver_unresponsive_s <= self.poll_interval_s:
+            raise ValueError("driver_unresponsive_s must exceed poll_interval_s")
+        return self
+
     @field_validator("model_dirs")
     @classmethod
     def _absolute_model_dirs(cls, value: list[Path]) -> list[Path]:
@@ -134,6 +162,11 @@ class Settings(BaseSettings):
     @property
     def runs_dir(self) -> Path:
         return self.data_dir / "runs"
+
+    @property
+    def tenant_slots(self) -> int:
+        """Jobs one tenant may have running at once."""
+        return self.max_concurrent_jobs_per_tenant or self.max_concurrent_jobs
 
     @property
     def scheduler_enabled(self) -> bool:

@@ -72,6 +72,19 @@ def compare_and_set(session: Session, job_id: str, expected: str, new: str, **fi
     return bool(result.rowcount)  # type: ignore[attr-defined]
 
 
+def status_since(session: Session, job_id: str, status: str) -> float | None:
+    """When `job_id` last moved to `status` (the time of its status event: the user's request for
+    `cancelling` / `pausing`), None if no event says so. The scheduler's cancel bound counts from it,
+    so it holds across a server restart or a change of scheduling replica."""
+    recent = session.scalars(
+        select(JobEvent)
+        .where(JobEvent.job_id == job_id, JobEvent.type == "status")
+        .order_by(JobEvent.id.desc())
+        .limit(20)
+    )
+    return next((e.time for e in recent if (e.data or {}).get("status") == status), None)
+
+
 def public(job: Job) -> JobPublic:
     found = JobPublic.model_validate(job)
     if job.status == JobStatus.SUCCEEDED:
