@@ -1,14 +1,27 @@
 """The scheduler: starts one detached, named job-driver actor per running job and mirrors its progress.
 
-It runs in its own thread (Ray's client calls block) and, every `poll_interval_s`:
+It runs in its own thread and, every `poll_interval_s`:
 
 1. asks each running driver for `progress()` and `events(after=last copied seq)` and copies the new
    events into the database in the same transaction that advances the cursor, so none is lost or
    copied twice; a driver that reports `succeeded`/`failed`/`stopped` moves its job to the matching
    status (`stopped` → `paused` or `cancelled`, whichever the user asked for) and is killed;
 2. forwards pause/cancel requests to drivers (`request_stop()`: stop after this step, with a
-   checkpoint);
-3. starts queued jobs, oldest first, while fewer than `max_concurrent_jobs` hold a driver.
+   checkpoint); a job still `cancelling` `cancel_grace_s` after the user's request is cancelled by
+   force: its driver is killed, and with it every actor the driver started (below);
+3. starts queued jobs while fewer than `max_concurrent_jobs` hold a driver, fairly across tenants
+   (`fair_queue`), at most `max_concurrent_jobs_per_tenant` of one tenant.
+
+Nothing a driver does can hold this thread: calls to drivers are sent, then waited for at most
+`ANSWER_WAIT_S` per poll all together, and an answer that has not come is looked for again at the next
+poll; drivers are created by a launcher thread. A driver that has not answered for
+`driver_unresponsive_s` (its event loop blocked by a tracker or other synchronous code, its node
+silent) counts as lost, like one that died.
+
+What a job owns: the driver creates its engines, learner ranks, gateways and processor pool workers
+(and their placement groups) itself, none of them detached, so Ray owns them through the driver and
+ends them when the driver dies (an actor's fate is shared with its owner's); killing the driver
+(`ray.kill`) ends the whole job, and each worker's own child processes with it.
 
 Replicas: several API processes may share one database; only the holder of the scheduler lease
 (`api.services.lease`, renewed every poll) does any of the above. The others serve requests and wait
@@ -19,8 +32,8 @@ Recovery: on start (or takeover) it reconciles every job that should have a driv
 (`ray.get_actor("opd-job-<id>", namespace="opd")`, e.g. on a Ray cluster that outlived the server) is
 re-attached; otherwise a new driver is started on the same run directory, which resumes from the
 latest checkpoint. Events the lost driver wrote to `events.jsonl` after the last poll are copied from
-there first. A driver that dies while the server watches is restarted the same way, at most
-`max_driver_restarts` times.
+there first. A driver that dies (or stops answering) while the server watches is restarted the same
+way, at most `max_driver_restarts` times.
 """
 
 from __future__ import annotations
@@ -30,7 +43,9 @@ import logging
 import re
 import threading
 import time
-from dataclasses import dataclass
+from collections import Counter, deque
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +55,7 @@ from sqlalchemy.orm import Session
 from api.db import Database
 from api.errors import APIError
 from api.models import Job
-from api.services.jobs import add_event, compare_and_set, finite, resolve_for_driver
+from api.services.jobs import add_event, compare_and_set, finite, resolve_for_driver, status_since
 from api.services.lease import Lease, new_holder_id
 from api.services.states import WITH_DRIVER
 from api.settings import Settings
@@ -54,6 +69,11 @@ NAMESPACE = "opd"
 # Ray colours actor names in re-raised errors; those codes are noise in a JSON API and in logs.
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 CALL_TIMEOUT_S = 30.0
+# The longest one poll waits for the drivers' answers, all drivers together.
+ANSWER_WAIT_S = 1.0
+# How long a finished driver's run() may take to return (its engines shut down) before it is killed.
+FINISH_WAIT_S = 30.0
+LAUNCHERS = 4
 RAY_CHECK_EVERY_S = 10.0
 RAY_RETRY_S = 10.0
 
@@ -64,9 +84,63 @@ def actor_name(job_id: str) -> str:
 
 @dataclass
 class DriverHandle:
-    actor: Any
+    """One driver incarnation as the scheduler sees it."""
+
+    actor: Any = None  # None while `launch` runs
     run_ref: Any = None  # None when re-attached: the previous server process held it
+    launch: Future[tuple[Any, Any]] | None = None  # (actor, run_ref), from the launcher thread
+    reattached: bool = False
     stop_sent: bool = False
+    poll: list[Any] | None = None  # [request_stop?, progress, events] refs in flight
+    answered: bool = False
+    answered_at: float = field(default_factory=time.monotonic)  # or started, until it answers
+    cancel_deadline: float | None = None  # wall-clock time past which a cancelling job is killed
+    retire_by: float = 0.0  # retired: when to kill it even if run() has not returned
+
+    def launched(self) -> bool:
+        """Whether the actor exists (taking it from a finished launch); False while launching or if
+        the launch failed (`launch.exception()`)."""
+        if self.actor is None and self.launch is not None and self.launch_failure() is None:
+            self.actor, self.run_ref = self.launch.result()
+        return self.actor is not None
+
+    def launch_failure(self) -> BaseException | None:
+        """Why the launch failed, once it has (None while it runs or when it succeeded)."""
+        if self.launch is None or not self.launch.done():
+            return None
+        return CancelledError() if self.launch.cancelled() else self.launch.exception()
+
+
+def fair_queue(session: Session, free: int, per_tenant: int) -> list[str]:
+    """Up to `free` queued job ids to start now, taken round-robin across tenants: each next one from
+    the tenant with the fewest jobs holding a driver (then the one whose next job waited longest), and
+    none from a tenant that already holds `per_tenant`. So neither one tenant's many queued jobs nor
+    its jobs stuck running keep another tenant's next job from the next free slot."""
+    if free <= 0:
+        return []
+    holding: Counter[str] = Counter()
+    rows = session.execute(
+        select(Job.tenant_id, func.count()).where(Job.status.in_(WITH_DRIVER)).group_by(Job.tenant_id)
+    )
+    for tenant, count in rows:
+        holding[tenant] = count
+    waiting: dict[str, deque[tuple[float, int, str]]] = {}
+    queued = session.execute(
+        select(Job.tenant_id, Job.queued_at, Job.pk, Job.id)
+        .where(Job.status == "queued")
+        .order_by(Job.queued_at, Job.pk)
+    )
+    for tenant, queued_at, pk, job_id in queued:
+        waiting.setdefault(tenant, deque()).append((queued_at, pk, job_id))
+    picked: list[str] = []
+    while len(picked) < free:
+        tenants = [t for t, jobs in waiting.items() if jobs and holding[t] < per_tenant]
+        if not tenants:
+            break
+        tenant = min(tenants, key=lambda t: (holding[t], waiting[t][0][:2]))
+        picked.append(waiting[tenant].popleft()[2])
+        holding[tenant] += 1
+    return picked
 
 
 class Scheduler:
@@ -81,6 +155,10 @@ class Scheduler:
         self._ray_started = False
         self._next_ray_attempt = 0.0
         self._handles: dict[str, DriverHandle] = {}
+        # Drivers no job holds any more, killed once launched (and, finished ones, once run() returned).
+        self._retired: list[DriverHandle] = []
+        # Creating a driver waits for a Ray task that imports the training stack: never on this thread.
+        self._launcher = ThreadPoolExecutor(LAUNCHERS, thread_name_prefix="opd-launch")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_ray_check = 0.0
@@ -97,6 +175,7 @@ class Scheduler:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=CALL_TIMEOUT_S)
+        self._launcher.shutdown(wait=False, cancel_futures=True)
         if self.role == "leader":
             with contextlib.suppress(Exception):
                 self.lease.release()
@@ -119,6 +198,8 @@ class Scheduler:
         waited for), then scheduling as its holder."""
         if not self._ray_started and time.monotonic() >= self._next_ray_attempt:
             self._start_ray()
+        if self._ray_started and self._retired:
+            self._kill_retired()
         if not self.lease.acquire():
             if self.role == "leader":
                 self._step_down()
@@ -155,21 +236,21 @@ class Scheduler:
         """Another replica took the lease (this one failed to renew in time): stop driving jobs. On an
         embedded Ray our drivers are unreachable to the new holder, so they are stopped rather than
         left to run twice; on a shared cluster the new holder re-attaches to them."""
-        import ray
-
         from opd_trainer.driver.ray_runtime import embedded_ray
 
         logger.warning("scheduler lease lost to %s: stepping down", self.lease.current_holder())
         handles, self._handles = self._handles, {}
         if embedded_ray(self.settings.ray_address):
             for handle in handles.values():
-                with contextlib.suppress(Exception):
-                    ray.kill(handle.actor)
+                self._retire(handle)
 
     # -- recovery -------------------------------------------------------------------------------
 
     def reconcile(self) -> None:
-        """Re-attach to live drivers of unfinished jobs, or resume them from their checkpoints."""
+        """Re-attach to live drivers of unfinished jobs, or resume them from their checkpoints.
+
+        A re-attached driver is polled like any other: one that turns out dead is replaced without
+        counting as a restart, one that does not answer counts as lost after `driver_unresponsive_s`."""
         import ray
 
         with self.db.session() as session:
@@ -184,21 +265,13 @@ class Scheduler:
                     actor = ray.get_actor(actor_name(job.id), namespace=NAMESPACE)
                 except ValueError:
                     actor = None
-                if actor is not None:
-                    try:
-                        progress = ray.get(actor.progress.remote(), timeout=CALL_TIMEOUT_S)
-                    except Exception:
-                        actor = None
                 if actor is None:
                     add_event(
                         session, job.id, "recovery", "server restarted; driver gone, resuming from checkpoint"
                     )
                     self._driver_lost(session, job, counts=False)
                 else:
-                    handle = DriverHandle(actor)
-                    if progress["status"] == "created":  # the server died between creating and running it
-                        handle.run_ref = actor.run.remote()
-                    self._handles[job.id] = handle
+                    self._handles[job.id] = DriverHandle(actor, reattached=True)
                     add_event(
                         session, job.id, "recovery", "server restarted; re-attached to the running driver"
                     )
@@ -223,12 +296,9 @@ class Scheduler:
         self._ingest(session, job, lost)
 
     def _driver_lost(self, session: Session, job: Job, *, counts: bool) -> None:
-        import ray
-
         handle = self._handles.pop(job.id, None)
         if handle is not None:
-            with contextlib.suppress(Exception):
-                ray.kill(handle.actor)
+            self._retire(handle)
         self._recover_events_from_disk(session, job)
         if job.status == "pausing":
             self._move(session, job, "paused", "driver gone; paused at its latest checkpoint")
@@ -247,14 +317,45 @@ class Scheduler:
                 add_event(session, job.id, "recovery", "driver died; restarting from the latest checkpoint")
             self._start_driver(session, job)
 
+    def _retire(self, handle: DriverHandle, wait_s: float = 0.0) -> None:
+        """Kills `handle`'s driver, and with it every actor the driver started: now, or once its
+        launch has finished; with `wait_s`, once its `run()` has returned or `wait_s` has passed."""
+        handle.retire_by = time.monotonic() + wait_s
+        self._retired.append(handle)
+        self._kill_retired()
+
+    def _kill_retired(self) -> None:
+        import ray
+
+        waiting = []
+        for handle in self._retired:
+            if handle.launch is not None and not handle.launch.done():
+                waiting.append(handle)
+                continue
+            if not handle.launched():
+                continue  # its launch failed: no actor
+            if handle.run_ref is not None:
+                if time.monotonic() < handle.retire_by and not ray.wait([handle.run_ref], timeout=0)[0]:
+                    waiting.append(handle)
+                    continue
+                # Collect run()'s result, so Ray does not log an error nobody retrieved.
+                with contextlib.suppress(Exception):
+                    ray.get(handle.run_ref, timeout=0)
+            with contextlib.suppress(Exception):
+                ray.kill(handle.actor)  # detached: it lives until killed
+        self._retired = waiting
+
     # -- one poll -------------------------------------------------------------------------------
 
     def tick(self) -> None:
         self._check_ray()
+        self._kill_retired()
         with self.db.session() as session:
-            for job in session.scalars(select(Job).where(Job.status.in_(WITH_DRIVER)).order_by(Job.pk)).all():
+            jobs = session.scalars(select(Job).where(Job.status.in_(WITH_DRIVER)).order_by(Job.pk)).all()
+            answered = self._ask(jobs)
+            for job in jobs:
                 try:
-                    self._poll(session, job)
+                    self._poll(session, job, answered)
                 except Exception:
                     session.rollback()
                     logger.exception("[%s] polling the driver failed", job.id)
@@ -273,30 +374,81 @@ class Scheduler:
         except Exception as exc:
             self.ray_status = f"error: {type(exc).__name__}"
 
-    def _poll(self, session: Session, job: Job) -> None:
+    def _ask(self, jobs: list[Job]) -> set[Any]:
+        """Sends every driver with no call in flight its poll (first a stop request, once, if the user
+        asked to pause or cancel), then waits at most `ANSWER_WAIT_S` for every driver's answer
+        together; returns the refs answered. An answer still missing is looked for at the next poll."""
         import ray
-        from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
+        in_flight: list[Any] = []
+        for job in jobs:
+            handle = self._handles.get(job.id)
+            if handle is None or not handle.launched():
+                continue
+            if handle.poll is None:
+                calls = []
+                if job.status in ("pausing", "cancelling") and not handle.stop_sent:
+                    calls.append(handle.actor.request_stop.remote())
+                    handle.stop_sent = True
+                calls += [handle.actor.progress.remote(), handle.actor.events.remote(job.driver_event_seq)]
+                handle.poll = calls
+            in_flight += handle.poll
+        if not in_flight:
+            return set()
+        ready, _ = ray.wait(in_flight, num_returns=len(in_flight), timeout=ANSWER_WAIT_S)
+        return set(ready)
+
+    def _poll(self, session: Session, job: Job, answered: set[Any]) -> None:
         handle = self._handles.get(job.id)
         if handle is None:
             # A job put in a driver status by someone else (another server): treat as lost.
             self._driver_lost(session, job, counts=False)
             return
-        try:
-            if job.status in ("pausing", "cancelling") and not handle.stop_sent:
-                ray.get(handle.actor.request_stop.remote(), timeout=CALL_TIMEOUT_S)
-                handle.stop_sent = True
-            progress, events = ray.get(
-                [handle.actor.progress.remote(), handle.actor.events.remote(job.driver_event_seq)],
-                timeout=CALL_TIMEOUT_S,
+        failure = handle.launch_failure()
+        if failure is not None:
+            logger.error("[%s] starting the driver failed", job.id, exc_info=failure)
+            add_event(
+                session, job.id, "recovery", f"the job driver could not be started ({type(failure).__name__})"
             )
-        except (GetTimeoutError, ActorUnavailableError):
-            logger.warning("[%s] driver did not answer in %.0fs", job.id, CALL_TIMEOUT_S)
-            return
-        except RayActorError as exc:
-            logger.warning("[%s] driver died: %s", job.id, exc)
             self._driver_lost(session, job, counts=True)
             return
+        answer = handle.poll is not None and all(ref in answered for ref in handle.poll)
+        if answer and self._take_answer(session, job, handle):
+            return
+        if job.status == "cancelling" and self._past_cancel_bound(session, job, handle):
+            self._force_cancel(session, job, handle)
+            return
+        silent = time.monotonic() - handle.answered_at
+        if silent > self.settings.driver_unresponsive_s:
+            since = "answered no poll" if handle.answered else "has not answered since it was started"
+            logger.warning("[%s] driver %s for %.0fs: lost", job.id, since, silent)
+            add_event(
+                session,
+                job.id,
+                "recovery",
+                f"the job driver {since} for {silent:.0f}s (limit {self.settings.driver_unresponsive_s:g}s): "
+                "counted as lost",
+                {"unresponsive_s": round(silent, 1)},
+            )
+            self._driver_lost(session, job, counts=True)
+
+    def _take_answer(self, session: Session, job: Job, handle: DriverHandle) -> bool:
+        """Applies a driver's answered poll; True when the job no longer has this driver."""
+        import ray
+        from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+
+        refs, handle.poll = handle.poll, None
+        try:
+            *_, progress, events = ray.get(refs, timeout=ANSWER_WAIT_S)
+        except (GetTimeoutError, ActorUnavailableError):
+            logger.warning("[%s] driver unavailable; asking again", job.id)
+            return False
+        except RayActorError as exc:
+            logger.warning("[%s] driver died: %s", job.id, exc)
+            # A re-attached driver found dead is the server's restart, not the job's failure.
+            self._driver_lost(session, job, counts=handle.answered or not handle.reattached)
+            return True
+        handle.answered, handle.answered_at = True, time.monotonic()
         self._ingest(session, job, events)
         previous_step = job.step
         job.step = int(progress["step"])
@@ -309,8 +461,34 @@ class Scheduler:
             job.metrics = metrics
         if job.step != previous_step:
             job.trained_tokens = self._trained_tokens(job, metrics, job.step - previous_step)
+        if progress["status"] == "created" and handle.run_ref is None:
+            handle.run_ref = handle.actor.run.remote()  # the previous server died between create and run
         if progress["status"] in ("succeeded", "failed", "stopped"):
             self._finish(session, job, handle, progress["status"])
+            return True
+        return False
+
+    def _past_cancel_bound(self, session: Session, job: Job, handle: DriverHandle) -> bool:
+        """Whether `cancel_grace_s` has passed since the user asked to cancel (or, with no record of
+        the request, since this scheduler first saw the job cancelling)."""
+        if handle.cancel_deadline is None:
+            asked = status_since(session, job.id, "cancelling") or time.time()
+            handle.cancel_deadline = asked + self.settings.cancel_grace_s
+        return time.time() >= handle.cancel_deadline
+
+    def _force_cancel(self, session: Session, job: Job, handle: DriverHandle) -> None:
+        """Cancels a job whose driver did not stop in time: whatever user code or a step is waiting
+        for, the driver is killed, its engines, learner ranks, gateways and pool workers with it."""
+        grace = self.settings.cancel_grace_s
+        logger.warning("[%s] driver did not stop within %gs of the cancel request: killing it", job.id, grace)
+        self._handles.pop(job.id, None)
+        self._retire(handle)
+        self._recover_events_from_disk(session, job)
+        why = (
+            f"the driver did not stop within {grace:g}s of the cancel request; it and every actor it "
+            "started were killed"
+        )
+        self._move(session, job, "cancelled", why, event_data={"forced": True, "cancel_grace_s": grace})
 
     def _trained_tokens(self, job: Job, metrics: dict[str, float], new_steps: int) -> float:
         records = finite(RunDir(job.run_dir).records())
@@ -333,8 +511,6 @@ class Scheduler:
             job.driver_event_seq = int(event.get("seq", job.driver_event_seq))
 
     def _finish(self, session: Session, job: Job, handle: DriverHandle, driver_status: str) -> None:
-        import ray
-
         error = None
         if driver_status == "succeeded":
             new = "succeeded"
@@ -345,12 +521,8 @@ class Scheduler:
             new = {"cancelling": "cancelled"}.get(job.status, "paused")
         self._move(session, job, new, f"driver {driver_status}", error=error)
         self._handles.pop(job.id, None)
-        if handle.run_ref is not None:
-            # Collect run()'s result, so Ray does not log an error nobody retrieved.
-            with contextlib.suppress(Exception):
-                ray.get(handle.run_ref, timeout=CALL_TIMEOUT_S)
-        with contextlib.suppress(Exception):
-            ray.kill(handle.actor)  # detached actors live until killed; its run() has returned
+        # Its run() returns once it has shut the job's engines and pools down; then it is killed.
+        self._retire(handle, FINISH_WAIT_S)
 
     def _failure(self, session: Session, job: Job, handle: DriverHandle) -> dict[str, Any]:
         from api.models import JobEvent
@@ -367,21 +539,32 @@ class Scheduler:
             import ray
 
             try:
-                ray.get(handle.run_ref, timeout=CALL_TIMEOUT_S)
+                ray.get(handle.run_ref, timeout=ANSWER_WAIT_S)
             except OPDError as exc:  # Ray re-raises the driver's error as a subclass of it
                 return {"code": "job_failed", "message": exc.message, "param": exc.field}
             except Exception as exc:
                 message = ANSI_ESCAPE.sub("", f"{type(exc).__name__}: {str(exc)[:2000]}")
         return {"code": "job_failed", "message": message, "param": None}
 
-    def _move(self, session: Session, job: Job, new: str, why: str, **fields: Any) -> None:
-        """Moves the job to `new` from whatever it is now (the user may have just paused it)."""
+    def _move(
+        self,
+        session: Session,
+        job: Job,
+        new: str,
+        why: str,
+        *,
+        event_data: dict[str, Any] | None = None,
+        **fields: Any,
+    ) -> None:
+        """Moves the job to `new` from whatever it is now (the user may have just paused it); its
+        status event carries `event_data` besides the status."""
         for _ in range(3):
             current = session.scalar(select(Job.status).where(Job.id == job.id))
             if current is None or current == new:
                 return
             if compare_and_set(session, job.id, current, new, **fields):
-                add_event(session, job.id, "status", f"{current} -> {new}: {why}", {"status": new})
+                data = {**(event_data or {}), "status": new}
+                add_event(session, job.id, "status", f"{current} -> {new}: {why}", data)
                 session.flush()
                 session.refresh(job)
                 return
@@ -396,14 +579,10 @@ class Scheduler:
             session.scalar(select(func.count()).select_from(Job).where(Job.status.in_(WITH_DRIVER))) or 0
         )
         free = self.settings.max_concurrent_jobs - holding
-        if free <= 0:
-            return
-        queued = session.scalars(
-            select(Job).where(Job.status == "queued").order_by(Job.queued_at, Job.pk).limit(free)
-        ).all()
-        for job in queued:
-            if not compare_and_set(session, job.id, "queued", "running", started_at=int(time.time())):
+        for job_id in fair_queue(session, free, self.settings.tenant_slots):
+            if not compare_and_set(session, job_id, "queued", "running", started_at=int(time.time())):
                 continue
+            job = session.scalars(select(Job).where(Job.id == job_id)).one()
             session.refresh(job)
             add_event(
                 session, job.id, "status", "queued -> running: starting the job driver", {"status": "running"}
@@ -412,9 +591,8 @@ class Scheduler:
             session.commit()
 
     def _start_driver(self, session: Session, job: Job) -> None:
-        """A new driver incarnation on the job's run dir (it resumes from the latest checkpoint)."""
-        from opd_trainer.driver.launch import launch_driver
-
+        """A new driver incarnation on the job's run dir (it resumes from the latest checkpoint),
+        created by the launcher thread; the next polls pick it up."""
         try:
             spec = resolve_for_driver(session, job)
         except (APIError, OPDError) as exc:
@@ -422,17 +600,27 @@ class Scheduler:
             error = {"code": "file_missing", "message": exc.message, "param": param}
             self._move(session, job, "failed", "its files are gone", error=error)
             return
-        name = actor_name(job.id)
-        self._kill_named(name)
         # Counted before the new driver can write: what follows in events.jsonl is its own.
         job.driver_events_offset = len(RunDir(job.run_dir).events())
         storage_token = write_probe(Path(job.run_dir))  # the driver and learner check they see it
-        # Created by a task on the cluster: this process may not hold the training stack (api image).
-        actor = launch_driver(spec, job.run_dir, job.id, storage_token, name, NAMESPACE)
-        self._handles[job.id] = DriverHandle(actor, actor.run.remote())
+        launch = self._launcher.submit(self._launch, spec, job.run_dir, job.id, storage_token)
+        self._handles[job.id] = DriverHandle(launch=launch)
         job.driver_attempts += 1
         job.driver_event_seq = -1
-        logger.info("[%s] started driver %s (incarnation %d)", job.id, name, job.driver_attempts)
+        logger.info(
+            "[%s] starting driver %s (incarnation %d)", job.id, actor_name(job.id), job.driver_attempts
+        )
+
+    @classmethod
+    def _launch(cls, spec: Any, run_dir: str, job_id: str, storage_token: str) -> tuple[Any, Any]:
+        """Runs on the launcher thread: the driver actor, created on the cluster (this process may not
+        hold the training stack: the api image), and its `run()` under way."""
+        from opd_trainer.driver.launch import launch_driver
+
+        name = actor_name(job_id)
+        cls._kill_named(name)
+        actor = launch_driver(spec, run_dir, job_id, storage_token, name, NAMESPACE)
+        return actor, actor.run.remote()
 
     @staticmethod
     def _kill_named(name: str) -> None:
