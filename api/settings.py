@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from opd_trainer.driver.trackers import parse_allowed_uris
 
 MIB = 1024 * 1024
 
@@ -62,6 +65,13 @@ class Settings(BaseSettings):
         description="Operator-approved model folders (JSON list): a job's model and teacher_model must lie "
         "under one of them or in one of the tenant's own jobs' checkpoints. Empty means <data_dir>/models.",
     )
+    tracker_allowed_uris: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Tracking servers a job's mlflow_tracking_uri may name, comma-separated "
+        "scheme://host[:port] (e.g. http://mlflow.internal:5000), matched on scheme, host and port. Empty: "
+        "none; jobs report to MLFLOW_TRACKING_URI or a store in their run folder. sqlite:/file: never. Job "
+        "drivers read the same variable: set it where they run (the embedded Ray inherits it).",
+    )
     ray_address: str | None = Field(
         default=None, description="Ray cluster to join; None starts an embedded local Ray (or $RAY_ADDRESS)."
     )
@@ -107,6 +117,11 @@ class Settings(BaseSettings):
     def _absolute_data_dir(cls, value: Path) -> Path:
         # Run directories are handed to Ray actors in other processes: relative paths would break.
         return value.expanduser().resolve()
+
+    @field_validator("tracker_allowed_uris", mode="before")
+    @classmethod
+    def _tracking_servers(cls, value: object) -> object:
+        return parse_allowed_uris(value) if isinstance(value, str | list) else value
 
     @field_validator("database_url")
     @classmethod

@@ -36,6 +36,7 @@ from api.services.ids import new_id
 from api.services.states import ACTIVE, TERMINAL, next_status
 from api.settings import Settings
 from opd_trainer.driver.run_dir import RunDir
+from opd_trainer.driver.trackers import check_tracking_uri
 from opd_trainer.errors import ConfigError
 from opd_trainer.spec.job_spec import JobSpec
 from opd_trainer.spec.job_status import JobStatus, format_event_line
@@ -249,6 +250,7 @@ def create(session: Session, settings: Settings, tenant_id: str, body: JobCreate
             f"tenant already has {active} unfinished jobs (limit {settings.tenant_max_active_jobs})",
         )
     check_model_access(session, settings, tenant_id, spec)
+    check_tracking_uri(spec.mlflow_tracking_uri, settings.tracker_allowed_uris)
     with_models, models_used = resolve_models(session, tenant_id, spec)
     resolved, used = resolve_files(session, tenant_id, with_models)
     used += models_used

@@ -32,7 +32,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from opd_trainer.driver.run_dir import RunDir
 from opd_trainer.driver.teacher_hindsight import hindsight_notes, teacher_inputs
-from opd_trainer.driver.trackers import Tracker, open_trackers
+from opd_trainer.driver.trackers import BackgroundTracker, open_trackers
 from opd_trainer.engine.vllm_engine import EngineConfig, EngineGroup
 from opd_trainer.errors import ConfigError, OPDError, ProcessorLoadError
 from opd_trainer.learner.checkpoint import CheckpointStore
@@ -179,7 +179,7 @@ class JobDriver:
         self._tokenizer: Any = None
         # max_staleness > 0: the next step's rollouts, sampled while this step trains (see train_one_step).
         self._next: NextStep | None = None
-        self._trackers: list[Tracker] = []  # report_to (opened in run())
+        self._trackers: list[BackgroundTracker] = []  # report_to (opened in run())
 
     # -- observation ----------------------------------------------------------------------------
 
@@ -845,27 +845,28 @@ class JobDriver:
             self.emit("error", f"{type(exc).__name__}: {exc}")
             raise
         finally:
-            self._close_trackers()
+            await self._close_trackers()
             await self.shutdown()
 
     def _record(self, kind: str, step: int, metrics: dict[str, float]) -> None:
-        """A training (`train`) or validation (`eval`) record: metrics.jsonl, then each tracker of
-        `report_to`; a tracker that fails is reported once and dropped, the job goes on."""
+        """A training (`train`) or validation (`eval`) record: metrics.jsonl, then queued for each
+        tracker of `report_to` (written on its own thread: never waited for here); what the trackers
+        reported since (slow, failed and dropped) becomes `warning` events."""
         (self.log.step if kind == "train" else self.log.eval)(step, metrics)
-        for tracker in list(self._trackers):
-            try:
-                tracker.log(kind, step, metrics)
-            except Exception as exc:  # an external service: it must not stop training
-                self._trackers.remove(tracker)
-                problem = f"{type(exc).__name__}: {exc}"
-                self.emit("warning", f"report_to {tracker.name}: {problem}; not reporting to it any more")
-
-    def _close_trackers(self) -> None:
         for tracker in self._trackers:
-            try:
-                tracker.close(self.status)
-            except Exception as exc:
-                self.emit("warning", f"report_to {tracker.name}: closing failed: {type(exc).__name__}: {exc}")
+            tracker.log(kind, step, metrics)
+        self._tracker_notices()
+
+    def _tracker_notices(self) -> None:
+        for tracker in self._trackers:
+            for notice in tracker.notices():
+                self.emit("warning", notice)
+        self._trackers = [tracker for tracker in self._trackers if not tracker.failed]
+
+    async def _close_trackers(self) -> None:
+        """Each tracker writes what is queued and closes (off the loop, each within its time bound)."""
+        await asyncio.gather(*(asyncio.to_thread(t.close, self.status) for t in self._trackers))
+        self._tracker_notices()
         self._trackers = []
 
     def _report_ignored_fields(self) -> None:

@@ -469,7 +469,9 @@ class JobSpec(_Strict):
         default=None,
         description="Where `report_to: [mlflow]` logs: an MLflow tracking URI (http://..., "
         "sqlite:///...). Default: the MLFLOW_TRACKING_URI environment variable of the job's driver, "
-        "else a SQLite store in the run dir (mlflow.db; works offline).",
+        "else a SQLite store in the run dir (mlflow.db; works offline). On the job server only a "
+        "tracking server its operator allows (OPD_TRACKER_ALLOWED_URIS: scheme, host and port) is "
+        "accepted, never sqlite:/file:; `opd train` accepts any.",
     )
     ignored_fields: dict[str, JsonValue] = Field(
         default_factory=dict,

@@ -285,6 +285,20 @@ CASES = [
         "context of 4096",
     ),
     Case(
+        "spec: a tenant's tracking URI is a file on the server",
+        submit(report_to=["mlflow"], mlflow_tracking_uri="sqlite:////srv/opd-data/opd.db"),
+        400,
+        "mlflow_tracking_uri",
+        "local tracking stores",
+    ),
+    Case(
+        "spec: a tenant's tracking server the operator did not allow",
+        submit(report_to=["mlflow"], mlflow_tracking_uri="http://169.254.169.254/latest"),
+        400,
+        "mlflow_tracking_uri",
+        "OPD_TRACKER_ALLOWED_URIS",
+    ),
+    Case(
         "spec: teacher tokenizer differs",
         submit_raw(lambda t, s: {**s, "teacher_model": t.models["other"]}),
         400,

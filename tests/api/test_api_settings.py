@@ -44,3 +44,12 @@ def test_serve_refuses_bad_settings_with_one_line(
     monkeypatch.setenv("OPD_ADMIN_KEY", "short")
     assert main(["serve", "--max-concurrent-jobs", "0"]) == 2
     assert capsys.readouterr().err.startswith("error: OPD_ADMIN_KEY: Value error, must be at least 16")
+
+
+def test_tracker_allowed_uris_is_a_comma_separated_list_of_servers(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert Settings().tracker_allowed_uris == []
+    monkeypatch.setenv("OPD_TRACKER_ALLOWED_URIS", "http://mlflow.internal:5000, https://mlflow.example.com")
+    assert Settings().tracker_allowed_uris == ["http://mlflow.internal:5000", "https://mlflow.example.com"]
+    monkeypatch.setenv("OPD_TRACKER_ALLOWED_URIS", "http://mlflow.internal:5000,sqlite:///srv/opd.db")
+    with pytest.raises(ValidationError, match="not a tracking server"):  # a file store: never
+        Settings()
