@@ -40,7 +40,7 @@ test: setup
 	$(BIN)/ruff check .
 	$(BIN)/pytest -ra tests/unit
 	$(BIN)/opd make-tiny-models $(TINY_MODELS_DIR)
-	$(BIN)/pytest -ra --durations=40 tests/deploy tests/api tests/integration
+	$(BIN)/pytest -ra --durations=40 tests/deploy tests/api tests/integration tests/security
 
 unit: setup
 	$(BIN)/pytest -ra tests/unit

@@ -143,6 +143,7 @@ class JobDriver:
         reports them."""
         self.spec = spec
         self.server = server
+        self._sandbox: dict[str, str] = {}  # the pools' sandbox options, decided at start-up
         self.job_id = job_id
         self.run_dir = Path(run_dir)
         self.storage_token = storage_token
@@ -245,6 +246,12 @@ class JobDriver:
         from transformers import AutoTokenizer
 
         spec, hp = self.spec, self.spec.hyper_parameters
+        if spec.functions:  # before any engine starts: a job whose code cannot run confined stops here
+            try:
+                mode = effective_mode(configured_mode(), server=self.server)
+            except SandboxUnavailable as exc:
+                raise ProcessorLoadError(str(exc), field="functions") from None
+            self._sandbox = {"sandbox_mode": mode, "sandbox_network": configured_network()}
         check_same_tokenizer(spec.model, spec.teacher_model)
         self._max_length = resolve_max_length(hp.max_length, spec.model, spec.teacher_model)
         self._tokenizer = AutoTokenizer.from_pretrained(spec.model)
@@ -396,13 +403,7 @@ class JobDriver:
             message = f"{event['pool']}: {event['from']} -> {event['to']} workers ({event['reason']})"
             self.emit("autoscale", message, **{k: v for k, v in event.items() if k != "type"})
 
-        options: dict[str, Any] = {"on_event": on_event}
-        if spec.functions:
-            try:
-                options["sandbox_mode"] = effective_mode(configured_mode(), server=self.server)
-            except SandboxUnavailable as exc:
-                raise ProcessorLoadError(str(exc), field="functions") from None
-            options["sandbox_network"] = configured_network()
+        options: dict[str, Any] = {"on_event": on_event, **self._sandbox}
         rollout_pool = None
         for component in spec.rollout_components:
             rollout_pool = RolloutPool(self.job_id, component, self._workspace(component), **options)
@@ -418,7 +419,7 @@ class JobDriver:
             self.emit(
                 "status", "loading user processors: " + ", ".join(p.component.name for p in self._pools)
             )
-            if options["sandbox_mode"] == "none":
+            if self._sandbox["sandbox_mode"] == "none":
                 why = unconfined_reason()
                 self.emit("warning", f"user processors run without a sandbox: {why}", sandbox="none")
         await asyncio.gather(*(pool.start() for pool in self._pools))

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Literal
 
 SANDBOX_ENV = "OPD_PROCESSOR_SANDBOX"
+BWRAP_ENV = "OPD_BWRAP"  # the bubblewrap binary, if not `bwrap` on PATH
 NETWORK_ENV = "OPD_SANDBOX_NETWORK"
 UID_ENV = "OPD_SANDBOX_UID"
 DEFAULT_UID = 65534
@@ -123,10 +124,14 @@ def launcher_uid() -> int | None:
     return configured_uid() if user_mode() == "drop" else None
 
 
+def bwrap_binary() -> str | None:
+    return shutil.which(os.environ.get(BWRAP_ENV, "").strip() or "bwrap")
+
+
 @functools.cache
 def bwrap_problem() -> str | None:
     """None when bubblewrap can start a confined process here (as the sandbox user), else why not."""
-    binary = shutil.which("bwrap")
+    binary = bwrap_binary()
     if binary is None:
         return "bwrap is not installed (Debian/Ubuntu: apt-get install bubblewrap)"
     probe = [binary, "--unshare-all", "--die-with-parent", *user_options(), "--ro-bind", "/", "/"]
@@ -209,7 +214,14 @@ class SandboxLayout:
 def bwrap_command(layout: SandboxLayout, env: dict[str, str], argv: list[str]) -> list[str]:
     """The bwrap command line that runs `argv` confined (see the module docstring)."""
     size = ["--size", str(layout.scratch_mb * 1024 * 1024)]
-    command = ["bwrap", "--die-with-parent", "--new-session", "--cap-drop", "ALL", *user_options()]
+    command = [
+        bwrap_binary() or "bwrap",
+        "--die-with-parent",
+        "--new-session",
+        "--cap-drop",
+        "ALL",
+        *user_options(),
+    ]
     command += ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
     if layout.network == "gateway":
         command += ["--unshare-net"]
