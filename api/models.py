@@ -49,6 +49,9 @@ class File(Base):
     samples: Mapped[int | None] = mapped_column(Integer, default=None)
     extracted_dir: Mapped[str | None] = mapped_column(Text, default=None)
     created_at: Mapped[int] = mapped_column(Integer, default=now)
+    # What the file takes on the server (the upload plus what its zip extracted to), counted against
+    # the tenant's quota; None for files stored before quotas existed (counted as `bytes`).
+    stored_bytes: Mapped[int | None] = mapped_column(BigInteger, default=None)
 
 
 class Job(Base):

@@ -16,6 +16,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from opd_trainer.driver.trackers import parse_allowed_uris
 
 MIB = 1024 * 1024
+GIB = 1024 * MIB
 
 
 class Settings(BaseSettings):
@@ -59,6 +60,56 @@ class Settings(BaseSettings):
     model_max_files: int = Field(default=10_000, ge=1, description="Most entries in an uploaded model zip.")
     model_max_uncompressed_bytes: int = Field(
         default=64 * 1024 * MIB, ge=1024, description="Largest total extracted size of an uploaded model zip."
+    )
+    tenant_max_files: int = Field(
+        default=1000, ge=1, description="Files (datasets, workspaces, models) one tenant may hold at once."
+    )
+    tenant_max_file_bytes: int = Field(
+        default=100 * GIB,
+        ge=1024,
+        description="Bytes one tenant's files may take on the server: each upload plus what its zip "
+        "extracts to. An upload past it is refused before it is stored.",
+    )
+    dataset_max_line_bytes: int = Field(
+        default=1 * MIB, ge=1024, description="Longest line (one record) of an uploaded JSONL dataset."
+    )
+    dataset_max_records: int = Field(
+        default=1_000_000, ge=1, description="Most records (non-blank lines) in one uploaded dataset."
+    )
+    dataset_validate_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        le=3600,
+        description="Wall-clock bound on validating one uploaded dataset (done in a child process).",
+    )
+    dataset_validate_max_memory_bytes: int = Field(
+        default=4 * GIB,
+        ge=256 * MIB,
+        description="Address-space limit of the child process that validates one uploaded dataset.",
+    )
+    model_max_tokenizer_bytes: int = Field(
+        default=64 * MIB,
+        ge=1024,
+        description="Largest total size of the files pre-flight reads from a model folder inside the API "
+        "process (config.json and the tokenizer's files).",
+    )
+    rate_limit_per_s: float = Field(
+        default=50.0,
+        ge=0,
+        description="Requests per second one API key may make on average (a token bucket per key, in "
+        "each server process); 0 turns rate limiting off. /healthz, /readyz and /metrics are exempt.",
+    )
+    rate_limit_burst: int = Field(
+        default=200, ge=1, description="Requests one API key may make at once before the rate applies."
+    )
+    event_stream_max_s: float = Field(
+        default=3600.0,
+        ge=1,
+        le=86400,
+        description="Longest one event stream (SSE) stays open; it then ends with a `reconnect` event.",
+    )
+    event_streams_per_tenant: int = Field(
+        default=16, ge=1, description="Event streams one tenant may hold open at once (per server process)."
     )
     model_dirs: list[Path] = Field(
         default_factory=list,
@@ -141,6 +192,14 @@ class Settings(BaseSettings):
     def _upload_fits_workspace(self) -> Settings:
         if self.max_body_bytes > self.max_upload_bytes:
             raise ValueError("max_body_bytes must not exceed max_upload_bytes")
+        return self
+
+    @model_validator(mode="after")
+    def _upload_fits_quota(self) -> Settings:
+        if self.tenant_max_file_bytes < self.max_upload_bytes:
+            raise ValueError(
+                "tenant_max_file_bytes must be at least max_upload_bytes (else a largest upload never fits)"
+            )
         return self
 
     @model_validator(mode="after")

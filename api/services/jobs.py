@@ -31,7 +31,7 @@ from api.schemas import (
     MetricsPublic,
     TrajectoryList,
 )
-from api.services import server_paths
+from api.services import model_files, server_paths
 from api.services.ids import new_id
 from api.services.states import ACTIVE, TERMINAL, next_status
 from api.settings import Settings
@@ -254,6 +254,8 @@ def create(session: Session, settings: Settings, tenant_id: str, body: JobCreate
     with_models, models_used = resolve_models(session, tenant_id, spec)
     resolved, used = resolve_files(session, tenant_id, with_models)
     used += models_used
+    # Before transformers opens a tenant's folder in this process: bounded files, no custom code.
+    model_files.check_models(resolved.model, resolved.teacher_model, settings.model_max_tokenizer_bytes)
     try:
         preflight(resolved)
     except ConfigError as exc:
