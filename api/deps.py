@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 
 from api.db import Database
 from api.errors import APIError
+from api.limits import StreamSlots
 from api.models import Tenant
 from api.services import keys
 from api.services.scheduler import Scheduler
@@ -49,10 +50,15 @@ async def get_scheduler(request: Request) -> Scheduler | None:
     return request.app.state.scheduler
 
 
+async def get_stream_slots(request: Request) -> StreamSlots:
+    return request.app.state.event_streams
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 DatabaseDep = Annotated[Database, Depends(get_db)]
 SessionDep = Annotated[Session, Depends(get_session)]
 SchedulerDep = Annotated[Scheduler | None, Depends(get_scheduler)]
+StreamSlotsDep = Annotated[StreamSlots, Depends(get_stream_slots)]
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
 
 

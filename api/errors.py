@@ -132,9 +132,10 @@ ERROR_DESCRIPTIONS: dict[int, str] = {
     403: "A key of the wrong kind: the admin key on a tenant route, or no admin key configured.",
     404: "No such object for this tenant.",
     409: "Not allowed in the object's current state.",
-    413: "Request body or upload too large.",
+    413: "Request body or upload too large, or the upload would pass the tenant's storage quota.",
     422: "Request does not match the schema; `param` names the field.",
-    429: "Tenant's active job limit reached.",
+    429: "A limit reached: the key's request rate (with `Retry-After`), or the tenant's unfinished jobs, "
+    "files or open event streams.",
     500: "Unexpected server error (logged; no stack trace is returned).",
 }
 
@@ -147,8 +148,9 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     }
 
 
-TENANT = (401, 403)
-"""What every tenant route can answer besides its own errors: no key, or the admin key."""
+TENANT = (401, 403, 429)
+"""What every tenant route can answer besides its own errors: no key, the admin key, or the key's
+request rate exceeded."""
 
 
 def openapi_with_declared_errors(app: FastAPI) -> dict[str, Any]:

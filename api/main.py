@@ -15,7 +15,7 @@ from fastapi import FastAPI
 
 from api.db import Database, migrate
 from api.errors import install_error_handlers, openapi_with_declared_errors
-from api.limits import BodyLimitMiddleware
+from api.limits import BodyLimitMiddleware, RateLimitMiddleware, StreamSlots
 from api.observability import ServerMetrics
 from api.routes import files, health, jobs, keys
 from api.services.keys import AuthCache
@@ -67,6 +67,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.metrics = metrics
     app.state.scheduler = scheduler
     app.state.auth_cache = AuthCache()
+    app.state.event_streams = StreamSlots(settings.event_streams_per_tenant)
     for router in (health.router, keys.router, files.router, jobs.router):
         app.include_router(router)
     install_error_handlers(app)
@@ -78,4 +79,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         max_body_bytes=settings.max_body_bytes,
         max_upload_bytes=settings.max_upload_bytes,
     )
+    # Outermost: a request over its key's rate costs no more than its headers.
+    if settings.rate_limit_per_s > 0:
+        app.add_middleware(
+            RateLimitMiddleware, per_s=settings.rate_limit_per_s, burst=settings.rate_limit_burst
+        )
     return app

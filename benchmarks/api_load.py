@@ -63,6 +63,8 @@ def _start_server(data_dir: Path, port: int, model_dirs: list[str], max_jobs: in
     env = {**os.environ, "OPD_ADMIN_KEY": ADMIN_KEY, "OPD_MAX_CONCURRENT_JOBS": str(max_jobs)}
     env["OPD_MODEL_DIRS"] = json.dumps(model_dirs)
     env["OPD_TENANT_MAX_ACTIVE_JOBS"] = "1000"
+    # 200 pollers share one key here: the per-key rate limit would measure itself, not the server.
+    env["OPD_RATE_LIMIT_PER_S"] = "0"
     command = [sys.executable, "-m", "opd_trainer.cli", "serve", "--port", str(port)]
     command += ["--data-dir", str(data_dir), "--log-level", "warning"]
     process = subprocess.Popen(command, cwd=REPO, env=env, start_new_session=True)

@@ -1,15 +1,19 @@
 """OPD jobs: submit, list, get, cancel/pause/resume, delete, and the run's events, logs, metrics, ...
 
-`GET .../events` answers JSON pages (`after` cursor), or a server-sent-event stream when the request
-asks for `Accept: text/event-stream` (what `EventSource` and `opd logs -f` send); the stream ends
-with an `end` event once the job is finished and every event is sent.
+`GET .../events` answers JSON pages (`after` cursor, at most 1000 events), or a server-sent-event
+stream when the request asks for `Accept: text/event-stream` (what `EventSource` and `opd logs -f`
+send); the stream ends with an `end` event once the job is finished and every event is sent. A
+stream is bounded: at most `event_streams_per_tenant` open at once per tenant, each at most
+`event_stream_max_s` long, after which it ends with a `reconnect` event (the client continues from
+its cursor); each turn reads at most 500 events (`jobs.stream_snapshot`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated
 
 import anyio
@@ -17,9 +21,10 @@ from fastapi import APIRouter, Header, Query, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from sse_starlette import EventSourceResponse, ServerSentEvent
+from starlette.background import BackgroundTask
 
 from api.db import Database
-from api.deps import DatabaseDep, SessionDep, SettingsDep, TenantDep
+from api.deps import DatabaseDep, SessionDep, SettingsDep, StreamSlotsDep, TenantDep
 from api.errors import TENANT, errors
 from api.schemas import (
     CheckpointList,
@@ -130,6 +135,8 @@ def list_events(
     job_id: str,
     session: SessionDep,
     db: DatabaseDep,
+    settings: SettingsDep,
+    streams: StreamSlotsDep,
     tenant: TenantDep,
     after: Cursor = 0,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
@@ -147,12 +154,15 @@ def list_events(
     # sse-starlette sets `shutdown` when the server is stopping (a restart, a rolling update) and gives
     # the stream a grace period to say so before it is closed; clients then reconnect.
     shutdown = anyio.Event()
+    # Released when the stream ends, whichever way: its own end, the client leaving, a HEAD request.
+    release = streams.acquire(tenant.id)
     return EventSourceResponse(
-        _stream(db, job_id, after, shutdown),
+        _stream(db, job_id, after, shutdown, time.monotonic() + settings.event_stream_max_s, release),
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         ping=KEEPALIVE_S,
         shutdown_event=shutdown,
         shutdown_grace_period=SHUTDOWN_GRACE_S,
+        background=BackgroundTask(release),
     )
 
 
@@ -162,23 +172,36 @@ def _read(db: Database, job_id: str, after: int) -> tuple[list[EventPublic], Job
 
 
 async def _stream(
-    db: Database, job_id: str, after: int, shutdown: anyio.Event
+    db: Database,
+    job_id: str,
+    after: int,
+    shutdown: anyio.Event,
+    deadline: float,
+    release: Callable[[], None],
 ) -> AsyncIterator[ServerSentEvent]:
-    """The job's events after `after`, then `end` (the finished job) or `shutdown` (the server stops)."""
-    while True:
-        events, job = await run_in_threadpool(_read, db, job_id, after)
-        for event in events:
-            after = event.id
-            yield ServerSentEvent(data=event.model_dump_json(), event=event.type, id=str(event.id))
-        if job is None or (job.status in TERMINAL and not events):
-            payload = job.model_dump_json() if job else json.dumps({"id": job_id, "deleted": True})
-            yield ServerSentEvent(data=payload, event="end")
-            return
-        if shutdown.is_set():
-            yield ServerSentEvent(data=json.dumps({"id": job_id, "after": after}), event="shutdown")
-            return
-        if not events:
-            await asyncio.sleep(STREAM_POLL_S)
+    """The job's events after `after`, then `end` (the finished job), `shutdown` (the server stops) or
+    `reconnect` (the stream reached its longest, `deadline` on the monotonic clock); `release` frees
+    the tenant's stream slot."""
+    try:
+        while True:
+            events, job = await run_in_threadpool(_read, db, job_id, after)
+            for event in events:
+                after = event.id
+                yield ServerSentEvent(data=event.model_dump_json(), event=event.type, id=str(event.id))
+            if job is None or (job.status in TERMINAL and not events):
+                payload = job.model_dump_json() if job else json.dumps({"id": job_id, "deleted": True})
+                yield ServerSentEvent(data=payload, event="end")
+                return
+            if shutdown.is_set():
+                yield ServerSentEvent(data=json.dumps({"id": job_id, "after": after}), event="shutdown")
+                return
+            if time.monotonic() >= deadline:
+                yield ServerSentEvent(data=json.dumps({"id": job_id, "after": after}), event="reconnect")
+                return
+            if not events:
+                await asyncio.sleep(STREAM_POLL_S)
+    finally:
+        release()
 
 
 @router.get(

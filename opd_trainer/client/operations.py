@@ -403,8 +403,9 @@ def finished(job: JobPublic, waited_s: float, timeout_s: float | None) -> bool:
 class EventFollower:
     """One followed event stream: its cursor (the last event id received) and its reconnects.
 
-    A dropped connection, or the server's `shutdown` event (it is restarting), is reconnected after
-    2, 4, 8, then 10 s from the cursor; more than `retries` failures in a row without an event in
+    A dropped connection, the server's `shutdown` event (it is restarting) or its `reconnect` event
+    (the stream reached the server's longest, `OPD_EVENT_STREAM_MAX_S`) is reconnected after 2, 4, 8,
+    then 10 s from the cursor; more than `retries` failures in a row without an event in
     between give up (the last error is raised).
     """
 
@@ -441,7 +442,8 @@ class EventFollower:
 
     def items(self, kind: str, data: str) -> list[EventPublic | StreamEnd]:
         """The stream's items in one server-sent event: none (a ping, no data) or one. After the
-        `end` event, `ended` is set; after `shutdown`, the connection is to be made again."""
+        `end` event, `ended` is set; after `shutdown` or `reconnect`, the connection is to be made
+        again."""
         if not data:
             return []
         self.failures = 0
@@ -450,8 +452,8 @@ class EventFollower:
             self.ended = True
             job = None if payload.get("deleted") else JobPublic.model_validate(payload)
             return [StreamEnd(job_id=str(payload["id"]), job=job)]
-        if kind == "shutdown":  # the server is restarting: reconnect as after a drop
-            raise httpx.RemoteProtocolError("the server shut down the event stream")
+        if kind in ("shutdown", "reconnect"):  # the server restarts, or ends long streams: reconnect
+            raise httpx.RemoteProtocolError(f"the server ended the event stream ({kind})")
         event = EventPublic.model_validate(payload)
         self.after = max(self.after, event.id)
         return [event]
