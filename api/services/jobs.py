@@ -43,6 +43,7 @@ from opd_trainer.spec.job_status import JobStatus, format_event_line
 from opd_trainer.spec.model_source import is_hub_id, local_model
 from opd_trainer.spec.preflight import check_same_tokenizer, resolve_max_length
 from opd_trainer.workers.classpath import validate_workspace
+from opd_trainer.workers.requirements import requirements_of
 
 # -- helpers shared with the scheduler --------------------------------------------------------------
 
@@ -230,6 +231,8 @@ def preflight(resolved: JobSpec) -> None:
         problems = validate_workspace(Path(component.fcmodel.zipdir), component.fcmodel.classpath)
         if problems:
             raise ConfigError("; ".join(problems), field=f"functions.{component.name}.fcmodel.classpath")
+        # Package specifiers only (no pip options, paths or URLs): refused here, not when a worker starts.
+        requirements_of(Path(component.fcmodel.zipdir), f"functions.{component.name}.fcmodel.workspace")
     for field in MODEL_FIELDS:
         # Only local model folders: a hub name would make transformers try the network from the API.
         if not Path(getattr(resolved, field)).is_dir():

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from enum import Enum
 from pathlib import Path
@@ -115,6 +116,49 @@ class FcModel(_Strict):
         return self
 
 
+# `runtime.env` names a component may not set, exactly or by prefix (`*`), and why: each changes how
+# the dynamic loader, an interpreter or a shell starts (and so runs code of the tenant's choosing before
+# the sandbox applies, e.g. PYTHONPATH to a sitecustomize.py), or belongs to the service. OMP_* and
+# the like stay the component's own.
+RESERVED_ENV: dict[str, str] = {
+    "LD_*": "the dynamic loader's (LD_PRELOAD, LD_LIBRARY_PATH, LD_AUDIT load code into every process)",
+    "PYTHON*": "the Python interpreter's (PYTHONPATH, PYTHONSTARTUP, PYTHONHOME load code at its start)",
+    "BASH_ENV": "a file bash runs at its start",
+    "ENV": "a file sh runs at its start",
+    "PATH": "it decides which programs the launcher runs",
+    "HOME": "programs read start-up files from it",
+    "IFS": "it changes how the shell splits words",
+    "SHELLOPTS": "the shell's options (xtrace with PS4 runs code)",
+    "PS4": "the shell expands it, running code, under xtrace",
+    "PERL5*": "the Perl interpreter's (PERL5LIB, PERL5OPT load code)",
+    "RUBY*": "the Ruby interpreter's (RUBYLIB, RUBYOPT load code)",
+    "NODE_OPTIONS": "the Node.js interpreter's options (--require loads code)",
+    "GCONV_PATH": "glibc loads charset modules from it",
+    "MALLOC_*": "glibc's allocator's",
+    "GLIBC_TUNABLES": "glibc's settings",
+    "LOCPATH": "glibc reads locale files from it",
+    "TMPDIR": "the sandbox sets the private scratch folder",
+    "VIRTUAL_ENV": "the service sets the workspace's Python environment",
+    "PIP_*": "pip's (an index URL or options: requirements install from the operator's index only)",
+    "SSL_CERT_*": "it decides which TLS certificates are trusted",
+    "REQUESTS_CA_BUNDLE": "it decides which TLS certificates are trusted",
+    "OPD_*": "the service's own settings",
+    "RAY_*": "the Ray cluster's settings",
+    "CUDA_*": "the service places workers on devices",
+    "NCCL_*": "the service's GPU communication",
+}
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+ENV_VALUE_MAX_CHARS = 4096
+
+
+def reserved_env_reason(name: str) -> str | None:
+    """Why `name` is in `RESERVED_ENV` (exactly, or by a prefix entry), None if it is not."""
+    for pattern, reason in RESERVED_ENV.items():
+        if name == pattern or (pattern.endswith("*") and name.startswith(pattern[:-1])):
+            return reason
+    return None
+
+
 class FunctionRuntime(_Strict):
     """Size and autoscaling of the worker pool that runs one processor component."""
 
@@ -139,7 +183,13 @@ class FunctionRuntime(_Strict):
         le=1,
         description="Scale up when in-flight calls / (workers × concurrency) pass this.",
     )
-    env: dict[str, str] = Field(default_factory=dict, description="Environment variables for the workers.")
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Environment variables for the component's processes: names of letters, digits and `_` "
+        "(not starting with a digit), values of at most 4096 characters without NUL. Names that change how "
+        "a loader, interpreter or shell starts, or that the service owns, are refused (`RESERVED_ENV`: "
+        "LD_*, PYTHON*, PATH, HOME, BASH_ENV, PIP_*, OPD_*, RAY_*, CUDA_*, ...).",
+    )
 
     @model_validator(mode="after")
     def _capacities_ordered(self) -> FunctionRuntime:
@@ -170,6 +220,22 @@ class FunctionComponent(_Strict):
         default=None, description="Reward components: weights of named reward_metrics folded into the score."
     )
     runtime: FunctionRuntime = Field(default_factory=FunctionRuntime, description="Worker pool size/scaling.")
+
+    @field_validator("runtime")
+    @classmethod
+    def _safe_env(cls, runtime: FunctionRuntime, info: ValidationInfo) -> FunctionRuntime:
+        """`runtime.env`, checked here, where the error can name the component: a name and value that
+        reach the worker's launcher as they are, and no name of `RESERVED_ENV`."""
+        where = f"functions.{info.data.get('name', '?')}.runtime.env"
+        for name, value in runtime.env.items():
+            if not ENV_NAME.fullmatch(name):
+                raise ValueError(f"{where}: {name[:64]!r} is not a variable name (letters, digits, _)")
+            reason = reserved_env_reason(name)
+            if reason is not None:
+                raise ValueError(f"{where}.{name}: not settable by a job: {reason}")
+            if len(value) > ENV_VALUE_MAX_CHARS or "\x00" in value:
+                raise ValueError(f"{where}.{name}: the value must be at most 4096 characters, without NUL")
+        return runtime
 
 
 # Defaults chosen from benchmarks/vs_trl_gkd.py and benchmarks/efficacy.py (docs/benchmarks.md).

@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
-from apiserver import ADMIN_KEY, Server, Tenant, jsonl, record, zip_bytes
+from apiserver import ADMIN_KEY, WORKSPACE, Server, Tenant, jsonl, record, zip_bytes
 
 KB = 1024
 
@@ -52,7 +52,7 @@ def submit_raw(
 
 
 def with_component(
-    classpath: str, entries: dict[str, bytes] | None = None
+    classpath: str, entries: dict[str, bytes] | None = None, runtime: dict[str, Any] | None = None
 ) -> Callable[[Tenant, Tenant], httpx.Response]:
     def send(t: Tenant, _o: Tenant) -> httpx.Response:
         workspace = t.upload(zip_bytes(entries or {"functions/__init__.py": b""}), "workspace", "ws.zip")
@@ -61,6 +61,7 @@ def with_component(
             "name": "score",
             "type": "reward",
             "fcmodel": {"workspace": workspace["id"], "classpath": classpath},
+            **({"runtime": runtime} if runtime is not None else {}),
         }
         return t.http.post("/v1/opd/jobs", json=t.spec(dataset["id"], functions=[component]))
 
@@ -283,6 +284,33 @@ CASES = [
         400,
         "hyper_parameters.max_length",
         "context of 4096",
+    ),
+    Case(
+        "spec: requirements.txt names a server file through a pip option",
+        with_component(
+            "functions/reward.py:MyReward",
+            {**WORKSPACE, "requirements.txt": b"numpy\n--requirement=/etc/passwd\n"},
+        ),
+        400,
+        "functions.score.fcmodel.workspace",
+        "requirements.txt line 2 is a pip option",
+    ),
+    Case(
+        "spec: requirements.txt installs from a URL",
+        with_component(
+            "functions/reward.py:MyReward",
+            {**WORKSPACE, "requirements.txt": b"evil @ https://example.com/e.whl"},
+        ),
+        400,
+        "functions.score.fcmodel.workspace",
+        "requirements.txt line 1 (evil): a URL, path or archive file",
+    ),
+    Case(
+        "spec: runtime.env sets a variable the loader reads",
+        with_component("functions/reward.py:MyReward", WORKSPACE, runtime={"env": {"LD_PRELOAD": "x.so"}}),
+        422,
+        "functions.0.runtime",
+        "functions.score.runtime.env.LD_PRELOAD: not settable by a job",
     ),
     Case(
         "spec: a tenant's tracking URI is a file on the server",

@@ -269,3 +269,66 @@ def test_jsd_beta_is_strictly_between_the_kls(beta: float) -> None:
     with pytest.raises(ConfigError) as raised:
         parse_job_spec({**MINIMAL, "hyper_parameters": {"jsd_beta": beta}})
     assert raised.value.field == "hyper_parameters.jsd_beta"
+
+
+def _with_env(env: dict[str, str]) -> dict:
+    component = {**_component("judge", "reward"), "runtime": {"env": env}}
+    return {**MINIMAL, "functions": [component]}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "LD_PRELOAD",
+        "LD_LIBRARY_PATH",
+        "PYTHONPATH",
+        "PYTHONSTARTUP",
+        "PYTHONHOME",
+        "BASH_ENV",
+        "ENV",
+        "PATH",
+        "HOME",
+        "IFS",
+        "SHELLOPTS",
+        "PS4",
+        "PERL5OPT",
+        "RUBYOPT",
+        "NODE_OPTIONS",
+        "GCONV_PATH",
+        "MALLOC_CHECK_",
+        "GLIBC_TUNABLES",
+        "LOCPATH",
+        "TMPDIR",
+        "VIRTUAL_ENV",
+        "PIP_INDEX_URL",
+        "SSL_CERT_FILE",
+        "REQUESTS_CA_BUNDLE",
+        "OPD_ADMIN_KEY",
+        "RAY_ADDRESS",
+        "CUDA_VISIBLE_DEVICES",
+        "NCCL_SOCKET_IFNAME",
+    ],
+)
+def test_runtime_env_refuses_what_changes_how_processes_start_or_the_service_owns(name: str) -> None:
+    with pytest.raises(ConfigError) as raised:
+        parse_job_spec(_with_env({name: "x"}))
+    assert raised.value.field == "functions.0.runtime"
+    assert f"functions.judge.runtime.env.{name}: not settable by a job: " in raised.value.message
+
+
+@pytest.mark.parametrize("name", ["1ST", "A-B", "A B", "A=B", "", "X\x00", "É"])
+def test_runtime_env_names_are_plain_identifiers(name: str) -> None:
+    with pytest.raises(ConfigError, match=r"functions\.judge\.runtime\.env: .* is not a variable name"):
+        parse_job_spec(_with_env({name: "x"}))
+
+
+@pytest.mark.parametrize("value", ["x" * 4097, "a\x00b"])
+def test_runtime_env_values_are_bounded_and_without_nul(value: str) -> None:
+    with pytest.raises(ConfigError, match=r"functions\.judge\.runtime\.env\.MY_SETTING: the value must be"):
+        parse_job_spec(_with_env({"MY_SETTING": value}))
+
+
+def test_runtime_env_keeps_the_components_own_variables() -> None:
+    env = {"OMP_NUM_THREADS": "2", "MY_API_BASE": "http://judge", "_x": "y" * 4096, "Path": "lowercase ok"}
+    spec = parse_job_spec(_with_env(env))
+    assert spec.functions[0].runtime.env == env
