@@ -14,7 +14,7 @@ It runs in its own thread and, every `poll_interval_s`:
 
 Nothing a driver does can hold this thread: calls to drivers are sent, then waited for at most
 `ANSWER_WAIT_S` per poll all together, and an answer that has not come is looked for again at the next
-poll; drivers are created by a launcher thread. A driver that has not answered for
+poll; drivers are created on threads of their own. A driver that has not answered for
 `driver_unresponsive_s` (its event loop blocked by a tracker or other synchronous code, its node
 silent) counts as lost, like one that died.
 
@@ -44,7 +44,7 @@ import re
 import threading
 import time
 from collections import Counter, deque
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,7 +73,6 @@ CALL_TIMEOUT_S = 30.0
 ANSWER_WAIT_S = 1.0
 # How long a finished driver's run() may take to return (its engines shut down) before it is killed.
 FINISH_WAIT_S = 30.0
-LAUNCHERS = 4
 RAY_CHECK_EVERY_S = 10.0
 RAY_RETRY_S = 10.0
 
@@ -88,7 +87,7 @@ class DriverHandle:
 
     actor: Any = None  # None while `launch` runs
     run_ref: Any = None  # None when re-attached: the previous server process held it
-    launch: Future[tuple[Any, Any]] | None = None  # (actor, run_ref), from the launcher thread
+    launch: Future[tuple[Any, Any]] | None = None  # (actor, run_ref), from `Scheduler._launch`
     reattached: bool = False
     stop_sent: bool = False
     poll: list[Any] | None = None  # [request_stop?, progress, events] refs in flight
@@ -108,7 +107,7 @@ class DriverHandle:
         """Why the launch failed, once it has (None while it runs or when it succeeded)."""
         if self.launch is None or not self.launch.done():
             return None
-        return CancelledError() if self.launch.cancelled() else self.launch.exception()
+        return self.launch.exception()
 
 
 def fair_queue(session: Session, free: int, per_tenant: int) -> list[str]:
@@ -157,8 +156,6 @@ class Scheduler:
         self._handles: dict[str, DriverHandle] = {}
         # Drivers no job holds any more, killed once launched (and, finished ones, once run() returned).
         self._retired: list[DriverHandle] = []
-        # Creating a driver waits for a Ray task that imports the training stack: never on this thread.
-        self._launcher = ThreadPoolExecutor(LAUNCHERS, thread_name_prefix="opd-launch")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_ray_check = 0.0
@@ -175,7 +172,6 @@ class Scheduler:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=CALL_TIMEOUT_S)
-        self._launcher.shutdown(wait=False, cancel_futures=True)
         if self.role == "leader":
             with contextlib.suppress(Exception):
                 self.lease.release()
@@ -592,7 +588,7 @@ class Scheduler:
 
     def _start_driver(self, session: Session, job: Job) -> None:
         """A new driver incarnation on the job's run dir (it resumes from the latest checkpoint),
-        created by the launcher thread; the next polls pick it up."""
+        created on a thread of its own (`_launch`); the polls pick it up once it exists."""
         try:
             spec = resolve_for_driver(session, job)
         except (APIError, OPDError) as exc:
@@ -603,8 +599,7 @@ class Scheduler:
         # Counted before the new driver can write: what follows in events.jsonl is its own.
         job.driver_events_offset = len(RunDir(job.run_dir).events())
         storage_token = write_probe(Path(job.run_dir))  # the driver and learner check they see it
-        launch = self._launcher.submit(self._launch, spec, job.run_dir, job.id, storage_token)
-        self._handles[job.id] = DriverHandle(launch=launch)
+        self._handles[job.id] = DriverHandle(launch=self._launch(spec, job.run_dir, job.id, storage_token))
         job.driver_attempts += 1
         job.driver_event_seq = -1
         logger.info(
@@ -612,15 +607,26 @@ class Scheduler:
         )
 
     @classmethod
-    def _launch(cls, spec: Any, run_dir: str, job_id: str, storage_token: str) -> tuple[Any, Any]:
-        """Runs on the launcher thread: the driver actor, created on the cluster (this process may not
-        hold the training stack: the api image), and its `run()` under way."""
+    def _launch(cls, spec: Any, run_dir: str, job_id: str, storage_token: str) -> Future[tuple[Any, Any]]:
+        """The driver actor and its `run()` under way, made on a thread of its own: creating it waits
+        for a Ray task that imports the training stack on the cluster (this process may not hold it:
+        the api image), and this thread must not. A daemon thread, so that a launch Ray cannot place
+        never holds the server's exit."""
         from opd_trainer.driver.launch import launch_driver
 
-        name = actor_name(job_id)
-        cls._kill_named(name)
-        actor = launch_driver(spec, run_dir, job_id, storage_token, name, NAMESPACE)
-        return actor, actor.run.remote()
+        made: Future[tuple[Any, Any]] = Future()
+
+        def launch() -> None:
+            try:
+                name = actor_name(job_id)
+                cls._kill_named(name)
+                actor = launch_driver(spec, run_dir, job_id, storage_token, name, NAMESPACE)
+                made.set_result((actor, actor.run.remote()))
+            except BaseException as exc:
+                made.set_exception(exc)
+
+        threading.Thread(target=launch, name=f"opd-launch-{job_id}", daemon=True).start()
+        return made
 
     @staticmethod
     def _kill_named(name: str) -> None:

@@ -30,12 +30,21 @@ def test_environment_and_database_url_alias(monkeypatch: pytest.MonkeyPatch, tmp
         ("max_concurrent_jobs", -1),
         ("workspace_max_compression_ratio", 1),
         ("max_body_bytes", 10),
+        ("cancel_grace_s", 0),
+        ("driver_unresponsive_s", 0),
+        ("max_concurrent_jobs_per_tenant", 0),
     ],
 )
 def test_bad_settings_fail_fast(field: str, value: object) -> None:
     with pytest.raises(ValidationError) as raised:
         Settings(**{field: value})
     assert raised.value.errors()[0]["loc"][0] in {field, "database_url"}
+
+
+def test_a_driver_is_given_more_than_one_poll_to_answer() -> None:
+    with pytest.raises(ValidationError, match="driver_unresponsive_s must exceed poll_interval_s"):
+        Settings(poll_interval_s=5, driver_unresponsive_s=5)
+    assert Settings(poll_interval_s=5, driver_unresponsive_s=6).driver_unresponsive_s == 6
 
 
 def test_serve_refuses_bad_settings_with_one_line(
