@@ -13,6 +13,7 @@ job (its error, its events and logs, its checkpoints, a refused submission) goes
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,16 +44,27 @@ def run_name(job: Job, path: str | Path) -> str:
     return f"{job.id}/{Path(path).relative_to(job.run_dir).as_posix()}"
 
 
+@functools.lru_cache(maxsize=16)
+def _substitutions(data_dir: str, hub_cache: str) -> list[tuple[re.Pattern[str], str]]:
+    """The patterns `public_text` applies, longest root first, each root as given and resolved (a
+    message may hold either); built once per data dir, since a page of events applies them often."""
+    found = []
+    for root in sorted({data_dir, str(Path(data_dir).resolve())}, key=len, reverse=True):
+        found.append((re.compile(re.escape(root) + _ID_FOLDERS), r"\g<id>"))
+        found.append((re.compile(re.escape(root) + _PATH_TAIL), "<server path>"))
+    for root in sorted({hub_cache, str(Path(hub_cache).resolve())}, key=len, reverse=True):
+        found.append((re.compile(re.escape(root) + r"(?![A-Za-z0-9_.-])"), "<hub cache>"))
+    return found
+
+
 def public_text(text: str, data_dir: Path) -> str:
     """`text` with every path under `data_dir` or the hub cache named as the module docstring says."""
     from huggingface_hub import constants
 
-    for root in sorted({str(data_dir), str(data_dir.resolve())}, key=len, reverse=True):
-        text = re.sub(re.escape(root) + _ID_FOLDERS, r"\g<id>", text)
-        text = re.sub(re.escape(root) + _PATH_TAIL, "<server path>", text)
-    hub = Path(constants.HF_HUB_CACHE)
-    for root in sorted({str(hub), str(hub.resolve())}, key=len, reverse=True):
-        text = re.sub(re.escape(root) + r"(?![A-Za-z0-9_.-])", "<hub cache>", text)
+    if "/" not in text:
+        return text
+    for pattern, replacement in _substitutions(str(data_dir), str(constants.HF_HUB_CACHE)):
+        text = pattern.sub(replacement, text)
     return text
 
 
