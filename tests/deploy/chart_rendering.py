@@ -1,4 +1,5 @@
-"""Renders the Helm chart offline for the deployment tests: paths, install scenarios, `render`.
+"""Renders the Helm chart offline for the deployment tests: paths, install scenarios, `render`, and
+the accessors the tests read rendered objects with.
 
 helm-python-sdk binds Helm's Go SDK (libhelm_c, Helm v4) through ctypes: `Chart.load`, `Chart.render`
 (`helm template`), `lint` (`helm lint`) and `values_from_yaml` (`-f`) all run in-process with no
@@ -8,6 +9,7 @@ they mean exactly what `helm install -f FILE` would make of them.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,3 +73,27 @@ def render(chart: helm.Chart, values: dict[str, Any] | None, scenario: str = "cu
             continue
         objects.extend(doc for doc in yaml.safe_load_all(text) if doc)
     return Rendered(scenario=scenario, objects=objects, notes=notes)
+
+
+def pod_templates(rendered: Rendered) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(where, pod template) of the API Deployment and of every Ray group."""
+    for deployment in rendered.of_kind("Deployment"):
+        yield deployment["metadata"]["name"], deployment["spec"]["template"]
+    for cluster in rendered.of_kind("RayCluster"):
+        yield "ray head", cluster["spec"]["headGroupSpec"]["template"]
+        for group in cluster["spec"]["workerGroupSpecs"]:
+            yield f"ray group {group['groupName']}", group["template"]
+
+
+def worker_groups(rendered: Rendered) -> dict[str, dict[str, Any]]:
+    cluster = rendered.one("RayCluster")
+    return {group["groupName"]: group for group in cluster["spec"]["workerGroupSpecs"]}
+
+
+def ray_container(pod_template: dict[str, Any]) -> dict[str, Any]:
+    container: dict[str, Any] = pod_template["spec"]["containers"][0]  # KubeRay's Ray container
+    return container
+
+
+def env_of(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {entry["name"]: entry for entry in container.get("env", [])}

@@ -30,8 +30,12 @@ from chart_rendering import (
     SCHEMAS_DIR,
     VALUES_DIR,
     Rendered,
+    env_of,
     load_values,
+    pod_templates,
+    ray_container,
     render,
+    worker_groups,
 )
 
 # Custom resources the chart renders → their vendored CRD schema (see schemas/README.md).
@@ -48,12 +52,6 @@ FULLNAME = f"{RELEASE}-opd-trainer"
 # -- fixtures ------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="session")
-def chart() -> Iterator[helm.Chart]:
-    with helm.Chart.load(CHART_DIR) as loaded:
-        yield loaded
-
-
 @pytest.fixture(scope="module", params=list(SCENARIOS))
 def scenario(request: pytest.FixtureRequest) -> str:
     name: str = request.param
@@ -63,17 +61,6 @@ def scenario(request: pytest.FixtureRequest) -> str:
 @pytest.fixture(scope="module")
 def rendered(chart: helm.Chart, scenario: str) -> Rendered:
     return render(chart, load_values(SCENARIOS[scenario]), scenario)
-
-
-@pytest.fixture(scope="session")
-def rendered_by_scenario(chart: helm.Chart) -> dict[str, Rendered]:
-    return {name: render(chart, load_values(file), name) for name, file in SCENARIOS.items()}
-
-
-@pytest.fixture(scope="session")
-def default_values() -> dict[str, Any]:
-    values: dict[str, Any] = yaml.safe_load((CHART_DIR / "values.yaml").read_text())
-    return values
 
 
 # -- schemas ------------------------------------------------------------------------------------
@@ -123,26 +110,6 @@ def schema_errors(obj: dict[str, Any]) -> list[str]:
 # -- helpers over rendered objects ---------------------------------------------------------------
 
 
-def pod_templates(rendered: Rendered) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(where, pod template) of the API Deployment and of every Ray group."""
-    for deployment in rendered.of_kind("Deployment"):
-        yield deployment["metadata"]["name"], deployment["spec"]["template"]
-    for cluster in rendered.of_kind("RayCluster"):
-        yield "ray head", cluster["spec"]["headGroupSpec"]["template"]
-        for group in cluster["spec"]["workerGroupSpecs"]:
-            yield f"ray group {group['groupName']}", group["template"]
-
-
-def worker_groups(rendered: Rendered) -> dict[str, dict[str, Any]]:
-    cluster = rendered.one("RayCluster")
-    return {group["groupName"]: group for group in cluster["spec"]["workerGroupSpecs"]}
-
-
-def ray_container(pod_template: dict[str, Any]) -> dict[str, Any]:
-    container: dict[str, Any] = pod_template["spec"]["containers"][0]  # KubeRay's Ray container
-    return container
-
-
 def gpus(group: dict[str, Any]) -> int:
     limits = ray_container(group["template"]).get("resources", {}).get("limits", {})
     return int(limits.get("nvidia.com/gpu", 0))
@@ -151,10 +118,6 @@ def gpus(group: dict[str, Any]) -> int:
 def api_container(rendered: Rendered) -> dict[str, Any]:
     container: dict[str, Any] = rendered.one("Deployment")["spec"]["template"]["spec"]["containers"][0]
     return container
-
-
-def env_of(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {entry["name"]: entry for entry in container.get("env", [])}
 
 
 def configmap_data(rendered: Rendered) -> dict[str, str]:
@@ -203,14 +166,14 @@ def test_objects_are_namespaced_and_labelled(rendered: Rendered) -> None:
         assert labels["app.kubernetes.io/managed-by"] == "Helm", obj["kind"]
 
 
-def test_pods_run_as_non_root_without_a_service_account_token(rendered: Rendered) -> None:
+def test_pods_run_as_non_root(rendered: Rendered) -> None:
+    """(No service-account token either: test_isolation.py.)"""
     for where, template in pod_templates(rendered):
         security = template["spec"]["securityContext"]
         assert security["runAsNonRoot"] is True, where
         assert security["runAsUser"] != 0, where
         for container in template["spec"]["containers"]:
             assert container["securityContext"]["allowPrivilegeEscalation"] is False, where
-    assert rendered.one("Deployment")["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
 
 
 def test_api_server_probes_and_command(rendered: Rendered) -> None:
@@ -302,7 +265,7 @@ def test_default_install(rendered_by_scenario: dict[str, Rendered]) -> None:
     assert kinds == [
         "ConfigMap",
         "Deployment",
-        "NetworkPolicy",
+        *["NetworkPolicy"] * 4,  # API, head, CPU/GPU workers, user-code group
         "PersistentVolumeClaim",
         "Pod",  # the `helm test` pod
         "RayCluster",
@@ -357,29 +320,6 @@ def test_the_default_job_can_be_placed_on_the_default_chart(
     memory = ray_container(group["template"])["resources"]["limits"]["memory"]
     shm = next(v for v in group["template"]["spec"]["volumes"] if v["name"] == "dshm")["emptyDir"]
     assert int(shm["sizeLimit"].removesuffix("Gi")) < int(memory.removesuffix("Gi"))
-
-
-def test_only_the_api_reaches_ray_client_and_dashboard(rendered_by_scenario: dict[str, Rendered]) -> None:
-    rendered = rendered_by_scenario["default"]
-    policy = rendered.one("NetworkPolicy")["spec"]
-    head_labels = rendered.one("RayCluster")["spec"]["headGroupSpec"]["template"]["metadata"]["labels"]
-    assert policy["policyTypes"] == ["Ingress"]
-    assert policy["podSelector"]["matchLabels"].items() <= head_labels.items()
-    api_labels = rendered.one("Deployment")["spec"]["template"]["metadata"]["labels"]
-    guarded = {10001, 8265}
-    for rule in policy["ingress"]:
-        [peer] = rule["from"]
-        selector = peer["podSelector"]["matchLabels"]
-        opened = set()
-        for port in rule["ports"]:
-            if port["protocol"] == "TCP":
-                opened |= set(range(port["port"], port.get("endPort", port["port"]) + 1))
-        if selector.items() <= api_labels.items():
-            assert opened == guarded
-        else:
-            assert selector == {"ray.io/cluster": rendered.one("RayCluster")["metadata"]["name"]}
-            assert not opened & guarded and len(opened) == 65535 - len(guarded)
-    assert not rendered_by_scenario["existing-ray"].of_kind("NetworkPolicy")
 
 
 def test_helm_test_pod_asks_the_api_if_it_is_ready(rendered_by_scenario: dict[str, Rendered]) -> None:
@@ -451,7 +391,7 @@ def test_two_gpu_groups_install(rendered_by_scenario: dict[str, Rendered]) -> No
     spec = teacher["template"]["spec"]
     assert spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
     assert {t.get("key") for t in spec["tolerations"]} == {"nvidia.com/gpu", "dedicated"}
-    assert teacher["rayStartParams"] == {"object-store-memory": "34359738368"}
+    assert teacher["rayStartParams"]["object-store-memory"] == "34359738368"
     assert (teacher["minReplicas"], teacher["maxReplicas"]) == (0, 2)
     container = ray_container(teacher["template"])
     assert container["resources"]["limits"]["memory"] == "256Gi"

@@ -151,6 +151,49 @@ new random one. `lookup` sees nothing under `helm template`, so there it is alwa
 {{- $_ := set $groups $name $group }}
 {{- end }}
 {{- end }}
+{{- $ports := .Values.ray.common.ports }}
+{{- if gt (int $ports.minWorker) (int $ports.maxWorker) }}
+{{- fail (printf "ray.common.ports: minWorker (%v) is greater than maxWorker (%v)" $ports.minWorker $ports.maxWorker) }}
+{{- end }}
+{{- $fixed := dict "nodeManager" $ports.nodeManager "objectManager" $ports.objectManager "dashboardAgentGrpc" $ports.dashboardAgentGrpc "dashboardAgentListen" $ports.dashboardAgentListen "metricsExport" $ports.metricsExport "GCS" 6379 "Ray Client" 10001 "dashboard" 8265 }}
+{{- $seen := dict }}
+{{- range $name, $port := $fixed }}
+{{- if and (ge (int $port) (int $ports.minWorker)) (le (int $port) (int $ports.maxWorker)) }}
+{{- fail (printf "ray.common.ports: the %s port %v lies in the worker port range %v-%v" $name $port $ports.minWorker $ports.maxWorker) }}
+{{- end }}
+{{- if hasKey $seen (toString $port) }}
+{{- fail (printf "ray.common.ports: the %s and %s ports are both %v" (get $seen (toString $port)) $name $port) }}
+{{- end }}
+{{- $_ := set $seen (toString $port) $name }}
+{{- end }}
+{{- with .Values.ray.networkPolicy.gatewayPorts }}
+{{- if gt (int .start) (int .end) }}
+{{- fail (printf "ray.networkPolicy.gatewayPorts: start (%v) is greater than end (%v)" .start .end) }}
+{{- end }}
+{{- end }}
+{{- $params := dict "ray.head" .Values.ray.head.rayStartParams }}
+{{- range $name, $group := $groups }}
+{{- $_ := set $params (printf "worker group %s" $name) ($group.rayStartParams | default dict) }}
+{{- end }}
+{{- range $where, $given := $params }}
+{{- range include "opd-trainer.rayPortParamKeys" $ | splitList " " }}
+{{- if hasKey $given . }}
+{{- fail (printf "%s: rayStartParams.%s: the chart sets Ray's ports (ray.common.ports) so that the NetworkPolicies name them" $where .) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- $labelled := dict "common.labels" .Values.common.labels "ray.head.labels" .Values.ray.head.labels }}
+{{- range $name, $group := $groups }}
+{{- $_ := set $labelled (printf "worker group %s labels" $name) ($group.labels | default dict) }}
+{{- end }}
+{{- range $where, $labels := $labelled }}
+{{- if hasKey ($labels | default dict) "app.kubernetes.io/component" }}
+{{- fail (printf "%s: app.kubernetes.io/component is the chart's (the NetworkPolicies select pods by it)" $where) }}
+{{- end }}
+{{- end }}
+{{- if .Values.ray.userCodeWorkers.enabled }}
+{{- include "opd-trainer.validateUserCodeGroup" . }}
+{{- end }}
 {{- range $name, $group := $groups }}
 {{- if gt (int $group.minReplicas) (int $group.maxReplicas) }}
 {{- fail (printf "worker group %s: minReplicas (%v) is greater than maxReplicas (%v)" $name $group.minReplicas $group.maxReplicas) }}
@@ -170,6 +213,80 @@ opd_user_code
 {{/* Whether processor workers go to their own group (the RayCluster is ours and has that group). */}}
 {{- define "opd-trainer.userCodeGroup" -}}
 {{- if and .Values.ray.enabled .Values.ray.userCodeWorkers.enabled }}true{{ end }}
+{{- end }}
+
+{{/*
+What the user-code group must not get, whatever the values say: a Secret (as env, from
+ray.common.containerEnv or the group's own, or as a volume), the data volume, a projected volume (it
+can carry a service-account token or a Secret), a privileged container.
+*/}}
+{{- define "opd-trainer.validateUserCodeGroup" -}}
+{{- $group := .Values.ray.userCodeWorkers }}
+{{- range $entry := concat (.Values.ray.common.containerEnv | default list) ($group.containerEnv | default list) }}
+{{- if and $entry.valueFrom $entry.valueFrom.secretKeyRef }}
+{{- fail (printf "ray.userCodeWorkers: env %s takes a Secret (from ray.common.containerEnv or ray.userCodeWorkers.containerEnv); user-code pods get none: set it on ray.cpuWorkers or a GPU group instead" $entry.name) }}
+{{- end }}
+{{- end }}
+{{- range $volume := $group.volumes | default list }}
+{{- if or $volume.secret $volume.projected (and $volume.persistentVolumeClaim (eq $volume.persistentVolumeClaim.claimName (include "opd-trainer.claimName" $))) }}
+{{- fail (printf "ray.userCodeWorkers.volumes: %s is a Secret, a projected volume or the data volume; user-code pods get none" $volume.name) }}
+{{- end }}
+{{- end }}
+{{- if and $group.securityContext $group.securityContext.privileged }}
+{{- fail "ray.userCodeWorkers.securityContext.privileged: user-code pods never run privileged" }}
+{{- end }}
+{{- end }}
+
+{{/* The `ray start` flags that carry ray.common.ports (and the head's fixed ports); groups may not set them. */}}
+{{- define "opd-trainer.rayPortParamKeys" -}}
+port ray-client-server-port dashboard-port node-manager-port object-manager-port dashboard-agent-grpc-port dashboard-agent-listen-port metrics-export-port min-worker-port max-worker-port worker-port-list
+{{- end }}
+
+{{/* ray.common.ports as `ray start` parameters (a YAML map, for fromYaml). */}}
+{{- define "opd-trainer.rayPortParams" -}}
+{{- with .Values.ray.common.ports -}}
+node-manager-port: {{ .nodeManager | int | quote }}
+object-manager-port: {{ .objectManager | int | quote }}
+dashboard-agent-grpc-port: {{ .dashboardAgentGrpc | int | quote }}
+dashboard-agent-listen-port: {{ .dashboardAgentListen | int | quote }}
+metrics-export-port: {{ .metricsExport | int | quote }}
+min-worker-port: {{ .minWorker | int | quote }}
+max-worker-port: {{ .maxWorker | int | quote }}
+{{- end }}
+{{- end }}
+
+{{/*
+Pod selectors of the NetworkPolicies, by the component label every pod template of the chart sets:
+"api", "ray-head", "ray-worker" (CPU and GPU groups), "ray-user-code". Call with (list $ COMPONENT...).
+*/}}
+{{- define "opd-trainer.podsOf" -}}
+{{- $root := index . 0 -}}
+matchLabels:
+  {{- include "opd-trainer.selectorLabels" $root | nindent 2 }}
+{{- if eq (len .) 2 }}
+  app.kubernetes.io/component: {{ index . 1 }}
+{{- else }}
+matchExpressions:
+  - key: app.kubernetes.io/component
+    operator: In
+    values:
+      {{- range rest . }}
+      - {{ . }}
+      {{- end }}
+{{- end }}
+{{- end }}
+
+{{/* NetworkPolicy port entries: TCP `ports` (a list of numbers) and `ranges` (a list of [first, last]). */}}
+{{- define "opd-trainer.tcpPorts" -}}
+{{- range .ports }}
+- protocol: TCP
+  port: {{ . | int }}
+{{- end }}
+{{- range .ranges }}
+- protocol: TCP
+  port: {{ index . 0 | int }}
+  endPort: {{ index . 1 | int }}
+{{- end }}
 {{- end }}
 
 {{/*
@@ -233,7 +350,7 @@ A user-code group mounts no data volume and advertises the user-code resource.
   replicas: {{ $group.replicas }}
   minReplicas: {{ $group.minReplicas }}
   maxReplicas: {{ $group.maxReplicas }}
-  {{- $params := deepCopy ($group.rayStartParams | default dict) }}
+  {{- $params := merge (deepCopy ($group.rayStartParams | default dict)) (include "opd-trainer.rayPortParams" $root | fromYaml) }}
   {{- if .userCode }}
   {{- /* KubeRay's format: a double-quoted, escaped JSON object ("{\"name\": N}"), which both the
   `ray start` command line and its autoscaler parse. */}}
@@ -250,7 +367,7 @@ A user-code group mounts no data volume and advertises the user-code resource.
     metadata:
       labels:
         {{- include "opd-trainer.labels" $root | nindent 8 }}
-        app.kubernetes.io/component: ray-worker
+        app.kubernetes.io/component: {{ if .userCode }}ray-user-code{{ else }}ray-worker{{ end }}
         {{- with $group.labels }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -259,6 +376,18 @@ A user-code group mounts no data volume and advertises the user-code resource.
         {{- toYaml . | nindent 8 }}
       {{- end }}
     spec:
+      # Nothing on a Ray pod calls the Kubernetes API (the head's autoscaler gets its own token).
+      automountServiceAccountToken: false
+      {{- if .userCode }}
+      {{- with $group.runtimeClassName }}
+      runtimeClassName: {{ . }}
+      {{- end }}
+      {{- if $group.userNamespace }}
+      hostUsers: false
+      {{- end }}
+      # No FOO_SERVICE_HOST variables: the namespace's Services are not the processors' business.
+      enableServiceLinks: false
+      {{- end }}
       {{- with $root.Values.imagePullSecrets }}
       imagePullSecrets:
         {{- toYaml . | nindent 8 }}
@@ -279,7 +408,7 @@ A user-code group mounts no data volume and advertises the user-code resource.
                 name: {{ include "opd-trainer.configMapName" $root }}
           ports:
             - name: metrics
-              containerPort: 8080
+              containerPort: {{ $root.Values.ray.common.ports.metricsExport }}
           resources:
             {{- $resources := deepCopy $group.resources }}
             {{- if .gpus }}
@@ -287,7 +416,14 @@ A user-code group mounts no data volume and advertises the user-code resource.
             {{- $_ := set $resources "limits" (merge (dict "nvidia.com/gpu" .gpus) ($resources.limits | default dict)) }}
             {{- end }}
             {{- toYaml $resources | nindent 12 }}
-          {{- with $root.Values.ray.common.securityContext }}
+          {{- $securityContext := $root.Values.ray.common.securityContext }}
+          {{- if .userCode }}
+          {{- $securityContext = deepCopy ($group.securityContext | default dict) }}
+          {{- if $group.userNamespace }}
+          {{- $_ := set $securityContext "procMount" "Unmasked" }}
+          {{- end }}
+          {{- end }}
+          {{- with $securityContext }}
           securityContext:
             {{- toYaml . | nindent 12 }}
           {{- end }}
