@@ -19,6 +19,8 @@ import ipaddress
 import json
 import os
 import re
+import subprocess
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,6 +114,44 @@ def test_the_autoscaler_alone_gets_a_token_where_ray_reads_it(
     assert "autoscalerOptions" not in manual
     head_volumes = manual["headGroupSpec"]["template"]["spec"]["volumes"]
     assert "autoscaler-token" not in {v["name"] for v in head_volumes}
+
+
+# -- Ray's token -------------------------------------------------------------------------------------
+
+
+def test_the_cluster_requires_ray_token_and_the_api_presents_it(
+    chart: helm.Chart, rendered_by_scenario: dict[str, Rendered]
+) -> None:
+    """KubeRay generates the token into a Secret named after the RayCluster (key `auth_token`) and
+    puts it in every Ray container; the API container reads it from there, under the variables Ray
+    itself reads: with them, Ray's own layer is in token mode and accepts that token and no other."""
+    rendered = rendered_by_scenario["default"]
+    cluster = rendered.one("RayCluster")
+    assert cluster["spec"]["authOptions"] == {"mode": "token"}
+    env = env_of(rendered.one("Deployment")["spec"]["template"]["spec"]["containers"][0])
+    ref = env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": cluster["metadata"]["name"], "key": "auth_token"}
+    probe = (
+        "import ray._raylet as r; "
+        "print(r.get_authentication_mode() == r.AuthenticationMode.TOKEN, "
+        "r.validate_authentication_token('Bearer t0ken-from-the-secret'), "
+        "r.validate_authentication_token('Bearer another'))"
+    )
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    ray_env = {"RAY_AUTH_MODE": env["RAY_AUTH_MODE"]["value"], "RAY_AUTH_TOKEN": "t0ken-from-the-secret"}
+    answer = subprocess.run(
+        [sys.executable, "-c", probe], env={**clean, **ray_env}, capture_output=True, text=True, check=True
+    )
+    assert answer.stdout.split() == ["True", "True", "False"]
+    off = render(chart, {"ray": {"auth": {"enabled": False}}})
+    assert "authOptions" not in off.one("RayCluster")["spec"]
+    api_env = env_of(off.one("Deployment")["spec"]["template"]["spec"]["containers"][0])
+    assert not {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN"} & set(api_env)
+    # A cluster at ray.address is not ours: its token, if any, comes through api.extraEnv.
+    existing = env_of(
+        rendered_by_scenario["existing-ray"].one("Deployment")["spec"]["template"]["spec"]["containers"][0]
+    )
+    assert not {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN"} & set(existing)
 
 
 # -- the user-code group ------------------------------------------------------------------------------
