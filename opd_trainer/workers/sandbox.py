@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from opd_trainer.spec.job_spec import reserved_env_reason
+
 SANDBOX_ENV = "OPD_PROCESSOR_SANDBOX"
 BWRAP_ENV = "OPD_BWRAP"  # the bubblewrap binary, if not `bwrap` on PATH
 NETWORK_ENV = "OPD_SANDBOX_NETWORK"
@@ -275,5 +277,7 @@ def sandbox_environment(
     }
     if has_deps:
         env["OPD_SANDBOX_DEPS"] = DEPS_DIR
-    env.update(runtime_env)
+    # The spec refuses these names at submit; a spec that reached a worker by another path is held to
+    # the same table here.
+    env.update({name: value for name, value in runtime_env.items() if reserved_env_reason(name) is None})
     return env

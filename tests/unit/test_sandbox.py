@@ -150,8 +150,10 @@ def test_the_bwrap_command_unshares_and_binds_no_data(tmp_path: Path) -> None:
 
 def test_the_environment_inherits_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OPD_ADMIN_KEY", "secret")
-    env = sandbox.sandbox_environment({"LANG": "de_DE.UTF-8"}, mode="bwrap", cpus=2, has_deps=False)
+    runtime_env = {"LANG": "de_DE.UTF-8", "LD_PRELOAD": "/tmp/x.so", "PYTHONPATH": "/tmp"}
+    env = sandbox.sandbox_environment(runtime_env, mode="bwrap", cpus=2, has_deps=False)
     assert "OPD_ADMIN_KEY" not in env and env["LANG"] == "de_DE.UTF-8" and env["OMP_NUM_THREADS"] == "2"
+    assert "LD_PRELOAD" not in env and "PYTHONPATH" not in env
 
 
 def test_the_launcher_reads_its_options_and_command() -> None:
