@@ -9,7 +9,9 @@ learner ranks' gang. Against it:
   driver owned is gone with it;
 - a driver that stops when asked ends its job `cancelled` the ordinary way, not by force;
 - a driver that stops answering counts as lost, and no poll holds the scheduler thread past
-  `ANSWER_WAIT_S`.
+  `ANSWER_WAIT_S`;
+- a driver that outlived its server is re-attached without a call that could hang, and started if
+  the server died before starting it.
 
 The real driver, stuck in a real job, is in `test_api_cancel_bound.py`.
 """
@@ -57,7 +59,8 @@ def database(ray_session: None, tmp_path: Path) -> Iterator[Database]:
 
 def stand_in_driver(mode: str) -> Any:
     """A driver actor in `mode`: "stuck" is asked to stop but never does (its step never ends),
-    "obeys" stops when asked, "hung" answers its first poll and then nothing (a blocked event loop).
+    "obeys" stops when asked, "hung" answers its first poll and then nothing (a blocked event loop),
+    "created" was created by a server that died before it called `run()`.
     Defined here, not at module level, so Ray ships the classes by value to its workers."""
 
     @ray.remote(num_cpus=0)
@@ -73,12 +76,17 @@ def stand_in_driver(mode: str) -> Any:
             self.mode = mode
             self.polls = 0
             self.stop_requested = False
+            self.ran = False
             self.owned = Owned.remote()
             self.group = placement_group([{"CPU": 0.01}])
             self.started = time.time()
 
         def parts(self) -> tuple[Any, str]:
             return self.owned, self.group.id.hex()
+
+        def run(self) -> str:
+            self.ran = True
+            return "ran"
 
         def request_stop(self) -> None:
             self.stop_requested = True
@@ -87,8 +95,11 @@ def stand_in_driver(mode: str) -> Any:
             self.polls += 1
             if self.mode == "hung" and self.polls > 1:
                 time.sleep(3600)
-            stopped = self.stop_requested and self.mode == "obeys"
-            return {"status": "stopped" if stopped else "running", "step": 0, "total_steps": 3, "metrics": {}}
+            if self.mode == "created" and not self.ran:
+                status = "created"
+            else:
+                status = "stopped" if self.stop_requested and self.mode == "obeys" else "running"
+            return {"status": status, "step": 0, "total_steps": 3, "metrics": {}}
 
         def events(self, after: int) -> list[dict[str, Any]]:
             events = [{"seq": 0, "time": self.started, "type": "status", "message": "starting", "data": {}}]
@@ -224,3 +235,25 @@ def test_a_driver_that_stops_answering_is_lost_and_never_holds_the_scheduler(
     (lost,) = [e for e in events_of(database) if e.type == "recovery"]
     assert lost.message.startswith("the job driver answered no poll for")
     assert_dies(driver.parts)  # killed, not left blocked
+
+
+def test_a_driver_that_outlived_its_server_is_re_attached_and_started_if_it_never_ran(
+    database: Database, tmp_path: Path
+) -> None:
+    job_id = submitted(database, tmp_path, "running")
+    driver = stand_in_driver("created")
+    scheduler = Scheduler(Settings(data_dir=tmp_path / "data"), database)
+    scheduler.reconcile()
+    handle = scheduler._handles[job_id]
+    assert handle.reattached and handle.run_ref is None
+    deadline = time.monotonic() + 30
+    while handle.run_ref is None:
+        assert time.monotonic() < deadline, "the re-attached driver was never started"
+        scheduler.tick()
+        time.sleep(0.2)
+    assert ray.get(handle.run_ref, timeout=30) == "ran"
+    assert ray.get(driver.progress.remote(), timeout=30)["status"] == "running"
+    with database.session() as session:
+        job = session.scalars(select(Job)).one()
+        assert job.status == "running" and job.driver_restarts == 0 and job.driver_attempts == 0
+    assert "server restarted; re-attached to the running driver" in [e.message for e in events_of(database)]
