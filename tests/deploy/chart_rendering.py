@@ -35,6 +35,7 @@ SCENARIOS: dict[str, str | None] = {
     "two-gpu-groups": "two-gpu-groups.yaml",
     "external-postgres": "external-postgres.yaml",
     "existing-ray": "existing-ray.yaml",
+    "untrusted-code": "untrusted-code.yaml",
 }
 
 

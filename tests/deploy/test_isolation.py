@@ -637,6 +637,28 @@ def test_api_egress_reaches_the_database_and_an_existing_ray_cluster(
     check(existing, [("api", "postgres", 5432, True)])
 
 
+def test_untrusted_code_install(rendered_by_scenario: dict[str, Rendered]) -> None:
+    """tests/deploy/values/untrusted-code.yaml: gVisor, a user namespace, own nodes, the internet."""
+    rendered = rendered_by_scenario["untrusted-code"]
+    spec = worker_groups(rendered)[USER_CODE]["template"]["spec"]
+    assert (spec["runtimeClassName"], spec["hostUsers"]) == ("gvisor", False)
+    assert spec["nodeSelector"] == {"sandbox.gke.io/runtime": "gvisor"}
+    assert spec["tolerations"][0]["key"] == "sandbox.gke.io/runtime"
+    check(
+        rendered,
+        [
+            ("user-code", "internet", 443, True),
+            ("user-code", "metadata", 80, False),
+            ("user-code", "api", 8000, False),
+            ("ingress-controller", "api", 8000, True),
+            ("internet", "api", 8000, False),
+            ("other-namespace", "api", 8000, False),
+            ("api", "postgres", 5432, True),
+            ("api", "another-host", 5432, False),
+        ],
+    )
+
+
 def test_extra_rules_reach_their_policies(chart: helm.Chart) -> None:
     mirror = {
         "to": [
