@@ -64,7 +64,7 @@ from opd_trainer.spec.preflight import (
     resolve_max_length,
 )
 from opd_trainer.stats import mean
-from opd_trainer.workers.pool import pool_metrics
+from opd_trainer.workers.pool import pool_metrics, user_code_resources
 from opd_trainer.workers.sandbox import (
     SandboxUnavailable,
     configured_mode,
@@ -143,7 +143,7 @@ class JobDriver:
         reports them."""
         self.spec = spec
         self.server = server
-        self._sandbox: dict[str, str] = {}  # the pools' sandbox options, decided at start-up
+        self._sandbox: dict[str, Any] = {}  # the pools' sandbox options, read at start-up
         self.job_id = job_id
         self.run_dir = Path(run_dir)
         self.storage_token = storage_token
@@ -246,12 +246,20 @@ class JobDriver:
         from transformers import AutoTokenizer
 
         spec, hp = self.spec, self.spec.hyper_parameters
-        if spec.functions:  # before any engine starts: a job whose code cannot run confined stops here
-            try:
-                mode = effective_mode(configured_mode(), server=self.server)
-            except SandboxUnavailable as exc:
-                raise ProcessorLoadError(str(exc), field="functions") from None
-            self._sandbox = {"sandbox_mode": mode, "sandbox_network": configured_network()}
+        if spec.functions:
+            mode = configured_mode()
+            self._sandbox = {
+                "sandbox_mode": mode,
+                "sandbox_network": configured_network(),
+                "server": self.server,
+            }
+            # Where user code runs on this node too (no user-code group), a job whose code cannot run
+            # confined stops here, before any engine starts; every worker checks again on its node.
+            if not user_code_resources():
+                try:
+                    effective_mode(mode, server=self.server)
+                except SandboxUnavailable as exc:
+                    raise ProcessorLoadError(str(exc), field="functions") from None
         check_same_tokenizer(spec.model, spec.teacher_model)
         self._max_length = resolve_max_length(hp.max_length, spec.model, spec.teacher_model)
         self._tokenizer = AutoTokenizer.from_pretrained(spec.model)
@@ -419,12 +427,13 @@ class JobDriver:
             self.emit(
                 "status", "loading user processors: " + ", ".join(p.component.name for p in self._pools)
             )
-            if self._sandbox["sandbox_mode"] == "none":
-                why = unconfined_reason()
-                self.emit("warning", f"user processors run without a sandbox: {why}", sandbox="none")
         await asyncio.gather(*(pool.start() for pool in self._pools))
         for pool in self._pools:
             self.emit("status", f"{pool.component.name} runs in {pool.confinement}", sandbox=pool.confinement)
+            if (pool.confinement or "").startswith("no sandbox"):
+                why = unconfined_reason()
+                message = f"{pool.component.name}: user processors run without a sandbox: {why}"
+                self.emit("warning", message, sandbox="none")
         teacher_url = None
         if self._teacher_gateway is not None:
             teacher_url = await self._serve_gateway(self._teacher_gateway, self._teacher)

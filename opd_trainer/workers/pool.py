@@ -85,16 +85,34 @@ class ProcessorWorker:
         requirements: list[str],
         mode: str,
         network: str,
+        server: bool,
     ) -> None:
-        from opd_trainer.workers.processor_channel import SandboxedProcessor
-
-        runtime = component.runtime
+        """`mode` is `OPD_PROCESSOR_SANDBOX` where the driver runs; what it means is decided here, on
+        the node that runs the user's code (`sandbox.effective_mode`), in `load`."""
+        self.workspace_zip = workspace_zip
+        self.component = component
         self.kind = kind
-        self.memory_limit_mb = runtime.memory_size
+        self.requirements = requirements
+        self.mode = mode
+        self.network = network
+        self.server = server
+        self.memory_limit_mb = component.runtime.memory_size
+        self.sandboxed: Any = None  # the SandboxedProcessor, once `load` has chosen its mode
+
+    async def load(self) -> str:
+        """Starts the sandbox and the user's `setup()`; raises `ProcessorLoadError` naming the cause."""
+        from opd_trainer.workers.processor_channel import SandboxedProcessor
+        from opd_trainer.workers.sandbox import SandboxUnavailable, effective_mode
+
+        component, runtime = self.component, self.component.runtime
+        try:
+            mode = effective_mode(self.mode, server=self.server)  # type: ignore[arg-type]
+        except SandboxUnavailable as exc:
+            raise ProcessorLoadError(f"on this worker's node, {exc}", field="functions") from None
         self.sandboxed = SandboxedProcessor(
-            workspace_zip=workspace_zip,
+            workspace_zip=self.workspace_zip,
             classpath=component.fcmodel.classpath,
-            kind=kind,
+            kind=self.kind,
             component=component.name,
             concurrency=runtime.concurrency,
             timeout_s=component.timeout,
@@ -103,20 +121,10 @@ class ProcessorWorker:
             scratch_mb=runtime.disk_size,
             cpus=runtime.cpu,
             runtime_env=dict(runtime.env),
-            requirements=requirements,
+            requirements=self.requirements,
             mode=mode,
-            network=network,
+            network=self.network,
         )
-
-    async def load(self) -> str:
-        """Starts the sandbox and the user's `setup()`; raises `ProcessorLoadError` naming the cause."""
-        from opd_trainer.workers.sandbox import bwrap_problem
-
-        if self.sandboxed.mode == "bwrap" and (problem := bwrap_problem()) is not None:
-            raise ProcessorLoadError(
-                f"the processor sandbox cannot start on this worker's node: {problem}",
-                field=f"functions.{self.sandboxed.component}.fcmodel",
-            )
         return await self.sandboxed.start()
 
     async def call(self, payload: Any, rollout_id: str) -> dict[str, Any]:
@@ -137,7 +145,8 @@ class ProcessorWorker:
         return {"in_flight": float(in_flight), "memory_fraction": resident / self.memory_limit_mb}
 
     async def close(self) -> None:
-        await self.sandboxed.close()
+        if self.sandboxed is not None:
+            await self.sandboxed.close()
 
 
 ProcessorWorkerActor = ray.remote(ProcessorWorker)
@@ -155,11 +164,13 @@ class WorkerPool:
         autoscale_interval_s: float = 1.0,
         scale_down_cooldown_s: float = 30.0,
         on_event: Callable[[dict[str, Any]], None] | None = None,
-        sandbox_mode: str = "bwrap",
+        sandbox_mode: str = "auto",
         sandbox_network: str = "gateway",
+        server: bool = False,
     ) -> None:
-        """`sandbox_mode` ("bwrap" or "none") and `sandbox_network` ("gateway" or "host") come from
-        `opd_trainer.workers.sandbox.effective_mode` / `configured_network` where the driver runs."""
+        """`sandbox_mode` (`OPD_PROCESSOR_SANDBOX`: auto, bwrap, none) and `sandbox_network`
+        (`OPD_SANDBOX_NETWORK`) are read where the driver runs; `server`: the job comes from the job
+        server, whose tenants' code runs only sandboxed. Each worker applies them on its own node."""
         self.job_id = job_id
         self.component = component
         # An evaluator implements the reward interface (RewardInput -> RewardOutput).
@@ -179,6 +190,7 @@ class WorkerPool:
         self._starting = 0  # workers being started: they count against max_capacity
         self.sandbox_mode = sandbox_mode
         self.sandbox_network = sandbox_network
+        self.server = server
         self.confinement: str | None = None  # what the first worker reported, for the job's events
         self._requirements: list[str] = []
         self._resources = user_code_resources()
@@ -215,6 +227,7 @@ class WorkerPool:
             self._requirements,
             self.sandbox_mode,
             self.sandbox_network,
+            self.server,
         )
         start_timeout = START_TIMEOUT_WITH_PIP_S if self._requirements else START_TIMEOUT_S
         try:

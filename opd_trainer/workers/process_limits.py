@@ -67,6 +67,15 @@ class ProcessLimits:
             argv += ["--uid", str(uid)]
         return argv
 
+    def memory_used_mb(self) -> float | None:
+        """What the kernel charges the sandbox's group (pages shared between its processes counted
+        once, tmpfs included); None without a cgroup."""
+        for group in self.groups:
+            for name in ("memory.current", "memory.usage_in_bytes"):  # v2, v1
+                with contextlib.suppress(OSError, ValueError):
+                    return int((group / name).read_text().strip()) / MB
+        return None
+
     def out_of_memory(self) -> bool:
         """Whether the kernel killed a process of this sandbox for memory (cgroups only)."""
         for group in self.groups:

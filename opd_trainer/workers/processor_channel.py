@@ -130,7 +130,7 @@ class SandboxedProcessor:
         return [*launcher, *command]
 
     def describe(self) -> str:
-        where = "bubblewrap" if self.mode == "bwrap" else "no sandbox (OPD_PROCESSOR_SANDBOX=none)"
+        where = "bubblewrap" if self.mode == "bwrap" else "no sandbox"
         network = f", network {self.network}" if self.mode == "bwrap" else ""
         limits = self.limits.describe() if self.limits else "no limits yet"
         user = f", user {sandbox.user_mode()}"
@@ -368,11 +368,15 @@ class SandboxedProcessor:
 
     # -- resources and teardown -----------------------------------------------------------------------
     def resident_mb(self) -> float:
-        """Resident memory of the sandbox's whole process tree, MB."""
+        """Memory of the sandbox's whole process tree, MB: its cgroup's charge where it has one, else
+        the sum of its processes' resident sets (which counts pages the processes share once each)."""
         import psutil
 
         if self._process is None or self._process.returncode is not None:
             return 0.0
+        charged = self.limits.memory_used_mb() if self.limits is not None else None
+        if charged is not None:
+            return charged
         try:
             root = psutil.Process(self._process.pid)
             tree = [root, *root.children(recursive=True)]

@@ -30,6 +30,18 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 ENGINE = {"kv_cache_memory_bytes": 134217728, "dtype": "float32"}
 VICTIM_TEXT = "victim-tenant-private-record-7f3a"
 ESCAPE_MARKER = "opd-escape-marker-5b1c"
+CANCEL_GRACE_S = 10
+
+BLOCKER = """
+import time
+
+from opd_trainer.sdk import AbstractRolloutProcessor
+
+
+class Blocker(AbstractRolloutProcessor):
+    async def process(self, rollout_input):
+        time.sleep(10**6)  # synchronous: the sandbox's event loop stops; only a kill ends it
+"""
 
 # {data_dir}, {api_port}, {ray_address} are filled in by the test; every probe returns 1.0 if blocked.
 ATTACKER = """
@@ -127,9 +139,8 @@ def fork_bomb_unbounded():
     try:
         for _ in range(3000):
             pid = os.fork()
-            if pid == 0:
-                time.sleep(3)
-                os._exit(0)
+            if pid == 0:  # a small process each: the process bound, not the memory bound, must hold
+                os.execv("/bin/sleep", ["sleep", "5"])
             children.append(pid)
     except OSError:
         return False  # the process bound held
@@ -235,7 +246,8 @@ def test_a_hostile_processor_reaches_nothing_and_the_job_still_trains(
     records = read_jsonl(trained_models.data_dir / "train.jsonl")
     write_jsonl(tmp_path / "train.jsonl", records[:8])
     data_dir = tmp_path / "data"
-    server = Server(data_dir, env={"OPD_MAX_CONCURRENT_JOBS": "1"}, model_dirs=[TINY_MODELS_DIR])
+    env = {"OPD_MAX_CONCURRENT_JOBS": "1", "OPD_CANCEL_GRACE_S": str(CANCEL_GRACE_S)}
+    server = Server(data_dir, env=env, model_dirs=[TINY_MODELS_DIR])
     server.start(ready_timeout=300, wait_ready=True)
     try:
         victim = OPDClient(server.url, create_key(server.url, "victim"))
@@ -257,7 +269,7 @@ def test_a_hostile_processor_reaches_nothing_and_the_job_still_trains(
         job = attacker.submit(_spec(trained_models, tmp_path / "train.jsonl", workspace))
         *events, end = attacker.stream_events(job.id)
         assert isinstance(end, StreamEnd) and end.job is not None
-        assert end.job.status == "succeeded", server.log()[-4000:]
+        assert end.job.status == "succeeded", (end.job.error, server.log()[-4000:])
         confinement = [e.message for e in events if "sandbox" in getattr(e, "data", {})]
         steps = [r for r in attacker.metrics(job.id).data if r["kind"] == "train"]
         assert [r["step"] for r in steps] == [1, 2]
@@ -277,6 +289,24 @@ def test_a_hostile_processor_reaches_nothing_and_the_job_still_trains(
         while _escaped_processes() and time.monotonic() < deadline:
             time.sleep(0.5)
         assert not _escaped_processes()
+
+        # A processor that blocks forever (synchronous sleep in async code, a long timeout): cancel
+        # still reaches `cancelled` within the server's bound.
+        (workspace / "blocker.py").write_text(BLOCKER)
+        spec = _spec(trained_models, tmp_path / "train.jsonl", workspace)
+        spec["functions"][0]["fcmodel"]["classpath"] = "blocker.py:Blocker"  # type: ignore[index]
+        spec["functions"][0]["timeout"] = 3600  # type: ignore[index]
+        blocked_job = attacker.submit(spec)
+        for event in attacker.stream_events(blocked_job.id):  # until its processors are loaded
+            if isinstance(event, StreamEnd) or " runs in " in event.message:
+                break
+        time.sleep(3)  # the first rollouts are in the processor's sleep
+        asked = time.monotonic()
+        attacker.cancel_job(blocked_job.id)
+        while attacker.get_job(blocked_job.id).status not in ("cancelled", "failed", "succeeded"):
+            assert time.monotonic() - asked < CANCEL_GRACE_S + 30, "cancel did not reach a terminal state"
+            time.sleep(0.5)
+        assert attacker.get_job(blocked_job.id).status == "cancelled"
     finally:
         server.stop()
         for process in _escaped_processes():
@@ -306,8 +336,8 @@ def test_a_server_whose_nodes_cannot_sandbox_refuses_user_code(
         *_, end = client.stream_events(job.id)
         assert isinstance(end, StreamEnd) and end.job is not None
         assert end.job.status == "failed", server.log()[-4000:]
-        error = end.job.error or {}
-        assert "sandbox cannot start" in str(error.get("message")), error
-        assert error.get("param") == "functions", error
+        error = end.job.error
+        assert error is not None and "sandbox cannot start" in error.message, error
+        assert error.param == "functions", error
     finally:
         server.stop()
