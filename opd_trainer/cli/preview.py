@@ -28,7 +28,7 @@ def _prompt_lengths(tokenizer_path: str, samples: list[Any]) -> list[int | None]
     from opd_trainer.rollout.chat import prompt_token_ids
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=False)
     except (OSError, ValueError) as exc:
         problem = f"cannot load a tokenizer from {tokenizer_path}: {exc}"
         raise ConfigError(problem, field="tokenizer") from None

@@ -262,7 +262,7 @@ class JobDriver:
                     raise ProcessorLoadError(str(exc), field="functions") from None
         check_same_tokenizer(spec.model, spec.teacher_model)
         self._max_length = resolve_max_length(hp.max_length, spec.model, spec.teacher_model)
-        self._tokenizer = AutoTokenizer.from_pretrained(spec.model)
+        self._tokenizer = AutoTokenizer.from_pretrained(spec.model, trust_remote_code=False)
         on_gpu = torch.cuda.is_available()
         world_size = max(1, spec.resources.learner_gpus)
         # Mini-batches are split across ranks by prompt group: each needs a group per rank.

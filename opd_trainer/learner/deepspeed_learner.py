@@ -260,7 +260,9 @@ class Learner:
         deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
         self._device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         dtype = torch.bfloat16 if on_gpu else torch.float32
-        model = AutoModelForCausalLM.from_pretrained(self.settings.model_path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(
+            self.settings.model_path, dtype=dtype, trust_remote_code=False
+        )
         model.config.use_cache = False
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=self.settings.learning_rate, weight_decay=self.settings.weight_decay
@@ -282,7 +284,9 @@ class Learner:
         )
         if self.settings.kl_loss_coef > 0:
             # A frozen copy of the initial student for KL(learner ‖ initial); only paid for when used.
-            self._reference = AutoModelForCausalLM.from_pretrained(self.settings.model_path, dtype=dtype)
+            self._reference = AutoModelForCausalLM.from_pretrained(
+                self.settings.model_path, dtype=dtype, trust_remote_code=False
+            )
             self._reference.to(self._device).eval().requires_grad_(False)
         logger.info(
             "learner rank %d/%d ready (ZeRO-%d)", self.rank, self.world_size, self.settings.zero_stage
@@ -558,7 +562,9 @@ class Learner:
             from transformers import AutoTokenizer
 
             self._engine.module.save_pretrained(str(path / "student"), state_dict=dict(self.named_weights()))
-            AutoTokenizer.from_pretrained(self.settings.model_path).save_pretrained(str(path / "student"))
+            AutoTokenizer.from_pretrained(self.settings.model_path, trust_remote_code=False).save_pretrained(
+                str(path / "student")
+            )
 
     def load_checkpoint(self, directory: str) -> None:
         self.initialize()

@@ -338,7 +338,7 @@ class Gateway:
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+            self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path, trust_remote_code=False)
         return self._tokenizer
 
     def _parsing(self) -> ToolCallParsing:

@@ -110,7 +110,7 @@ def import_tokenizer_support() -> None:
 
 @lru_cache(maxsize=64)
 def _identity(path: str, _state: tuple[tuple[str, int, int], ...]) -> TokenizerIdentity:
-    tokenizer = _auto_tokenizer().from_pretrained(path)
+    tokenizer = _auto_tokenizer().from_pretrained(path, trust_remote_code=False)
     vocab = sorted(tokenizer.get_vocab().items())
     digest = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
     return TokenizerIdentity(len(vocab), digest, tokenizer.chat_template or "")
@@ -134,8 +134,8 @@ def check_same_tokenizer(student_path: str, teacher_path: str) -> None:
     student = tokenizer_identity(student_path, "model")
     teacher = tokenizer_identity(teacher_path, "teacher_model")
     if student.vocab_digest != teacher.vocab_digest:
-        student_vocab = _auto_tokenizer().from_pretrained(student_path).get_vocab()
-        teacher_vocab = _auto_tokenizer().from_pretrained(teacher_path).get_vocab()
+        student_vocab = _auto_tokenizer().from_pretrained(student_path, trust_remote_code=False).get_vocab()
+        teacher_vocab = _auto_tokenizer().from_pretrained(teacher_path, trust_remote_code=False).get_vocab()
         differing = len(set(student_vocab.items()) ^ set(teacher_vocab.items()))
         raise ConfigError(
             f"tokenizer differs from the student's: vocabularies of {len(teacher_vocab)} and "
