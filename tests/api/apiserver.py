@@ -9,7 +9,9 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -176,3 +178,14 @@ class Tenant:
         response = self.http.post("/v1/opd/jobs", json=self.spec(dataset["id"], **overrides))
         assert response.status_code == 201, response.text
         return response.json()
+
+
+def make_tenant(server: Server, models: dict[str, str]) -> Iterator[Tenant]:
+    """A fresh tenant on `server` (its own key, quota and rate bucket); closes its clients after."""
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    key = create_key(server.url, name)
+    http = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+    client = OPDClient(server.url, key)
+    yield Tenant(name, key, http, client, models)
+    http.close()
+    client.close()

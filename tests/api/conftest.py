@@ -7,17 +7,13 @@ tests that train (`-m integration`) start their own servers with the scheduler o
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import httpx
 import pytest
-from apiserver import WORKSPACE, Server, Tenant, create_key, make_tokenizer, zip_bytes
+from apiserver import WORKSPACE, Server, Tenant, make_tenant, make_tokenizer, zip_bytes
 from postgres_server import PostgresUnavailable, throwaway_postgres
-
-from opd_trainer.client.api_client import OPDClient
 
 if TYPE_CHECKING:
     from opd_trainer.demo.tiny_models import TinyModels
@@ -69,16 +65,6 @@ def models(models_root: Path) -> dict[str, str]:
         "teacher": str(make_tokenizer(root / "teacher")),
         "other": str(make_tokenizer(root / "other", "completely different words here")),
     }
-
-
-def make_tenant(server: Server, models: dict[str, str]) -> Iterator[Tenant]:
-    name = f"t-{uuid.uuid4().hex[:8]}"
-    key = create_key(server.url, name)
-    http = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
-    client = OPDClient(server.url, key)
-    yield Tenant(name, key, http, client, models)
-    http.close()
-    client.close()
 
 
 @pytest.fixture

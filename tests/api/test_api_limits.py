@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from apiserver import Server, Tenant, create_key, jsonl, make_tokenizer, record, zip_bytes
+from apiserver import Server, Tenant, create_key, jsonl, make_tenant, make_tokenizer, record, zip_bytes
 
 from api.schemas import EventPublic
 from opd_trainer.client.api_client import OPDClient
@@ -52,12 +52,7 @@ def limited(tmp_path_factory: pytest.TempPathFactory, models_root: Path, hub_cac
 @pytest.fixture
 def new_tenant(limited: Server, models: dict[str, str]) -> Iterator[Tenant]:
     """A fresh tenant (its own quota and its own key's bucket) on the limited server."""
-    key = create_key(limited.url, f"t-{uuid.uuid4().hex[:8]}")
-    http = httpx.Client(base_url=limited.url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
-    client = OPDClient(limited.url, key)
-    yield Tenant("limited", key, http, client, models)
-    http.close()
-    client.close()
+    yield from make_tenant(limited, models)
 
 
 def post_file(

@@ -230,6 +230,12 @@ def _spec(models: TinyModels, dataset: Path, workspace: Path, **runtime: object)
     }
 
 
+def _training_records(models: TinyModels, folder: Path, count: int) -> Path:
+    records = read_jsonl(models.data_dir / "train.jsonl")
+    write_jsonl(folder / "train.jsonl", records[:count])
+    return folder / "train.jsonl"
+
+
 def _escaped_processes() -> list[psutil.Process]:
     found = []
     for process in psutil.process_iter(["cmdline"]):
@@ -242,9 +248,7 @@ def _escaped_processes() -> list[psutil.Process]:
 def test_a_hostile_processor_reaches_nothing_and_the_job_still_trains(
     tiny_models: TinyModels, tmp_path: Path
 ) -> None:
-    trained_models = tiny_models
-    records = read_jsonl(trained_models.data_dir / "train.jsonl")
-    write_jsonl(tmp_path / "train.jsonl", records[:8])
+    dataset = _training_records(tiny_models, tmp_path, 8)
     data_dir = tmp_path / "data"
     env = {"OPD_MAX_CONCURRENT_JOBS": "1", "OPD_CANCEL_GRACE_S": str(CANCEL_GRACE_S)}
     server = Server(data_dir, env=env, model_dirs=[TINY_MODELS_DIR])
@@ -266,7 +270,7 @@ def test_a_hostile_processor_reaches_nothing_and_the_job_still_trains(
         )
         (workspace / "attacker.py").write_text(textwrap.dedent(code))
         attacker = OPDClient(server.url, create_key(server.url, "attacker"))
-        job = attacker.submit(_spec(trained_models, tmp_path / "train.jsonl", workspace))
+        job = attacker.submit(_spec(tiny_models, dataset, workspace))
         *events, end = attacker.stream_events(job.id)
         assert isinstance(end, StreamEnd) and end.job is not None
         assert end.job.status == "succeeded", (end.job.error, server.log()[-4000:])
@@ -293,7 +297,7 @@ def test_a_hostile_processor_reaches_nothing_and_the_job_still_trains(
         # A processor that blocks forever (synchronous sleep in async code, a long timeout): cancel
         # still reaches `cancelled` within the server's bound.
         (workspace / "blocker.py").write_text(BLOCKER)
-        spec = _spec(trained_models, tmp_path / "train.jsonl", workspace)
+        spec = _spec(tiny_models, dataset, workspace)
         spec["functions"][0]["fcmodel"]["classpath"] = "blocker.py:Blocker"  # type: ignore[index]
         spec["functions"][0]["timeout"] = 3600  # type: ignore[index]
         blocked_job = attacker.submit(spec)
@@ -316,9 +320,7 @@ def test_a_hostile_processor_reaches_nothing_and_the_job_still_trains(
 def test_a_server_whose_nodes_cannot_sandbox_refuses_user_code(
     tiny_models: TinyModels, tmp_path: Path
 ) -> None:
-    trained_models = tiny_models
-    records = read_jsonl(trained_models.data_dir / "train.jsonl")
-    write_jsonl(tmp_path / "train.jsonl", records[:4])
+    dataset = _training_records(tiny_models, tmp_path, 4)
     workspace = tmp_path / "workspace"
     workspace.mkdir()
     (workspace / "attacker.py").write_text(
@@ -332,7 +334,7 @@ def test_a_server_whose_nodes_cannot_sandbox_refuses_user_code(
     server.start(ready_timeout=300, wait_ready=True)
     try:
         client = OPDClient(server.url, create_key(server.url, "tenant"))
-        job = client.submit(_spec(trained_models, tmp_path / "train.jsonl", workspace))
+        job = client.submit(_spec(tiny_models, dataset, workspace))
         *_, end = client.stream_events(job.id)
         assert isinstance(end, StreamEnd) and end.job is not None
         assert end.job.status == "failed", server.log()[-4000:]
