@@ -36,8 +36,9 @@ from opd_trainer.driver.trackers import BackgroundTracker, open_trackers
 from opd_trainer.engine.vllm_engine import EngineConfig, EngineGroup
 from opd_trainer.errors import ConfigError, OPDError, ProcessorLoadError
 from opd_trainer.learner.checkpoint import CheckpointStore
-from opd_trainer.learner.deepspeed_learner import LearnerGroup, LearnerSettings
+from opd_trainer.learner.deepspeed_learner import LearnerGroup
 from opd_trainer.learner.hindsight import hindsight_advantages
+from opd_trainer.learner.settings import LearnerSettings
 from opd_trainer.records import LLMCall
 from opd_trainer.rollout.agent_eval import agent_metrics, pass_at_k, success_by_threshold
 from opd_trainer.rollout.chat import prompt_token_ids
@@ -274,26 +275,7 @@ class JobDriver:
                 f"({world_size * hp.n_rollouts} rollouts); the smallest of this job's has {smallest}",
                 field="hyper_parameters.ppo_mini_batch_size",
             )
-        settings = LearnerSettings(
-            model_path=spec.model,
-            learning_rate=hp.learning_rate,
-            lr_scheduler_type=hp.lr_scheduler_type,
-            warmup_ratio=hp.warmup_ratio,
-            weight_decay=hp.weight_decay,
-            max_grad_norm=hp.max_grad_norm,
-            total_updates=self.total_steps * self._updates_per_step(),
-            temperature=hp.temperature,
-            kl_coef=hp.kl_coef,
-            kl_loss_coef=hp.kl_loss_coef,
-            reward_coef=hp.reward_coef,
-            hindsight_coef=hp.hindsight_coef,
-            normalize_reward_by_std=hp.normalize_reward_by_std,
-            ratio_cap=hp.ratio_cap,
-            zero_stage=spec.resources.zero_stage,
-            seed=hp.seed,
-            distill_loss=hp.distill_loss,
-            jsd_beta=hp.jsd_beta,
-        )
+        settings = LearnerSettings.from_spec(spec, self.total_steps * self._updates_per_step())
         self.emit("status", "starting engines and learner")
         # The gateways (vLLM's request validation and tool-call parser: a vLLM import of their own)
         # start beside the engines and learner; they get their engines once those are up.

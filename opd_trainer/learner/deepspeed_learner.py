@@ -2,6 +2,8 @@
 
 `Learner` is a plain class (one data-parallel rank); `LearnerActor` is it as a Ray actor and
 `LearnerGroup` drives `world_size` ranks in lock-step (rank 0 publishes weights and checkpoints).
+The pure parts live apart, tested without Ray: the typed batch and the forward
+(`learner/batch.py`), the estimators (`learner/estimators.py`), the loss (`learner/loss.py`).
 
 Hardware: fp32 + gloo with `DS_ACCELERATOR=cpu` on a CPU box; bf16 + NCCL, one GPU per rank, on CUDA.
 """
@@ -12,11 +14,12 @@ import asyncio
 import contextlib
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ray
+import torch
+from transformers import AutoTokenizer
 
 from opd_trainer.engine.weight_sync import (
     SharedMemoryWeights,
@@ -26,178 +29,23 @@ from opd_trainer.engine.weight_sync import (
     write_shared_memory_weights,
 )
 from opd_trainer.errors import WeightSyncError
-from opd_trainer.learner.shared_prefix import (
-    PrefixPlan,
-    causal_keys,
-    plan_prefixes,
-    scatter_row_logits,
-    shared_prefix_logits,
+from opd_trainer.learner.batch import (
+    logprobs_of_targets,
+    pad_segments,
+    prefix_plan,
+    row_advantages,
+    scored_logits,
 )
+from opd_trainer.learner.estimators import distillation_loss
+from opd_trainer.learner.loss import group_reward_advantages, kl_to_reference
+from opd_trainer.learner.settings import LearnerSettings, lr_schedule
+from opd_trainer.learner.shared_prefix import causal_keys
 from opd_trainer.placement import gang, in_gang, placed
 from opd_trainer.ports import free_port
 from opd_trainer.records import LLMCall
 from opd_trainer.shared_storage import check_probe
 
-if TYPE_CHECKING:
-    import torch
-
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class LearnerSettings:
-    """What one learner rank needs; built by the job driver from the job spec."""
-
-    model_path: str
-    learning_rate: float
-    lr_scheduler_type: str
-    warmup_ratio: float
-    weight_decay: float
-    max_grad_norm: float
-    total_updates: int
-    """Optimizer updates over the whole job (steps × mini-batches per step); the schedule's length."""
-    temperature: float
-    kl_coef: float
-    kl_loss_coef: float
-    reward_coef: float
-    normalize_reward_by_std: bool
-    hindsight_coef: float
-    ratio_cap: float
-    zero_stage: int
-    seed: int
-    distill_loss: str
-    """`hyper_parameters.distill_loss`: which estimator `distillation_loss` applies."""
-    jsd_beta: float
-
-
-def distillation_loss(
-    settings: LearnerSettings,
-    batch: dict[str, torch.Tensor],
-    logits_B_S_V: torch.Tensor,
-    learner_B_T: torch.Tensor,
-    row_adv_B: torch.Tensor | None,
-    num_tokens: float | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The `settings.distill_loss` estimator plus the per-row terms, and its stats (see learner/loss.py).
-
-    `row_adv_B`: each row's advantage added to all its trained tokens through the policy gradient,
-    already weighted (`row_advantages`: reward_coef × the group-baselined reward + hindsight_coef ×
-    the turn's hindsight value), or None.
-
-    `num_tokens`: the loss normaliser (None: this batch's trained tokens). A data-parallel rank passes
-    the whole mini-batch's trained tokens over the number of ranks, so that the ranks' gradients,
-    averaged by DeepSpeed, are the gradient of one token mean over the whole mini-batch.
-
-    `batch` is `Learner._pad`'s; `logits_B_S_V` the learner's float logits from `first_scored_position`
-    on and `learner_B_T` its logprobs of the targets at the sampling temperature (`Learner._scored_logits`,
-    `Learner._logprobs_of_targets`). A plain function so that it is tested without DeepSpeed.
-
-    `signal_std` is the spread over trained tokens of the per-token distillation signal: the sampled
-    log-ratio (minus the baseline for `sampled_baseline`), or the per-position divergence of a top-k
-    estimator. The top-k estimators and diagnostics see both models at temperature 1.
-    """
-    import torch
-
-    from opd_trainer.learner import loss as opd_loss
-
-    mask_B_T, sampler_B_T, teacher_B_T = batch["mask_B_T"], batch["sampler_B_T"], batch["teacher_B_T"]
-    first = int(batch["first_scored_position"])
-    top_k = None
-    extra: dict[str, torch.Tensor] = {}
-    if "teacher_top_ids_B_T_K" in batch:
-        # The scored slice, aligned with logits_B_S_V.
-        top_k = (
-            batch["teacher_top_ids_B_T_K"][:, first:],
-            batch["teacher_top_logprobs_B_T_K"][:, first:],
-            mask_B_T[:, first:],
-        )
-        extra = opd_loss.topk_metrics(logits_B_S_V.detach(), *top_k)
-
-    def full_width(values_B_S: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.pad(values_B_S, (first, 0))
-
-    if settings.distill_loss == "sampled":
-        advantages_B_T = opd_loss.opd_advantages(
-            sampler_B_T, teacher_B_T, mask_B_T, settings.kl_coef, row_adv_B, 1.0
-        )
-        loss, stats = opd_loss.policy_loss(
-            learner_B_T, sampler_B_T, advantages_B_T, mask_B_T, settings.ratio_cap, num_tokens
-        )
-        signal_B_T = sampler_B_T - teacher_B_T
-    elif top_k is None:
-        raise ValueError(f"distill_loss {settings.distill_loss} needs the teacher's top-k in the batch")
-    elif settings.distill_loss == "sampled_baseline":
-        baseline_B_T = full_width(opd_loss.topk_signal_baseline(logits_B_S_V.detach(), *top_k))
-        distill_B_T = opd_loss.sampled_baseline_advantages(
-            sampler_B_T, teacher_B_T, baseline_B_T, mask_B_T, settings.kl_coef
-        )
-        advantages_B_T = opd_loss.add_reward_advantages(distill_B_T, mask_B_T, row_adv_B, 1.0)
-        loss, stats = opd_loss.policy_loss(
-            learner_B_T, sampler_B_T, advantages_B_T, mask_B_T, settings.ratio_cap, num_tokens
-        )
-        signal_B_T = sampler_B_T - teacher_B_T - baseline_B_T
-    else:
-        if settings.distill_loss == "topk_reverse":
-            divergence, per_token_B_S = opd_loss.topk_reverse_kl_loss(logits_B_S_V, *top_k, num_tokens)
-        elif settings.distill_loss == "topk_forward":
-            divergence, per_token_B_S = opd_loss.topk_forward_kl_loss(logits_B_S_V, *top_k, num_tokens)
-        else:
-            divergence, per_token_B_S = opd_loss.topk_jsd_loss(
-                logits_B_S_V, *top_k, beta=settings.jsd_beta, num_tokens=num_tokens
-            )
-        # The reward (and hindsight) still reach the student through the policy gradient (zero when none).
-        zeros_B_T = torch.zeros_like(learner_B_T)
-        advantages_B_T = opd_loss.add_reward_advantages(zeros_B_T, mask_B_T, row_adv_B, 1.0)
-        policy, stats = opd_loss.policy_loss(
-            learner_B_T, sampler_B_T, advantages_B_T, mask_B_T, settings.ratio_cap, num_tokens
-        )
-        loss = policy + settings.kl_coef * divergence
-        signal_B_T = full_width(per_token_B_S)
-    return loss, {**stats, **extra, "signal_std": opd_loss.signal_std(signal_B_T.detach(), mask_B_T)}
-
-
-def prefix_plan(batch: dict[str, torch.Tensor]) -> PrefixPlan | None:
-    """The shared-prefix forward's plan of a `Learner._pad` batch (its rows' prompts and completions)."""
-    prompts, completions = [], []
-    for ids, prompt_length, length in zip(
-        batch["input_ids_B_T"].tolist(),
-        batch["prompt_lengths_B"].tolist(),
-        batch["lengths_B"].tolist(),
-        strict=True,
-    ):
-        prompts.append(ids[:prompt_length])
-        completions.append(ids[prompt_length:length])
-    return plan_prefixes(prompts, completions)
-
-
-def row_advantages(
-    settings: LearnerSettings, reward_adv_B: torch.Tensor, hindsight_B: torch.Tensor
-) -> torch.Tensor | None:
-    """Each row's weighted policy-gradient advantage: reward_coef × its group-baselined reward plus
-    hindsight_coef × its turn's hindsight value (learner/hindsight.py); None when both weights are 0."""
-    terms = [
-        coef * values
-        for coef, values in ((settings.reward_coef, reward_adv_B), (settings.hindsight_coef, hindsight_B))
-        if coef > 0
-    ]
-    return sum(terms[1:], terms[0]) if terms else None
-
-
-# Our `lr_scheduler_type` names → transformers' schedules (linear warm-up from 0 in each).
-HF_SCHEDULES = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
-
-
-def lr_schedule(optimizer: Any, schedule: str, total_updates: int, warmup_updates: int) -> Any:
-    """`transformers.get_scheduler`: linear warm-up over `warmup_updates`, then cosine or linear decay
-    to 0 at `total_updates`, or constant."""
-    from transformers import get_scheduler
-
-    return get_scheduler(
-        HF_SCHEDULES[schedule],
-        optimizer,
-        num_warmup_steps=warmup_updates,
-        num_training_steps=total_updates,
-    )
 
 
 class Learner:
@@ -233,8 +81,6 @@ class Learner:
             self._master = master
         if self._engine is not None:
             return
-        import torch
-
         on_gpu = torch.cuda.is_available()
         if not on_gpu:
             # Must be set before deepspeed is imported: it picks its accelerator at import time.
@@ -247,6 +93,7 @@ class Learner:
             WORLD_SIZE=str(self.world_size),
             LOCAL_RANK="0",
         )
+        # Imported here, not at the top: deepspeed picks its accelerator at import time (above).
         import deepspeed
         from transformers import AutoModelForCausalLM
 
@@ -292,119 +139,15 @@ class Learner:
             "learner rank %d/%d ready (ZeRO-%d)", self.rank, self.world_size, self.settings.zero_stage
         )
 
-    # -- tensors --------------------------------------------------------------------------------
-
-    def _pad(self, segments: list[LLMCall]) -> dict[str, torch.Tensor]:
-        """Right-padded batch: ids, attention mask, loss mask on completion tokens, per-token values.
-
-        Per-token tensors are aligned with `targets_B_T` (the token predicted at each position).
-        """
-        import torch
-
-        lengths = [len(s.prompt_token_ids) + len(s.completion_token_ids) for s in segments]
-        width = max(lengths)
-        ids = torch.zeros(len(segments), width, dtype=torch.long)
-        attention = torch.zeros(len(segments), width, dtype=torch.long)
-        mask = torch.zeros(len(segments), width - 1)
-        sampler = torch.zeros(len(segments), width - 1)
-        teacher = torch.zeros(len(segments), width - 1)
-        for row, segment in enumerate(segments):
-            sequence = segment.prompt_token_ids + segment.completion_token_ids
-            ids[row, : len(sequence)] = torch.tensor(sequence)
-            attention[row, : len(sequence)] = 1
-            # Completion token k sits at sequence position p+k and is predicted from position p+k-1.
-            start = len(segment.prompt_token_ids) - 1
-            end = start + len(segment.completion_token_ids)
-            mask[row, start:end] = 1.0
-            sampler[row, start:end] = torch.tensor(segment.sampler_logprobs)
-            teacher[row, start:end] = torch.tensor(segment.teacher_logprobs)
-        device = self._device
-        batch = {
-            # Position whose logits predict the earliest completion token of the batch.
-            "first_scored_position": torch.tensor(min(len(s.prompt_token_ids) for s in segments) - 1),
-            "input_ids_B_T": ids.to(device),
-            "attention_B_T": attention.to(device),
-            "targets_B_T": ids[:, 1:].to(device),
-            "mask_B_T": mask.to(device),
-            "sampler_B_T": sampler.to(device),
-            "teacher_B_T": teacher.to(device),
-            # Kept on the CPU: `_scored_logits` plans the shared-prefix forward from them.
-            "prompt_lengths_B": torch.tensor([len(s.prompt_token_ids) for s in segments]),
-            "lengths_B": torch.tensor(lengths),
-        }
-        if segments[0].teacher_top_ids is not None:
-            batch.update(self._pad_top_k(segments, width - 1))
-        return batch
-
-    def _pad_top_k(self, segments: list[LLMCall], width: int) -> dict[str, torch.Tensor]:
-        """The teacher's top-k ids / logprobs, [B, T, K], aligned with `targets_B_T` like `_pad`'s tensors.
-
-        Positions without a teacher score hold id 0 and logprob 0: the loss mask is 0 there, and the
-        loss functions never read masked positions.
-        """
-        import torch
-
-        top_k = segments[0].teacher_top_ids.shape[1]  # type: ignore[union-attr]
-        ids_B_T_K = torch.zeros(len(segments), width, top_k, dtype=torch.long)
-        logprobs_B_T_K = torch.zeros(len(segments), width, top_k)
-        for row, segment in enumerate(segments):
-            if segment.teacher_top_ids is None or segment.teacher_top_logprobs is None:
-                raise ValueError("every segment of a batch needs the teacher's top-k, or none does")
-            start = len(segment.prompt_token_ids) - 1
-            end = start + len(segment.completion_token_ids)
-            # torch.tensor copies: arrays that arrive through Ray are read-only views of its object store.
-            ids_B_T_K[row, start:end] = torch.tensor(segment.teacher_top_ids, dtype=torch.long)
-            logprobs_B_T_K[row, start:end] = torch.tensor(segment.teacher_top_logprobs)
-        return {
-            "teacher_top_ids_B_T_K": ids_B_T_K.to(self._device),
-            "teacher_top_logprobs_B_T_K": logprobs_B_T_K.to(self._device),
-        }
-
-    def _scored_logits(self, model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """float32 logits [B, S, V] of the positions from `first_scored_position` on (S = T − 1 − that).
-
-        Shared prompt prefixes are forwarded once (`learner/shared_prefix.py`): prompts are ~95 % of a
-        tiny model's tokens and mostly shared (one prompt per `n_rollouts` completions, one system
-        preamble per batch). Logits are computed only where a completion token is predicted.
-        """
-        first = int(batch["first_scored_position"])
-        width = batch["input_ids_B_T"].shape[1] - 1 - first
-        plan = prefix_plan(batch)
-        if plan is None:
-            ids_B_T = batch["input_ids_B_T"]
-            logits = model(
-                input_ids=ids_B_T, attention_mask=batch["attention_B_T"], logits_to_keep=width + 1
-            ).logits
-            return logits[:, :-1].float()
-        row_logits = shared_prefix_logits(model, plan, self._device)
-        return scatter_row_logits(row_logits, plan, first, width).float()
-
-    def _logprobs_of_targets(
-        self, logits_B_S_V: torch.Tensor, batch: dict[str, torch.Tensor]
-    ) -> torch.Tensor:
-        """[B, T] logprob of each target token at the sampling temperature, from `_scored_logits`."""
-        import torch
-
-        from opd_trainer.learner.loss import gather_token_logprobs
-
-        first = int(batch["first_scored_position"])
-        scored = gather_token_logprobs(
-            logits_B_S_V, batch["targets_B_T"][:, first:], self.settings.temperature
-        )
-        # Back to full width (zeros where nothing is scored; the loss mask is 0 there).
-        return torch.nn.functional.pad(scored, (first, 0))
-
-    def _token_logprobs(self, model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self._logprobs_of_targets(self._scored_logits(model, batch), batch)
+    # -- forward ------------------------------------------------------------------------------
 
     def compute_logprobs(self, segments: list[LLMCall]) -> list[list[float]]:
         """The learner's logprob of each completion token (pre-flight drift probe, tests)."""
-        import torch
-
         self.initialize()
-        batch = self._pad(segments)
+        batch = pad_segments(segments, 0, self._device)
         with torch.no_grad():
-            logprobs = self._token_logprobs(self._engine.module, batch).cpu()
+            logits_B_S_V = scored_logits(self._engine.module, batch, prefix_plan(batch), self._device)
+            logprobs = logprobs_of_targets(logits_B_S_V, batch, self.settings.temperature).cpu()
         out = []
         for row, segment in enumerate(segments):
             start = len(segment.prompt_token_ids) - 1
@@ -422,51 +165,42 @@ class Learner:
         `minibatch_tokens[i]`: trained tokens of mini-batch i over all ranks (None: one rank), which
         normalises each rank's loss so that the averaged gradient is the whole mini-batch's.
         """
-        import torch
-
-        from opd_trainer.learner import loss as opd_loss
-
         self.initialize()
         if not minibatches or not all(minibatches):
             raise ValueError("train_step needs non-empty mini-batches")
+        settings = self.settings
         totals: dict[str, float] = {}
         ratio_max = 0.0
         forwarded = attended = 0
         grad_norms: list[float] = []
         for index, minibatch in enumerate(minibatches):
             num_tokens = None if minibatch_tokens is None else minibatch_tokens[index] / self.world_size
-            batch = self._pad(minibatch)
+            batch = pad_segments(minibatch, settings.distillation.teacher_top_k, self._device)
             plan = prefix_plan(batch)
             if plan is None:
-                forwarded += int(batch["lengths_B"].sum())
-                attended += sum(causal_keys(0, length) for length in batch["lengths_B"].tolist())
+                forwarded += sum(batch.lengths)
+                attended += sum(causal_keys(0, length) for length in batch.lengths)
             else:
                 forwarded += plan.forwarded_tokens
                 attended += plan.attended_keys
-            rewards_B = torch.tensor([s.reward for s in minibatch], device=self._device)
-            reward_adv_B = opd_loss.group_reward_advantages(
-                rewards_B,
-                torch.tensor([s.group_id for s in minibatch], device=self._device),
-                torch.tensor([s.rollout_id for s in minibatch], device=self._device),
-                self.settings.normalize_reward_by_std,
+            reward_adv_B = group_reward_advantages(
+                batch.rewards_B, batch.group_ids_B, batch.rollout_ids_B, settings.normalize_reward_by_std
             )
-            logits_B_S_V = self._scored_logits(self._engine, batch)
-            learner_B_T = self._logprobs_of_targets(logits_B_S_V, batch)
-            hindsight_B = torch.tensor([s.hindsight for s in minibatch], device=self._device)
-            policy, stats = distillation_loss(
-                self.settings,
-                batch,
+            logits_B_S_V = scored_logits(self._engine, batch, plan, self._device)
+            learner_B_T = logprobs_of_targets(logits_B_S_V, batch, settings.temperature)
+            inputs = batch.distillation_inputs(
                 logits_B_S_V,
                 learner_B_T,
-                row_advantages(self.settings, reward_adv_B, hindsight_B),
+                row_advantages(settings, reward_adv_B, batch.hindsight_B),
                 num_tokens,
             )
-            total = policy
+            total, stats = distillation_loss(settings.distillation, inputs)
             if self._reference is not None:
                 with torch.no_grad():
-                    reference_B_T = self._token_logprobs(self._reference, batch)
-                kl_ref = opd_loss.kl_to_reference(learner_B_T, reference_B_T, batch["mask_B_T"], num_tokens)
-                total = total + self.settings.kl_loss_coef * kl_ref
+                    reference_logits_B_S_V = scored_logits(self._reference, batch, plan, self._device)
+                    reference_B_T = logprobs_of_targets(reference_logits_B_S_V, batch, settings.temperature)
+                kl_ref = kl_to_reference(learner_B_T, reference_B_T, batch.mask_B_T, num_tokens)
+                total = total + settings.kl_loss_coef * kl_ref
                 totals["kl_to_initial"] = totals.get("kl_to_initial", 0.0) + float(kl_ref.detach())
             self._engine.backward(total)
             self._engine.step()
@@ -476,7 +210,7 @@ class Learner:
             totals["loss"] = totals.get("loss", 0.0) + float(total.detach())
             # Per-token statistics of this rank's share, weighted by that share of the mini-batch's
             # tokens (1 with one rank), so that the ranks' plain mean is the mini-batch's token mean.
-            share = 1.0 if num_tokens is None else float(batch["mask_B_T"].sum()) / num_tokens
+            share = 1.0 if num_tokens is None else float(batch.mask_B_T.sum()) / num_tokens
             for name in (
                 "ratio_mean",
                 "ratio_truncated_frac",
@@ -559,8 +293,6 @@ class Learner:
         path = Path(directory)
         self._engine.save_checkpoint(str(path / "deepspeed"), tag="state")
         if self.rank == 0:
-            from transformers import AutoTokenizer
-
             self._engine.module.save_pretrained(str(path / "student"), state_dict=dict(self.named_weights()))
             AutoTokenizer.from_pretrained(self.settings.model_path, trust_remote_code=False).save_pretrained(
                 str(path / "student")

@@ -41,6 +41,7 @@ from pydantic import (
 )
 
 from opd_trainer.errors import ConfigError
+from opd_trainer.learner.estimators import DEFAULT_TEACHER_TOP_K, ESTIMATOR_NAMES, ESTIMATORS
 
 
 class _Strict(BaseModel):
@@ -238,10 +239,23 @@ class FunctionComponent(_Strict):
         return runtime
 
 
-# Defaults chosen from benchmarks/vs_trl_gkd.py and benchmarks/efficacy.py (docs/benchmarks.md).
-DistillLoss = Literal["sampled", "sampled_baseline", "topk_reverse", "topk_forward", "jsd"]
-DEFAULT_DISTILL_LOSS: DistillLoss = "topk_forward"
-DEFAULT_TEACHER_TOP_K = 8
+# The estimators and what each reads are declared once, in learner/estimators.py (a Literal of a tuple
+# is the Literal of its items). The default was chosen from benchmarks/vs_trl_gkd.py and
+# benchmarks/efficacy.py (docs/benchmarks.md).
+DistillLoss = Literal[ESTIMATOR_NAMES]  # type: ignore[valid-type]
+DEFAULT_DISTILL_LOSS = "topk_forward"
+
+
+def _distill_loss_description() -> str:
+    choices = " ".join(
+        f"{e.name}: {e.summary}{' Needs teacher_top_k >= 1.' if e.needs_top_k else ''}"
+        for e in ESTIMATORS.values()
+    )
+    return (
+        f"Distillation estimator (learner/estimators.py; formulas in learner/loss.py), weighted by "
+        f"kl_coef. {choices} The default, {DEFAULT_DISTILL_LOSS}, learned fastest per step in "
+        "docs/benchmarks.md."
+    )
 
 
 class HyperParameters(_Strict):
@@ -274,7 +288,9 @@ class HyperParameters(_Strict):
     max_tokens: int = Field(default=256, ge=1, description="Most tokens sampled per LLM call.")
     temperature: float = Field(default=1.0, gt=0, description="Student sampling temperature.")
     kl_coef: float = Field(
-        default=1.0, ge=0, description="Weight of the per-token reverse KL to the teacher."
+        default=1.0,
+        ge=0,
+        description="Weight of the distillation term toward the teacher, whichever distill_loss computes it.",
     )
     kl_loss_coef: float = Field(default=0.0, ge=0, description="Weight of KL(learner ‖ initial student).")
     reward_coef: float = Field(
@@ -345,17 +361,7 @@ class HyperParameters(_Strict):
     max_drift: float = Field(
         default=0.05, gt=0, description="Pre-flight: largest allowed mean |learner − sampler| logprob drift."
     )
-    distill_loss: DistillLoss = Field(
-        default=DEFAULT_DISTILL_LOSS,
-        description="Distillation estimator (formulas in learner/loss.py). sampled: the per-token "
-        "log-ratio logp_student − logp_teacher of the sampled token as a policy-gradient advantage. "
-        "sampled_baseline: the same minus a per-position baseline computed from the teacher's top-k "
-        "(unbiased, lower variance). topk_reverse / topk_forward: KL(student ‖ teacher) / KL(teacher ‖ "
-        "student) over the teacher's top-k tokens plus one tail bucket, differentiated through the "
-        "student's logits. jsd: GKD's generalized JSD on the same buckets (jsd_beta). All but sampled "
-        "need teacher_top_k >= 1; all are weighted by kl_coef. The default, topk_forward, learned fastest "
-        "per step in docs/benchmarks.md.",
-    )
+    distill_loss: DistillLoss = Field(default=DEFAULT_DISTILL_LOSS, description=_distill_loss_description())
     jsd_beta: float = Field(
         default=0.5,
         gt=0,
@@ -372,25 +378,25 @@ class HyperParameters(_Strict):
         le=256,
         description="Teacher tokens scored per completion position: the sampled token's logprob plus the "
         "teacher's teacher_top_k most likely tokens (temperature 1). 0: the sampled token only. Unset: "
-        f"{DEFAULT_TEACHER_TOP_K} for the estimators that read the top-k, 0 for sampled.",
+        f"{DEFAULT_TEACHER_TOP_K} for the estimators that read the top-k, 0 for the others.",
     )
 
     @model_validator(mode="before")
     @classmethod
     def _top_k_default_follows_the_estimator(cls, data: Any) -> Any:
         if isinstance(data, dict) and data.get("teacher_top_k") is None:
-            estimator = data.get("distill_loss", DEFAULT_DISTILL_LOSS)
-            data = {**data, "teacher_top_k": 0 if estimator == "sampled" else DEFAULT_TEACHER_TOP_K}
+            estimator = ESTIMATORS.get(data.get("distill_loss", DEFAULT_DISTILL_LOSS))
+            # An unknown name keeps the field's default; the distill_loss field reports the name.
+            if estimator is not None:
+                data = {**data, "teacher_top_k": estimator.default_top_k}
         return data
 
     @field_validator("teacher_top_k")
     @classmethod
     def _top_k_for_the_estimator(cls, value: int, info: ValidationInfo) -> int:
-        estimator = info.data.get("distill_loss")
-        if estimator not in (None, "sampled") and value < 1:
-            raise ValueError(
-                f"distill_loss {estimator} needs hyper_parameters.teacher_top_k >= 1, got {value}"
-            )
+        estimator = ESTIMATORS.get(info.data.get("distill_loss", ""))
+        if estimator is not None:  # None: distill_loss already failed, and says so
+            estimator.check_top_k(value)
         return value
 
     def total_steps(self, training_samples: int) -> int:

@@ -16,8 +16,10 @@ import numpy as np
 import pytest
 
 from opd_trainer.demo.tiny_models import TinyModels
-from opd_trainer.learner.deepspeed_learner import LearnerGroup, LearnerSettings
+from opd_trainer.learner.deepspeed_learner import LearnerGroup
+from opd_trainer.learner.settings import LearnerSettings
 from opd_trainer.records import LLMCall
+from opd_trainer.spec.job_spec import parse_job_spec
 
 pytestmark = pytest.mark.integration
 
@@ -25,26 +27,24 @@ TOP_K = 4
 
 
 def _settings(tiny_models: TinyModels, zero_stage: int) -> LearnerSettings:
-    return LearnerSettings(
-        model_path=str(tiny_models.student),
-        learning_rate=1e-3,
-        lr_scheduler_type="constant",
-        warmup_ratio=0.0,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        total_updates=2,
-        temperature=1.0,
-        kl_coef=1.0,
-        kl_loss_coef=0.0,
-        reward_coef=0.5,
-        normalize_reward_by_std=False,
-        hindsight_coef=0.0,
-        ratio_cap=2.0,
-        zero_stage=zero_stage,
-        seed=0,
-        distill_loss="topk_forward",
-        jsd_beta=0.5,
+    spec = parse_job_spec(
+        {
+            "job_name": "learner-ranks",
+            "model": str(tiny_models.student),
+            "teacher_model": str(tiny_models.teacher),
+            "training_datasets": [str(tiny_models.data_dir / "train.jsonl")],
+            "hyper_parameters": {
+                "learning_rate": 1e-3,
+                "lr_scheduler_type": "constant",
+                "reward_coef": 0.5,
+                "seed": 0,
+                "distill_loss": "topk_forward",
+                "teacher_top_k": TOP_K,
+            },
+            "resources": {"zero_stage": zero_stage},
+        }
     )
+    return LearnerSettings.from_spec(spec, total_updates=2)
 
 
 def _minibatches(vocab: int) -> list[list[LLMCall]]:

@@ -15,7 +15,6 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -238,7 +237,7 @@ def test_a_multi_turn_trajectory_trains_its_tool_calls_and_never_the_tool_output
     `<tool_call>` markup included) is trained, every other token (the prompt, the tool output) is not."""
     import torch
 
-    from opd_trainer.learner.deepspeed_learner import Learner
+    from opd_trainer.learner.batch import pad_segments
 
     records = [
         r
@@ -278,14 +277,14 @@ def test_a_multi_turn_trajectory_trains_its_tool_calls_and_never_the_tool_output
         ray.kill(gateway)
     assert len(calls) == 2
     segments = [dataclasses.replace(c, teacher_logprobs=c.sampler_logprobs) for c in calls]
-    batch = Learner._pad(SimpleNamespace(_device=torch.device("cpu")), segments)  # type: ignore[arg-type]
+    batch = pad_segments(segments, 0, torch.device("cpu"))
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_models.teacher))
     # Its inner tokens: at its edges the template's own text may merge with it differently.
     output_ids = tokenizer.encode(tool_output, add_special_tokens=False)[1:-1]
     for row, segment in enumerate(segments):
         length = len(segment.prompt_token_ids) + len(segment.completion_token_ids)
-        targets = batch["targets_B_T"][row, : length - 1].tolist()
-        trained = batch["mask_B_T"][row, : length - 1].bool().tolist()
+        targets = batch.targets_B_T[row, : length - 1].tolist()
+        trained = batch.mask_B_T[row, : length - 1].bool().tolist()
         assert [t for t, m in zip(targets, trained, strict=True) if m] == segment.completion_token_ids
         assert not _holds([t for t, m in zip(targets, trained, strict=True) if m], output_ids)
     # The first turn's completion is the call, markup and all; the second turn sees the tool's output

@@ -1,26 +1,36 @@
-"""`LearnerSettings` for unit tests that build a `Learner` without DeepSpeed (no model is loaded)."""
+"""`LearnerSettings` for unit tests that use the learner's pure functions (no model is loaded).
+
+Built the way the job driver builds them, from a job spec (`LearnerSettings.from_spec`), so that the
+spec's defaults and checks apply here too.
+"""
 
 from __future__ import annotations
 
-from opd_trainer.learner.deepspeed_learner import LearnerSettings
+from typing import Any
 
-SETTINGS = LearnerSettings(
-    model_path="unused",
-    learning_rate=1e-4,
-    lr_scheduler_type="constant",
-    warmup_ratio=0.0,
-    weight_decay=0.0,
-    max_grad_norm=1.0,
-    total_updates=1,
-    temperature=1.0,
-    kl_coef=1.0,
-    kl_loss_coef=0.0,
-    reward_coef=1.0,
-    normalize_reward_by_std=False,
-    hindsight_coef=0.0,
-    ratio_cap=2.0,
-    zero_stage=0,
-    seed=0,
-    distill_loss="sampled",
-    jsd_beta=0.5,
-)
+from opd_trainer.learner.settings import LearnerSettings
+from opd_trainer.spec.job_spec import parse_job_spec
+
+
+def learner_settings(**hyper_parameters: Any) -> LearnerSettings:
+    """A ZeRO-0 learner's settings; `hyper_parameters` override the tests' defaults below."""
+    spec = parse_job_spec(
+        {
+            "job_name": "unit",
+            "model": "unused",
+            "teacher_model": "unused",
+            "training_datasets": ["unused.jsonl"],
+            "hyper_parameters": {
+                "learning_rate": 1e-4,
+                "lr_scheduler_type": "constant",
+                "seed": 0,
+                "distill_loss": "sampled",
+                **hyper_parameters,
+            },
+            "resources": {"zero_stage": 0},
+        }
+    )
+    return LearnerSettings.from_spec(spec, total_updates=1)
+
+
+SETTINGS = learner_settings()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from opd_trainer.learner.checkpoint import CheckpointStore
-from opd_trainer.learner.deepspeed_learner import lr_schedule
+from opd_trainer.learner.settings import lr_schedule
 
 
 def test_latest_flips_only_on_commit(tmp_path: Path) -> None:

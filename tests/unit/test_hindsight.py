@@ -7,7 +7,7 @@ import dataclasses
 import torch
 from learner_settings import SETTINGS
 
-from opd_trainer.learner.deepspeed_learner import row_advantages
+from opd_trainer.learner.batch import row_advantages
 from opd_trainer.learner.hindsight import diverging_turn, hindsight_advantages
 from opd_trainer.records import LLMCall
 

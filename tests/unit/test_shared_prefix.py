@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from learner_settings import SETTINGS
 
-from opd_trainer.learner.deepspeed_learner import Learner, prefix_plan
+from opd_trainer.learner.batch import LearnerBatch, pad_segments, prefix_plan, scored_logits
 from opd_trainer.learner.shared_prefix import plan_prefixes
 from opd_trainer.records import LLMCall
 
@@ -71,11 +70,11 @@ def _batches() -> dict[str, list[LLMCall]]:
     }
 
 
-def _plain_logits(learner: Learner, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    first = int(batch["first_scored_position"])
-    ids = batch["input_ids_B_T"]
+def _plain_logits(model: torch.nn.Module, batch: LearnerBatch) -> torch.Tensor:
+    first = batch.first_scored_position
+    ids = batch.input_ids_B_T
     logits = model(
-        input_ids=ids, attention_mask=batch["attention_B_T"], logits_to_keep=ids.shape[1] - first
+        input_ids=ids, attention_mask=batch.attention_B_T, logits_to_keep=ids.shape[1] - first
     ).logits
     return logits[:, :-1].float()
 
@@ -83,11 +82,11 @@ def _plain_logits(learner: Learner, model: torch.nn.Module, batch: dict[str, tor
 @pytest.mark.parametrize("case", list(_batches()))
 def test_shared_prefix_forward_equals_the_plain_forward_in_logits_and_gradients(case: str) -> None:
     model = _model()
-    learner = Learner(SETTINGS)
-    learner._device = torch.device("cpu")
-    batch = learner._pad(_batches()[case])
-    assert prefix_plan(batch) is not None
-    mask = batch["mask_B_T"][:, int(batch["first_scored_position"]) :]
+    cpu = torch.device("cpu")
+    batch = pad_segments(_batches()[case], 0, cpu)
+    plan = prefix_plan(batch)
+    assert plan is not None
+    mask = batch.mask_B_T[:, batch.first_scored_position :]
 
     def loss_and_grads(logits_B_S_V: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         model.zero_grad()
@@ -97,13 +96,13 @@ def test_shared_prefix_forward_equals_the_plain_forward_in_logits_and_gradients(
         loss.backward()
         return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
-    plain = _plain_logits(learner, model, batch)
-    shared = learner._scored_logits(model, batch)
+    plain = _plain_logits(model, batch)
+    shared = scored_logits(model, batch, plan, cpu)
     assert shared.shape == plain.shape
     scored = mask.bool()
     torch.testing.assert_close(shared[scored], plain[scored], rtol=1e-4, atol=1e-4)
-    plain_loss, plain_grads = loss_and_grads(_plain_logits(learner, model, batch))
-    shared_loss, shared_grads = loss_and_grads(learner._scored_logits(model, batch))
+    plain_loss, plain_grads = loss_and_grads(_plain_logits(model, batch))
+    shared_loss, shared_grads = loss_and_grads(scored_logits(model, batch, plan, cpu))
     torch.testing.assert_close(shared_loss, plain_loss, rtol=1e-5, atol=1e-5)
     for (name, _), want, got in zip(model.named_parameters(), plain_grads, shared_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5, msg=name)

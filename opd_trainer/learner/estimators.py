@@ -1,0 +1,292 @@
+"""The distillation estimators, each declared once: its function, whether it reads the teacher's top-k,
+and its defaults. The job spec (`hyper_parameters.distill_loss`, `teacher_top_k`), the learner, the
+benchmarks and the docs all read `ESTIMATORS`.
+
+An estimator is a function of one `DistillationInputs` (what it reads of a mini-batch, typed) and the
+job's `DistillationSettings`; it returns its loss, the per-token signal whose spread is logged as
+`signal_std`, and the policy gradient's statistics. The formulas are in `learner/loss.py`, whose pure
+tensor functions they combine; `distillation_loss` applies the job's estimator and adds the metrics
+every estimator logs.
+
+torch is imported where an estimator runs, not at the top: the job spec reads this table, and the API
+server that validates job specs has no torch (the Dockerfile's api target).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+DEFAULT_TEACHER_TOP_K = 8
+"""`hyper_parameters.teacher_top_k` when unset, for an estimator that reads the teacher's top-k."""
+
+
+@dataclass(frozen=True)
+class DistillationSettings:
+    """The job's settings the estimators read (the `hyper_parameters` of the same names)."""
+
+    distill_loss: str
+    """Which estimator of `ESTIMATORS` the learner applies."""
+    teacher_top_k: int
+    """Teacher tokens per completion position the batch carries (0: none)."""
+    kl_coef: float
+    """Weight of the distillation term, whichever estimator computes it."""
+    jsd_beta: float
+    ratio_cap: float
+    """Truncation cap of the policy gradient's importance ratio."""
+
+    def __post_init__(self) -> None:
+        estimator_named(self.distill_loss).check_top_k(self.teacher_top_k)
+
+    @property
+    def estimator(self) -> Estimator:
+        return ESTIMATORS[self.distill_loss]
+
+
+@dataclass(frozen=True)
+class DistillationInputs:
+    """What an estimator reads of one mini-batch (this rank's share), built by `LearnerBatch`.
+
+    `_B_T` tensors span the batch's width, aligned with its targets (position t: the token predicted
+    there); `_B_S` ones start at `first_scored_position` (the earliest position that predicts a
+    completion token), where the learner's logits are. Values at masked positions are never read.
+    """
+
+    mask_B_T: Tensor
+    """1.0 on trained completion tokens, 0.0 elsewhere."""
+    sampler_B_T: Tensor
+    """Logprob of each sampled token under the weights that sampled it."""
+    teacher_B_T: Tensor
+    """Logprob of the same token under the teacher."""
+    learner_B_T: Tensor
+    """The learner's logprob of the same token at the sampling temperature, with grad."""
+    logits_B_S_V: Tensor
+    """The learner's float logits (temperature 1), with grad."""
+    first_scored_position: int
+    top_ids_B_S_K: Tensor | None
+    """The teacher's top-k ids at the scored positions; None when the job asks for no top-k."""
+    top_logprobs_B_S_K: Tensor | None
+    """Their teacher logprobs (temperature 1)."""
+    row_advantages_B: Tensor | None
+    """Each row's weighted advantage added to its trained tokens through the policy gradient (reward and
+    hindsight terms, `batch.row_advantages`), or None."""
+    num_tokens: float | None
+    """The loss normaliser (None: this batch's trained tokens); see `loss.policy_loss`."""
+
+    @property
+    def has_top_k(self) -> bool:
+        return self.top_ids_B_S_K is not None and self.top_logprobs_B_S_K is not None
+
+    def top_k(self) -> tuple[Tensor, Tensor, Tensor]:
+        """`(top_ids_B_S_K, top_logprobs_B_S_K, mask_B_S)`, the arguments of the top-k functions."""
+        if self.top_ids_B_S_K is None or self.top_logprobs_B_S_K is None:
+            raise ValueError("this batch holds no teacher top-k (hyper_parameters.teacher_top_k is 0)")
+        return self.top_ids_B_S_K, self.top_logprobs_B_S_K, self.mask_B_T[:, self.first_scored_position :]
+
+    def full_width(self, values_B_S: Tensor) -> Tensor:
+        """`values_B_S` padded back to the batch's width with zeros before the first scored position."""
+        import torch
+
+        return torch.nn.functional.pad(values_B_S, (self.first_scored_position, 0))
+
+
+@dataclass(frozen=True)
+class EstimatorResult:
+    loss: Tensor
+    """0-dim, with grad: the distillation term plus the policy gradient of the per-row advantages."""
+    signal_B_T: Tensor
+    """The per-token distillation signal whose spread over trained tokens is logged (`signal_std`)."""
+    stats: dict[str, Tensor]
+    """`loss.policy_loss`'s ratio statistics."""
+
+
+EstimatorFunction = Callable[[DistillationInputs, DistillationSettings], EstimatorResult]
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """One value of `hyper_parameters.distill_loss`."""
+
+    name: str
+    function: EstimatorFunction
+    needs_top_k: bool
+    """Whether it reads the teacher's top-k (then `teacher_top_k` >= 1)."""
+    summary: str
+    """What it computes, in a sentence (the job spec's field description and the docs)."""
+
+    @property
+    def default_top_k(self) -> int:
+        """`teacher_top_k` when the job leaves it unset: not paid for where nothing reads it."""
+        return DEFAULT_TEACHER_TOP_K if self.needs_top_k else 0
+
+    def check_top_k(self, top_k: int) -> None:
+        """Raises ValueError, in the job spec's words, unless `top_k` gives this estimator what it reads."""
+        if self.needs_top_k and top_k < 1:
+            raise ValueError(
+                f"distill_loss {self.name} needs hyper_parameters.teacher_top_k >= 1, got {top_k}"
+            )
+
+
+# -- the estimators ----------------------------------------------------------------------------------
+# `from opd_trainer.learner import loss` inside each: see the module docstring (torch on use only).
+
+
+def _policy_gradient(
+    inputs: DistillationInputs, settings: DistillationSettings, advantages_B_T: Tensor
+) -> tuple[Tensor, dict[str, Tensor]]:
+    from opd_trainer.learner import loss
+
+    return loss.policy_loss(
+        inputs.learner_B_T,
+        inputs.sampler_B_T,
+        advantages_B_T,
+        inputs.mask_B_T,
+        settings.ratio_cap,
+        inputs.num_tokens,
+    )
+
+
+def topk_forward(inputs: DistillationInputs, settings: DistillationSettings) -> EstimatorResult:
+    """`kl_coef`·KL(teacher ‖ student) over the top-k buckets (`loss.topk_forward_kl_loss`) + row terms."""
+    from opd_trainer.learner import loss
+
+    return _divergence(inputs, settings, loss.topk_forward_kl_loss)
+
+
+def topk_reverse(inputs: DistillationInputs, settings: DistillationSettings) -> EstimatorResult:
+    """`kl_coef`·KL(student ‖ teacher) over the top-k buckets (`loss.topk_reverse_kl_loss`) + row terms."""
+    from opd_trainer.learner import loss
+
+    return _divergence(inputs, settings, loss.topk_reverse_kl_loss)
+
+
+def jsd(inputs: DistillationInputs, settings: DistillationSettings) -> EstimatorResult:
+    """`kl_coef`·JSD_β over the top-k buckets (`loss.topk_jsd_loss`, β = `jsd_beta`) + row terms."""
+    from opd_trainer.learner import loss
+
+    def divergence(
+        logits_B_S_V: Tensor, ids: Tensor, logprobs: Tensor, mask_B_S: Tensor, num_tokens: float | None
+    ) -> tuple[Tensor, Tensor]:
+        return loss.topk_jsd_loss(
+            logits_B_S_V, ids, logprobs, mask_B_S, beta=settings.jsd_beta, num_tokens=num_tokens
+        )
+
+    return _divergence(inputs, settings, divergence)
+
+
+def _divergence(
+    inputs: DistillationInputs,
+    settings: DistillationSettings,
+    divergence: Callable[..., tuple[Tensor, Tensor]],
+) -> EstimatorResult:
+    """A top-k divergence, differentiated through the student's logits, plus the per-row advantages
+    (reward, hindsight) through the policy gradient (a zero advantage where there are none)."""
+    from opd_trainer.learner import loss
+
+    distill, per_token_B_S = divergence(inputs.logits_B_S_V, *inputs.top_k(), inputs.num_tokens)
+    zeros_B_T = inputs.learner_B_T.new_zeros(inputs.learner_B_T.shape)
+    advantages_B_T = loss.add_reward_advantages(zeros_B_T, inputs.mask_B_T, inputs.row_advantages_B, 1.0)
+    policy, stats = _policy_gradient(inputs, settings, advantages_B_T)
+    return EstimatorResult(policy + settings.kl_coef * distill, inputs.full_width(per_token_B_S), stats)
+
+
+def sampled(inputs: DistillationInputs, settings: DistillationSettings) -> EstimatorResult:
+    """The sampled token's log-ratio as a policy-gradient advantage (`loss.opd_advantages`)."""
+    from opd_trainer.learner import loss
+
+    advantages_B_T = loss.opd_advantages(
+        inputs.sampler_B_T,
+        inputs.teacher_B_T,
+        inputs.mask_B_T,
+        settings.kl_coef,
+        inputs.row_advantages_B,
+        1.0,
+    )
+    policy, stats = _policy_gradient(inputs, settings, advantages_B_T)
+    return EstimatorResult(policy, inputs.sampler_B_T - inputs.teacher_B_T, stats)
+
+
+def sampled_baseline(inputs: DistillationInputs, settings: DistillationSettings) -> EstimatorResult:
+    """`sampled` minus a per-position baseline from the top-k (`loss.topk_signal_baseline`)."""
+    from opd_trainer.learner import loss
+
+    baseline_B_T = inputs.full_width(loss.topk_signal_baseline(inputs.logits_B_S_V.detach(), *inputs.top_k()))
+    distill_B_T = loss.sampled_baseline_advantages(
+        inputs.sampler_B_T, inputs.teacher_B_T, baseline_B_T, inputs.mask_B_T, settings.kl_coef
+    )
+    advantages_B_T = loss.add_reward_advantages(distill_B_T, inputs.mask_B_T, inputs.row_advantages_B, 1.0)
+    policy, stats = _policy_gradient(inputs, settings, advantages_B_T)
+    return EstimatorResult(policy, inputs.sampler_B_T - inputs.teacher_B_T - baseline_B_T, stats)
+
+
+ESTIMATORS: dict[str, Estimator] = {
+    estimator.name: estimator
+    for estimator in (
+        Estimator(
+            "topk_forward",
+            topk_forward,
+            needs_top_k=True,
+            summary="KL(teacher ‖ student) over the teacher's top-k tokens plus one tail bucket, "
+            "differentiated through the student's logits (mass-covering).",
+        ),
+        Estimator(
+            "topk_reverse",
+            topk_reverse,
+            needs_top_k=True,
+            summary="KL(student ‖ teacher) over the same buckets, differentiated through the student's "
+            "logits (mode-seeking).",
+        ),
+        Estimator(
+            "jsd",
+            jsd,
+            needs_top_k=True,
+            summary="GKD's generalized JSD over the same buckets (β = jsd_beta).",
+        ),
+        Estimator(
+            "sampled",
+            sampled,
+            needs_top_k=False,
+            summary="the sampled token's log-ratio logp_student − logp_teacher as a policy-gradient "
+            "advantage (a one-sample reverse KL).",
+        ),
+        Estimator(
+            "sampled_baseline",
+            sampled_baseline,
+            needs_top_k=True,
+            summary="sampled minus a per-position baseline computed from the teacher's top-k (unbiased, "
+            "lower variance).",
+        ),
+    )
+}
+"""Every estimator, by its `distill_loss` name."""
+
+ESTIMATOR_NAMES: tuple[str, ...] = tuple(ESTIMATORS)
+
+
+def estimator_named(name: str) -> Estimator:
+    """The estimator called `name`; ValueError naming the choices otherwise."""
+    try:
+        return ESTIMATORS[name]
+    except KeyError:
+        raise ValueError(f"unknown distill_loss {name!r}; one of {', '.join(ESTIMATOR_NAMES)}") from None
+
+
+def distillation_loss(
+    settings: DistillationSettings, inputs: DistillationInputs
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The job's estimator on one mini-batch: its loss and stats, plus what every estimator logs.
+
+    `signal_std` is the spread over trained tokens of the estimator's per-token signal; with the
+    teacher's top-k in the batch, `teacher_topk_mass` and `student_topk_mass` (`loss.topk_metrics`)
+    whatever the estimator. The top-k functions see both models at temperature 1.
+    """
+    from opd_trainer.learner import loss
+
+    extra = loss.topk_metrics(inputs.logits_B_S_V.detach(), *inputs.top_k()) if inputs.has_top_k else {}
+    result = settings.estimator.function(inputs, settings)
+    signal_std = loss.signal_std(result.signal_B_T.detach(), inputs.mask_B_T)
+    return result.loss, {**result.stats, **extra, "signal_std": signal_std}

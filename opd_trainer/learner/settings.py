@@ -1,0 +1,80 @@
+"""What one learner rank needs of the job (`LearnerSettings.from_spec`), and the learning-rate schedule it
+names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from transformers import get_scheduler
+
+from opd_trainer.learner.estimators import DistillationSettings
+
+if TYPE_CHECKING:
+    from opd_trainer.spec.job_spec import JobSpec
+
+
+@dataclass(frozen=True)
+class LearnerSettings:
+    """What one learner rank needs; `from_spec` is the one way the job's fields become these."""
+
+    model_path: str
+    learning_rate: float
+    lr_scheduler_type: str
+    warmup_ratio: float
+    weight_decay: float
+    max_grad_norm: float
+    total_updates: int
+    """Optimizer updates over the whole job (steps × mini-batches per step); the schedule's length."""
+    temperature: float
+    kl_loss_coef: float
+    reward_coef: float
+    normalize_reward_by_std: bool
+    hindsight_coef: float
+    zero_stage: int
+    seed: int
+    distillation: DistillationSettings
+    """What the estimator reads (`learner/estimators.py`)."""
+
+    @classmethod
+    def from_spec(cls, spec: JobSpec, total_updates: int) -> LearnerSettings:
+        """The job's learner settings; `total_updates` is the driver's count of optimizer updates."""
+        hp = spec.hyper_parameters
+        return cls(
+            model_path=spec.model,
+            learning_rate=hp.learning_rate,
+            lr_scheduler_type=hp.lr_scheduler_type,
+            warmup_ratio=hp.warmup_ratio,
+            weight_decay=hp.weight_decay,
+            max_grad_norm=hp.max_grad_norm,
+            total_updates=total_updates,
+            temperature=hp.temperature,
+            kl_loss_coef=hp.kl_loss_coef,
+            reward_coef=hp.reward_coef,
+            normalize_reward_by_std=hp.normalize_reward_by_std,
+            hindsight_coef=hp.hindsight_coef,
+            zero_stage=spec.resources.zero_stage,
+            seed=hp.seed,
+            distillation=DistillationSettings(
+                distill_loss=hp.distill_loss,
+                teacher_top_k=hp.teacher_top_k,
+                kl_coef=hp.kl_coef,
+                jsd_beta=hp.jsd_beta,
+                ratio_cap=hp.ratio_cap,
+            ),
+        )
+
+
+# Our `lr_scheduler_type` names → transformers' schedules (linear warm-up from 0 in each).
+HF_SCHEDULES = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
+
+
+def lr_schedule(optimizer: Any, schedule: str, total_updates: int, warmup_updates: int) -> Any:
+    """`transformers.get_scheduler`: linear warm-up over `warmup_updates`, then cosine or linear decay
+    to 0 at `total_updates`, or constant."""
+    return get_scheduler(
+        HF_SCHEDULES[schedule],
+        optimizer,
+        num_warmup_steps=warmup_updates,
+        num_training_steps=total_updates,
+    )

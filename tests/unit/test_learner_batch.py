@@ -1,0 +1,70 @@
+"""The learner's typed batch (`learner/batch.py`): padding, and the teacher's top-k it must carry."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from opd_trainer.learner.batch import pad_segments
+from opd_trainer.records import LLMCall
+
+CPU = torch.device("cpu")
+
+
+def _segment(prompt: list[int], completion: list[int], top_k: int | None) -> LLMCall:
+    ids = np.arange(len(completion) * (top_k or 0), dtype=np.int32).reshape(len(completion), top_k or 0)
+    return LLMCall(
+        prompt_token_ids=prompt,
+        completion_token_ids=completion,
+        sampler_logprobs=[-1.0] * len(completion),
+        teacher_logprobs=[-2.0] * len(completion),
+        group_id=0,
+        rollout_id=len(prompt),
+        reward=0.5,
+        teacher_top_ids=ids if top_k is not None else None,
+        teacher_top_logprobs=np.full(ids.shape, -3.0, dtype=np.float32) if top_k is not None else None,
+    )
+
+
+def test_padding_aligns_every_per_token_value_with_the_token_it_predicts() -> None:
+    batch = pad_segments([_segment([5, 6, 7], [8, 9], 2), _segment([5, 6], [4, 3, 2], 2)], 2, CPU)
+    assert batch.first_scored_position == 1
+    assert batch.input_ids_B_T.tolist() == [[5, 6, 7, 8, 9], [5, 6, 4, 3, 2]]
+    assert batch.targets_B_T.tolist() == [[6, 7, 8, 9], [6, 4, 3, 2]]
+    assert batch.mask_B_T.tolist() == [[0, 0, 1, 1], [0, 1, 1, 1]]
+    assert batch.teacher_B_T.tolist() == [[0, 0, -2, -2], [0, -2, -2, -2]]
+    assert batch.lengths == (5, 5) and batch.prompt_lengths == (3, 2)
+    assert batch.top_ids_B_T_K is not None and batch.top_logprobs_B_T_K is not None
+    assert batch.top_ids_B_T_K.shape == (2, 4, 2)
+    assert batch.top_ids_B_T_K[0, 2:].tolist() == [[0, 1], [2, 3]]
+    assert batch.top_logprobs_B_T_K[1, 0].tolist() == [0, 0]  # a prompt position: never read
+    # The scored slice the estimators get starts where the logits start.
+    inputs = batch.distillation_inputs(torch.zeros(2, 3, 11), torch.zeros(2, 4), None, None)
+    assert inputs.top_ids_B_S_K is not None and inputs.top_ids_B_S_K.shape == (2, 3, 2)
+    assert [t.shape for t in inputs.top_k()] == [(2, 3, 2), (2, 3, 2), (2, 3)]
+
+
+def test_a_job_without_the_top_k_pads_none_and_its_inputs_say_so() -> None:
+    batch = pad_segments([_segment([5, 6], [8], 4)], 0, CPU)
+    assert batch.top_ids_B_T_K is None and batch.top_logprobs_B_T_K is None
+    inputs = batch.distillation_inputs(torch.zeros(1, 1, 11), torch.zeros(1, 2), None, None)
+    assert not inputs.has_top_k
+    with pytest.raises(ValueError, match="no teacher top-k"):
+        inputs.top_k()
+
+
+@pytest.mark.parametrize(
+    ("top_k", "carried", "shapes"),
+    [(3, None, "['None']"), (3, 2, "['(2, 2)']")],
+)
+def test_a_segment_whose_top_k_is_missing_or_another_k_is_refused(
+    top_k: int, carried: int | None, shapes: str
+) -> None:
+    segments = [_segment([5, 6], [8, 9], top_k), _segment([5, 7], [8, 9], carried)]
+    with pytest.raises(ValueError) as raised:
+        pad_segments(segments, top_k, CPU)
+    assert str(raised.value) == (
+        f"segment 1 carries the teacher's top-k with shapes {shapes}, expected (2, {top_k}) "
+        "(completion tokens, hyper_parameters.teacher_top_k)"
+    )
