@@ -1,20 +1,21 @@
-"""The distillation signal and the learner's loss, as small pure tensor functions.
+"""The building blocks of the distillation estimators and the learner's loss, as small pure tensor functions.
 
-One optimizer step of online policy distillation, in the order a learner calls these:
+Which estimator a job runs, and which of these it combines, is declared once in `learner/estimators.py`
+(`hyper_parameters.distill_loss`). Here:
 
-1. `reverse_kl_advantages` / `opd_advantages`: per-token advantage
-   `A_t = −kl_coef·(logp_sampler_t − logp_teacher_t) + reward_coef·Â_row`,
-   where `Â_row` comes from `group_reward_advantages` (task reward minus its group's baseline).
-2. `gather_token_logprobs`: the learner's logprob of each sampled token, from its logits.
-3. `policy_loss`: truncated importance-sampled policy gradient `−Σ_t mask_t·min(ratio_t, cap)·A_t / N`,
-   plus optionally `kl_loss_coef · kl_to_reference` (KL to the initial student).
-4. `distillation_metrics`: what to log.
-
-That is `distill_loss: sampled`. The other estimators live at the end of this module, over the teacher's
-top-k plus one tail bucket (suffix `K` / `J`): `topk_reverse_kl_loss`, `topk_forward_kl_loss`,
-`topk_jsd_loss` (direct losses on the student's logits) and `topk_signal_baseline` with
-`sampled_baseline_advantages` (the sampled estimator with a per-position baseline); the reward term then
-joins through `add_reward_advantages` and `policy_loss`.
+- Over the teacher's top-k plus one tail bucket (suffix `K` / `J`, in the second half of this module):
+  `topk_forward_kl_loss` (the default estimator, `topk_forward`), `topk_reverse_kl_loss` and
+  `topk_jsd_loss`, direct losses on the student's logits; `topk_signal_baseline`, the per-position
+  baseline of `sampled_baseline`; `topk_metrics`, how much of both models' mass the top-k covers.
+- The sampled token's signal (`sampled`, `sampled_baseline`): `reverse_kl_advantages` /
+  `opd_advantages`, the per-token advantage `A_t = −kl_coef·(logp_sampler_t − logp_teacher_t) +
+  reward_coef·Â_row`, and `sampled_baseline_advantages`, the same minus the baseline.
+- Shared by every estimator: `group_reward_advantages` (the reward term's `Â_row`: task reward minus
+  its group's baseline) joined through `add_reward_advantages`; `gather_token_logprobs`, the learner's
+  logprob of each sampled token; `policy_loss`, the truncated importance-sampled policy gradient
+  `−Σ_t mask_t·min(ratio_t, cap)·A_t / N` that carries the reward (and, for the sampled estimators, the
+  distillation) advantage; `kl_to_reference`, the optional `kl_loss_coef` term (KL to the initial
+  student); `signal_std` and `distillation_metrics`, what is logged.
 
 Shape suffixes (tinker-cookbook convention):
 
@@ -193,7 +194,7 @@ def opd_advantages(
     reward_advantages_B: Tensor | None,
     reward_coef: float,
 ) -> Tensor:
-    """The OPD per-token advantage `A_t = −kl_coef·(logp_sampler_t − logp_teacher_t) + reward_coef·Â_row`.
+    """`sampled`'s per-token advantage `A_t = −kl_coef·(logp_sampler_t − logp_teacher_t) + reward_coef·Â_row`.
 
     The first term is `reverse_kl_advantages`; `Â_row` (from `group_reward_advantages`) is one number per
     row, broadcast over the row's tokens. `A_t` is 0 wherever `mask_B_T` is 0, whatever the logprobs
@@ -429,7 +430,7 @@ def full_vocab_reverse_kl(
     return (mask_B_T * torch.where(mask_B_T > 0, kl_B_T, 0.0)).sum() / mask_B_T.sum().clamp(min=1.0)
 
 
-# --- distribution-level estimators over the teacher's top-k ---------------------------------------------
+# --- distribution-level estimators over the teacher's top-k (the default, topk_forward, among them) -------
 #
 # Suffix `K`: the teacher's top-k tokens at a position; `J` = K + 1 buckets: those K tokens, then one tail
 # bucket holding all remaining probability mass. Both distributions are taken at temperature 1 (vLLM's
