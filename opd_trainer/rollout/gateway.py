@@ -59,6 +59,13 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+KEEP_ALIVE_S = 75.0
+"""How long the gateway keeps an idle client connection open (uvicorn's `timeout_keep_alive`, 5 s by
+default). Longer than the idle timeout of the pools that call it (the built-in rollout's aiohttp pool:
+15 s, `runner.CLIENT_KEEPALIVE_S`; httpx's, under the OpenAI SDK: 5 s), so a client drops an idle
+connection before the server closes it, and never writes a request into a connection the server has
+just closed."""
+
 
 class InvalidRequest(ValueError):
     """A request vLLM's own validation or the gateway's rules refuse; `param` names the field."""
@@ -272,6 +279,7 @@ class Gateway:
         tool_call_parser: str = "hermes",
         chat_template_kwargs: dict[str, Any] | None = None,
         key_ttl_s: float = 3600.0,
+        keep_alive_s: float = KEEP_ALIVE_S,
     ) -> None:
         self.model_name = model_name
         self.tokenizer_path = tokenizer_path
@@ -280,6 +288,7 @@ class Gateway:
         self.temperature = temperature
         self.max_length = max_length
         self.key_ttl_s = key_ttl_s
+        self.keep_alive_s = keep_alive_s
         self.tool_call_parser = tool_call_parser
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self._tool_calls: ToolCallParsing | None = None
@@ -572,7 +581,14 @@ class Gateway:
             return self.base_url
         if port == 0:
             port = free_port(host)
-        config = uvicorn.Config(self.app(), host=host, port=port, log_level="warning", access_log=False)
+        config = uvicorn.Config(
+            self.app(),
+            host=host,
+            port=port,
+            log_level="warning",
+            access_log=False,
+            timeout_keep_alive=self.keep_alive_s,  # type: ignore[arg-type]  # a float works: call_later
+        )
         self._server = uvicorn.Server(config)
         task = asyncio.get_running_loop().create_task(self._server.serve())
         while not self._server.started:

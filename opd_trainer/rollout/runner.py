@@ -19,6 +19,8 @@ the evaluator's metrics) and `scoring_failures` names the samples that could not
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -40,9 +42,54 @@ if TYPE_CHECKING:
     from reward_workers.pool import RewardPool
     from rollout_workers.pool import RolloutPool
 
+logger = logging.getLogger(__name__)
+
 STUDENT_MODEL_NAME = "student"
 TEACHER_MODEL_NAME = "teacher"  # the name the teacher's gateway answers under (baseline, auxiliary model)
 RolloutKeys = tuple[str, dict[str, ModelResource]]  # a rollout's student key and its auxiliary models
+CLIENT_KEEPALIVE_S = 15.0
+"""How long the built-in rollout keeps an idle connection to the gateway. Shorter than the gateway's own
+keep-alive (`gateway.KEEP_ALIVE_S`), so the pool drops an idle connection before the server may close
+it: aiohttp checks the idle time against the clock when it hands a connection out, so this holds even
+when the driver's event loop was too busy to read the server's FIN."""
+
+
+async def _body_unsent(tracker: aiohttp.UploadTracker) -> bool:
+    """Whether the request body provably did not leave this process in full.
+
+    aiohttp (>= 3.14) settles `upload_complete` with a result once the whole body was handed to the
+    transport, and fails it otherwise: the write refused because the connection was already closing
+    (the server's FIN on a pooled keep-alive connection, read between taking the connection and
+    writing the body: "Can not write request body"), a write or flush that failed or was cancelled with
+    bytes still queued (the transport drops them with the connection), or a body never begun (the
+    connection could not be made). A body the gateway did not receive in full was never acted on: it
+    reads the whole JSON body before it opens, samples or records anything (`await raw.json()` in
+    `Gateway.app`), and a connection that ends short of the Content-Length is a disconnect to it.
+    The future settles when the body writer ends, within a loop turn or two of the error; one that has
+    not settled after 5 s counts as sent."""
+    done, _ = await asyncio.wait({tracker.upload_complete}, timeout=5.0)
+    return bool(done) and tracker.upload_complete.exception() is not None
+
+
+async def post_json(
+    http: aiohttp.ClientSession, url: str, body: dict[str, Any], headers: dict[str, str]
+) -> tuple[int, bytes]:
+    """POSTs `body` as JSON; returns the answer's status and bytes. A transport error is retried once
+    when the request provably never reached the server (`_body_unsent`), and never otherwise: after
+    the body was written (the server disconnected while we awaited the answer, a reset while reading
+    it, a timeout) the gateway may have sampled and recorded the call, and a retry would record — and
+    train on — a second completion the rollout never saw."""
+    for attempt in (1, 2):
+        tracker = aiohttp.UploadTracker()
+        try:
+            async with http.post(url, json=body, headers=headers, upload_tracker=tracker) as response:
+                return response.status, await response.read()
+        except aiohttp.ClientConnectionError as exc:
+            # A timeout spent the request's whole budget: not retried even when nothing was sent.
+            if attempt == 2 or isinstance(exc, asyncio.TimeoutError) or not await _body_unsent(tracker):
+                raise
+            logger.info("%s: the request never reached it (%r); retried once", url, exc)
+    raise AssertionError("unreachable: the second attempt returns or raises")
 
 
 @dataclass(frozen=True)
@@ -151,7 +198,8 @@ class RolloutRunner:
         (`benchmarks/rollout_gateway.py`)."""
         if self._http is None:
             self._http = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=600.0), connector=aiohttp.TCPConnector(limit=256)
+                timeout=aiohttp.ClientTimeout(total=600.0),
+                connector=aiohttp.TCPConnector(limit=256, keepalive_timeout=CLIENT_KEEPALIVE_S),
             )
         return self._http
 
@@ -170,13 +218,13 @@ class RolloutRunner:
         }
         if sample.tools:
             body["tools"] = sample.tools
-        async with self._session().post(
-            f"{self.base_url}/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
-        ) as response:
-            if response.status != 200:
-                result.error = f"gateway answered {response.status}: {(await response.text())[:500]}"
-                return
-            message = (await response.json())["choices"][0]["message"]
+        status, answer = await post_json(
+            self._session(), f"{self.base_url}/chat/completions", body, {"Authorization": f"Bearer {key}"}
+        )
+        if status != 200:
+            result.error = f"gateway answered {status}: {answer.decode(errors='replace')[:500]}"
+            return
+        message = json.loads(answer)["choices"][0]["message"]
         result.messages = [*sample.messages, message]
         # Rewards see where the given conversation ends, as they do after an agentic rollout that
         # follows the same convention (examples/tool_routing_agentic): the reply is what they judge.
