@@ -43,6 +43,9 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable
 
     from ray.actor import ActorHandle
+    from vllm import SamplingParams
+    from vllm.logprobs import Logprob
+    from vllm.sampling_params import StructuredOutputsParams
     from vllm.v1.engine.async_llm import AsyncLLM
 
 logger = logging.getLogger(__name__)
@@ -120,6 +123,31 @@ def completion_rows(flat: Any, first: int, count: int, width: int) -> tuple[np.n
     ids = np.asarray(flat.token_ids[start:end], dtype=np.int32).reshape(count, width)
     logprobs = np.asarray(flat.logprobs[start:end], dtype=np.float32).reshape(count, width)
     return ids, logprobs
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """One sampled completion and vLLM's logprobs at each of its positions, by token id (each a
+    `vllm.logprobs.Logprob`: logprob, rank, decoded text): the sampled token's, and with
+    `SamplingParams.logprobs` = k > 0 the k most likely tokens' (an OpenAI answer's `logprobs`)."""
+
+    call: LLMCall
+    top_logprobs: list[dict[int, Logprob]]
+
+
+@dataclass(frozen=True)
+class SampledText:
+    """A piece of a streamed completion: its text (possibly empty: a token may end mid-character, or
+    stay held back while it could begin a stop string), its tokens and their logprobs (as `Sampled`)."""
+
+    text: str
+    token_ids: list[int]
+    top_logprobs: list[dict[int, Logprob]]
+
+
+def _sampled_logprobs(steps: list[dict[int, Logprob]], token_ids: list[int]) -> list[float]:
+    """The sampler's logprob of each sampled token (vLLM returns it whatever top-k was asked)."""
+    return [float(step[token].logprob) for step, token in zip(steps, token_ids, strict=True)]
 
 
 def _on_gpu() -> bool:
@@ -220,7 +248,7 @@ class Engine:
         assert self._llm is not None
         return self._llm
 
-    async def _outputs(self, prompt_token_ids: list[int], params: Any) -> AsyncIterator[Any]:
+    async def _outputs(self, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[Any]:
         """vLLM's outputs of one request, as it produces them (counted in flight meanwhile)."""
         llm = await self._llm_ready()
         request_id = f"{self.name}-{next(self._request_ids)}"
@@ -235,7 +263,7 @@ class Engine:
         if not produced:
             raise EngineError(f"{self.name}: request {request_id} produced no output")
 
-    async def _run(self, prompt_token_ids: list[int], params: Any) -> Any:
+    async def _run(self, prompt_token_ids: list[int], params: SamplingParams) -> Any:
         """Submits one request and returns its final output."""
         final = None
         async for output in self._outputs(prompt_token_ids, params):
@@ -244,93 +272,112 @@ class Engine:
 
     def _sampling(
         self,
-        prompt_token_ids: list[int],
         *,
-        stream: bool,
         max_tokens: int,
         temperature: float = 1.0,
         top_p: float = 1.0,
         seed: int | None = None,
         stop_token_ids: list[int] | None = None,
         skip_special_tokens: bool = True,
-        structured_outputs: Any = None,
-    ) -> Any:
-        """vLLM's sampling parameters for one completion (`generate`'s and `generate_stream`'s keywords).
+        structured_outputs: StructuredOutputsParams | None = None,
+    ) -> SamplingParams:
+        """vLLM's sampling parameters for one completion (`generate`'s keywords).
 
         `skip_special_tokens` applies to the text only (a tool-call parser may need its markers).
         `structured_outputs`: vLLM's `StructuredOutputsParams` constraining what may be sampled (a
         required or named tool call); the sampler's logprobs are then those of the constrained
         distribution (`processed_logprobs`), which is what the tokens were drawn from."""
         from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
 
-        if len(prompt_token_ids) + 1 > self.config.max_model_len:
-            raise EngineError(
-                f"{self.name}: prompt of {len(prompt_token_ids)} tokens leaves no room under "
-                f"max_model_len={self.config.max_model_len}"
-            )
         return SamplingParams(
-            max_tokens=min(max_tokens, self.config.max_model_len - len(prompt_token_ids)),
+            max_tokens=max_tokens,
             temperature=temperature,
             top_p=top_p,
             seed=seed,
             stop_token_ids=stop_token_ids or [],
-            logprobs=0,
             skip_special_tokens=skip_special_tokens,
             structured_outputs=structured_outputs,
-            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
         )
+
+    def _fit(self, prompt_token_ids: list[int], params: SamplingParams, *, stream: bool) -> SamplingParams:
+        """A copy of `params` as this engine runs them: the completion fits under `max_model_len`, each
+        sampled token's logprob comes back (the record's sampler logprobs; with `logprobs` = k > 0 also
+        the k most likely tokens), and the output arrives whole or as it is generated."""
+        from vllm.sampling_params import RequestOutputKind
+
+        room = self.config.max_model_len - len(prompt_token_ids)
+        if room < 1:
+            raise EngineError(
+                f"{self.name}: prompt of {len(prompt_token_ids)} tokens leaves no room under "
+                f"max_model_len={self.config.max_model_len}"
+            )
+        params = params.clone()
+        params.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        if params.logprobs is None:
+            params.logprobs = 0
+        params.output_kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+        return params
 
     async def generate(self, prompt_token_ids: list[int], **sampling: Any) -> LLMCall:
         """Samples one completion; returns its token ids and the sampler's logprob of each.
 
         `sampling`: `max_tokens` and optionally `temperature`, `top_p`, `seed`, `stop_token_ids`,
         `skip_special_tokens`, `structured_outputs` (see `_sampling`)."""
-        params = self._sampling(prompt_token_ids, stream=False, **sampling)
+        return (await self.sample(prompt_token_ids, self._sampling(**sampling))).call
+
+    async def sample(self, prompt_token_ids: list[int], params: SamplingParams) -> Sampled:
+        """`generate` with vLLM's own `SamplingParams` (the gateway's: a request's stop strings, penalties,
+        logit bias, top-k/top-p/min-p, ... as vLLM's server translates them), and the top logprobs the
+        request asked for. Every one of those acts before the sampler's `processed_logprobs`, so the
+        recorded logprobs stay those of the distribution each token was drawn from."""
+        params = self._fit(prompt_token_ids, params, stream=False)
         version = self._weight_version
         final = await self._run(prompt_token_ids, params)
         out = final.outputs[0]
         token_ids = list(out.token_ids)
-        logprobs = [float(step[token].logprob) for step, token in zip(out.logprobs, token_ids, strict=True)]
-        return LLMCall(
+        steps = list(out.logprobs)
+        call = LLMCall(
             prompt_token_ids=list(final.prompt_token_ids),
             completion_token_ids=token_ids,
-            sampler_logprobs=logprobs,
+            sampler_logprobs=_sampled_logprobs(steps, token_ids),
             text=out.text,
             finish_reason=out.finish_reason,
             weight_version=version,
         )
+        return Sampled(call, steps)
 
-    async def generate_stream(
-        self, prompt_token_ids: list[int], **sampling: Any
-    ) -> AsyncIterator[str | LLMCall]:
-        """`generate`, yielding each piece of text as vLLM detokenizes it, then the whole `LLMCall`.
+    async def sample_stream(
+        self, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[SampledText | Sampled]:
+        """`sample`, yielding each piece as vLLM produces it (`SampledText`: text, tokens, logprobs),
+        then the whole `Sampled`.
 
         A Ray streaming generator: call it with `.options(num_returns="streaming")`. The sampling is
-        the same request as `generate`'s, so the same seed gives the same tokens."""
-        params = self._sampling(prompt_token_ids, stream=True, **sampling)
+        the same request as `sample`'s, so the same seed gives the same tokens."""
+        params = self._fit(prompt_token_ids, params, stream=True)
         version = self._weight_version
         token_ids: list[int] = []
-        logprobs: list[float] = []
+        steps: list[dict[int, Logprob]] = []
         text: list[str] = []
         finish_reason = None
         async for output in self._outputs(prompt_token_ids, params):
             out = output.outputs[0]
-            new = list(out.token_ids)
-            logprobs += [float(step[token].logprob) for step, token in zip(out.logprobs, new, strict=True)]
+            new, new_steps = list(out.token_ids), list(out.logprobs)
             token_ids += new
+            steps += new_steps
             finish_reason = out.finish_reason or finish_reason
-            if out.text:
+            if out.text or new:
                 text.append(out.text)
-                yield out.text
-        yield LLMCall(
+                yield SampledText(out.text, new, new_steps)
+        call = LLMCall(
             prompt_token_ids=list(prompt_token_ids),
             completion_token_ids=token_ids,
-            sampler_logprobs=logprobs,
+            sampler_logprobs=_sampled_logprobs(steps, token_ids),
             text="".join(text),
             finish_reason=finish_reason,
             weight_version=version,
         )
+        yield Sampled(call, steps)
 
     async def generate_many(self, prompts: list[list[int]], **sampling: Any) -> list[LLMCall]:
         """All prompts in flight at once, so vLLM batches them."""

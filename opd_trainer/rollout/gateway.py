@@ -5,26 +5,40 @@ gateway. Each rollout gets its own API key; every call made with it is answered 
 recorded with the exact prompt token ids, completion token ids and sampler logprobs, which become
 that rollout's training segments. Unknown or closed keys get 401.
 
+It speaks vLLM's own protocol: requests are parsed and validated by vLLM's `ChatCompletionRequest`
+and translated into sampling parameters by its `to_sampling_params`, as `vllm serve` does; answers,
+stream chunks and errors are vLLM's `ChatCompletionResponse`, `ChatCompletionStreamResponse` and
+`ErrorResponse`. What it does not serve is refused with a 400 naming the field, never ignored
+(`rollout/chat_requests.py`: `NOT_SERVED`, and unknown fields but for `IGNORED_EXTRAS`). Every
+sampling field vLLM's server honours is passed to the engine: `stop` / `stop_token_ids`, `top_p`,
+`top_k`, `min_p`, the penalties, `logit_bias`, `bad_words`, `allowed_token_ids`, `min_tokens`,
+`ignore_eos`, `seed`, `logprobs` / `top_logprobs` (the answer's logprobs are the sampler's, after
+temperature, penalties and truncation: vLLM's `processed_logprobs`, not the raw model's).
+
 Two policies differ from a plain OpenAI server, on purpose:
-- `temperature` / `top_p` come from the job, not the request: the learner's importance ratio needs
-  the distribution the tokens were really sampled from. A rollout key may carry its own temperature
-  (validation opens greedy keys) and a seed: calls that send none get `seed + call index`, so an
+- `temperature` comes from the rollout key, not the request: the job's for training keys, 0 for the
+  greedy keys validation opens, so a processor that forwards its sampling parameters cannot turn a
+  validation greedy. A key may also carry a seed: calls that send none get `seed + call index`, so an
   agent that never passes a seed still resamples identically when a run is repeated or resumed.
 - `max_tokens` is capped at the job's `max_tokens`.
-Requests are validated by vLLM's own `ChatCompletionRequest`, as `vllm serve` validates them, and
-tool calls go through vLLM's parser for the model family (`tool_call_parser`, as `vllm serve
+Everything a request may set acts before vLLM's sampler computes `processed_logprobs` (allowed
+tokens, bad words, min tokens, logit bias, penalties, temperature, min-p, top-k, top-p, and the
+structured-output constraint below), so the recorded sampler logprobs are those of the distribution
+each token was really drawn from; where that distribution differs from the student's plain one, the
+learner's truncated importance ratio corrects toward the policy it trains.
+Tool calls go through vLLM's parser for the model family (`tool_call_parser`, as `vllm serve
 --enable-auto-tool-choice --tool-call-parser`; `opd_trainer/rollout/tool_calls.py`): it decides
 whether the completion is decoded with special tokens, and for `tool_choice: "required"` or a named
-function it constrains sampling (vLLM's structured outputs) so that a call is made.
+function it constrains sampling (vLLM's structured outputs) so that a call is made;
+`parallel_tool_calls: false` keeps the first call, as vLLM does.
 `response_format` (`json_object`, `json_schema`) and vLLM's `structured_outputs` constrain sampling
-the same way. `tool_choice: "none"` renders no tools and parses none. Under a constraint the
-recorded sampler logprobs are those of the constrained distribution the tokens were drawn from, so
-the learner's (truncated) importance ratio corrects toward the unconstrained policy it trains.
+the same way. `tool_choice: "none"` renders no tools and parses none.
 Streaming responses send text as the engine generates it (a Ray streaming generator from the engine
 actor); a reply with tools to parse is sent once complete, as content and tool-call chunks.
 Template variables reach the chat template as they do on vLLM and Bailian: `chat_template_kwargs`
-(vLLM's field) and a top-level `enable_thinking` (what `extra_body={"enable_thinking": False}` sends,
-Bailian's convention); an entry in `chat_template_kwargs` wins over the top-level one.
+(vLLM's field), `reasoning_effort` (as vLLM passes it) and a top-level `enable_thinking` (what
+`extra_body={"enable_thinking": False}` sends, Bailian's convention); an entry in
+`chat_template_kwargs` wins over the others.
 
 Launch: started by the job driver as `GatewayActor` (uvicorn inside the actor's event loop).
 """
@@ -38,24 +52,47 @@ import logging
 import secrets
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import ValidationError
 
 from opd_trainer.errors import ConfigError, EngineError
 from opd_trainer.ports import free_port
 from opd_trainer.records import LLMCall
-from opd_trainer.rollout.chat import RESERVED_TEMPLATE_KWARGS
+from opd_trainer.rollout.chat_requests import (
+    InvalidRequest,
+    RenderedPrompts,
+    asked_max_tokens,
+    chat_request,
+    check_token_ids,
+    normalize_messages,
+    sampling_params,
+    template_kwargs,
+)
 from opd_trainer.rollout.tool_calls import ToolCallParsing
 
+# vLLM's protocol modules are imported where they are used: importing vLLM takes seconds, and the
+# driver and the rollout runner import this module for `RolloutKeyRequest` alone.
 if TYPE_CHECKING:
+    import uvicorn
     from ray.actor import ActorHandle
+    from transformers import PreTrainedTokenizerBase
+    from vllm import SamplingParams
+    from vllm.entrypoints.openai.chat_completion.protocol import (
+        ChatCompletionLogProbs,
+        ChatCompletionRequest,
+        ChatCompletionResponse,
+        ChatMessage,
+    )
+    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+    from vllm.logprobs import Logprob
+
+    from opd_trainer.engine.vllm_engine import Sampled, SampledText
 
 logger = logging.getLogger(__name__)
 
@@ -65,102 +102,6 @@ default). Longer than the idle timeout of the pools that call it (the built-in r
 15 s, `runner.CLIENT_KEEPALIVE_S`; httpx's, under the OpenAI SDK: 5 s), so a client drops an idle
 connection before the server closes it, and never writes a request into a connection the server has
 just closed."""
-
-
-class InvalidRequest(ValueError):
-    """A request vLLM's own validation or the gateway's rules refuse; `param` names the field."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-def chat_request(body: Any) -> Any:
-    """vLLM's own `ChatCompletionRequest` for a request body, with the gateway's rules on top.
-
-    vLLM validates the body as `vllm serve` does (messages, tools, `tool_choice`, `response_format`,
-    ...); the gateway refuses what it cannot honour: `n` > 1 (a rollout records one completion per
-    call), no messages, and template arguments it sets itself. Raises `InvalidRequest`."""
-    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-    from vllm.exceptions import VLLMValidationError
-
-    if not isinstance(body, dict):
-        raise InvalidRequest("the request body must be a JSON object", "body")
-    try:
-        request = ChatCompletionRequest.model_validate(body)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or "body"
-        raise InvalidRequest(f"{param}: {first['msg']}", param) from None
-    except VLLMValidationError as exc:
-        raise InvalidRequest(str(exc.args[0]) if exc.args else str(exc), exc.parameter or "body") from None
-    if not request.messages:
-        raise InvalidRequest("messages: at least one message is required", "messages")
-    if request.n != 1:
-        raise InvalidRequest("n: only n=1 is served (each call records one completion)", "n")
-    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(request.chat_template_kwargs or {}))
-    if reserved:
-        raise InvalidRequest(
-            f"chat_template_kwargs: {', '.join(reserved)} cannot be set here: the gateway renders the prompt",
-            "chat_template_kwargs",
-        )
-    thinking = (request.model_extra or {}).get("enable_thinking")
-    if thinking is not None and not isinstance(thinking, bool):
-        raise InvalidRequest("enable_thinking: must be true or false", "enable_thinking")
-    return request
-
-
-def template_kwargs(request: Any, job_defaults: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Extra variables for the chat template: the job's `chat_template_kwargs`, overridden by a
-    request's top-level `enable_thinking` (Bailian's convention), overridden by an entry in the
-    request's `chat_template_kwargs` (vLLM's field)."""
-    thinking = (request.model_extra or {}).get("enable_thinking")
-    top_level = {} if thinking is None else {"enable_thinking": thinking}
-    return {**(job_defaults or {}), **top_level, **(request.chat_template_kwargs or {})}
-
-
-def asked_max_tokens(request: Any) -> int | None:
-    """`max_completion_tokens`, else the deprecated `max_tokens` (read without pydantic's warning)."""
-    return request.max_completion_tokens or request.__dict__.get("max_tokens")
-
-
-class RenderedPrompts:
-    """The token ids of the last `size` prompts rendered, by (messages, tools, template variables).
-
-    A prompt group's `n_rollouts` first calls send the same messages: one renders the chat template
-    and tokenizes, the others reuse its ids (measured: ~3 ms a render of the example's prompts).
-    A request whose parts are not JSON data is rendered every time."""
-
-    def __init__(self, size: int = 512) -> None:
-        self.size = size
-        self._ids: OrderedDict[str, tuple[int, ...]] = OrderedDict()
-        self.hits = 0
-        self.misses = 0
-
-    def get(
-        self,
-        tokenizer: Any,
-        messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]] | None,
-        kwargs: dict[str, Any],
-    ) -> list[int]:
-        from opd_trainer.rollout.chat import prompt_token_ids
-
-        try:
-            key = json.dumps([messages, tools, kwargs], sort_keys=True, ensure_ascii=False)
-        except (TypeError, ValueError):
-            return prompt_token_ids(tokenizer, messages, tools, kwargs)
-        ids = self._ids.get(key)
-        if ids is None:
-            self.misses += 1
-            ids = tuple(prompt_token_ids(tokenizer, messages, tools, kwargs))
-            self._ids[key] = ids
-            if len(self._ids) > self.size:
-                self._ids.popitem(last=False)
-        else:
-            self.hits += 1
-            self._ids.move_to_end(key)
-        return list(ids)
 
 
 class RolloutKeyRequest(NamedTuple):
@@ -198,54 +139,29 @@ class PreparedCall:
     session: RolloutSession
     started: float
     rendered: RenderedPrompt
-    sampling: dict[str, Any]  # Engine.generate's keyword arguments
+    sampling: SamplingParams
     parsing: ToolCallParsing | None  # None: no tools to parse
-    request: Any  # vLLM's ChatCompletionRequest, as the tool-call parser adjusted it
+    request: ChatCompletionRequest  # as the tool-call parser adjusted it
     response_id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-def _text_content(content: Any) -> str:
-    """OpenAI content may be a list of parts; the chat template wants text."""
-    if isinstance(content, list):
-        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
-    return "" if content is None else str(content)
+_ERROR_TYPES = {
+    HTTPStatus.BAD_REQUEST: "BadRequestError",
+    HTTPStatus.UNAUTHORIZED: "AuthenticationError",
+    HTTPStatus.SERVICE_UNAVAILABLE: "ServiceUnavailableError",
+}
 
 
-def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages as the chat template expects them: text content, tool-call arguments as JSON strings."""
-    normalized = []
-    for message in messages:
-        item: dict[str, Any] = {"role": message.get("role"), "content": _text_content(message.get("content"))}
-        if message.get("tool_calls"):
-            calls = []
-            for call in message["tool_calls"]:
-                function = call.get("function", {})
-                arguments = function.get("arguments", "{}")
-                if not isinstance(arguments, str):
-                    arguments = json.dumps(arguments, ensure_ascii=False)
-                calls.append(
-                    {
-                        "id": call.get("id", ""),
-                        "type": "function",
-                        "function": {"name": function.get("name", ""), "arguments": arguments},
-                    }
-                )
-            item["tool_calls"] = calls
-        for key in ("tool_call_id", "name"):
-            if key in message:
-                item[key] = message[key]
-        normalized.append(item)
-    return normalized
+def error_body(status: HTTPStatus, message: str, param: str | None = None) -> ErrorResponse:
+    """vLLM's error answer (`create_error_response`: `type`, `param`, the status as `code`)."""
+    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
+    return create_error_response(message, _ERROR_TYPES.get(status, "InternalServerError"), status, param)
 
 
-def _error(status: int, message: str, code: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(
-        status_code=status,
-        content={
-            "error": {"message": message, "type": "invalid_request_error", "code": code, "param": param}
-        },
-    )
+def _error(status: HTTPStatus, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status.value, content=error_body(status, message, param).model_dump())
 
 
 def _finish_reason(prepared: PreparedCall, completion: LLMCall, called: bool) -> str:
@@ -258,6 +174,51 @@ def _finish_reason(prepared: PreparedCall, completion: LLMCall, called: bool) ->
     if completion.finish_reason == "length":
         return "length"
     return "tool_calls" if choice == "required" else "stop"
+
+
+def chat_logprobs(
+    token_ids: list[int],
+    steps: list[dict[int, Logprob]],
+    top: int,
+    tokenizer: PreTrainedTokenizerBase,
+    as_token_ids: bool,
+) -> ChatCompletionLogProbs:
+    """OpenAI's `logprobs` for completion tokens, as vLLM's server builds them
+    (`OpenAIServingChat._create_chat_logprobs`, a method of its serving object): each token's text,
+    logprob and UTF-8 bytes, with its `top` most likely alternatives by rank (vLLM lists the sampled
+    token first and may keep it in place of the k-th; OpenAI's are the k most likely)."""
+    from vllm.entrypoints.openai.chat_completion.protocol import (
+        ChatCompletionLogProb,
+        ChatCompletionLogProbs,
+        ChatCompletionLogProbsContent,
+    )
+
+    def text(token_id: int, logprob: Logprob) -> str:
+        if as_token_ids:
+            return f"token_id:{token_id}"
+        return logprob.decoded_token if logprob.decoded_token is not None else tokenizer.decode([token_id])
+
+    def alternative(token_id: int, logprob: Logprob) -> ChatCompletionLogProb:
+        token = text(token_id, logprob)
+        return ChatCompletionLogProb(
+            token=token,
+            logprob=max(logprob.logprob, -9999.0),
+            bytes=list(token.encode("utf-8", errors="replace")),
+        )
+
+    content = []
+    for token_id, step in zip(token_ids, steps, strict=True):
+        ranked = sorted(
+            ((i, lp) for i, lp in step.items() if lp.rank is not None and lp.rank <= top),
+            key=lambda x: x[1].rank,
+        )
+        sampled = alternative(token_id, step[token_id])
+        content.append(
+            ChatCompletionLogProbsContent(
+                **sampled.model_dump(), top_logprobs=[alternative(i, lp) for i, lp in ranked]
+            )
+        )
+    return ChatCompletionLogProbs(content=content)
 
 
 class Gateway:
@@ -294,9 +255,9 @@ class Gateway:
         self._tool_calls: ToolCallParsing | None = None
         self._sessions: dict[str, RolloutSession] = {}
         self._in_flight = [0] * len(self.engines)
-        self._tokenizer: Any = None
+        self._tokenizer: PreTrainedTokenizerBase | None = None
         self._prompts = RenderedPrompts()
-        self._server: Any = None
+        self._server: uvicorn.Server | None = None
         self.base_url = ""
         self.calls_served = 0
 
@@ -343,7 +304,7 @@ class Gateway:
 
     # -- completion -----------------------------------------------------------------------------
 
-    def _load_tokenizer(self) -> Any:
+    def _load_tokenizer(self) -> PreTrainedTokenizerBase:
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
@@ -365,18 +326,19 @@ class Gateway:
         markers the tokenizer lacks), so a job fails at start naming `tool_call_parser`."""
         self._parsing()
 
-    def _render(self, request: Any) -> RenderedPrompt:
-        self._load_tokenizer()
-        messages = normalize_messages(request.messages)
+    def _render(self, request: ChatCompletionRequest) -> RenderedPrompt:
+        tokenizer = self._load_tokenizer()
+        messages = normalize_messages(request.messages)  # type: ignore[arg-type]  # TypedDicts: dicts
         tools = None
         if request.tools and request.tool_choice != "none":
             tools = [tool.model_dump(exclude_none=True) for tool in request.tools]  # as the client sent them
         kwargs = template_kwargs(request, self.chat_template_kwargs)
-        ids = self._prompts.get(self._tokenizer, messages, tools, kwargs)
+        ids = self._prompts.get(tokenizer, messages, tools, kwargs)
         return RenderedPrompt(messages, tools, kwargs, ids)
 
-    async def _prepare(self, key: str, request: Any) -> PreparedCall:
-        """Everything decided before sampling; raises for a request that cannot be served."""
+    async def _prepare(self, key: str, request: ChatCompletionRequest) -> PreparedCall:
+        """Everything decided before sampling; raises `PermissionError` for a closed key and
+        `InvalidRequest` for a request that cannot be served (then it is not counted as a call)."""
         session = self._session(key)
         if session is None:
             raise PermissionError("unknown or expired API key")
@@ -384,43 +346,60 @@ class Gateway:
         rendered = self._render(request)
         prompt_ids = rendered.prompt_ids
         if len(prompt_ids) >= self.max_length:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit max_length={self.max_length}")
-        asked = asked_max_tokens(request) or self.max_tokens
-        seed = request.seed
-        if seed is None and session.seed is not None:
-            seed = session.seed + session.started_calls
-        session.started_calls += 1
+            raise InvalidRequest(
+                f"prompt of {len(prompt_ids)} tokens does not fit max_length={self.max_length}", "messages"
+            )
+        check_token_ids(request, len(self._load_tokenizer()))
         parsing = None
         if request.tools and request.tool_choice != "none":
             parsing = self._parsing()
             request = parsing.adjust(request)
-        sampling = {
-            "max_tokens": min(asked, self.max_tokens, self.max_length - len(prompt_ids)),
-            "temperature": self.temperature if session.temperature is None else session.temperature,
-            "seed": seed,
-            "skip_special_tokens": bool(request.skip_special_tokens),
-        }
-        structured = request.extract_structured_outputs()
-        if structured is not None:
-            sampling["structured_outputs"] = structured
+        seed = request.seed
+        if seed is None and session.seed is not None:
+            seed = session.seed + session.started_calls
+        asked = asked_max_tokens(request) or self.max_tokens
+        sampling = sampling_params(
+            request,
+            temperature=self.temperature if session.temperature is None else session.temperature,
+            seed=seed,
+            max_tokens=min(asked, self.max_tokens, self.max_length - len(prompt_ids)),
+        )
+        session.started_calls += 1
         return PreparedCall(key, session, started, rendered, sampling, parsing, request)
 
     def _replica(self) -> int:
         return min(range(len(self.engines)), key=self._in_flight.__getitem__)
 
-    def _record(self, prepared: PreparedCall, completion: LLMCall) -> tuple[dict[str, Any], LLMCall]:
+    def _logprobs(
+        self, prepared: PreparedCall, token_ids: list[int], steps: list[dict[int, Logprob]]
+    ) -> ChatCompletionLogProbs | None:
+        """The answer's `logprobs` when the request asked for them."""
+        request = prepared.request
+        if not request.logprobs:
+            return None
+        as_ids = bool(request.return_tokens_as_token_ids)
+        return chat_logprobs(token_ids, steps, request.top_logprobs, self._load_tokenizer(), as_ids)
+
+    def _record(self, prepared: PreparedCall, sampled: Sampled) -> tuple[ChatCompletionResponse, LLMCall]:
         """The OpenAI response for a finished completion; the call is recorded under its key."""
-        if prepared.parsing is None:
-            content, tool_calls = completion.text, []
-        else:
-            content, tool_calls = prepared.parsing.parse(completion.text, prepared.request)
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if tool_calls:
-            message["tool_calls"] = tool_calls
-        finish = _finish_reason(prepared, completion, bool(tool_calls))
-        format_valid = completion.finish_reason != "length" and (
-            prepared.parsing is None or prepared.parsing.well_formed(content, tool_calls, prepared.request)
+        from vllm.entrypoints.openai.chat_completion.protocol import (
+            ChatCompletionResponse,
+            ChatCompletionResponseChoice,
         )
+        from vllm.entrypoints.serve.engine.protocol import UsageInfo
+
+        completion = sampled.call
+        message = self._message(prepared, completion)
+        finish = _finish_reason(prepared, completion, bool(message.tool_calls))
+        format_valid = completion.finish_reason != "length" and (
+            prepared.parsing is None
+            or prepared.parsing.well_formed(
+                message.content,
+                [call.model_dump(mode="json") for call in message.tool_calls],
+                prepared.request,
+            )
+        )
+        response_message = message.model_dump(mode="json", include={"role", "content", "tool_calls"})
         call = dataclasses.replace(
             completion,
             finish_reason=finish,
@@ -428,7 +407,7 @@ class Gateway:
             messages=prepared.rendered.messages,
             tools=prepared.rendered.tools,
             template_kwargs=prepared.rendered.template_kwargs,
-            response_message=message,
+            response_message=response_message,
             latency_s=time.perf_counter() - prepared.started,
         )
         # The key may have been closed while generating (rollout timed out): then nothing is recorded.
@@ -437,89 +416,146 @@ class Gateway:
         self.calls_served += 1
         prompt_tokens = len(prepared.rendered.prompt_ids)
         completion_tokens = len(completion.completion_token_ids)
-        body = {
-            "id": prepared.response_id,
-            "object": "chat.completion",
-            "created": prepared.created,
-            "model": self.model_name,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
-            "usage": {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-            },
-        }
-        return body, call
+        with_ids = bool(prepared.request.return_token_ids)
+        choice = ChatCompletionResponseChoice(
+            index=0,
+            message=message,
+            logprobs=self._logprobs(prepared, completion.completion_token_ids, sampled.top_logprobs),
+            finish_reason=finish,
+            token_ids=completion.completion_token_ids if with_ids else None,
+        )
+        response = ChatCompletionResponse(
+            id=prepared.response_id,
+            created=prepared.created,
+            model=self.model_name,
+            choices=[choice],
+            usage=UsageInfo(
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+                total_tokens=prompt_tokens + completion_tokens,
+            ),
+            prompt_token_ids=prepared.rendered.prompt_ids if with_ids else None,
+        )
+        return response, call
 
-    async def complete(self, key: str, request: Any) -> tuple[dict[str, Any], LLMCall]:
+    def _message(self, prepared: PreparedCall, completion: LLMCall) -> ChatMessage:
+        """The assistant message: the text, or the content and tool calls vLLM's parser reads in it
+        (only the first with `parallel_tool_calls: false`, as vLLM's server answers)."""
+        from vllm.entrypoints.generate.base.protocol import ToolCall
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatMessage
+        from vllm.entrypoints.serve.utils.tool_calls_utils import maybe_filter_parallel_tool_calls
+
+        if prepared.parsing is None:
+            return ChatMessage(role="assistant", content=completion.text)
+        content, calls = prepared.parsing.parse(completion.text, prepared.request)
+        tool_calls = [ToolCall.model_validate(call) for call in calls]
+        return ChatMessage(
+            role="assistant",
+            content=content,
+            tool_calls=maybe_filter_parallel_tool_calls(tool_calls, prepared.request),
+        )
+
+    async def complete(
+        self, key: str, request: ChatCompletionRequest
+    ) -> tuple[ChatCompletionResponse, LLMCall]:
         prepared = await self._prepare(key, request)
         replica = self._replica()
         self._in_flight[replica] += 1
         try:
             engine = self.engines[replica]
-            completion = await engine.generate.remote(prepared.rendered.prompt_ids, **prepared.sampling)
+            sampled = await engine.sample.remote(prepared.rendered.prompt_ids, prepared.sampling)
+        except ValueError as exc:  # vLLM's own input checks, in the engine (Ray raises the cause's type)
+            cause = getattr(exc, "cause", exc)
+            raise InvalidRequest(str(cause), getattr(cause, "parameter", None) or "body") from None
         finally:
             self._in_flight[replica] -= 1
-        return self._record(prepared, completion)
+        return self._record(prepared, sampled)
 
     async def stream(self, prepared: PreparedCall, include_usage: bool) -> AsyncIterator[str]:
-        """OpenAI `chat.completion.chunk` server-sent events while the engine generates.
+        """vLLM's `chat.completion.chunk` server-sent events while the engine generates.
 
-        Text goes out as vLLM detokenizes it. With tools to parse, the reply is sent once complete
-        (content, then each tool call): what looks like text may turn out to be a call's markup.
-        The call is recorded as a non-streamed one would be.
+        Text goes out as vLLM detokenizes it, with its tokens' logprobs when asked for. With tools to
+        parse, the reply is sent once complete (content, then each tool call): what looks like text
+        may turn out to be a call's markup. The call is recorded as a non-streamed one would be.
         """
-        base = {
-            "id": prepared.response_id,
-            "object": "chat.completion.chunk",
-            "created": prepared.created,
-            "model": self.model_name,
-        }
+        from vllm.entrypoints.generate.base.protocol import DeltaFunctionCall, DeltaMessage, DeltaToolCall
+        from vllm.entrypoints.openai.chat_completion.protocol import (
+            ChatCompletionResponseStreamChoice,
+            ChatCompletionStreamResponse,
+        )
 
-        def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
-            payload = {
-                **base,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
-            }
-            return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+        from opd_trainer.engine.vllm_engine import Sampled
 
-        yield chunk({"role": "assistant", "content": ""})
+        with_ids = bool(prepared.request.return_token_ids)
+
+        def event(
+            delta: DeltaMessage,
+            finish: str | None = None,
+            logprobs: ChatCompletionLogProbs | None = None,
+            token_ids: list[int] | None = None,
+        ) -> str:
+            choice = ChatCompletionResponseStreamChoice(
+                index=0, delta=delta, logprobs=logprobs, finish_reason=finish
+            )
+            chunk = ChatCompletionStreamResponse(
+                id=prepared.response_id,
+                object="chat.completion.chunk",
+                created=prepared.created,
+                model=self.model_name,
+                choices=[choice],
+            )
+            if with_ids:  # assigned, so that only then they are set and sent (as vLLM's server does)
+                choice.token_ids = token_ids or []
+                if delta.role is not None:
+                    chunk.prompt_token_ids = prepared.rendered.prompt_ids
+            return f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
+
+        yield event(DeltaMessage(role="assistant", content=""))
         replica = self._replica()
         self._in_flight[replica] += 1
-        completion: LLMCall | None = None
+        sampled: Sampled | None = None
         try:
             pieces = (
                 self.engines[replica]
-                .generate_stream.options(num_returns="streaming")
-                .remote(prepared.rendered.prompt_ids, **prepared.sampling)
+                .sample_stream.options(num_returns="streaming")
+                .remote(prepared.rendered.prompt_ids, prepared.sampling)
             )
             async for ref in pieces:
-                piece = await ref
-                if isinstance(piece, LLMCall):
-                    completion = piece
-                elif prepared.parsing is None:
-                    yield chunk({"content": piece})
-        except Exception as exc:  # the client sees an error event; the call is not recorded
-            error = {
-                "message": f"generation failed: {exc}",
-                "type": "server_error",
-                "code": "engine_unavailable",
-            }
-            yield f"data: {json.dumps({'error': error})}\n\n"
+                piece: SampledText | Sampled = await ref
+                if isinstance(piece, Sampled):  # the last item: the whole completion
+                    sampled = piece
+                elif prepared.parsing is None and (piece.text or prepared.request.logprobs or with_ids):
+                    logprobs = self._logprobs(prepared, piece.token_ids, piece.top_logprobs)
+                    yield event(DeltaMessage(content=piece.text), None, logprobs, piece.token_ids)
+        except Exception as exc:  # the client sees vLLM's error event; the call is not recorded
+            status = HTTPStatus.BAD_REQUEST if isinstance(exc, ValueError) else HTTPStatus.SERVICE_UNAVAILABLE
+            yield f"data: {error_body(status, f'generation failed: {exc}').model_dump_json()}\n\n"
+            yield "data: [DONE]\n\n"
             return
         finally:
             self._in_flight[replica] -= 1
-        assert completion is not None
-        body, _ = self._record(prepared, completion)
-        choice = body["choices"][0]
+        assert sampled is not None
+        response, _ = self._record(prepared, sampled)
+        choice = response.choices[0]
         if prepared.parsing is not None:
-            if choice["message"].get("content"):
-                yield chunk({"content": choice["message"]["content"]})
-            for index, call in enumerate(choice["message"].get("tool_calls", [])):
-                yield chunk({"tool_calls": [{"index": index, **call}]})
-        yield chunk({}, choice["finish_reason"])
+            if choice.message.content or choice.logprobs:
+                content = DeltaMessage(content=choice.message.content or "")
+                yield event(content, None, choice.logprobs, sampled.call.completion_token_ids)
+            for index, call in enumerate(choice.message.tool_calls):
+                function = DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments)
+                delta = DeltaToolCall(index=index, id=call.id, type="function", function=function)
+                yield event(DeltaMessage(tool_calls=[delta]))
+        yield event(DeltaMessage(), choice.finish_reason)
         if include_usage:
-            yield f"data: {json.dumps({**base, 'choices': [], 'usage': body['usage']})}\n\n"
+            usage = ChatCompletionStreamResponse(
+                id=prepared.response_id,
+                object="chat.completion.chunk",
+                created=prepared.created,
+                model=self.model_name,
+                choices=[],
+                usage=response.usage,
+            )
+            yield f"data: {usage.model_dump_json(exclude_unset=True)}\n\n"
         yield "data: [DONE]\n\n"
 
     # -- HTTP -----------------------------------------------------------------------------------
@@ -528,11 +564,14 @@ class Gateway:
         app = FastAPI(title="OPD gateway", docs_url=None, redoc_url=None)
 
         @app.get("/v1/models")
-        async def models() -> dict[str, Any]:
-            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "opd"}]}
+        async def models() -> JSONResponse:
+            from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList
+
+            card = ModelCard(id=self.model_name, owned_by="opd", max_model_len=self.max_length)
+            return JSONResponse(ModelList(data=[card]).model_dump())
 
         @app.get("/health")
-        async def health() -> dict[str, Any]:
+        async def health() -> dict[str, int | str]:
             return {
                 "status": "ok",
                 "rollouts_open": len(self._sessions),
@@ -546,13 +585,15 @@ class Gateway:
             header = raw.headers.get("authorization", "")
             key = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
             if not key or self._session(key) is None:
-                return _error(401, "unknown or expired API key", "invalid_api_key")
+                return _error(HTTPStatus.UNAUTHORIZED, "unknown or expired API key", "Authorization")
+            # The whole body is read before anything is decided or recorded: a client may resend a
+            # request whose body did not arrive in full (`runner.post_json`).
             try:
                 request = chat_request(await raw.json())
             except json.JSONDecodeError:
-                return _error(400, "request body is not JSON", "invalid_json")
+                return _error(HTTPStatus.BAD_REQUEST, "request body is not JSON", "body")
             except InvalidRequest as exc:
-                return _error(400, str(exc), "invalid_request", exc.param)
+                return _error(HTTPStatus.BAD_REQUEST, str(exc), exc.param)
             try:
                 if request.stream:
                     prepared = await self._prepare(key, request)
@@ -560,16 +601,16 @@ class Gateway:
                     return StreamingResponse(
                         self.stream(prepared, include_usage), media_type="text/event-stream"
                     )
-                body, _ = await self.complete(key, request)
+                response, _ = await self.complete(key, request)
             except PermissionError as exc:
-                return _error(401, str(exc), "invalid_api_key")
+                return _error(HTTPStatus.UNAUTHORIZED, str(exc), "Authorization")
+            except InvalidRequest as exc:
+                return _error(HTTPStatus.BAD_REQUEST, str(exc), exc.param)
             except ConfigError as exc:
-                return _error(503, exc.message, "tool_call_parser", exc.field)
-            except ValueError as exc:
-                return _error(400, str(exc), "context_length_exceeded", "messages")
+                return _error(HTTPStatus.SERVICE_UNAVAILABLE, exc.message, exc.field)
             except EngineError as exc:
-                return _error(503, str(exc), "engine_unavailable")
-            return JSONResponse(body)
+                return _error(HTTPStatus.SERVICE_UNAVAILABLE, str(exc))
+            return JSONResponse(response.model_dump())
 
         return app
 

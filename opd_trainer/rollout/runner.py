@@ -224,7 +224,9 @@ class RolloutRunner:
         if status != 200:
             result.error = f"gateway answered {status}: {answer.decode(errors='replace')[:500]}"
             return
-        message = json.loads(answer)["choices"][0]["message"]
+        # vLLM's message lists every field, most of them null (refusal, audio, ...): the conversation
+        # keeps those that are set, as an OpenAI client's `model_dump(exclude_none=True)` does.
+        message = {k: v for k, v in json.loads(answer)["choices"][0]["message"].items() if v is not None}
         result.messages = [*sample.messages, message]
         # Rewards see where the given conversation ends, as they do after an agentic rollout that
         # follows the same convention (examples/tool_routing_agentic): the reply is what they judge.

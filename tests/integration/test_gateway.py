@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,10 @@ from openai import AsyncOpenAI, AuthenticationError, OpenAI
 
 from opd_trainer.demo.tiny_models import TinyModels
 from opd_trainer.jsonl import read_jsonl
+from opd_trainer.rollout import runner as rollout_runner
 from opd_trainer.rollout.gateway import GatewayActor
+from opd_trainer.rollout.runner import RolloutRunner
+from opd_trainer.spec.dataset import Sample
 
 pytestmark = pytest.mark.integration
 
@@ -80,7 +85,7 @@ def test_unknown_key_and_bad_body(gateway: tuple[Any, str]) -> None:
         json={"messages": [{"role": "user", "content": "hi"}]},
         headers={"Authorization": "Bearer nope"},
     )
-    assert unknown.status_code == 401 and unknown.json()["error"]["code"] == "invalid_api_key"
+    assert unknown.status_code == 401 and unknown.json()["error"]["type"] == "AuthenticationError"
     missing = httpx.post(f"{base_url}/chat/completions", json={"messages": []})
     assert missing.status_code == 401
 
@@ -319,3 +324,122 @@ def test_response_format_json_schema_constrains_the_content(
     ray.get(actor.close_rollout.remote(key))
     assert reply.choices[0].finish_reason == "stop", reply.choices[0].message.content
     assert json.loads(reply.choices[0].message.content)["answer"] in {"yes", "no"}
+
+
+def test_sampling_fields_reach_the_engine_and_the_record_keeps_the_samplers_logprobs(
+    gateway: tuple[Any, str], tool_call_record: dict[str, Any]
+) -> None:
+    """`stop`, `logit_bias`, `top_k` and `logprobs` / `top_logprobs` do what they ask for on the real
+    engine, and each recorded call's sampler logprobs are those of the distribution it was drawn from
+    (after the request's truncation), which the answer's logprobs report too."""
+    actor, base_url = gateway
+    request = {"model": "student", "messages": tool_call_record["messages"], "max_tokens": 24}
+
+    def call(temperature: float | None = None, **fields: Any) -> tuple[Any, Any]:
+        key = ray.get(actor.open_rollout.remote("r-sampling", temperature=temperature))
+        response = OpenAI(base_url=base_url, api_key=key).chat.completions.create(**request, **fields)
+        [record] = ray.get(actor.close_rollout.remote(key))
+        return response.choices[0], record
+
+    greedy, greedy_call = call(0.0, logprobs=True, top_logprobs=3)
+    text = greedy.message.content
+    assert len(greedy_call.completion_token_ids) >= 4 and len(text) >= 4, text
+    # logprobs: one entry per completion token, the recorded sampler logprob, the 3 most likely first.
+    content = greedy.logprobs.content
+    assert len(content) == len(greedy_call.completion_token_ids)
+    assert [c.logprob for c in content] == pytest.approx(greedy_call.sampler_logprobs, abs=1e-5)
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert [t.logprob for t in entry.top_logprobs] == sorted(
+            (t.logprob for t in entry.top_logprobs), reverse=True
+        )
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the sampled token is the likeliest
+    # stop: a piece of the greedy reply ends the same greedy reply just before it.
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    stopped, _ = call(0.0, stop=[stop])
+    assert stopped.message.content == text[: text.index(stop)] and stopped.finish_reason == "stop"
+    # logit_bias: the greedy reply's first token banned, another one comes first.
+    first = greedy_call.completion_token_ids[0]
+    _, biased = call(0.0, logit_bias={str(first): -100})
+    assert biased.completion_token_ids[0] != first
+    # top_k=1 at the job's temperature 1: the argmax every time, drawn from a distribution of one
+    # token, so the recorded (processed) logprob of each token is 0.
+    top_1, top_1_call = call(None, extra_body={"top_k": 1})  # vLLM's field: outside the SDK's signature
+    assert top_1.message.content == text
+    assert top_1_call.sampler_logprobs == pytest.approx(
+        [0.0] * len(top_1_call.completion_token_ids), abs=1e-5
+    )
+
+
+def test_streamed_logprobs_are_the_recorded_ones(
+    gateway: tuple[Any, str], tool_call_record: dict[str, Any]
+) -> None:
+    actor, base_url = gateway
+    key = ray.get(actor.open_rollout.remote("r-stream-logprobs"))
+    logprobs: list[float] = []
+    with OpenAI(base_url=base_url, api_key=key).chat.completions.create(
+        model="student",
+        messages=tool_call_record["messages"],
+        max_tokens=24,
+        seed=3,
+        logprobs=True,
+        stream=True,
+    ) as stream:
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].logprobs:
+                logprobs += [c.logprob for c in chunk.choices[0].logprobs.content or []]
+    [record] = ray.get(actor.close_rollout.remote(key))
+    assert logprobs == pytest.approx(record.sampler_logprobs, abs=1e-5) and logprobs
+
+
+def test_builtin_rollouts_survive_a_pause_longer_than_the_gateways_keep_alive(
+    student_engine: Any,
+    tiny_models: TinyModels,
+    tool_call_record: dict[str, Any],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The efficacy run's failure at step 12 (`22/32 rollouts failed ... ClientOSError: Can not write
+    request body`) reproduced and survived: a gateway whose keep-alive (1 s) is shorter than a pause
+    in which the driver's loop is busy (3 s, e.g. starved of cores after a validation), so each pooled
+    connection's FIN is not read before the next step's rollouts write into it. Every rollout of the
+    next step succeeds, with exactly one recorded call: the retried requests had never been sent."""
+    actor = GatewayActor.remote(  # type: ignore[attr-defined]
+        "student",
+        str(tiny_models.student),
+        [student_engine],
+        max_tokens=MAX_TOKENS,
+        temperature=1.0,
+        max_length=1024,
+        keep_alive_s=1.0,
+    )
+    base_url = ray.get(actor.serve.remote())
+    runner = RolloutRunner("keep-alive", actor, base_url, max_tokens=8, temperature=1.0)
+    samples = [Sample("keep-alive.jsonl", i, tool_call_record["messages"], None) for i in range(2)]
+    open_keys = runner._open_keys
+
+    async def keys_then_a_busy_pause(*args: Any) -> Any:
+        # Right after the keys, `run` starts every rollout in the same loop turn: the pause lands
+        # between the last await and the requests, as it did in the driver.
+        keys = await open_keys(*args)
+        time.sleep(3.0)
+        return keys
+
+    async def two_steps() -> list[Any]:
+        try:
+            first = await runner.run(samples, 2, step=1, seeds=[1, 2, 3, 4])
+            assert not [r.error for r in first if r.failed]
+            runner._open_keys = keys_then_a_busy_pause  # type: ignore[method-assign]
+            return await runner.run(samples, 2, step=2, seeds=[5, 6, 7, 8])
+        finally:
+            await runner.close()
+
+    caplog.set_level(logging.INFO, logger=rollout_runner.__name__)
+    try:
+        second = asyncio.run(two_steps())
+    finally:
+        ray.get(actor.shutdown.remote())
+        ray.kill(actor)
+    assert [r.error for r in second] == [""] * 4
+    assert [len(r.calls) for r in second] == [1] * 4
+    # Not vacuous: the pooled connections were closed under the rollouts, and their requests retried.
+    assert any("retried once" in record.getMessage() for record in caplog.records)

@@ -8,7 +8,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from opd_trainer.rollout.chat import RESERVED_TEMPLATE_KWARGS
-from opd_trainer.rollout.gateway import Gateway, chat_request
+from opd_trainer.rollout.chat_requests import chat_request
+from opd_trainer.rollout.gateway import Gateway
 
 # Qwen3's switch, reduced to its essentials: an empty think block when thinking is turned off.
 THINKING_TEMPLATE = (
@@ -129,7 +130,7 @@ def test_requests_the_gateway_cannot_serve_get_400_naming_the_field(
 
 
 def test_max_tokens_is_read_from_either_field(gateway: Gateway) -> None:
-    from opd_trainer.rollout.gateway import asked_max_tokens
+    from opd_trainer.rollout.chat_requests import asked_max_tokens
 
     assert asked_max_tokens(chat_request({"messages": MESSAGES, "max_tokens": 7})) == 7
     assert asked_max_tokens(chat_request({"messages": MESSAGES, "max_completion_tokens": 5})) == 5
@@ -186,7 +187,7 @@ def test_a_repeated_prompt_is_rendered_once_and_gets_the_same_ids(gateway: Gatew
 
 
 def test_the_prompt_cache_keeps_only_the_most_recent() -> None:
-    from opd_trainer.rollout.gateway import RenderedPrompts
+    from opd_trainer.rollout.chat_requests import RenderedPrompts
 
     class CountingTokenizer:
         renders = 0
