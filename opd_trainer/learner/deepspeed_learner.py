@@ -1,8 +1,9 @@
 """DeepSpeed learner actor: minimises the OPD loss on the student's own samples and publishes weights.
 
 `Learner` is a plain class (one data-parallel rank); `LearnerActor` is it as a Ray actor and
-`LearnerGroup` drives `world_size` ranks in lock-step (rank 0 publishes weights and checkpoints).
-The pure parts live apart, tested without Ray: the typed batch and the forward
+`LearnerGroup` drives `world_size` ranks in lock-step. Every call that holds a collective (a ZeRO-3
+parameter gather in a forward, the weight export, a checkpoint) runs on every rank; rank 0's answer is
+the one returned. The pure parts live apart, tested without Ray: the typed batch and the forward
 (`learner/batch.py`), the estimators (`learner/estimators.py`), the loss (`learner/loss.py`).
 
 Hardware: fp32 + gloo with `DS_ACCELERATOR=cpu` on a CPU box; bf16 + NCCL, one GPU per rank, on CUDA.
@@ -30,6 +31,7 @@ from opd_trainer.engine.weight_sync import (
 )
 from opd_trainer.errors import WeightSyncError
 from opd_trainer.learner.batch import (
+    LearnerBatch,
     logprobs_of_targets,
     pad_segments,
     prefix_plan,
@@ -39,7 +41,7 @@ from opd_trainer.learner.batch import (
 from opd_trainer.learner.estimators import distillation_loss
 from opd_trainer.learner.loss import group_reward_advantages, kl_to_reference
 from opd_trainer.learner.settings import LearnerSettings, lr_schedule
-from opd_trainer.learner.shared_prefix import causal_keys
+from opd_trainer.learner.shared_prefix import PrefixPlan, causal_keys, model_calls
 from opd_trainer.placement import gang, in_gang, placed
 from opd_trainer.ports import free_port
 from opd_trainer.records import LLMCall
@@ -141,8 +143,27 @@ class Learner:
 
     # -- forward ------------------------------------------------------------------------------
 
+    def _forward_plan(self, batch: LearnerBatch) -> PrefixPlan | None:
+        """This rank's shared-prefix plan of `batch`, or None (the plain forward) where the ranks'
+        plans would call the model a different number of times.
+
+        Under ZeRO-3 every module call gathers its partitioned parameters, a collective: each rank
+        must call the model as often as the others. A plan's call count depends on its rank's shard
+        (one prompt group or several, a common preamble or none), so under ZeRO-3 with several ranks
+        they compare counts first (one small all-reduce) and all take the plain forward, one call
+        each, unless every rank's count is the same.
+        """
+        plan = prefix_plan(batch)
+        if self.settings.zero_stage != 3 or self.world_size == 1:
+            return plan
+        calls = model_calls(plan)
+        extremes = torch.tensor([calls, -calls], device=self._device)
+        torch.distributed.all_reduce(extremes, op=torch.distributed.ReduceOp.MAX)
+        return plan if int(extremes[0]) == -int(extremes[1]) else None
+
     def compute_logprobs(self, segments: list[LLMCall]) -> list[list[float]]:
-        """The learner's logprob of each completion token (pre-flight drift probe, tests)."""
+        """The learner's logprob of each completion token (pre-flight drift probe, tests). Under
+        ZeRO-3 the forward is collective: every rank calls this with the same segments."""
         self.initialize()
         batch = pad_segments(segments, 0, self._device)
         with torch.no_grad():
@@ -168,59 +189,31 @@ class Learner:
         self.initialize()
         if not minibatches or not all(minibatches):
             raise ValueError("train_step needs non-empty mini-batches")
-        settings = self.settings
         totals: dict[str, float] = {}
         ratio_max = 0.0
         forwarded = attended = 0
         grad_norms: list[float] = []
         for index, minibatch in enumerate(minibatches):
             num_tokens = None if minibatch_tokens is None else minibatch_tokens[index] / self.world_size
-            batch = pad_segments(minibatch, settings.distillation.teacher_top_k, self._device)
-            plan = prefix_plan(batch)
+            batch = pad_segments(minibatch, self.settings.distillation.teacher_top_k, self._device)
+            plan = self._forward_plan(batch)
             if plan is None:
                 forwarded += sum(batch.lengths)
                 attended += sum(causal_keys(0, length) for length in batch.lengths)
             else:
                 forwarded += plan.forwarded_tokens
                 attended += plan.attended_keys
-            reward_adv_B = group_reward_advantages(
-                batch.rewards_B, batch.group_ids_B, batch.rollout_ids_B, settings.normalize_reward_by_std
-            )
-            logits_B_S_V = scored_logits(self._engine, batch, plan, self._device)
-            learner_B_T = logprobs_of_targets(logits_B_S_V, batch, settings.temperature)
-            inputs = batch.distillation_inputs(
-                logits_B_S_V,
-                learner_B_T,
-                row_advantages(settings, reward_adv_B, batch.hindsight_B),
-                num_tokens,
-            )
-            total, stats = distillation_loss(settings.distillation, inputs)
-            if self._reference is not None:
-                with torch.no_grad():
-                    reference_logits_B_S_V = scored_logits(self._reference, batch, plan, self._device)
-                    reference_B_T = logprobs_of_targets(reference_logits_B_S_V, batch, settings.temperature)
-                kl_ref = kl_to_reference(learner_B_T, reference_B_T, batch.mask_B_T, num_tokens)
-                total = total + settings.kl_loss_coef * kl_ref
-                totals["kl_to_initial"] = totals.get("kl_to_initial", 0.0) + float(kl_ref.detach())
-            self._engine.backward(total)
-            self._engine.step()
+            stats = self._update(batch, plan, num_tokens)
             grad_norm = self._engine.get_global_grad_norm()
             if grad_norm is not None:
                 grad_norms.append(float(grad_norm))
-            totals["loss"] = totals.get("loss", 0.0) + float(total.detach())
+            ratio_max = max(ratio_max, stats.pop("ratio_max"))
             # Per-token statistics of this rank's share, weighted by that share of the mini-batch's
             # tokens (1 with one rank), so that the ranks' plain mean is the mini-batch's token mean.
             share = 1.0 if num_tokens is None else float(batch.mask_B_T.sum()) / num_tokens
-            for name in (
-                "ratio_mean",
-                "ratio_truncated_frac",
-                "signal_std",
-                "teacher_topk_mass",
-                "student_topk_mass",
-            ):
-                if name in stats:
-                    totals[name] = totals.get(name, 0.0) + share * float(stats[name])
-            ratio_max = max(ratio_max, float(stats["ratio_max"]))
+            for name, value in stats.items():
+                weight = share if name in TOKEN_WEIGHTED_METRICS else 1.0
+                totals[name] = totals.get(name, 0.0) + weight * value
         metrics = {name: value / len(minibatches) for name, value in totals.items()}
         metrics["ratio_max"] = ratio_max
         metrics["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
@@ -230,6 +223,39 @@ class Learner:
         metrics["learner_tokens"] = float(forwarded)
         metrics["learner_attended_keys"] = float(attended)
         return metrics
+
+    def _update(
+        self, batch: LearnerBatch, plan: PrefixPlan | None, num_tokens: float | None
+    ) -> dict[str, float]:
+        """One optimizer update on `batch`: forward, the estimator's loss (+ the KL to the initial
+        student), backward, step. Returns `loss`, `kl_to_initial` when used, and the estimator's stats."""
+        settings = self.settings
+        reward_adv_B = group_reward_advantages(
+            batch.rewards_B, batch.group_ids_B, batch.rollout_ids_B, settings.normalize_reward_by_std
+        )
+        logits_B_S_V = scored_logits(self._engine, batch, plan, self._device)
+        learner_B_T = logprobs_of_targets(logits_B_S_V, batch, settings.temperature)
+        inputs = batch.distillation_inputs(
+            logits_B_S_V,
+            learner_B_T,
+            row_advantages(settings, reward_adv_B, batch.hindsight_B),
+            num_tokens,
+        )
+        total, stats = distillation_loss(settings.distillation, inputs)
+        logged = {
+            name: float(stats[name]) for name in (*TOKEN_WEIGHTED_METRICS, "ratio_max") if name in stats
+        }
+        if self._reference is not None:
+            with torch.no_grad():
+                reference_logits_B_S_V = scored_logits(self._reference, batch, plan, self._device)
+                reference_B_T = logprobs_of_targets(reference_logits_B_S_V, batch, settings.temperature)
+            kl_ref = kl_to_reference(learner_B_T, reference_B_T, batch.mask_B_T, num_tokens)
+            total = total + settings.kl_loss_coef * kl_ref
+            logged["kl_to_initial"] = float(kl_ref.detach())
+        self._engine.backward(total)
+        self._engine.step()
+        logged["loss"] = float(total.detach())
+        return logged
 
     # -- weights and checkpoints ----------------------------------------------------------------
 
@@ -288,12 +314,14 @@ class Learner:
         return ray.get_runtime_context().get_node_id()
 
     def save_checkpoint(self, directory: str) -> None:
-        """HF `save_pretrained` student (rank 0) + DeepSpeed optimizer/scheduler state (all ranks)."""
+        """DeepSpeed optimizer/scheduler state (every rank its shard) + the HF `save_pretrained`
+        student, gathered on every rank (a collective under ZeRO-3) and written by rank 0."""
         self.initialize()
         path = Path(directory)
         self._engine.save_checkpoint(str(path / "deepspeed"), tag="state")
+        weights = self.named_weights()
         if self.rank == 0:
-            self._engine.module.save_pretrained(str(path / "student"), state_dict=dict(self.named_weights()))
+            self._engine.module.save_pretrained(str(path / "student"), state_dict=dict(weights))
             AutoTokenizer.from_pretrained(self.settings.model_path, trust_remote_code=False).save_pretrained(
                 str(path / "student")
             )
@@ -302,6 +330,16 @@ class Learner:
         self.initialize()
         self._engine.load_checkpoint(str(Path(directory) / "deepspeed"), tag="state")
 
+
+# The estimator's per-token statistics `Learner.train_step` reports, each weighted by the rank's share
+# of the mini-batch's trained tokens.
+TOKEN_WEIGHTED_METRICS = (
+    "ratio_mean",
+    "ratio_truncated_frac",
+    "signal_std",
+    "teacher_topk_mass",
+    "student_topk_mass",
+)
 
 # How `Learner.train_step`'s metrics combine across data-parallel ranks. Each rank normalises its
 # loss terms by the mini-batch's tokens over the ranks and weights its per-token statistics by its
@@ -407,7 +445,9 @@ class LearnerGroup:
         return shards
 
     async def compute_logprobs(self, segments: list[LLMCall]) -> list[list[float]]:
-        return await self.actors[0].compute_logprobs.remote(segments)
+        """Rank 0's logprobs; every rank forwards the same segments (a ZeRO-3 forward is collective)."""
+        results = await asyncio.gather(*(a.compute_logprobs.remote(segments) for a in self.actors))
+        return results[0]
 
     async def export_weights(self, kinds: list[str]) -> dict[str, WeightHandoff]:
         """Rank 0's handoffs; every rank takes part (a ZeRO-3 gather is collective)."""
@@ -422,6 +462,7 @@ class LearnerGroup:
         return await self.actors[0].node_id.remote()
 
     async def save_checkpoint(self, directory: str) -> None:
+        """Every rank takes part (its optimizer shard; ZeRO-3's gather of the student is collective)."""
         await asyncio.gather(*(a.save_checkpoint.remote(directory) for a in self.actors))
 
     async def load_checkpoint(self, directory: str) -> None:

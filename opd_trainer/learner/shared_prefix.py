@@ -94,6 +94,14 @@ def plan_prefixes(prompts: list[list[int]], completions: list[list[int]]) -> Pre
     )
 
 
+def model_calls(plan: PrefixPlan | None) -> int:
+    """How many times the forward of `plan` calls the model (`shared_prefix_logits`; None: the plain
+    forward, once). Under ZeRO-3 each call gathers parameters collectively, so ranks compare it."""
+    if plan is None:
+        return 1
+    return 1 + bool(plan.shared_ids) + any(plan.group_ids)
+
+
 def _right_padded(rows: list[list[int]], device: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [N, W] and 0/1 key mask [N, W] of token lists padded on the right with 0."""
     import torch

@@ -1,12 +1,15 @@
-"""The learner's typed batch (`learner/batch.py`): padding, and the teacher's top-k it must carry."""
+"""The learner's typed batch (`learner/batch.py`): padding, the teacher's top-k it must carry, and the
+number of model calls a forward makes (what ZeRO-3 ranks compare before a forward)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from test_shared_prefix import _batches, _model
 
-from opd_trainer.learner.batch import pad_segments
+from opd_trainer.learner.batch import pad_segments, prefix_plan, scored_logits
+from opd_trainer.learner.shared_prefix import model_calls
 from opd_trainer.records import LLMCall
 
 CPU = torch.device("cpu")
@@ -68,3 +71,25 @@ def test_a_segment_whose_top_k_is_missing_or_another_k_is_refused(
         f"segment 1 carries the teacher's top-k with shapes {shapes}, expected (2, {top_k}) "
         "(completion tokens, hyper_parameters.teacher_top_k)"
     )
+
+
+@pytest.mark.parametrize("case", [*_batches(), "one_token_prompt"])
+def test_model_calls_counts_the_calls_the_forward_makes(case: str) -> None:
+    """ZeRO-3 ranks compare `model_calls` and must then call the model exactly that often."""
+    model = _model()
+    calls: list[int] = []
+
+    def counting(**kwargs: object) -> object:
+        calls.append(1)
+        return model(**kwargs)
+
+    if case == "one_token_prompt":
+        segments = [_segment([4], [1, 2], None), _segment([4, 5], [2], None)]
+    else:
+        segments = _batches()[case]
+    batch = pad_segments(segments, 0, CPU)
+    plan = prefix_plan(batch)
+    assert (plan is None) == (case == "one_token_prompt")
+    with torch.no_grad():
+        scored_logits(counting, batch, plan, CPU)
+    assert len(calls) == model_calls(plan)
