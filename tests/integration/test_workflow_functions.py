@@ -113,6 +113,9 @@ def test_tune_trains_a_workflow_judged_by_a_judge_on_task_records(
     agrees = (teacher["reward/judge/teacher_agrees"], before["reward/judge/teacher_agrees"])
     assert agrees[0] >= 0.75 and agrees[0] > agrees[1], agrees
     assert "reverse_kl" not in before  # task records have no prompt of their own to sample on
-    # The judge sees what the model answered: on requests that need a tool call, the teacher names the
-    # right tools more often than the student (measured: 15 vs 9 of 24).
-    assert teacher["reward/judge"] > before["reward/judge"], summary
+    # The judge sees what the model answered: it never scores the teacher below the student. Which
+    # tool names they get right depends on the tiny models' build (15 vs 9 of 24 on one CPU, 16 vs 16
+    # on another, 2026-12-03); the full calls, arguments included, separate them on every build seen
+    # (teacher 0.625 vs student 0.208 there).
+    assert teacher["reward/judge"] >= before["reward/judge"], summary
+    assert teacher["agent/tool_call_accuracy"] >= before["agent/tool_call_accuracy"] + 0.2, summary
