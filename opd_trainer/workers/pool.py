@@ -61,6 +61,7 @@ TIMEOUT_GRACE_FRACTION = 0.25
 START_TIMEOUT_S = 120.0
 START_TIMEOUT_WITH_PIP_S = 900.0
 STATS_TIMEOUT_S = 5.0
+CLOSE_TIMEOUT_S = 10.0
 USER_CODE_RESOURCE_ENV = "OPD_USER_CODE_RESOURCE"
 
 
@@ -441,6 +442,10 @@ class WorkerPool:
     async def shutdown(self) -> None:
         if self._autoscale_task is not None:
             self._autoscale_task.cancel()
+        # Each worker removes its sandbox's folder and groups first; one that does not answer is
+        # killed anyway (the next worker on its node removes what it left).
+        closing = [asyncio.wait_for(worker.close.remote(), CLOSE_TIMEOUT_S) for worker in self._workers]
+        await asyncio.gather(*closing, return_exceptions=True)
         for worker in self._workers:
             ray.kill(worker)
         self._workers.clear()

@@ -33,6 +33,7 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 GROUP_PREFIX = "opd-sandbox-"
 MB = 1024 * 1024
 OPEN_FILES = 4096
+MAX_PID = 4194304  # the kernel's largest pid_max
 
 
 @dataclass
@@ -46,7 +47,7 @@ class ProcessLimits:
 
     @classmethod
     def create(cls, memory_mb: int, max_processes: int) -> ProcessLimits:
-        name = f"{GROUP_PREFIX}{uuid.uuid4().hex[:12]}"
+        name = f"{GROUP_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
         for make in (_cgroup_v2, _cgroup_v1):
             made = make(name, memory_mb, max_processes)
             if made is not None:
@@ -104,6 +105,30 @@ class ProcessLimits:
                 group.rmdir()
 
 
+def owner_alive(name: str) -> bool:
+    """Whether the worker that made `opd-sandbox-<pid>-...` (a group or a control folder) still runs.
+    A worker killed by Ray (SIGKILL) cannot remove what it made; the next one on the node does."""
+    field = name.split("-")[2] if name.count("-") >= 3 else ""
+    if not (field.isdigit() and 0 < int(field) <= MAX_PID):
+        return True  # not named by a worker: not ours to judge
+    try:
+        os.kill(int(field), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_groups(parents: list[Path]) -> None:
+    """Removes sandbox groups whose worker is gone (empty by then: their processes died with it)."""
+    for parent in parents:
+        for group in parent.glob(f"{GROUP_PREFIX}*"):
+            if not owner_alive(group.name):
+                with contextlib.suppress(OSError):
+                    group.rmdir()
+
+
 def _counts(path: Path) -> dict[str, int]:
     """A cgroup `key value` file as numbers; {} when it does not exist."""
     try:
@@ -132,6 +157,7 @@ def _cgroup_v2(name: str, memory_mb: int, max_processes: int) -> ProcessLimits |
     enabled = (parent / "cgroup.subtree_control").read_text().split() if parent.exists() else []
     if not {"memory", "pids"} <= set(enabled):
         return None  # enabling controllers here would move the worker itself: not ours to do
+    remove_stale_groups([parent])
     group = parent / name
     try:
         group.mkdir()
@@ -156,6 +182,7 @@ def _cgroup_v1(name: str, memory_mb: int, max_processes: int) -> ProcessLimits |
     memory_root, pids_root = CGROUP_ROOT / "memory", CGROUP_ROOT / "pids"
     if not ((memory_root / "memory.limit_in_bytes").exists() and (pids_root / "cgroup.procs").exists()):
         return None
+    remove_stale_groups([memory_root, pids_root])
     made: list[Path] = []
     try:
         for root in (memory_root, pids_root):

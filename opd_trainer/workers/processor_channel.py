@@ -32,7 +32,7 @@ from pydantic import BaseModel, ValidationError
 
 from opd_trainer.errors import ProcessorLoadError
 from opd_trainer.workers import sandbox
-from opd_trainer.workers.process_limits import ProcessLimits
+from opd_trainer.workers.process_limits import GROUP_PREFIX, ProcessLimits, owner_alive
 from opd_trainer.workers.relay import serve_unix_to_tcp
 
 logger = logging.getLogger(__name__)
@@ -47,6 +47,14 @@ INSTALL_TIMEOUT_S = 900.0
 PIP_INDEX_ENV = "OPD_PIP_INDEX_URL"
 MAX_PROCESSES_ENV = "OPD_SANDBOX_MAX_PROCESSES"
 DEFAULT_MAX_PROCESSES = 512
+
+
+def remove_stale_control_dirs() -> None:
+    """Removes the control folders (workspace zip, installed requirements, sockets) of workers that
+    are gone: Ray kills a worker with SIGKILL, which leaves no chance to clean up."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{GROUP_PREFIX}*"):
+        if folder.is_dir() and not owner_alive(folder.name):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def max_processes() -> int:
@@ -89,7 +97,8 @@ class SandboxedProcessor:
         self.mode = mode
         self.network = network if mode == "bwrap" else "host"
         self.uid = sandbox.launcher_uid()
-        self.control_dir = Path(tempfile.mkdtemp(prefix=f"opd-sandbox-{component}-"))
+        remove_stale_control_dirs()
+        self.control_dir = Path(tempfile.mkdtemp(prefix=f"{GROUP_PREFIX}{os.getpid()}-"))
         os.chmod(self.control_dir, 0o755)  # the sandbox's user reads the zip and connects to sockets
         self.zip_path = self.control_dir / "workspace.zip"
         self.zip_path.write_bytes(workspace_zip)
@@ -139,6 +148,13 @@ class SandboxedProcessor:
     # -- start ----------------------------------------------------------------------------------------
     async def start(self) -> str:
         """Installs requirements, starts the host and waits for `setup()`; returns the class name."""
+        try:
+            return await self._start()
+        except BaseException:
+            await self.close()  # its folder, groups and processes, whatever stopped the start
+            raise
+
+    async def _start(self) -> str:
         self.limits = await asyncio.to_thread(ProcessLimits.create, self.memory_mb, max_processes())
         if self.requirements:
             await self._install_requirements()
@@ -170,7 +186,6 @@ class SandboxedProcessor:
         self._reader = asyncio.get_running_loop().create_task(self._read_answers())
         first = await self._started
         if first["type"] != "ready":
-            await self.close()
             raise ProcessorLoadError(
                 str(first.get("message", "the processor did not start")), field=self._field
             )

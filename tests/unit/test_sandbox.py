@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import os
+import shutil
 import textwrap
 from pathlib import Path
 
@@ -172,3 +174,22 @@ def test_a_server_refuses_user_code_where_bwrap_cannot_start(monkeypatch: pytest
         sandbox.effective_mode("bwrap", server=False)
     assert sandbox.effective_mode("auto", server=False) == "none"  # opd train: one's own code
     assert sandbox.effective_mode("none", server=True) == "none"  # the operator's explicit choice
+
+
+def test_what_a_killed_worker_left_is_removed_by_the_next_one(tmp_path: Path) -> None:
+    import subprocess
+    import tempfile
+
+    from opd_trainer.workers.processor_channel import remove_stale_control_dirs
+
+    exited = subprocess.Popen(["true"])  # a worker that is gone: its pid names no process
+    exited.wait()
+    stale = Path(tempfile.mkdtemp(prefix=f"opd-sandbox-{exited.pid}-"))
+    (stale / "workspace.zip").write_bytes(b"left behind")
+    live = Path(tempfile.mkdtemp(prefix=f"opd-sandbox-{os.getpid()}-"))
+    try:
+        remove_stale_control_dirs()
+        assert not stale.exists() and live.exists()
+    finally:
+        shutil.rmtree(stale, ignore_errors=True)
+        shutil.rmtree(live, ignore_errors=True)
