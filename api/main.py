@@ -21,7 +21,7 @@ from api.routes import files, health, jobs, keys
 from api.services.keys import AuthCache
 from api.services.scheduler import Scheduler
 from api.settings import Settings, withhold_secrets_from_children
-from opd_trainer.spec.preflight import import_tokenizer_support
+from opd_trainer.jobspec.preflight import import_tokenizer_support
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

@@ -21,7 +21,7 @@ from sqlalchemy import func, select
 from api.db import Database
 from api.models import Job
 from api.services.states import WITH_DRIVER
-from opd_trainer.spec.job_status import JobStatus
+from opd_trainer.jobspec.job_status import JobStatus
 
 STATUSES: tuple[str, ...] = tuple(JobStatus)
 JOB_GAUGES = {

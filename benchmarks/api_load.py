@@ -38,8 +38,8 @@ import aiohttp
 import httpx
 
 from opd_trainer.client import OPDClient
-from opd_trainer.ports import free_port
-from opd_trainer.spec.job_spec import load_job_spec
+from opd_trainer.cluster.ports import free_port
+from opd_trainer.jobspec.job_spec import load_job_spec
 
 REPO = Path(__file__).resolve().parents[1]
 ADMIN_KEY = "bench-admin-key-0123456789"

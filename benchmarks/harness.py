@@ -79,7 +79,7 @@ def job_spec(
 ) -> Any:
     """The example job with `hyper_parameters` overridden and `functions` added to its own components
     (the example's evaluator, which reports exact match); checkpoints only at the end."""
-    from opd_trainer.spec.job_spec import load_job_spec
+    from opd_trainer.jobspec.job_spec import load_job_spec
 
     spec = load_job_spec(job_file)
     data = spec.model_dump()
@@ -93,9 +93,9 @@ def run_job(spec: Any, keep_dir: Path | None = None) -> JobRun:
     """Runs `spec` to the end on the local Ray (started if needed) and returns what it logged."""
     import ray
 
+    from opd_trainer.cluster.ray_runtime import init_ray
     from opd_trainer.driver.job_driver import JobDriverActor
-    from opd_trainer.driver.ray_runtime import init_ray
-    from opd_trainer.driver.run_dir import RunDir
+    from opd_trainer.storage.run_dir import RunDir
 
     run_dir = keep_dir or Path(tempfile.mkdtemp(prefix="opd-bench-"))
     init_ray()
@@ -122,7 +122,7 @@ def engine_config(model_dir: Path, device: str, kv_cache_bytes: int | None = Non
     """
     from opd_trainer.demo.tiny_models.serving import tiny_engine_config
     from opd_trainer.engine.vllm_engine import EngineConfig
-    from opd_trainer.spec.job_spec import EngineResources
+    from opd_trainer.jobspec.job_spec import EngineResources
 
     if device == "cpu":
         return tiny_engine_config(model_dir)

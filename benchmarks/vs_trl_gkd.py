@@ -29,9 +29,9 @@ from typing import Any
 from harness import JobRun, job_spec, run_job, write_json
 from trl_gkd import TrlRun, run_trl_gkd
 
+from opd_trainer.jobspec.job_spec import DEFAULT_DISTILL_LOSS
 from opd_trainer.jsonl import read_jsonl, write_jsonl
 from opd_trainer.learner.estimators import DEFAULT_TEACHER_TOP_K, ESTIMATORS
-from opd_trainer.spec.job_spec import DEFAULT_DISTILL_LOSS
 
 
 def ours(

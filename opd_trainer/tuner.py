@@ -11,7 +11,7 @@
 
 The functions must live in a `.py` file: its folder is the job's workspace (shipped to the rollout and
 reward workers, which import the file by itself, so keep the `tune(...)` call under `if __name__ ==
-"__main__":`). The job is the same one `opd train` runs (`opd_trainer/spec/job_spec.py`):
+"__main__":`). The job is the same one `opd train` runs (`opd_trainer/jobspec/job_spec.py`):
 `hyper_parameters`, `resources` and the other keyword arguments are its fields.
 """
 
@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from opd_trainer.errors import ConfigError
+from opd_trainer.jobspec.dataset import TASK_KEY, load_samples, sample_view
 from opd_trainer.sdk.workflow import JudgeOutput, WorkflowOutput
-from opd_trainer.spec.dataset import TASK_KEY, load_samples, sample_view
 
 __all__ = ["DatasetConfig", "JudgeOutput", "WorkflowOutput", "tune"]
 
@@ -85,7 +85,7 @@ def tune(
     when `eval_dataset` is given). `job_fields` are further job-spec fields (`hyper_parameters`,
     `resources`, ...). Raises `ConfigError` naming a bad field, `OPDError` when the job fails."""
     from opd_trainer.cli.train import prepare_spec, train_spec
-    from opd_trainer.spec.job_spec import parse_job_spec
+    from opd_trainer.jobspec.job_spec import parse_job_spec
 
     functions = [_component("workflow", "rollout", workflow_func, "workflow_func")]
     if judge_func is not None:

@@ -11,8 +11,8 @@ from typing import Any
 
 from pydantic import JsonValue
 
+from opd_trainer.jobspec.job_spec import FunctionComponent
 from opd_trainer.sdk import AgentOutput, ModelResource, RequestMetadata, RewardInput, RewardOutput
-from opd_trainer.spec.job_spec import FunctionComponent
 from opd_trainer.workers.pool import WorkerPool
 
 

@@ -11,8 +11,8 @@ from typing import Any
 
 from pydantic import JsonValue
 
+from opd_trainer.jobspec.job_spec import FunctionComponent
 from opd_trainer.sdk import ModelResource, RequestMetadata, RolloutInput, RolloutOutput
-from opd_trainer.spec.job_spec import FunctionComponent
 from opd_trainer.workers.pool import WorkerPool
 
 

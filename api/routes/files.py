@@ -8,8 +8,8 @@ from fastapi import APIRouter, File, Form, Query, UploadFile, status
 
 from api.deps import SessionDep, SettingsDep, TenantDep
 from api.errors import TENANT, errors
-from api.schemas import Deleted, FileList, FilePublic, FilePurpose
 from api.services import files
+from opd_trainer.wire.schemas import Deleted, FileList, FilePublic, FilePurpose
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 

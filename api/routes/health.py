@@ -15,8 +15,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from api.db import ping
 from api.deps import Credentials, DatabaseDep, SchedulerDep, SettingsDep
 from api.errors import errors
-from api.schemas import Health
 from api.services import keys
+from opd_trainer.wire.schemas import Health
 
 router = APIRouter(tags=["health"])
 

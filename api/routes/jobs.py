@@ -26,7 +26,11 @@ from starlette.background import BackgroundTask
 from api.db import Database
 from api.deps import DatabaseDep, SessionDep, SettingsDep, StreamSlotsDep, TenantDep
 from api.errors import TENANT, errors
-from api.schemas import (
+from api.services import jobs
+from api.services.states import TERMINAL
+from opd_trainer.jobspec.job_status import JobStatus
+from opd_trainer.storage.zip_stream import stream_zip
+from opd_trainer.wire.schemas import (
     CheckpointList,
     Deleted,
     EventList,
@@ -37,10 +41,6 @@ from api.schemas import (
     MetricsPublic,
     TrajectoryList,
 )
-from api.services import jobs
-from api.services.states import TERMINAL
-from opd_trainer.folder_zip import stream_zip
-from opd_trainer.spec.job_status import JobStatus
 
 router = APIRouter(prefix="/v1/opd/jobs", tags=["jobs"])
 

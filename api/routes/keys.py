@@ -6,8 +6,8 @@ from fastapi import APIRouter, status
 
 from api.deps import AdminDep, AuthCacheDep, CallerDep, SessionDep
 from api.errors import errors
-from api.schemas import Deleted, KeyCreate, KeyList, KeyPublic
 from api.services import keys
+from opd_trainer.wire.schemas import Deleted, KeyCreate, KeyList, KeyPublic
 
 router = APIRouter(prefix="/v1/keys", tags=["keys"])
 

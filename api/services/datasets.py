@@ -24,7 +24,7 @@ import threading
 from pathlib import Path
 
 from opd_trainer.errors import ConfigError
-from opd_trainer.spec.dataset import parse_jsonl
+from opd_trainer.jobspec.dataset import parse_jsonl
 
 logger = logging.getLogger(__name__)
 

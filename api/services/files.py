@@ -33,13 +33,13 @@ from sqlalchemy.orm import Session
 
 from api.errors import APIError, not_found
 from api.models import File, Job, Tenant
-from api.schemas import FilePublic
 from api.services import datasets
 from api.services.ids import new_id
 from api.services.states import TERMINAL
 from api.settings import Settings
 from opd_trainer.errors import ConfigError
-from opd_trainer.workers.workspace import COPY_CHUNK, check_zip, extract_zip
+from opd_trainer.storage.zips import COPY_CHUNK, check_zip, extract_zip
+from opd_trainer.wire.schemas import FilePublic
 
 
 def safe_filename(name: str | None) -> str:

@@ -20,7 +20,18 @@ from sqlalchemy.orm import Session
 
 from api.errors import APIError, not_found
 from api.models import File, Job, JobEvent
-from api.schemas import (
+from api.services import model_files, server_paths
+from api.services.ids import new_id
+from api.services.states import ACTIVE, TERMINAL, next_status
+from api.settings import Settings
+from opd_trainer.driver.trackers import check_tracking_uri
+from opd_trainer.errors import ConfigError
+from opd_trainer.jobspec.job_spec import JobSpec
+from opd_trainer.jobspec.job_status import JobStatus, format_event_line
+from opd_trainer.jobspec.model_source import is_hub_id, local_model
+from opd_trainer.jobspec.preflight import check_same_tokenizer, resolve_max_length
+from opd_trainer.storage.run_dir import RunDir
+from opd_trainer.wire.schemas import (
     CheckpointList,
     CheckpointPublic,
     EventList,
@@ -31,17 +42,6 @@ from api.schemas import (
     MetricsPublic,
     TrajectoryList,
 )
-from api.services import model_files, server_paths
-from api.services.ids import new_id
-from api.services.states import ACTIVE, TERMINAL, next_status
-from api.settings import Settings
-from opd_trainer.driver.run_dir import RunDir
-from opd_trainer.driver.trackers import check_tracking_uri
-from opd_trainer.errors import ConfigError
-from opd_trainer.spec.job_spec import JobSpec
-from opd_trainer.spec.job_status import JobStatus, format_event_line
-from opd_trainer.spec.model_source import is_hub_id, local_model
-from opd_trainer.spec.preflight import check_same_tokenizer, resolve_max_length
 from opd_trainer.workers.classpath import validate_workspace
 from opd_trainer.workers.requirements import requirements_of
 

@@ -14,8 +14,8 @@ from sqlalchemy.orm import Session
 
 from api.errors import not_found
 from api.models import ApiKey, Tenant
-from api.schemas import KeyPublic
 from api.services.ids import new_id
+from opd_trainer.wire.schemas import KeyPublic
 
 KEY_PREFIX = "opd-"
 

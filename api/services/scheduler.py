@@ -59,9 +59,9 @@ from api.services.jobs import add_event, compare_and_set, finite, resolve_for_dr
 from api.services.lease import Lease, new_holder_id
 from api.services.states import WITH_DRIVER
 from api.settings import Settings
-from opd_trainer.driver.run_dir import RunDir
 from opd_trainer.errors import OPDError
-from opd_trainer.shared_storage import write_probe
+from opd_trainer.storage.run_dir import RunDir
+from opd_trainer.storage.shared import write_probe
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +215,7 @@ class Scheduler:
         self.tick()
 
     def _start_ray(self) -> None:
-        from opd_trainer.driver.ray_runtime import init_ray
+        from opd_trainer.cluster.ray_runtime import init_ray
 
         try:
             # An embedded Ray must not outlive this server, however it dies.
@@ -232,7 +232,7 @@ class Scheduler:
         """Another replica took the lease (this one failed to renew in time): stop driving jobs. On an
         embedded Ray our drivers are unreachable to the new holder, so they are stopped rather than
         left to run twice; on a shared cluster the new holder re-attaches to them."""
-        from opd_trainer.driver.ray_runtime import embedded_ray
+        from opd_trainer.cluster.ray_runtime import embedded_ray
 
         logger.warning("scheduler lease lost to %s: stepping down", self.lease.current_holder())
         handles, self._handles = self._handles, {}

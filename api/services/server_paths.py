@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from api.schemas import EventPublic
+from opd_trainer.wire.schemas import EventPublic
 
 if TYPE_CHECKING:
     from api.models import Job, JobEvent

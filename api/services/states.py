@@ -1,4 +1,4 @@
-"""The status transitions users may ask for (the statuses are `opd_trainer.spec.job_status`); anything
+"""The status transitions users may ask for (the statuses are `opd_trainer.jobspec.job_status`); anything
 else is a 409.
 
 Pre-flight runs inside the submit request, so a stored job normally starts at `queued`;
@@ -8,7 +8,7 @@ Pre-flight runs inside the submit request, so a stored job normally starts at `q
 from __future__ import annotations
 
 from api.errors import APIError
-from opd_trainer.spec.job_status import ACTIVE, TERMINAL, WITH_DRIVER
+from opd_trainer.jobspec.job_status import ACTIVE, TERMINAL, WITH_DRIVER
 
 __all__ = ["ACTIVE", "TERMINAL", "USER_TRANSITIONS", "WITH_DRIVER", "next_status"]
 

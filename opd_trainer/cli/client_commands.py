@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from opd_trainer.errors import ConfigError, OPDError
-from opd_trainer.spec.job_status import format_event_line
+from opd_trainer.jobspec.job_status import format_event_line
 
 if TYPE_CHECKING:
-    from api.schemas import EventPublic, JobPublic
     from opd_trainer.client.api_client import OPDClient
+    from opd_trainer.wire.schemas import EventPublic, JobPublic
 
 USAGE_ERROR = 2
 INTERRUPTED = 130
@@ -91,7 +91,7 @@ def _interrupted(job_id: str) -> int:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from opd_trainer.spec.job_spec import load_job_spec
+    from opd_trainer.jobspec.job_spec import load_job_spec
 
     spec = load_job_spec(Path(args.job_file))
     client = _client(args)

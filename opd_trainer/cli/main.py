@@ -40,9 +40,9 @@ def _make_tiny_models(args: argparse.Namespace) -> int:
 
 
 def _roundtrip(args: argparse.Namespace) -> int:
+    from opd_trainer.cluster.ray_runtime import init_ray
     from opd_trainer.demo.roundtrip import format_report, run_roundtrip
     from opd_trainer.demo.tiny_models import build_tiny_models
-    from opd_trainer.driver.ray_runtime import init_ray
 
     models = build_tiny_models(Path(args.models_dir))
     print("starting local Ray and the student/teacher vLLM engines ...", flush=True)

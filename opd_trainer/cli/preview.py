@@ -17,7 +17,7 @@ from typing import Any
 
 from opd_trainer.cli.arguments import positive_int
 from opd_trainer.errors import ConfigError
-from opd_trainer.spec.dataset import TASK_KEY, load_samples, sample_view
+from opd_trainer.jobspec.dataset import TASK_KEY, load_samples, sample_view
 
 CONTENT_CHARS = 200
 

@@ -45,7 +45,7 @@ def _serve(args: argparse.Namespace) -> int:
     # Read once into `settings`; nothing started from here on (Ray, drivers, user code) inherits them.
     withhold_secrets_from_children()
     if settings.scheduler_enabled:
-        from opd_trainer.driver.ray_runtime import init_ray
+        from opd_trainer.cluster.ray_runtime import init_ray
 
         # In the main thread: Ray installs signal handlers; the scheduler thread then finds it started.
         print(

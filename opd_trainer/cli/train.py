@@ -17,17 +17,17 @@ import ray
 from tqdm import tqdm
 
 from opd_trainer.driver.plots import plot_curves
-from opd_trainer.driver.run_dir import RunDir
 from opd_trainer.errors import OPDError
-from opd_trainer.spec.dataset import load_samples
-from opd_trainer.spec.job_spec import JobSpec, load_job_spec
-from opd_trainer.spec.model_source import local_model
-from opd_trainer.spec.preflight import (
+from opd_trainer.jobspec.dataset import load_samples
+from opd_trainer.jobspec.job_spec import JobSpec, load_job_spec
+from opd_trainer.jobspec.model_source import local_model
+from opd_trainer.jobspec.preflight import (
     check_references,
     check_same_tokenizer,
     check_task_records,
     resolve_max_length,
 )
+from opd_trainer.storage.run_dir import RunDir
 
 # Per-validation bookkeeping, not a measurement: left out of the table.
 _NOT_IN_TABLE = frozenset({"samples"})
@@ -122,9 +122,9 @@ def prepare_spec(spec: JobSpec) -> JobSpec:
 def train_spec(spec: JobSpec, run_dir: Path | None = None, stop_after: int | None = None) -> dict[str, Any]:
     """Runs a prepared `spec` on the local (or `RAY_ADDRESS`) Ray cluster with progress on the terminal;
     returns the job's summary. Raises `OPDError` when the job fails."""
+    from opd_trainer.cluster.ray_runtime import init_ray
     from opd_trainer.driver.job_driver import JobDriverActor
-    from opd_trainer.driver.ray_runtime import init_ray
-    from opd_trainer.shared_storage import write_probe
+    from opd_trainer.storage.shared import write_probe
 
     run_dir = run_dir or Path("runs") / spec.job_name
     print(f"job {spec.job_name}: run directory {run_dir} (re-run to resume from its latest checkpoint)")

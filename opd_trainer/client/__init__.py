@@ -1,5 +1,5 @@
 """The Python client of the job server: `OPDClient` (synchronous) and `AsyncOPDClient` (asyncio), which
-answer with the API's own pydantic models (`api/schemas.py`), and `agentic_rl.AgenticRL` (Bailian's
+answer with the API's own pydantic models (`wire/schemas.py`), and `agentic_rl.AgenticRL` (Bailian's
 asynchronous submit-and-wait shape on top of `AsyncOPDClient`).
 
 `operations.py` defines each API operation once (request, answer model, errors, retries, paging, the

@@ -35,7 +35,7 @@ from pydantic import BaseModel, Field
 from opd_trainer.client.async_client import AsyncOPDClient
 from opd_trainer.client.operations import OPDAPIError
 from opd_trainer.errors import ConfigError
-from opd_trainer.spec.job_spec import (
+from opd_trainer.jobspec.job_spec import (
     DatasetSource,
     DataSourceType,
     FcModel,

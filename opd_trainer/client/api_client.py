@@ -6,7 +6,7 @@
                         training_datasets=["data/train.jsonl"], hyper_parameters={"max_steps": 40})
     for item in client.stream_events(job_id): print(item.type)  # each EventPublic, then a StreamEnd
 
-Answers are the API's own pydantic models (`api/schemas.py`: `JobPublic`, `FilePublic`, `EventPublic`,
+Answers are the API's own pydantic models (`wire/schemas.py`: `JobPublic`, `FilePublic`, `EventPublic`,
 ...); list endpoints return lists of them, `iter_jobs` / `iter_events` page to the end. `run(...)` takes
 the arguments of Bailian's `AgenticRL().run(...)`; local dataset files and workspace folders
 (`fcmodel.zipdir`) are uploaded first and replaced by their file ids, since the server reads only what
@@ -26,11 +26,11 @@ import httpx
 from httpx_sse import connect_sse
 from tenacity import Retrying
 
-from api import schemas
 from opd_trainer.client import local_files, operations
 from opd_trainer.client.local_files import RunArguments
 from opd_trainer.client.operations import Call, ClientBase, Item, OPDAPIError, Page, StreamEnd
-from opd_trainer.spec.job_spec import JobSpec
+from opd_trainer.jobspec.job_spec import JobSpec
+from opd_trainer.wire import schemas
 
 __all__ = ["OPDAPIError", "OPDClient", "StreamEnd"]
 

@@ -3,7 +3,7 @@
     import asyncio
     from pathlib import Path
     from opd_trainer.client import AsyncOPDClient, StreamEnd
-    from opd_trainer.spec.job_spec import load_job_spec
+    from opd_trainer.jobspec.job_spec import load_job_spec
 
     async def main() -> None:
         async with AsyncOPDClient("http://127.0.0.1:8000", api_key="opd-...") as client:
@@ -36,11 +36,11 @@ import httpx
 from httpx_sse import aconnect_sse
 from tenacity import AsyncRetrying
 
-from api import schemas
 from opd_trainer.client import local_files, operations
 from opd_trainer.client.local_files import RunArguments
 from opd_trainer.client.operations import Call, ClientBase, Item, Page, StreamEnd
-from opd_trainer.spec.job_spec import JobSpec
+from opd_trainer.jobspec.job_spec import JobSpec
+from opd_trainer.wire import schemas
 
 
 class AsyncOPDClient(ClientBase[httpx.AsyncClient]):

@@ -15,11 +15,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, Required, TypedDict
 
-from api.schemas import FilePurpose, JobPublic
 from opd_trainer.errors import ConfigError
-from opd_trainer.folder_zip import stream_zip
-from opd_trainer.spec.job_spec import JobSpec, parse_job_spec, resolve_paths
-from opd_trainer.workers.workspace import check_zip, extract_zip, pack_workspace
+from opd_trainer.jobspec.job_spec import JobSpec, parse_job_spec, resolve_paths
+from opd_trainer.storage.zip_stream import stream_zip
+from opd_trainer.storage.zips import check_zip, extract_zip, pack_workspace
+from opd_trainer.wire.schemas import FilePurpose, JobPublic
 
 DOWNLOAD_CHUNK = 1024 * 1024
 # What a downloaded checkpoint may expand to: a model folder (weights are stored, not compressed).

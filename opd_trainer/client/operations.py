@@ -1,7 +1,7 @@
 """The job server's operations, each defined once for both clients (`OPDClient`, `AsyncOPDClient`).
 
 An operation is a `Call`: the request it sends and how its answer parses into the API's own model
-(`api/schemas.py`). Beside the calls: the error an error answer becomes (`api_error`), which failures
+(`wire/schemas.py`). Beside the calls: the error an error answer becomes (`api_error`), which failures
 are sent again and after how long (`retry_policy`, tenacity's arguments), the paging cursor
 (`next_page`), the event stream's items and reconnects (`EventFollower`), and what both clients hold
 (`ClientBase`). Nothing here does I/O: a client builds `call.request(http)` with its own httpx
@@ -30,7 +30,9 @@ from tenacity import (
     wait_exponential,
 )
 
-from api.schemas import (
+from opd_trainer.errors import OPDError
+from opd_trainer.jobspec.job_status import TERMINAL
+from opd_trainer.wire.schemas import (
     CheckpointList,
     CheckpointPublic,
     Deleted,
@@ -46,8 +48,6 @@ from api.schemas import (
     MetricsPublic,
     TrajectoryList,
 )
-from opd_trainer.errors import OPDError
-from opd_trainer.spec.job_status import TERMINAL
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
-"""Running a job: `job_driver` (the Ray actor that runs a job's steps end to end), `run_dir` (the run
-directory's layout: the driver writes it, the server and CLI read it), `plots` (the curves),
-`ray_runtime` and `ray_reaper` (starting or joining Ray, and cleaning up an embedded Ray when its
-owner dies).
+"""Running a job: `job_driver` (the Ray actor that runs a job's steps end to end), `launch` (how the
+CLI and the server start it), `plots` (the curves), `trackers` (TensorBoard/MLflow/W&B),
+`teacher_hindsight` (the teacher scoring with the reference in view). The run directory's layout lives
+in `opd_trainer/storage/`, starting or joining Ray in `opd_trainer/cluster/`.
 """

@@ -30,12 +30,19 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from opd_trainer.driver.run_dir import RunDir
 from opd_trainer.driver.teacher_hindsight import hindsight_notes, teacher_inputs
 from opd_trainer.driver.trackers import BackgroundTracker, open_trackers
 from opd_trainer.engine.vllm_engine import EngineConfig, EngineGroup
 from opd_trainer.errors import ConfigError, OPDError, ProcessorLoadError
-from opd_trainer.learner.checkpoint import CheckpointStore
+from opd_trainer.jobspec.dataset import EpochCursor, Sample, load_samples
+from opd_trainer.jobspec.job_spec import EngineResources, FunctionComponent, JobSpec
+from opd_trainer.jobspec.preflight import (
+    check_drift,
+    check_references,
+    check_same_tokenizer,
+    check_task_records,
+    resolve_max_length,
+)
 from opd_trainer.learner.deepspeed_learner import LearnerGroup
 from opd_trainer.learner.hindsight import hindsight_advantages
 from opd_trainer.learner.settings import LearnerSettings
@@ -54,17 +61,10 @@ from opd_trainer.rollout.runner import (
     scoring_failures,
     validation_metrics,
 )
-from opd_trainer.shared_storage import check_probe
-from opd_trainer.spec.dataset import EpochCursor, Sample, load_samples
-from opd_trainer.spec.job_spec import EngineResources, FunctionComponent, JobSpec
-from opd_trainer.spec.preflight import (
-    check_drift,
-    check_references,
-    check_same_tokenizer,
-    check_task_records,
-    resolve_max_length,
-)
 from opd_trainer.stats import mean
+from opd_trainer.storage.checkpoints import CheckpointStore
+from opd_trainer.storage.run_dir import RunDir
+from opd_trainer.storage.shared import check_probe
 from opd_trainer.workers.pool import pool_metrics, user_code_resources
 from opd_trainer.workers.sandbox import (
     SandboxUnavailable,

@@ -48,8 +48,8 @@ from urllib.parse import urlsplit
 from opd_trainer.errors import ConfigError
 
 if TYPE_CHECKING:
-    from opd_trainer.driver.run_dir import RunDir
-    from opd_trainer.spec.job_spec import JobSpec
+    from opd_trainer.jobspec.job_spec import JobSpec
+    from opd_trainer.storage.run_dir import RunDir
 
 # Job status -> MLflow's run status.
 MLFLOW_STATUS = {"succeeded": "FINISHED", "failed": "FAILED", "stopped": "KILLED"}

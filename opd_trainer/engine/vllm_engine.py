@@ -23,6 +23,7 @@ import numpy as np
 import ray
 from pydantic import BaseModel, ConfigDict, Field
 
+from opd_trainer.cluster.placement import placed
 from opd_trainer.engine.engine_stats import EngineStats, combine
 from opd_trainer.engine.kv_cache import cpu_kv_cache_bytes
 from opd_trainer.engine.vllm_extension import EXTENSION_CLASSPATH
@@ -35,9 +36,8 @@ from opd_trainer.engine.weight_sync import (
     transfer_for,
 )
 from opd_trainer.errors import EngineError, WeightSyncError
-from opd_trainer.placement import placed
+from opd_trainer.jobspec.job_spec import EngineResources
 from opd_trainer.records import LLMCall
-from opd_trainer.spec.job_spec import EngineResources
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable

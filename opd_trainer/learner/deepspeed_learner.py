@@ -22,6 +22,8 @@ import ray
 import torch
 from transformers import AutoTokenizer
 
+from opd_trainer.cluster.placement import gang, in_gang, placed
+from opd_trainer.cluster.ports import free_port
 from opd_trainer.engine.weight_sync import (
     SharedMemoryWeights,
     WeightHandoff,
@@ -42,10 +44,8 @@ from opd_trainer.learner.estimators import distillation_loss
 from opd_trainer.learner.loss import group_reward_advantages, kl_to_reference
 from opd_trainer.learner.settings import LearnerSettings, lr_schedule
 from opd_trainer.learner.shared_prefix import PrefixPlan, causal_keys, model_calls
-from opd_trainer.placement import gang, in_gang, placed
-from opd_trainer.ports import free_port
 from opd_trainer.records import LLMCall
-from opd_trainer.shared_storage import check_probe
+from opd_trainer.storage.shared import check_probe
 
 logger = logging.getLogger(__name__)
 

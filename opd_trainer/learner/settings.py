@@ -11,7 +11,7 @@ from transformers import get_scheduler
 from opd_trainer.learner.estimators import DistillationSettings
 
 if TYPE_CHECKING:
-    from opd_trainer.spec.job_spec import JobSpec
+    from opd_trainer.jobspec.job_spec import JobSpec
 
 
 @dataclass(frozen=True)

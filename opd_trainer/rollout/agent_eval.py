@@ -32,9 +32,9 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from opd_trainer.jobspec.dataset import ground_truth_of
 from opd_trainer.records import LLMCall
 from opd_trainer.rollout.runner import RolloutResult
-from opd_trainer.spec.dataset import ground_truth_of
 from opd_trainer.stats import mean
 
 Succeeded = Callable[[RolloutResult], bool | None]

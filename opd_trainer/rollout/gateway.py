@@ -61,8 +61,8 @@ import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from opd_trainer.cluster.ports import free_port
 from opd_trainer.errors import ConfigError, EngineError
-from opd_trainer.ports import free_port
 from opd_trainer.records import LLMCall
 from opd_trainer.rollout.chat_requests import (
     InvalidRequest,

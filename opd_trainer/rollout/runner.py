@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
+from opd_trainer.jobspec.dataset import Sample, ground_truth_of
+from opd_trainer.jobspec.job_spec import FunctionComponent
 from opd_trainer.records import LLMCall
 from opd_trainer.rollout.gateway import RolloutKeyRequest
 from opd_trainer.sdk import PROMPT_MESSAGES_KEY, AgentOutput, ModelResource, TaskStatus, is_rollout_failure
-from opd_trainer.spec.dataset import Sample, ground_truth_of
-from opd_trainer.spec.job_spec import FunctionComponent
 from opd_trainer.stats import mean
 
 if TYPE_CHECKING:

@@ -35,6 +35,9 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from opd_trainer.jobspec.dataset import (
+    TASK_KEY,  # a task record's key, also that of the task handed to rewards
+)
 from opd_trainer.sdk.types import (
     AbstractRewardProcessor,
     AbstractRolloutProcessor,
@@ -46,7 +49,6 @@ from opd_trainer.sdk.types import (
     RolloutInput,
     RolloutOutput,
 )
-from opd_trainer.spec.dataset import TASK_KEY  # a task record's key, also that of the task handed to rewards
 
 RESPONSE_KEY = "workflow_response"
 """`AgentOutput.rollout_extra` key of the workflow's response, as it travels to the judge."""

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from opd_trainer.spec.job_spec import FunctionRuntime
+from opd_trainer.jobspec.job_spec import FunctionRuntime
 
 logger = logging.getLogger(__name__)
 

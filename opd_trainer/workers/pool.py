@@ -42,10 +42,10 @@ import ray
 from ray.exceptions import RayActorError
 
 from opd_trainer.errors import ProcessorLoadError
-from opd_trainer.spec.job_spec import FunctionComponent
+from opd_trainer.jobspec.job_spec import FunctionComponent
+from opd_trainer.storage.zips import pack_workspace
 from opd_trainer.workers.autoscaler import Autoscaler, AutoscalerSettings, PoolSnapshot
 from opd_trainer.workers.requirements import requirements_of
-from opd_trainer.workers.workspace import pack_workspace
 
 logger = logging.getLogger(__name__)
 

@@ -61,8 +61,8 @@ class ProcessorHost:
 
     def load(self, args: argparse.Namespace) -> str:
         from opd_trainer.sdk.tracing import configure_tracing, ensure_observed
+        from opd_trainer.storage.zips import unpack_workspace
         from opd_trainer.workers.classpath import instantiate_processor, load_processor_class
-        from opd_trainer.workers.workspace import unpack_workspace
 
         workspace = Path(args.workspace)
         unpack_workspace(Path(args.workspace_zip).read_bytes(), workspace)

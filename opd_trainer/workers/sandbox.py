@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from opd_trainer.spec.job_spec import reserved_env_reason
+from opd_trainer.jobspec.job_spec import reserved_env_reason
 
 SANDBOX_ENV = "OPD_PROCESSOR_SANDBOX"
 BWRAP_ENV = "OPD_BWRAP"  # the bubblewrap binary, if not `bwrap` on PATH

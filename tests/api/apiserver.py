@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 
 from opd_trainer.client.api_client import OPDClient
-from opd_trainer.ports import free_port
+from opd_trainer.cluster.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 ADMIN_KEY = "test-admin-key-0123456789"

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from opd_trainer.ports import free_port
+from opd_trainer.cluster.ports import free_port
 
 USER = "opd"
 

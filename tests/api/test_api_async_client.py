@@ -10,8 +10,16 @@ from pathlib import Path
 import pytest
 from apiserver import Server, Tenant, jsonl, record
 
-from api.schemas import CheckpointPublic, Deleted, EventPublic, FilePublic, JobList, JobPublic, MetricsPublic
 from opd_trainer.client import AsyncOPDClient, OPDAPIError, StreamEnd
+from opd_trainer.wire.schemas import (
+    CheckpointPublic,
+    Deleted,
+    EventPublic,
+    FilePublic,
+    JobList,
+    JobPublic,
+    MetricsPublic,
+)
 
 
 async def _collect_stream(client: AsyncOPDClient, job_id: str) -> list[EventPublic | StreamEnd]:

@@ -10,7 +10,7 @@ import yaml
 from apiserver import Server, Tenant, jsonl, record
 
 from opd_trainer.cli.main import main
-from opd_trainer.spec.job_spec import JobSpec
+from opd_trainer.jobspec.job_spec import JobSpec
 
 BAILIAN_ONLY = {
     "resources.charge_type": "mtu_postpaid",

@@ -25,8 +25,8 @@ import psutil
 import pytest
 from apiserver import Server, create_key, jsonl, make_tokenizer, record
 
-from api.schemas import JobPublic
 from opd_trainer.client import OPDClient
+from opd_trainer.wire.schemas import JobPublic
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 

@@ -239,7 +239,7 @@ def test_checkpoints_list_with_their_metrics_and_download_as_model_folders(
     import shutil
     import zipfile
 
-    from opd_trainer.learner.checkpoint import CheckpointStore
+    from opd_trainer.storage.checkpoints import CheckpointStore
 
     assert main(["submit", str(job_file), "-o", "json"]) == 0
     job_id = json.loads(capsys.readouterr().out)["id"]

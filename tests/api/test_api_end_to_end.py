@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from apiserver import TINY_MODELS_DIR, Server, create_key, jsonl, make_tokenizer, record
 
-from api.schemas import EventPublic, JobPublic
 from opd_trainer.client import OPDClient, StreamEnd
+from opd_trainer.wire.schemas import EventPublic, JobPublic
 
 if TYPE_CHECKING:
     from opd_trainer.demo.tiny_models import TinyModels

@@ -7,8 +7,8 @@ import threading
 import pytest
 from apiserver import Tenant, jsonl, record
 
-from api.schemas import EventPublic
 from opd_trainer.client import StreamEnd
+from opd_trainer.wire.schemas import EventPublic
 
 
 def test_submitted_job_is_queued_with_its_spec_and_step_count(tenant: Tenant) -> None:

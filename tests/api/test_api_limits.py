@@ -18,9 +18,9 @@ import httpx
 import pytest
 from apiserver import Server, Tenant, create_key, jsonl, make_tenant, make_tokenizer, record, zip_bytes
 
-from api.schemas import EventPublic
 from opd_trainer.client.api_client import OPDClient
 from opd_trainer.client.operations import StreamEnd
+from opd_trainer.wire.schemas import EventPublic
 
 KIB = 1024
 MIB = 1024 * KIB

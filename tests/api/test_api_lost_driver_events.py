@@ -18,7 +18,7 @@ from api.db import Database, migrate
 from api.models import Job, JobEvent, Tenant
 from api.services.scheduler import Scheduler
 from api.settings import Settings
-from opd_trainer.driver.run_dir import RunDir
+from opd_trainer.storage.run_dir import RunDir
 
 
 @pytest.fixture

@@ -34,7 +34,7 @@ from api.models import Job, JobEvent, Tenant
 from api.services.jobs import add_event
 from api.services.scheduler import ANSWER_WAIT_S, NAMESPACE, DriverHandle, Scheduler, actor_name
 from api.settings import Settings
-from opd_trainer.driver.ray_runtime import init_ray, shutdown_ray
+from opd_trainer.cluster.ray_runtime import init_ray, shutdown_ray
 
 GRACE_S = 3.0
 # A poll's own time on top of the bound: one poll interval, one answer wait, and the tick's work.

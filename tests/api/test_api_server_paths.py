@@ -16,7 +16,7 @@ from api.db import Database, migrate
 from api.models import Job, JobEvent, Tenant
 from api.services import jobs
 from api.services.server_paths import CHECKPOINT_MODEL, public_text
-from opd_trainer.learner.checkpoint import CheckpointStore
+from opd_trainer.storage.checkpoints import CheckpointStore
 
 JOB_ID = "opdjob-0123456789abcdef01234567"
 

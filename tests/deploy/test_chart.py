@@ -298,7 +298,7 @@ def test_default_install(rendered_by_scenario: dict[str, Rendered]) -> None:
 
 def _default_job_gpus() -> list[float]:
     """GPUs each actor of a job with the default `resources` reserves (`JobSpec` defaults on GPU)."""
-    from opd_trainer.spec.job_spec import Resources
+    from opd_trainer.jobspec.job_spec import Resources
 
     resources = Resources()
     engines = [resources.student, resources.teacher]

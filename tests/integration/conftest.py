@@ -13,8 +13,8 @@ import pytest
 import ray
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from opd_trainer.cluster.ray_runtime import init_ray, shutdown_ray
 from opd_trainer.demo.tiny_models.serving import tiny_engine_config
-from opd_trainer.driver.ray_runtime import init_ray, shutdown_ray
 from opd_trainer.engine.vllm_engine import EngineConfig, start_engines
 
 if TYPE_CHECKING:

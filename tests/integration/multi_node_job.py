@@ -33,12 +33,12 @@ import ray
 from ray.cluster_utils import Cluster
 from test_any_task import AGENT_WORKSPACE, EVALUATOR_WORKSPACE, SMALL_POOL  # this script's folder
 
+from opd_trainer.cluster.ray_runtime import remove_runtime_resources
 from opd_trainer.demo.tiny_models.serving import TINY_KV_CACHE_BYTES
 from opd_trainer.driver.job_driver import JobDriver
-from opd_trainer.driver.ray_runtime import remove_runtime_resources
-from opd_trainer.driver.run_dir import RunDir
+from opd_trainer.jobspec.job_spec import parse_job_spec
 from opd_trainer.jsonl import read_jsonl, write_jsonl
-from opd_trainer.spec.job_spec import parse_job_spec
+from opd_trainer.storage.run_dir import RunDir
 
 NODES = {"head": 2, "student": 1, "teacher": 1, "learner": 1, "pools": 2}  # name -> CPUs
 

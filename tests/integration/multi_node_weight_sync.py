@@ -19,8 +19,8 @@ from ray.cluster_utils import Cluster
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from opd_trainer.cluster.ray_runtime import remove_runtime_resources
 from opd_trainer.demo.tiny_models.serving import tiny_engine_config
-from opd_trainer.driver.ray_runtime import remove_runtime_resources
 from opd_trainer.engine.vllm_engine import EngineActor, EngineGroup
 from opd_trainer.engine.weight_sync import (
     put_object_store_weights,

@@ -17,9 +17,9 @@ from mlflow import MlflowClient
 from opd_trainer.cli.main import main
 from opd_trainer.demo.tiny_models import TinyModels
 from opd_trainer.driver.job_driver import JobDriver
-from opd_trainer.driver.run_dir import RunDir
+from opd_trainer.jobspec.job_spec import parse_job_spec
 from opd_trainer.jsonl import read_jsonl, write_jsonl
-from opd_trainer.spec.job_spec import parse_job_spec
+from opd_trainer.storage.run_dir import RunDir
 
 pytestmark = pytest.mark.integration
 

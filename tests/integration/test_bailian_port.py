@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING
 import httpx
 import pytest
 
-from api.schemas import EventPublic
 from opd_trainer.client import OPDClient, StreamEnd
 from opd_trainer.demo.tiny_models.serving import TINY_KV_CACHE_BYTES
+from opd_trainer.wire.schemas import EventPublic
 
 if TYPE_CHECKING:
     from opd_trainer.demo.tiny_models import TinyModels

@@ -16,11 +16,11 @@ import ray
 from openai import AsyncOpenAI, AuthenticationError, OpenAI
 
 from opd_trainer.demo.tiny_models import TinyModels
+from opd_trainer.jobspec.dataset import Sample
 from opd_trainer.jsonl import read_jsonl
 from opd_trainer.rollout import runner as rollout_runner
 from opd_trainer.rollout.gateway import GatewayActor
 from opd_trainer.rollout.runner import RolloutRunner
-from opd_trainer.spec.dataset import Sample
 
 pytestmark = pytest.mark.integration
 

@@ -26,11 +26,11 @@ import ray
 from opd_trainer.demo.tiny_models import TinyModels
 from opd_trainer.demo.tiny_models.serving import TINY_KV_CACHE_BYTES
 from opd_trainer.driver.job_driver import JobDriver
-from opd_trainer.driver.run_dir import RunDir
+from opd_trainer.jobspec.job_spec import JobSpec, parse_job_spec
 from opd_trainer.learner.deepspeed_learner import LearnerGroup
 from opd_trainer.learner.settings import LearnerSettings
 from opd_trainer.records import LLMCall
-from opd_trainer.spec.job_spec import JobSpec, parse_job_spec
+from opd_trainer.storage.run_dir import RunDir
 
 pytestmark = pytest.mark.integration
 

@@ -23,12 +23,12 @@ import ray
 from openai import OpenAI
 from transformers import AutoTokenizer
 
+from opd_trainer.cluster.ports import free_port
 from opd_trainer.demo.tiny_models import TinyModels
 from opd_trainer.demo.tiny_models.serving import TINY_KV_CACHE_BYTES
 from opd_trainer.demo.tool_routing import evaluator
 from opd_trainer.errors import ConfigError
 from opd_trainer.jsonl import read_jsonl
-from opd_trainer.ports import free_port
 from opd_trainer.rollout.gateway import GatewayActor
 
 pytestmark = pytest.mark.integration

@@ -14,7 +14,7 @@ import pytest
 SCRIPT = """
 import os, signal, sys
 import ray
-from opd_trainer.driver.ray_runtime import embedded_session_dir, init_ray
+from opd_trainer.cluster.ray_runtime import embedded_session_dir, init_ray
 
 init_ray(reap_on_exit=True)
 

@@ -16,9 +16,9 @@ import ray
 from opd_trainer.demo.tiny_models import TinyModels
 from opd_trainer.demo.tool_routing.self_correction import make_episodes, score_episode
 from opd_trainer.driver.job_driver import JobDriver
-from opd_trainer.driver.run_dir import RunDir
+from opd_trainer.jobspec.job_spec import load_job_spec
 from opd_trainer.jsonl import write_jsonl
-from opd_trainer.spec.job_spec import load_job_spec
+from opd_trainer.storage.run_dir import RunDir
 
 pytestmark = pytest.mark.integration
 

@@ -12,9 +12,9 @@ import yaml
 
 from opd_trainer.cli.main import main
 from opd_trainer.demo.tiny_models import TinyModels
-from opd_trainer.driver.run_dir import RunDir
 from opd_trainer.driver.teacher_hindsight import NOTE
 from opd_trainer.jsonl import read_jsonl, write_jsonl
+from opd_trainer.storage.run_dir import RunDir
 
 
 def test_the_initial_student_scores_its_own_samples_knowing_the_reference(

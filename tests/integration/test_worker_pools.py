@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from opd_trainer.errors import ProcessorLoadError
+from opd_trainer.jobspec.job_spec import FunctionComponent
 from opd_trainer.sdk import AgentOutput, ModelResource, RewardOutput, RolloutOutput, TaskStatus
-from opd_trainer.spec.job_spec import FunctionComponent
 from reward_workers.pool import RewardPool
 from rollout_workers.pool import RolloutPool
 

@@ -11,8 +11,8 @@ from pathlib import Path
 from types import ModuleType
 
 from opd_trainer.demo.tiny_models import TinyModels
-from opd_trainer.driver.run_dir import RunDir
 from opd_trainer.jsonl import read_jsonl, write_jsonl
+from opd_trainer.storage.run_dir import RunDir
 from opd_trainer.tuner import DatasetConfig, tune
 
 AGENT = """

@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from api.schemas import JobPublic
 from opd_trainer.client import AsyncOPDClient, OPDClient
+from opd_trainer.wire.schemas import JobPublic
 
 KINDS = ("sync", "async")
 Handler = Callable[[httpx.Request], httpx.Response]

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from opd_trainer.jobspec.job_spec import parse_job_spec
 from opd_trainer.learner.settings import LearnerSettings
-from opd_trainer.spec.job_spec import parse_job_spec
 
 
 def learner_settings(**hyper_parameters: Any) -> LearnerSettings:

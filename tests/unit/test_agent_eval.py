@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from opd_trainer.jobspec.dataset import Sample
 from opd_trainer.records import LLMCall
 from opd_trainer.rollout.agent_eval import (
     agent_metrics,
@@ -16,7 +17,6 @@ from opd_trainer.rollout.agent_eval import (
     success_by_threshold,
 )
 from opd_trainer.rollout.runner import RolloutResult
-from opd_trainer.spec.dataset import Sample
 
 USER = {"role": "user", "content": "refund order 7"}
 

@@ -18,7 +18,7 @@ from opd_trainer.client.agentic_rl import (
     ValidationDataset,
     _plain,
 )
-from opd_trainer.spec.job_spec import parse_job_spec
+from opd_trainer.jobspec.job_spec import parse_job_spec
 
 RUNTIME = {"cpu": 2, "memory_size": 4096, "disk_size": 512, "concurrency": 20}
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from opd_trainer.spec.job_spec import FunctionRuntime
+from opd_trainer.jobspec.job_spec import FunctionRuntime
 from opd_trainer.workers.autoscaler import Autoscaler, AutoscalerSettings, PoolSnapshot, ScaleDecision
 
 BASE = {

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from opd_trainer.learner.checkpoint import CheckpointStore
 from opd_trainer.learner.settings import lr_schedule
+from opd_trainer.storage.checkpoints import CheckpointStore
 
 
 def test_latest_flips_only_on_commit(tmp_path: Path) -> None:

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from api.schemas import EventPublic
 from opd_trainer.cli import client_commands
+from opd_trainer.wire.schemas import EventPublic
 
 
 class InterruptedStream:

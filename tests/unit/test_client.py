@@ -16,7 +16,10 @@ import pytest
 from client_harness import KINDS, client, job_json, record_sleeps
 from pydantic import BaseModel
 
-from api.schemas import (
+from opd_trainer.client import OPDAPIError, StreamEnd
+from opd_trainer.client.operations import api_error
+from opd_trainer.errors import ConfigError
+from opd_trainer.wire.schemas import (
     CheckpointPublic,
     Deleted,
     EventList,
@@ -27,9 +30,6 @@ from api.schemas import (
     KeyPublic,
     MetricsPublic,
 )
-from opd_trainer.client import OPDAPIError, StreamEnd
-from opd_trainer.client.operations import api_error
-from opd_trainer.errors import ConfigError
 
 FILE = FilePublic(id="file-1", filename="d.jsonl", purpose="dataset", bytes=10, created_at=1, samples=2)
 KEY = KeyPublic(id="key-1", tenant="t", prefix="opd-ab", created_at=1)

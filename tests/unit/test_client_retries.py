@@ -9,8 +9,8 @@ import httpx
 import pytest
 from client_harness import KINDS, client, job_json, record_sleeps
 
-from api.schemas import JobPublic
 from opd_trainer.client import OPDAPIError
+from opd_trainer.wire.schemas import JobPublic
 
 JOB = job_json()
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from opd_trainer.errors import ConfigError
-from opd_trainer.spec.dataset import EpochCursor, parse_jsonl, record_problem
+from opd_trainer.jobspec.dataset import EpochCursor, parse_jsonl, record_problem
 
 GOOD = {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]}
 

@@ -10,9 +10,9 @@ import time
 
 from ray.exceptions import RayTaskError
 
-from api.schemas import EventPublic
 from api.services.jobs import format_log_line
 from opd_trainer.errors import ConfigError, ProcessorLoadError
+from opd_trainer.wire.schemas import EventPublic
 
 TRACEBACK = 'Traceback (most recent call last):\n  File "functions/needs.py", line 1\nModuleNotFoundError: x'
 

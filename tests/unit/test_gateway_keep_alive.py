@@ -15,7 +15,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 
-from opd_trainer.ports import free_port
+from opd_trainer.cluster.ports import free_port
 from opd_trainer.rollout import runner
 from opd_trainer.rollout.gateway import KEEP_ALIVE_S, Gateway
 from opd_trainer.rollout.runner import CLIENT_KEEPALIVE_S, RolloutRunner, post_json

@@ -158,7 +158,7 @@ def test_the_jobs_template_variables_apply_unless_the_request_sets_its_own(gatew
 def test_the_job_spec_refuses_template_arguments_the_trainer_sets() -> None:
     from pydantic import ValidationError
 
-    from opd_trainer.spec.job_spec import JobSpec
+    from opd_trainer.jobspec.job_spec import JobSpec
 
     with pytest.raises(ValidationError, match="chat_template_kwargs") as error:
         JobSpec.model_validate(

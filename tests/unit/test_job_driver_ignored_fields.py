@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from opd_trainer.spec.job_spec import JobSpec, parse_job_spec
+from opd_trainer.jobspec.job_spec import JobSpec, parse_job_spec
 
 
 def _spec(tmp_path: Path, **extra: object) -> JobSpec:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from opd_trainer.errors import ConfigError
-from opd_trainer.spec.job_spec import (
+from opd_trainer.jobspec.job_spec import (
     DEFAULT_DISTILL_LOSS,
     DEFAULT_TEACHER_TOP_K,
     JobSpec,
@@ -191,7 +191,7 @@ def test_bailian_job_survives_the_servers_storage_round_trip() -> None:
 
 
 def test_dataset_objects_in_any_case_and_as_objects() -> None:
-    from opd_trainer.spec.job_spec import DatasetSource, DataSourceType
+    from opd_trainer.jobspec.job_spec import DatasetSource, DataSourceType
 
     spec = parse_job_spec(
         {

@@ -17,6 +17,7 @@ import torch
 from learner_settings import SETTINGS, learner_settings
 
 from opd_trainer.errors import ConfigError
+from opd_trainer.jobspec.job_spec import HyperParameters
 from opd_trainer.learner import loss as opd_loss
 from opd_trainer.learner.batch import LearnerBatch, logprobs_of_targets, pad_segments
 from opd_trainer.learner.estimators import (
@@ -26,7 +27,6 @@ from opd_trainer.learner.estimators import (
 )
 from opd_trainer.learner.settings import LearnerSettings
 from opd_trainer.records import LLMCall
-from opd_trainer.spec.job_spec import HyperParameters
 
 VOCAB, TOP_K = 11, 3
 CPU = torch.device("cpu")
@@ -184,7 +184,7 @@ def test_the_spec_reads_the_table_without_torch_and_the_pure_learner_without_ray
     """The API server validates specs without torch installed; unit tests never start Ray."""
     code = (
         "import sys\n"
-        "import opd_trainer.spec.job_spec\n"
+        "import opd_trainer.jobspec.job_spec\n"
         "assert 'torch' not in sys.modules, 'the job spec imported torch'\n"
         "import opd_trainer.learner.batch, opd_trainer.learner.estimators, opd_trainer.learner.settings\n"
         "assert 'ray' not in sys.modules, 'a pure learner module imported ray'\n"

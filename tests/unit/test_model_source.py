@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from opd_trainer.errors import ConfigError
-from opd_trainer.spec.model_source import hub_snapshot, is_hub_id, local_model
+from opd_trainer.jobspec.model_source import hub_snapshot, is_hub_id, local_model
 
 REVISION = "0123456789abcdef0123456789abcdef01234567"
 

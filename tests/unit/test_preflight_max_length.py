@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from opd_trainer.errors import ConfigError
-from opd_trainer.spec.preflight import model_context_length, resolve_max_length
+from opd_trainer.jobspec.preflight import model_context_length, resolve_max_length
 
 
 def _model(folder: Path, **config: object) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from opd_trainer.errors import ConfigError
-from opd_trainer.spec import preflight
+from opd_trainer.jobspec import preflight
 
 
 def _tokenizer(folder: Path, words: list[str], template: str | None = None) -> str:

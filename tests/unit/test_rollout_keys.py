@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
+from opd_trainer.jobspec.dataset import Sample
 from opd_trainer.records import LLMCall
 from opd_trainer.rollout.gateway import Gateway, RolloutKeyRequest
 from opd_trainer.rollout.runner import AuxiliaryModel, RolloutRunner
 from opd_trainer.sdk import AgentOutput, ModelResource, RolloutOutput
-from opd_trainer.spec.dataset import Sample
 
 
 class InProcessActor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from opd_trainer.driver.run_dir import RunDir
+from opd_trainer.storage.run_dir import RunDir
 
 
 def test_truncate_after_drops_redone_steps_from_metrics_and_trajectories(tmp_path: Path) -> None:

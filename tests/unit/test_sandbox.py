@@ -13,10 +13,10 @@ import pytest
 
 from opd_trainer.errors import ProcessorLoadError
 from opd_trainer.sdk import ModelResource, RolloutInput, RolloutOutput, TaskStatus
+from opd_trainer.storage.zips import pack_workspace
 from opd_trainer.workers import sandbox
 from opd_trainer.workers.process_limits import ProcessLimits, _parse
 from opd_trainer.workers.processor_channel import SandboxedProcessor
-from opd_trainer.workers.workspace import pack_workspace
 
 PROCESSORS = """
 import os

@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from opd_trainer.jobspec.dataset import Sample
+from opd_trainer.jobspec.job_spec import parse_job_spec
 from opd_trainer.records import LLMCall
-from opd_trainer.spec.dataset import Sample
-from opd_trainer.spec.job_spec import parse_job_spec
 
 
 class FakeRunner:

@@ -130,7 +130,7 @@ def test_ground_truth_must_be_json() -> None:
 
 @pytest.mark.parametrize("value", GROUND_TRUTHS)
 def test_the_trainer_passes_the_stored_ground_truth_through(value: object) -> None:
-    from opd_trainer.spec.dataset import Sample, ground_truth_of
+    from opd_trainer.jobspec.dataset import Sample, ground_truth_of
 
     def sample(extra: dict[str, object]) -> Sample:
         return Sample("train.jsonl", 1, [{"role": "user", "content": "hi"}], None, extra)

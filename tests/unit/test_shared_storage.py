@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from opd_trainer.errors import ConfigError
-from opd_trainer.shared_storage import PROBE_FILE, check_probe, write_probe
+from opd_trainer.storage.shared import PROBE_FILE, check_probe, write_probe
 
 
 def test_a_reader_that_sees_the_token_passes(tmp_path: Path) -> None:
@@ -41,7 +41,7 @@ def test_each_write_is_a_new_token(tmp_path: Path) -> None:
 
 def test_a_driver_that_cannot_see_its_run_dir_fails_the_job_with_that_error(tmp_path: Path) -> None:
     from opd_trainer.driver.job_driver import JobDriver
-    from opd_trainer.spec.job_spec import parse_job_spec
+    from opd_trainer.jobspec.job_spec import parse_job_spec
 
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")

@@ -23,10 +23,10 @@ from opd_trainer.driver.teacher_hindsight import (
     teacher_inputs,
     with_note,
 )
+from opd_trainer.jobspec.dataset import Sample
+from opd_trainer.jobspec.job_spec import parse_job_spec
 from opd_trainer.records import LLMCall
 from opd_trainer.rollout.chat import prompt_token_ids
-from opd_trainer.spec.dataset import Sample
-from opd_trainer.spec.job_spec import parse_job_spec
 
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
@@ -187,7 +187,7 @@ def _holds(ids: list[int], part: list[int]) -> bool:
 
 def test_reference_hindsight_needs_references_in_the_training_data() -> None:
     from opd_trainer.errors import ConfigError
-    from opd_trainer.spec.preflight import check_references
+    from opd_trainer.jobspec.preflight import check_references
 
     bare = Sample("train.jsonl", 1, MESSAGES, None)
     with pytest.raises(ConfigError) as raised:

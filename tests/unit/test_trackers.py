@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 
-from opd_trainer.driver.run_dir import RunDir
 from opd_trainer.driver.trackers import (
     ALLOWED_URIS_ENV,
     LOCAL_JOB_ID,
@@ -25,7 +24,8 @@ from opd_trainer.driver.trackers import (
     parse_allowed_uris,
 )
 from opd_trainer.errors import ConfigError
-from opd_trainer.spec.job_spec import JobSpec, parse_job_spec
+from opd_trainer.jobspec.job_spec import JobSpec, parse_job_spec
+from opd_trainer.storage.run_dir import RunDir
 
 
 def _spec(tmp_path: Path, **extra: Any) -> JobSpec:

@@ -8,9 +8,9 @@ import pytest
 
 from opd_trainer.cli.train import format_final_table
 from opd_trainer.driver.plots import plot_curves, signal_panels, validation_curve_keys
+from opd_trainer.jobspec.dataset import Sample
 from opd_trainer.records import LLMCall
 from opd_trainer.rollout.runner import RolloutResult, scoring_failures, validation_metrics
-from opd_trainer.spec.dataset import Sample
 
 
 def _result(index: int, **fields: object) -> RolloutResult:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from opd_trainer.engine.weight_sync import transfer_for
-from opd_trainer.spec.job_spec import Resources
+from opd_trainer.jobspec.job_spec import Resources
 
 
 def test_auto_uses_shared_memory_only_on_the_learners_node() -> None:

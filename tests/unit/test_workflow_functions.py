@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from opd_trainer.errors import ConfigError
+from opd_trainer.jobspec.dataset import ground_truth_of, load_samples
+from opd_trainer.jobspec.preflight import check_task_records
 from opd_trainer.sdk import ModelResource, RewardInput, RolloutInput
 from opd_trainer.sdk.workflow import GatewayChatModel, chat_model
-from opd_trainer.spec.dataset import ground_truth_of, load_samples
-from opd_trainer.spec.preflight import check_task_records
 from opd_trainer.tuner import DatasetConfig
 from opd_trainer.workers.classpath import ProcessorLoadError, instantiate_processor, load_processor_class
 

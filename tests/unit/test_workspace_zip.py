@@ -1,4 +1,4 @@
-"""Zip safety (`opd_trainer/workers/workspace.py`): hostile archives built in memory are refused
+"""Zip safety (`opd_trainer/storage/zips.py`): hostile archives built in memory are refused
 before anything is written, and a failed extraction leaves nothing behind."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from opd_trainer.errors import ConfigError
-from opd_trainer.workers.workspace import check_zip, extract_zip, pack_workspace, unpack_workspace
+from opd_trainer.storage.zips import check_zip, extract_zip, pack_workspace, unpack_workspace
 
 MIB = 1024 * 1024
 LIMITS = {"max_files": 50, "max_uncompressed": 64 * MIB, "max_ratio": 200.0}

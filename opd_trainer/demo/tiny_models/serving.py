@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from opd_trainer.engine.vllm_engine import EngineConfig
-from opd_trainer.spec.job_spec import EngineResources
+from opd_trainer.jobspec.job_spec import EngineResources
 
 # The tiny models need a few MB of KV cache per sequence; 128 MiB holds hundreds in flight.
 TINY_KV_CACHE_BYTES = 128 * 1024**2

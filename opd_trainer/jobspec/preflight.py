@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from opd_trainer.errors import ConfigError
-from opd_trainer.spec.dataset import TASK_RECORDS_NEED_A_ROLLOUT, Sample, ground_truth_of
+from opd_trainer.jobspec.dataset import TASK_RECORDS_NEED_A_ROLLOUT, Sample, ground_truth_of
 
 # Config keys different model families use for their context window, most common first.
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")

@@ -10,8 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from opd_trainer.spec.job_spec import JobSpec
-from opd_trainer.spec.job_status import JobStatus
+from opd_trainer.jobspec.job_spec import JobSpec
+from opd_trainer.jobspec.job_status import JobStatus
 
 FilePurpose = Literal["dataset", "workspace", "model"]
 

@@ -28,7 +28,7 @@ def start_reaper(pid: int | None = None, session_dir: Path | None = None) -> sub
     """Watches `pid` (default: this process) from a detached child."""
     arguments = [str(pid or os.getpid())] + ([str(session_dir)] if session_dir else [])
     return subprocess.Popen(
-        [sys.executable, "-m", "opd_trainer.driver.ray_reaper", *arguments],
+        [sys.executable, "-m", "opd_trainer.cluster.ray_reaper", *arguments],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -95,7 +95,7 @@ def reap(pid: int) -> None:
 def main() -> None:
     reap(int(sys.argv[1]))
     if len(sys.argv) > 2:
-        from opd_trainer.driver.ray_runtime import remove_runtime_resources
+        from opd_trainer.cluster.ray_runtime import remove_runtime_resources
 
         remove_runtime_resources(Path(sys.argv[2]))
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from opd_trainer.jsonl import read_jsonl, write_jsonl
-from opd_trainer.learner.checkpoint import CheckpointStore
+from opd_trainer.storage.checkpoints import CheckpointStore
 
 
 class RunDir:

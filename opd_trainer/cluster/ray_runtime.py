@@ -26,7 +26,7 @@ def init_ray(address: str | None = None, reap_on_exit: bool = False) -> None:
     """Idempotent: joins `address` (or $RAY_ADDRESS) if given, else starts a local Ray.
 
     `reap_on_exit`: a local Ray's processes are ended when this process dies, even by SIGKILL
-    (`opd_trainer.driver.ray_reaper`); for long-lived owners such as `opd serve`.
+    (`opd_trainer.cluster.ray_reaper`); for long-lived owners such as `opd serve`.
     """
     if ray.is_initialized():
         return
@@ -48,7 +48,7 @@ def init_ray(address: str | None = None, reap_on_exit: bool = False) -> None:
     atexit.unregister(shutdown_ray)
     atexit.register(shutdown_ray)
     if reap_on_exit:
-        from opd_trainer.driver.ray_reaper import start_reaper
+        from opd_trainer.cluster.ray_reaper import start_reaper
 
         start_reaper(session_dir=session_dir)
 
