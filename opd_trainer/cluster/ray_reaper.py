@@ -7,12 +7,14 @@ launches this module as a small process in its own session (so a kill of the ser
 does not take it along) that records the server's descendants every second and, once the server is
 gone, terminates the last ones it saw (SIGTERM, SIGKILL after a grace period). Each is matched by its
 creation time, so a process that reused a pid is never touched. Given the Ray session folder, it
-then removes the runtime environments that session built (`ray_runtime.remove_runtime_resources`).
+then removes the runtime environments that session built (`remove_runtime_resources`, which
+`ray_runtime.shutdown_ray` also calls). It imports no Ray: the reaper is a small process.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -22,6 +24,17 @@ import psutil
 
 POLL_S = 1.0
 GRACE_S = 5.0
+
+
+def remove_runtime_resources(session_dir: Path | None) -> None:
+    """Deletes what a finished Ray session built for runtime environments (`runtime_resources/`).
+
+    A worker pool whose workspace has a requirements.txt gets a pip runtime environment; when Ray runs
+    inside a virtualenv (a `make` install) Ray builds it by cloning that whole virtualenv, ~4 GB with
+    torch and vLLM, and leaves it in the session folder after Ray stops. The session's logs stay.
+    """
+    if session_dir is not None:
+        shutil.rmtree(session_dir / "runtime_resources", ignore_errors=True)
 
 
 def start_reaper(pid: int | None = None, session_dir: Path | None = None) -> subprocess.Popen[bytes]:
@@ -95,8 +108,6 @@ def reap(pid: int) -> None:
 def main() -> None:
     reap(int(sys.argv[1]))
     if len(sys.argv) > 2:
-        from opd_trainer.cluster.ray_runtime import remove_runtime_resources
-
         remove_runtime_resources(Path(sys.argv[2]))
 
 

@@ -5,10 +5,21 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import shutil
 from pathlib import Path
 
 import ray
+from ray._private import worker
+
+from opd_trainer.cluster.ray_reaper import remove_runtime_resources, start_reaper
+
+__all__ = [
+    "LOCAL_CPU_SLOTS",
+    "embedded_ray",
+    "embedded_session_dir",
+    "init_ray",
+    "remove_runtime_resources",
+    "shutdown_ray",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -48,28 +59,13 @@ def init_ray(address: str | None = None, reap_on_exit: bool = False) -> None:
     atexit.unregister(shutdown_ray)
     atexit.register(shutdown_ray)
     if reap_on_exit:
-        from opd_trainer.cluster.ray_reaper import start_reaper
-
         start_reaper(session_dir=session_dir)
 
 
 def embedded_session_dir() -> Path | None:
     """The session folder (`/tmp/ray/session_*`) of the Ray this process started, None when it joined one."""
-    from ray._private import worker
-
     node = worker._global_node
     return Path(node.get_session_dir_path()) if node is not None and node.head else None
-
-
-def remove_runtime_resources(session_dir: Path | None) -> None:
-    """Deletes what a finished Ray session built for runtime environments (`runtime_resources/`).
-
-    A worker pool whose workspace has a requirements.txt gets a pip runtime environment; when Ray runs
-    inside a virtualenv (a `make` install) Ray builds it by cloning that whole virtualenv, ~4 GB with
-    torch and vLLM, and leaves it in the session folder after Ray stops. The session's logs stay.
-    """
-    if session_dir is not None:
-        shutil.rmtree(session_dir / "runtime_resources", ignore_errors=True)
 
 
 def shutdown_ray() -> None:
