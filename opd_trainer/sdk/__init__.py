@@ -1,7 +1,8 @@
 """The processor SDK: everything user code imports (`from opd_trainer.sdk import ...`).
 
 `types` holds the contract (inputs, outputs, the abstract processors; Bailian's names and fields) and
-needs only pydantic. `tracing` sits on top of it (OpenTelemetry spans per rollout, LLM call and
+needs only pydantic; the outputs and what makes a rollout a failure live in `outputs`, which `types`
+re-exports. `tracing` sits on `outputs` (OpenTelemetry spans per rollout, LLM call and
 reward) and is imported on first use of `observe_processor` or `trace_client`, so code that only
 needs the types never loads the tracing and exporter stack.
 """
@@ -21,7 +22,7 @@ __all__ = [*types.__all__, *_TRACING_NAMES]
 def __getattr__(name: str) -> Any:
     """`observe_processor` and `trace_client` come from `opd_trainer.sdk.tracing`, loaded on first use."""
     if name in _TRACING_NAMES:
-        from opd_trainer.sdk import tracing
+        from opd_trainer.sdk import tracing  # on first use: it loads OpenTelemetry
 
         return getattr(tracing, name)
     raise AttributeError(f"module 'opd_trainer.sdk' has no attribute {name!r}")

@@ -42,7 +42,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
 from opentelemetry.trace import Status, StatusCode
 
-from opd_trainer.sdk.types import RolloutOutput, TaskStatus, is_rollout_failure
+from opd_trainer.sdk.outputs import RolloutOutput, TaskStatus, is_rollout_failure
 
 logger = logging.getLogger(__name__)
 

@@ -33,10 +33,20 @@ import abc
 import asyncio
 import inspect
 import weakref
-from enum import Enum
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, SecretStr
+
+from opd_trainer.sdk.outputs import (
+    PROMPT_MESSAGES_KEY,
+    ROLLOUT_ERROR_PREFIX,
+    AgentOutput,
+    Reward,
+    RewardOutput,
+    RolloutOutput,
+    TaskStatus,
+    is_rollout_failure,
+)
 
 __all__ = [
     "PROMPT_MESSAGES_KEY",
@@ -56,27 +66,9 @@ __all__ = [
     "is_rollout_failure",
 ]
 
-ROLLOUT_ERROR_PREFIX = "ROLLOUT_ERROR:"
-"""Bailian's convention: an assistant message whose content starts with this marks a failed rollout."""
-
-PROMPT_MESSAGES_KEY = "prompt_messages"
-"""`AgentOutput.rollout_extra` key: how many of `messages` were the given conversation. The built-in Model
-OPD rollout sets it, so a reward can judge the reply rather than the prompt's own assistant turns."""
-
 
 class _Input(BaseModel):
     model_config = ConfigDict(extra="allow")
-
-
-class _Output(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class TaskStatus(str, Enum):  # noqa: UP042 -- `str, Enum` like Bailian's, so `status == "FAILED"` holds
-    """Outcome of one processor call."""
-
-    SUCCESS = "SUCCESS"
-    FAILED = "FAILED"
 
 
 class ModelResource(_Input):
@@ -94,6 +86,8 @@ class ModelResource(_Input):
         the key (`with_options`, ~0.03 ms). Retries are off: a retried call would be recorded twice.
         Call it inside the processor's `async def process` (the pool belongs to the running loop).
         """
+        # On first use only: openai costs ~2 s to import, tracing loads OpenTelemetry, and code that
+        # only needs the types (the sandboxed processor host, the server) never pays for either.
         from openai import AsyncOpenAI
 
         from opd_trainer.sdk.tracing import trace_client
@@ -114,7 +108,7 @@ _SHARED_CLIENTS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, 
 
 
 def _http_client() -> Any:
-    import httpx
+    import httpx  # with openai, on first use (see `openai_client`)
     from openai import DefaultAioHttpClient, DefaultAsyncHttpxClient
 
     # A worker runs up to `runtime.concurrency` rollouts at once, each holding a connection while the
@@ -159,23 +153,6 @@ class RolloutInput(_Input):
     request_metadata: RequestMetadata | None = Field(default=None, description="Ids of this rollout attempt.")
 
 
-class AgentOutput(_Output):
-    """The conversation a rollout produced; only its assistant turns are trained on."""
-
-    messages: list[dict[str, Any]] = Field(description="Full conversation, prompt included (OpenAI format).")
-    rollout_extra: dict[str, Any] = Field(default_factory=dict, description="Data handed on to rewards.")
-    rollout_metrics: dict[str, float] = Field(default_factory=dict, description="Metrics to log, by name.")
-    reward_score: float | None = Field(default=None, description="A reward the rollout computed itself.")
-
-
-class RolloutOutput(_Output):
-    """What a rollout processor returns."""
-
-    agent_output: AgentOutput | None = Field(default=None, description="The conversation; None on failure.")
-    status: TaskStatus = Field(default=TaskStatus.SUCCESS, description="SUCCESS or FAILED.")
-    error: str | None = Field(default=None, description="Why it failed.")
-
-
 class RewardInput(_Input):
     """What a reward processor receives: one finished rollout."""
 
@@ -191,21 +168,6 @@ class RewardInput(_Input):
         description="Other models the job serves to its processors (job field `auxiliary_models`), by "
         "name, e.g. the teacher as an LLM judge.",
     )
-
-
-class Reward(_Output):
-    """A scalar score plus optional named sub-scores (logged, and weighted by `reward_metric_weight`)."""
-
-    reward_score: float = Field(description="The score.")
-    reward_metrics: dict[str, float] = Field(default_factory=dict, description="Named sub-scores.")
-
-
-class RewardOutput(_Output):
-    """What a reward processor returns."""
-
-    reward: Reward | None = Field(default=None, description="The score; None on failure.")
-    status: TaskStatus = Field(default=TaskStatus.SUCCESS, description="SUCCESS or FAILED.")
-    error: str | None = Field(default=None, description="Why it failed.")
 
 
 class AbstractRolloutProcessor(abc.ABC):
@@ -261,24 +223,4 @@ async def call_processor(processor: Any, payload: Any) -> Any:
     raise TypeError(
         f"{type(processor).__qualname__}.process returned {type(result).__qualname__}, "
         f"expected {expected.__name__}"
-    )
-
-
-def _text_parts(content: Any) -> list[str]:
-    if isinstance(content, str):
-        return [content]
-    if isinstance(content, list):  # OpenAI content parts: [{"type": "text", "text": ...}, ...]
-        return [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
-    return []
-
-
-def is_rollout_failure(output: RolloutOutput) -> bool:
-    """True for a FAILED status, a missing `agent_output`, or an assistant turn starting `ROLLOUT_ERROR:`."""
-    if output.status == TaskStatus.FAILED or output.agent_output is None:
-        return True
-    return any(
-        text.lstrip().startswith(ROLLOUT_ERROR_PREFIX)
-        for message in output.agent_output.messages
-        if message.get("role") == "assistant"
-        for text in _text_parts(message.get("content"))
     )
