@@ -25,6 +25,7 @@ from typing import Any
 
 from opd_trainer.errors import ConfigError
 from opd_trainer.jobspec.dataset import TASK_KEY, load_samples, sample_view
+from opd_trainer.jobspec.job_spec import parse_job_spec
 from opd_trainer.sdk.workflow import JudgeOutput, WorkflowOutput
 
 __all__ = ["DatasetConfig", "JudgeOutput", "WorkflowOutput", "tune"]
@@ -84,8 +85,9 @@ def tune(
     rollouts, rewarded by `judge_func` if given; returns the job's summary (validation before and after
     when `eval_dataset` is given). `job_fields` are further job-spec fields (`hyper_parameters`,
     `resources`, ...). Raises `ConfigError` naming a bad field, `OPDError` when the job fails."""
-    from opd_trainer.cli.train import prepare_spec, train_spec
-    from opd_trainer.jobspec.job_spec import parse_job_spec
+    # Workflow files import this module for `WorkflowOutput`/`JudgeOutput`, also inside the sandboxed
+    # processor host: Ray, tqdm and the pre-flight stack load only when a job is run.
+    from opd_trainer.driver.local_run import prepare_spec, train_spec
 
     functions = [_component("workflow", "rollout", workflow_func, "workflow_func")]
     if judge_func is not None:

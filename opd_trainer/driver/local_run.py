@@ -1,0 +1,158 @@
+"""Running a job spec on an embedded local Ray (or `RAY_ADDRESS`) from this process, with a live progress
+bar: `prepare_spec` (Hugging Face ids to local snapshots, the local pre-flight checks) and `train_spec`.
+`opd train` (`opd_trainer/cli/train.py`) and `tune(...)` (`opd_trainer/tuner.py`) both run jobs this way.
+
+Writes per-step metrics (JSONL + TensorBoard), events, checkpoints, PNG curves and a final
+teacher / student-before / student-after table under the run directory. Re-running the same
+spec resumes from the run directory's latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+from tqdm import tqdm
+
+from opd_trainer.cluster.ray_runtime import init_ray
+from opd_trainer.driver.plots import plot_curves
+from opd_trainer.jobspec.dataset import load_samples
+from opd_trainer.jobspec.job_spec import JobSpec
+from opd_trainer.jobspec.model_source import local_model
+from opd_trainer.jobspec.preflight import (
+    check_references,
+    check_same_tokenizer,
+    check_task_records,
+    resolve_max_length,
+)
+from opd_trainer.storage.run_dir import RunDir
+from opd_trainer.storage.shared import write_probe
+
+__all__ = ["format_final_table", "preflight_local", "prepare_spec", "train_spec"]
+
+# Per-validation bookkeeping, not a measurement: left out of the table.
+_NOT_IN_TABLE = frozenset({"samples"})
+
+
+def preflight_local(spec: JobSpec) -> None:
+    """Cheap checks before anything starts: datasets parse, tokenizers match, max_length fits."""
+    train = load_samples(spec.training_datasets, "training_datasets")
+    check_references(train, spec.hyper_parameters.teacher_hindsight)
+    check_task_records(train, "training_datasets", spec.is_agentic)
+    if spec.validation_datasets:
+        validation = load_samples(spec.validation_datasets, "validation_datasets")
+        check_task_records(validation, "validation_datasets", spec.is_agentic)
+    check_same_tokenizer(spec.model, spec.teacher_model)
+    resolve_max_length(spec.hyper_parameters.max_length, spec.model, spec.teacher_model)
+
+
+def format_final_table(summary: dict[str, Any]) -> str:
+    """Teacher / student before / student after, one column per metric the validations reported.
+
+    The columns are whatever the job measured (the evaluator's metrics, rewards, reverse KL), in the
+    order the first row reports them: the trainer knows no task's metric names.
+    """
+    rows = [
+        (label, summary[key])
+        for key, label in (
+            ("teacher", "teacher"),
+            ("student_before", "student before"),
+            ("student_after", "student after"),
+        )
+        if summary.get(key)
+    ]
+    columns = list(dict.fromkeys(k for _, metrics in rows for k in metrics if k not in _NOT_IN_TABLE))
+    widths = [max(9, len(c)) + 2 for c in columns]
+    header = f"{'':<16}" + "".join(f"{c:>{w}}" for c, w in zip(columns, widths, strict=True))
+    lines = [header, "-" * len(header)]
+    for label, metrics in rows:
+        cells = [
+            f"{'—':>{w}}" if not isinstance(metrics.get(c), int | float) else f"{metrics[c]:>{w}.3f}"
+            for c, w in zip(columns, widths, strict=True)
+        ]
+        lines.append(f"{label:<16}" + "".join(cells))
+    return "\n".join(lines)
+
+
+async def _follow(driver: Any, run: Any) -> Any:
+    """Polls the driver for progress and events until `run` finishes."""
+    bar = tqdm(total=None, unit="step", dynamic_ncols=True)
+    last_event = -1
+    try:
+        while True:
+            done, _ = ray.wait([run], timeout=0)
+            progress, events = await asyncio.gather(
+                driver.progress.remote(), driver.events.remote(last_event)
+            )
+            for event in events:
+                last_event = event["seq"]
+                if event["type"] in {"eval", "checkpoint", "preflight", "error", "status"}:
+                    bar.write(f"[{event['type']}] {event['message']}")
+            if progress["total_steps"] and bar.total != progress["total_steps"]:
+                bar.total = progress["total_steps"]  # known once the driver has read the datasets
+                bar.refresh()
+            if progress["step"] > bar.n:
+                bar.update(progress["step"] - bar.n)
+            metrics = progress["metrics"]
+            if metrics:
+                postfix = {}
+                if "reverse_kl" in metrics:  # validation of task records alone reports none
+                    postfix["KL"] = f"{metrics['reverse_kl']:.3f}"
+                if "tokens_per_s" in metrics:
+                    postfix["tok/s"] = f"{metrics['tokens_per_s']:.0f}"
+                if "reward_mean" in metrics:
+                    postfix["reward"] = f"{metrics['reward_mean']:.3f}"
+                bar.set_postfix(postfix)
+            if done:
+                return await run
+            await asyncio.sleep(0.5)
+    finally:
+        bar.close()
+
+
+def prepare_spec(spec: JobSpec) -> JobSpec:
+    """`spec` with Hugging Face ids turned into their snapshot folders (downloaded if missing, as the
+    server resolves them), after the local pre-flight checks; raises `OPDError` naming the field."""
+    spec = spec.model_copy(
+        update={f: local_model(getattr(spec, f), f, download=True) for f in ("model", "teacher_model")}
+    )
+    preflight_local(spec)
+    return spec
+
+
+def train_spec(spec: JobSpec, run_dir: Path | None = None, stop_after: int | None = None) -> dict[str, Any]:
+    """Runs a prepared `spec` on the local (or `RAY_ADDRESS`) Ray cluster with progress on the terminal;
+    returns the job's summary. Raises `OPDError` when the job fails."""
+    # The driver actor's module imports torch, vLLM and DeepSpeed: loaded when a job starts, not when
+    # the CLI or `opd_trainer.tuner` is imported.
+    from opd_trainer.driver.job_driver import JobDriverActor
+
+    run_dir = run_dir or Path("runs") / spec.job_name
+    print(f"job {spec.job_name}: run directory {run_dir} (re-run to resume from its latest checkpoint)")
+    started = time.perf_counter()
+    init_ray()
+    token = write_probe(run_dir.resolve())  # on a cluster, the driver's and learner's nodes must see it
+    driver = JobDriverActor.options(num_cpus=0).remote(  # type: ignore[attr-defined]
+        spec, str(run_dir.resolve()), "local", token
+    )
+    try:
+        summary: dict[str, Any] = asyncio.run(_follow(driver, driver.run.remote(stop_after)))
+    finally:
+        ray.kill(driver)
+    records = RunDir(run_dir).records()
+    if records:
+        print(f"curves: {plot_curves(records, run_dir / 'curves.png', spec.job_name)}")
+    where = [f"metrics: {run_dir / 'metrics.jsonl'}"]
+    if "tensorboard" in spec.report_to:
+        where.append(f"tensorboard: {run_dir / 'tensorboard'}")
+    if "mlflow" in spec.report_to:
+        run_id_path = RunDir(run_dir).mlflow_run_id_path
+        where.append(f"mlflow run: {run_id_path.read_text().strip() if run_id_path.is_file() else '-'}")
+    print("  ".join(where))
+    if summary:
+        print(format_final_table(summary))
+    print(f"finished in {time.perf_counter() - started:.0f}s")
+    return summary
