@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from opd_trainer.driver.plots import format_final_table, plot_curves
 from opd_trainer.errors import ConfigError, OPDError
 from opd_trainer.jobspec.job_status import format_event_line
 
@@ -118,9 +119,7 @@ def _follow(args: argparse.Namespace, client: OPDClient, job: JobPublic, plot_di
     """A progress bar fed by the job's event stream, then the final table and curves."""
     from tqdm import tqdm
 
-    from opd_trainer.cli.train import format_final_table
     from opd_trainer.client.operations import StreamEnd
-    from opd_trainer.driver.plots import plot_curves
 
     notes = _notes(args)
     bar = tqdm(total=job.total_steps or None, unit="step", dynamic_ncols=True)
@@ -248,7 +247,6 @@ METRIC_COLUMNS = ("reverse_kl", "loss", "reward_mean", "tokens_per_s")
 
 
 def _metrics(args: argparse.Namespace) -> int:
-    from opd_trainer.cli.train import format_final_table
 
     metrics = _client(args).metrics(args.job_id)
     if _json_out(args, metrics):

@@ -11,7 +11,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from opd_trainer.driver.local_run import format_final_table, prepare_spec, train_spec
+from opd_trainer.driver.local_run import prepare_spec, train_spec
+from opd_trainer.driver.plots import format_final_table
 from opd_trainer.errors import OPDError
 from opd_trainer.jobspec.job_spec import load_job_spec
 

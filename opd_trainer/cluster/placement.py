@@ -14,30 +14,23 @@ other needs, and PACK puts the ranks on as few nodes as fit (NCCL within a node)
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
 
 import ray
+from ray.actor import ActorHandle
+from ray.util.placement_group import PlacementGroup, placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from opd_trainer.errors import ConfigError
-
-if TYPE_CHECKING:
-    from ray.actor import ActorHandle
-    from ray.util.placement_group import PlacementGroup
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 
 def gang(demand: dict[str, float], count: int) -> PlacementGroup:
     """A placement group of `count` bundles of `demand` each (zero amounts dropped), packed."""
-    from ray.util.placement_group import placement_group
-
     bundle = {name: amount for name, amount in demand.items() if amount}
     return placement_group([bundle] * count, strategy="PACK")
 
 
 def in_gang(group: PlacementGroup, index: int) -> PlacementGroupSchedulingStrategy:
     """Schedules an actor into bundle `index` of `group`."""
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
     return PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=index)
 
 

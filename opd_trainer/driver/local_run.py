@@ -18,7 +18,7 @@ import ray
 from tqdm import tqdm
 
 from opd_trainer.cluster.ray_runtime import init_ray
-from opd_trainer.driver.plots import plot_curves
+from opd_trainer.driver.plots import format_final_table, plot_curves
 from opd_trainer.jobspec.dataset import load_samples
 from opd_trainer.jobspec.job_spec import JobSpec
 from opd_trainer.jobspec.model_source import local_model
@@ -31,10 +31,7 @@ from opd_trainer.jobspec.preflight import (
 from opd_trainer.storage.run_dir import RunDir
 from opd_trainer.storage.shared import write_probe
 
-__all__ = ["format_final_table", "preflight_local", "prepare_spec", "train_spec"]
-
-# Per-validation bookkeeping, not a measurement: left out of the table.
-_NOT_IN_TABLE = frozenset({"samples"})
+__all__ = ["preflight_local", "prepare_spec", "train_spec"]
 
 
 def preflight_local(spec: JobSpec) -> None:
@@ -47,34 +44,6 @@ def preflight_local(spec: JobSpec) -> None:
         check_task_records(validation, "validation_datasets", spec.is_agentic)
     check_same_tokenizer(spec.model, spec.teacher_model)
     resolve_max_length(spec.hyper_parameters.max_length, spec.model, spec.teacher_model)
-
-
-def format_final_table(summary: dict[str, Any]) -> str:
-    """Teacher / student before / student after, one column per metric the validations reported.
-
-    The columns are whatever the job measured (the evaluator's metrics, rewards, reverse KL), in the
-    order the first row reports them: the trainer knows no task's metric names.
-    """
-    rows = [
-        (label, summary[key])
-        for key, label in (
-            ("teacher", "teacher"),
-            ("student_before", "student before"),
-            ("student_after", "student after"),
-        )
-        if summary.get(key)
-    ]
-    columns = list(dict.fromkeys(k for _, metrics in rows for k in metrics if k not in _NOT_IN_TABLE))
-    widths = [max(9, len(c)) + 2 for c in columns]
-    header = f"{'':<16}" + "".join(f"{c:>{w}}" for c, w in zip(columns, widths, strict=True))
-    lines = [header, "-" * len(header)]
-    for label, metrics in rows:
-        cells = [
-            f"{'—':>{w}}" if not isinstance(metrics.get(c), int | float) else f"{metrics[c]:>{w}.3f}"
-            for c, w in zip(columns, widths, strict=True)
-        ]
-        lines.append(f"{label:<16}" + "".join(cells))
-    return "\n".join(lines)
 
 
 async def _follow(driver: Any, run: Any) -> Any:

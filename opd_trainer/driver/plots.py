@@ -1,4 +1,5 @@
-"""PNG curves of a run (reverse KL, reward, validation metrics, signal diagnostics) from metrics.jsonl."""
+"""PNG curves of a run (reverse KL, reward, validation metrics, signal diagnostics) from metrics.jsonl, and
+the final teacher / student-before / student-after table of its summary (`format_final_table`)."""
 
 from __future__ import annotations
 
@@ -80,3 +81,35 @@ def plot_curves(records: list[dict[str, Any]], out_path: Path, title: str = "") 
     figure.savefig(out_path, dpi=110)
     plt.close(figure)
     return out_path
+
+
+# Per-validation bookkeeping, not a measurement: left out of the table.
+_NOT_IN_TABLE = frozenset({"samples"})
+
+
+def format_final_table(summary: dict[str, Any]) -> str:
+    """Teacher / student before / student after, one column per metric the validations reported.
+
+    The columns are whatever the job measured (the evaluator's metrics, rewards, reverse KL), in the
+    order the first row reports them: the trainer knows no task's metric names.
+    """
+    rows = [
+        (label, summary[key])
+        for key, label in (
+            ("teacher", "teacher"),
+            ("student_before", "student before"),
+            ("student_after", "student after"),
+        )
+        if summary.get(key)
+    ]
+    columns = list(dict.fromkeys(k for _, metrics in rows for k in metrics if k not in _NOT_IN_TABLE))
+    widths = [max(9, len(c)) + 2 for c in columns]
+    header = f"{'':<16}" + "".join(f"{c:>{w}}" for c, w in zip(columns, widths, strict=True))
+    lines = [header, "-" * len(header)]
+    for label, metrics in rows:
+        cells = [
+            f"{'—':>{w}}" if not isinstance(metrics.get(c), int | float) else f"{metrics[c]:>{w}.3f}"
+            for c, w in zip(columns, widths, strict=True)
+        ]
+        lines.append(f"{label:<16}" + "".join(cells))
+    return "\n".join(lines)

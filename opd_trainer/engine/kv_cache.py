@@ -13,6 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from opd_trainer.errors import ConfigError
 
 # Share of the node's available memory one engine replica may take for its KV cache.
@@ -40,7 +42,6 @@ def kv_bytes_per_token(model_path: str, dtype: str) -> int:
 
 
 def available_memory_bytes() -> int:
-    import psutil
 
     return int(psutil.virtual_memory().available)
 

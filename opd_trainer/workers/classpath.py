@@ -36,6 +36,7 @@ in `sys.modules`, as a plain `python -c "import functions.rollout"` would.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import importlib
 import importlib.util
@@ -53,6 +54,7 @@ from typing import Any, Literal
 
 from opd_trainer.errors import ProcessorLoadError
 from opd_trainer.sdk import AbstractRewardProcessor, AbstractRolloutProcessor
+from opd_trainer.sdk.workflow import judge_processor, workflow_processor
 
 __all__ = ["instantiate_processor", "load_processor_class", "validate_workspace"]
 
@@ -288,8 +290,6 @@ def _check_class(
 
 def _function_processor(function: Any, target: _Target, where: str, kind: Kind, field: str) -> type:
     """A workflow (rollout) or judge (reward) function wrapped as a processor class (sdk/workflow.py)."""
-    from opd_trainer.sdk.workflow import judge_processor, workflow_processor
-
     shape = "(task, model, auxiliary_models)" if kind == "rollout" else "(task, response, auxiliary_models)"
     if not inspect.iscoroutinefunction(function):
         raise ProcessorLoadError(
@@ -400,8 +400,6 @@ def instantiate_processor(cls: type, *, component: str | None = None) -> Any:
         step = "setup() of"
         result = processor.setup()
         if inspect.isawaitable(result):
-            import asyncio
-
             try:
                 asyncio.get_running_loop()
             except RuntimeError:

@@ -43,9 +43,12 @@ from ray.exceptions import RayActorError
 
 from opd_trainer.errors import ProcessorLoadError
 from opd_trainer.jobspec.job_spec import FunctionComponent
+from opd_trainer.sdk import RewardOutput, RolloutOutput, TaskStatus
 from opd_trainer.storage.zips import pack_workspace
 from opd_trainer.workers.autoscaler import Autoscaler, AutoscalerSettings, PoolSnapshot
+from opd_trainer.workers.processor_channel import SandboxedProcessor
 from opd_trainer.workers.requirements import requirements_of
+from opd_trainer.workers.sandbox import SandboxUnavailable, effective_mode
 
 logger = logging.getLogger(__name__)
 
@@ -102,8 +105,6 @@ class ProcessorWorker:
 
     async def load(self) -> str:
         """Starts the sandbox and the user's `setup()`; raises `ProcessorLoadError` naming the cause."""
-        from opd_trainer.workers.processor_channel import SandboxedProcessor
-        from opd_trainer.workers.sandbox import SandboxUnavailable, effective_mode
 
         component, runtime = self.component, self.component.runtime
         try:
@@ -131,7 +132,6 @@ class ProcessorWorker:
     async def call(self, payload: Any, rollout_id: str) -> dict[str, Any]:
         """One `process` call; returns {"output", "spans", "seconds"} (+ "lost", "retry" when the
         sandbox is gone), never raises for user faults."""
-        from opd_trainer.sdk import RewardOutput, RolloutOutput
 
         output_type = RolloutOutput if self.kind == "rollout" else RewardOutput
         return await self.sandboxed.call(payload, rollout_id, output_type)
@@ -355,7 +355,6 @@ class WorkerPool:
         return self._failure(f"worker died {MAX_ATTEMPTS} times", MAX_ATTEMPTS - 1, 0.0)
 
     def _failure(self, reason: str, attempt: int, seconds: float) -> dict[str, Any]:
-        from opd_trainer.sdk import RewardOutput, RolloutOutput, TaskStatus
 
         self.calls += 1
         self.failures += 1

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+import psutil
 from pydantic import BaseModel, ValidationError
 
 from opd_trainer.errors import ProcessorLoadError
@@ -385,8 +386,6 @@ class SandboxedProcessor:
     def resident_mb(self) -> float:
         """Memory of the sandbox's whole process tree, MB: its cgroup's charge where it has one, else
         the sum of its processes' resident sets (which counts pages the processes share once each)."""
-        import psutil
-
         if self._process is None or self._process.returncode is not None:
             return 0.0
         charged = self.limits.memory_used_mb() if self.limits is not None else None
