@@ -58,6 +58,7 @@ MIGRATION_LOCK_KEY = 0x0BD_7A1E
 
 def migrate(engine: Engine) -> str:
     """Upgrades the database to the newest revision; returns it. Safe to run on every start."""
+    # Lazy: alembic loads only when migrations run.
     from alembic import command
     from alembic.config import Config
     from alembic.runtime.migration import MigrationContext

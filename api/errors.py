@@ -12,6 +12,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -161,8 +162,6 @@ def openapi_with_declared_errors(app: FastAPI) -> dict[str, Any]:
     parameter that cannot fail, and that shape is not what the handlers here answer; such an added 422
     is dropped, and a declared one keeps `ErrorResponse`.
     """
-    from fastapi.openapi.utils import get_openapi
-
     if app.openapi_schema is None:
         document = get_openapi(
             title=app.title, version=app.version, description=app.description, routes=app.routes

@@ -23,6 +23,7 @@ from typing import Any
 def __getattr__(name: str) -> Any:
     """`opd_trainer.tune` is `opd_trainer.tuner.tune`, imported on first use."""
     if name == "tune":
+        # Lazy: `opd_trainer.tune` loads the tuner on first use.
         from opd_trainer.tuner import tune
 
         return tune

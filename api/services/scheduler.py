@@ -54,7 +54,7 @@ from sqlalchemy.orm import Session
 
 from api.db import Database
 from api.errors import APIError
-from api.models import Job
+from api.models import Job, JobEvent
 from api.services.jobs import add_event, compare_and_set, finite, resolve_for_driver, status_since
 from api.services.lease import Lease, new_holder_id
 from api.services.states import WITH_DRIVER
@@ -215,6 +215,7 @@ class Scheduler:
         self.tick()
 
     def _start_ray(self) -> None:
+        # Lazy: the server module loads without Ray; Ray loads when the scheduler thread uses it.
         from opd_trainer.cluster.ray_runtime import init_ray
 
         try:
@@ -232,6 +233,7 @@ class Scheduler:
         """Another replica took the lease (this one failed to renew in time): stop driving jobs. On an
         embedded Ray our drivers are unreachable to the new holder, so they are stopped rather than
         left to run twice; on a shared cluster the new holder re-attaches to them."""
+        # Lazy: the server module loads without Ray; Ray loads when the scheduler thread uses it.
         from opd_trainer.cluster.ray_runtime import embedded_ray
 
         logger.warning("scheduler lease lost to %s: stepping down", self.lease.current_holder())
@@ -247,6 +249,7 @@ class Scheduler:
 
         A re-attached driver is polled like any other: one that turns out dead is replaced without
         counting as a restart, one that does not answer counts as lost after `driver_unresponsive_s`."""
+        # Lazy: the server module loads without Ray; Ray loads when the scheduler thread uses it.
         import ray
 
         with self.db.session() as session:
@@ -321,6 +324,7 @@ class Scheduler:
         self._kill_retired()
 
     def _kill_retired(self) -> None:
+        # Lazy: the server module loads without Ray; Ray loads when the scheduler thread uses it.
         import ray
 
         waiting = []
@@ -359,6 +363,7 @@ class Scheduler:
             self._start_queued(session)
 
     def _check_ray(self) -> None:
+        # Lazy: the server module loads without Ray; Ray loads when the scheduler thread uses it.
         import ray
 
         if time.monotonic() - self._last_ray_check < RAY_CHECK_EVERY_S:
@@ -374,6 +379,7 @@ class Scheduler:
         """Sends every driver with no call in flight its poll (first a stop request, once, if the user
         asked to pause or cancel), then waits at most `ANSWER_WAIT_S` for every driver's answer
         together; returns the refs answered. An answer still missing is looked for at the next poll."""
+        # Lazy: the server module loads without Ray; Ray loads when the scheduler thread uses it.
         import ray
 
         in_flight: list[Any] = []
@@ -430,6 +436,7 @@ class Scheduler:
 
     def _take_answer(self, session: Session, job: Job, handle: DriverHandle) -> bool:
         """Applies a driver's answered poll; True when the job no longer has this driver."""
+        # Lazy: the server module loads without Ray; Ray loads when the scheduler thread uses it.
         import ray
         from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
@@ -521,8 +528,6 @@ class Scheduler:
         self._retire(handle, FINISH_WAIT_S)
 
     def _failure(self, session: Session, job: Job, handle: DriverHandle) -> dict[str, Any]:
-        from api.models import JobEvent
-
         last = session.scalar(
             select(JobEvent)
             .where(JobEvent.job_id == job.id, JobEvent.type == "error")
@@ -532,6 +537,7 @@ class Scheduler:
             return {"code": "job_failed", "message": last.message, "param": last.data.get("field")}
         message = "the job driver failed"
         if handle.run_ref is not None:
+            # Lazy: the server module loads without Ray; Ray loads when the scheduler thread uses it.
             import ray
 
             try:
@@ -612,6 +618,7 @@ class Scheduler:
         for a Ray task that imports the training stack on the cluster (this process may not hold it:
         the api image), and this thread must not. A daemon thread, so that a launch Ray cannot place
         never holds the server's exit."""
+        # Lazy: the server module loads without Ray; Ray loads when the scheduler thread uses it.
         from opd_trainer.driver.launch import launch_driver
 
         made: Future[tuple[Any, Any]] = Future()
@@ -631,6 +638,7 @@ class Scheduler:
     @staticmethod
     def _kill_named(name: str) -> None:
         """Removes a leftover actor of a previous incarnation, and waits until its name is free."""
+        # Lazy: the server module loads without Ray; Ray loads when the scheduler thread uses it.
         import ray
 
         try:

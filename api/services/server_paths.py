@@ -18,6 +18,8 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from huggingface_hub import constants
+
 from opd_trainer.wire.schemas import EventPublic
 
 if TYPE_CHECKING:
@@ -59,8 +61,6 @@ def _substitutions(data_dir: str, hub_cache: str) -> list[tuple[re.Pattern[str],
 
 def public_text(text: str, data_dir: Path) -> str:
     """`text` with every path under `data_dir` or the hub cache named as the module docstring says."""
-    from huggingface_hub import constants
-
     if "/" not in text:
         return text
     for pattern, replacement in _substitutions(str(data_dir), str(constants.HF_HUB_CACHE)):

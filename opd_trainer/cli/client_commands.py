@@ -31,6 +31,7 @@ INTERRUPTED = 130
 
 
 def _client(args: argparse.Namespace) -> OPDClient:
+    # Lazy: CLI start-up (`opd --help`) loads no command's stack; this one loads when it runs.
     from opd_trainer.client.api_client import OPDClient
 
     api_key = args.api_key or os.environ.get("OPD_API_KEY")
@@ -59,6 +60,7 @@ def _json_out(args: argparse.Namespace, value: Any) -> bool:
 
 def _jsonable(value: Any) -> Any:
     """The API's JSON of a client answer: its models dumped as the server sends them."""
+    # Lazy: CLI start-up (`opd --help`) loads no command's stack; this one loads when it runs.
     from pydantic import BaseModel
 
     if isinstance(value, BaseModel):
@@ -92,6 +94,7 @@ def _interrupted(job_id: str) -> int:
 
 
 def _submit(args: argparse.Namespace) -> int:
+    # Lazy: CLI start-up (`opd --help`) loads no command's stack; this one loads when it runs.
     from opd_trainer.jobspec.job_spec import load_job_spec
 
     spec = load_job_spec(Path(args.job_file))
@@ -117,8 +120,10 @@ def _notes(args: argparse.Namespace) -> Any:
 
 def _follow(args: argparse.Namespace, client: OPDClient, job: JobPublic, plot_dir: Path) -> int:
     """A progress bar fed by the job's event stream, then the final table and curves."""
+    # Lazy: CLI start-up (`opd --help`) loads no command's stack; this one loads when it runs.
     from tqdm import tqdm
 
+    # Lazy: CLI start-up (`opd --help`) loads no command's stack; this one loads when it runs.
     from opd_trainer.client.operations import StreamEnd
 
     notes = _notes(args)
@@ -183,6 +188,7 @@ def _get(args: argparse.Namespace) -> int:
 
 def _logs(args: argparse.Namespace) -> int:
     """Every event so far, page after page; with -f, then the live stream until the job ends."""
+    # Lazy: CLI start-up (`opd --help`) loads no command's stack; this one loads when it runs.
     from opd_trainer.client.operations import StreamEnd
 
     client = _client(args)
@@ -300,6 +306,7 @@ def _files_delete(args: argparse.Namespace) -> int:
 
 
 def _keys_create(args: argparse.Namespace) -> int:
+    # Lazy: CLI start-up (`opd --help`) loads no command's stack; this one loads when it runs.
     from opd_trainer.client.api_client import OPDClient
 
     admin_key = _admin_key(args)
@@ -312,6 +319,7 @@ def _keys_create(args: argparse.Namespace) -> int:
 
 
 def _keys_list(args: argparse.Namespace) -> int:
+    # Lazy: CLI start-up (`opd --help`) loads no command's stack; this one loads when it runs.
     from opd_trainer.client.api_client import OPDClient
 
     admin_key = _admin_key(args, required=False)
@@ -327,6 +335,7 @@ def _keys_list(args: argparse.Namespace) -> int:
 
 
 def _keys_revoke(args: argparse.Namespace) -> int:
+    # Lazy: CLI start-up (`opd --help`) loads no command's stack; this one loads when it runs.
     from opd_trainer.client.api_client import OPDClient
 
     with OPDClient(args.base_url, api_key="") as client:
@@ -343,8 +352,10 @@ def _guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse
     """Bad input → one `error: field: message` line and exit 2; a server fault or no server → exit 1."""
 
     def run(args: argparse.Namespace) -> int:
+        # Lazy: CLI start-up (`opd --help`) loads no command's stack; this one loads when it runs.
         import httpx
 
+        # Lazy: CLI start-up (`opd --help`) loads no command's stack; this one loads when it runs.
         from opd_trainer.client.api_client import OPDAPIError
 
         try:

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import sys
 import time
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from opd_trainer.cli.arguments import positive_int
@@ -22,6 +23,7 @@ DEFAULT_MODELS_DIR = Path(".cache/tiny-models")
 
 
 def _make_tiny_models(args: argparse.Namespace) -> int:
+    # Lazy: CLI start-up (`opd --help`) loads no command's stack; this one loads when it runs.
     from opd_trainer.demo.tiny_models import build_tiny_models
 
     started = time.perf_counter()
@@ -40,6 +42,7 @@ def _make_tiny_models(args: argparse.Namespace) -> int:
 
 
 def _roundtrip(args: argparse.Namespace) -> int:
+    # Lazy: CLI start-up (`opd --help`) loads no command's stack; this one loads when it runs.
     from opd_trainer.cluster.ray_runtime import init_ray
     from opd_trainer.demo.roundtrip import format_report, run_roundtrip
     from opd_trainer.demo.tiny_models import build_tiny_models
@@ -53,14 +56,13 @@ def _roundtrip(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    # Lazy: CLI start-up (`opd --help`) loads no command's stack; this one loads when it runs.
     from opd_trainer.cli.train import run_train
 
     return run_train(Path(args.job_file), Path(args.run_dir) if args.run_dir else None, args.stop_after)
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("opd-trainer")
     except PackageNotFoundError:  # run from a source tree that was not installed

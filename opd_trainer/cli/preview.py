@@ -23,8 +23,10 @@ CONTENT_CHARS = 200
 
 
 def _prompt_lengths(tokenizer_path: str, samples: list[Any]) -> list[int | None]:
+    # Lazy: CLI start-up (`opd --help`) loads no command's stack; this one loads when it runs.
     from transformers import AutoTokenizer
 
+    # Lazy: CLI start-up (`opd --help`) loads no command's stack; this one loads when it runs.
     from opd_trainer.rollout.chat import prompt_token_ids
 
     try:

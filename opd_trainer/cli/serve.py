@@ -22,9 +22,11 @@ GRACEFUL_SHUTDOWN_S = 10
 
 
 def _serve(args: argparse.Namespace) -> int:
+    # Lazy: CLI start-up (`opd --help`) loads no command's stack; this one loads when it runs.
     import uvicorn
     from pydantic import ValidationError
 
+    # Lazy: CLI start-up (`opd --help`) loads no command's stack; this one loads when it runs.
     from api.main import create_app
     from api.settings import Settings, withhold_secrets_from_children
 
@@ -45,6 +47,7 @@ def _serve(args: argparse.Namespace) -> int:
     # Read once into `settings`; nothing started from here on (Ray, drivers, user code) inherits them.
     withhold_secrets_from_children()
     if settings.scheduler_enabled:
+        # Lazy: CLI start-up (`opd --help`) loads no command's stack; this one loads when it runs.
         from opd_trainer.cluster.ray_runtime import init_ray
 
         # In the main thread: Ray installs signal handlers; the scheduler thread then finds it started.

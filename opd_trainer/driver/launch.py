@@ -19,6 +19,7 @@ import ray
 def _create_driver(
     spec: Any, run_dir: str, job_id: str, storage_token: str | None, name: str, namespace: str
 ) -> None:
+    # Lazy: runs in a Ray task on the cluster: the server that imports launch has no torch/vLLM.
     from opd_trainer.driver.job_driver import JobDriverActor
 
     JobDriverActor.options(  # type: ignore[attr-defined]

@@ -44,6 +44,7 @@ def signal_panels(train: list[dict[str, Any]]) -> list[tuple[str, Series]]:
 
 
 def plot_curves(records: list[dict[str, Any]], out_path: Path, title: str = "") -> Path:
+    # Lazy: matplotlib loads only when curves are drawn.
     import matplotlib
 
     matplotlib.use("Agg")  # no display on servers and CI

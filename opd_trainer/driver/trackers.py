@@ -132,6 +132,7 @@ class TensorBoardTracker:
     name = "tensorboard"
 
     def __init__(self, run_dir: RunDir) -> None:
+        # Lazy: optional tracker (TensorBoard via torch, mlflow): loaded only when the job reports to it.
         from torch.utils.tensorboard import SummaryWriter
 
         self._writer = SummaryWriter(str(run_dir.tensorboard_path))
@@ -161,6 +162,7 @@ class MLflowTracker:
     name = "mlflow"
 
     def __init__(self, spec: JobSpec, run_dir: RunDir, job_id: str) -> None:
+        # Lazy: optional tracker (TensorBoard via torch, mlflow): loaded only when the job reports to it.
         from mlflow import MlflowClient
 
         uri = spec.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
@@ -181,6 +183,7 @@ class MLflowTracker:
             tags={"opd.job_id": job_id, "opd.model": spec.model, "opd.teacher_model": spec.teacher_model},
         )
         self.run_id = run.info.run_id
+        # Lazy: optional tracker (TensorBoard via torch, mlflow): loaded only when the job reports to it.
         from mlflow.entities import Param
 
         params = flat_params(spec.hyper_parameters.model_dump(mode="json"), "hyper_parameters.")
@@ -188,6 +191,7 @@ class MLflowTracker:
         run_id_path.write_text(self.run_id)
 
     def log(self, kind: str, step: int, metrics: dict[str, float]) -> None:
+        # Lazy: optional tracker (TensorBoard via torch, mlflow): loaded only when the job reports to it.
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)

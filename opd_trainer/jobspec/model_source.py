@@ -65,6 +65,7 @@ def _check_id(value: str, field: str) -> tuple[str, str | None]:
 
 def hub_snapshot(value: str, field: str, *, download: bool) -> Path:
     """The local snapshot folder of hub id `value`; downloads it first when `download` is true."""
+    # Lazy: transformers/huggingface_hub load only when a model is read, not with the spec.
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 

@@ -99,6 +99,7 @@ _IMPORT_LOCK = threading.Lock()
 
 def _auto_tokenizer() -> Any:
     with _IMPORT_LOCK:
+        # Lazy: transformers/huggingface_hub load only when a model is read, not with the spec.
         from transformers import AutoTokenizer
     return AutoTokenizer
 

@@ -104,6 +104,7 @@ def model_calls(plan: PrefixPlan | None) -> int:
 
 def _right_padded(rows: list[list[int]], device: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [N, W] and 0/1 key mask [N, W] of token lists padded on the right with 0."""
+    # Lazy: torch loads only when a prefix is forwarded (the planning half is torch-free).
     import torch
 
     width = max(map(len, rows))
@@ -117,6 +118,7 @@ def _right_padded(rows: list[list[int]], device: Any) -> tuple[torch.Tensor, tor
 
 def shared_prefix_logits(model: Any, plan: PrefixPlan, device: Any) -> torch.Tensor:
     """Logits [rows, W, V] of level 3: `[row, j]` predicts completion token j of that row."""
+    # Lazy: torch loads only when a prefix is forwarded (the planning half is torch-free).
     import torch
 
     cache = None
@@ -161,6 +163,7 @@ def scatter_row_logits(
 ) -> torch.Tensor:
     """Level-3 logits placed at their sequence positions: [rows, width, V] from position `first` on
     (zeros where a row has none: prompt positions and padding, which the loss never reads)."""
+    # Lazy: torch loads only when a prefix is forwarded (the planning half is torch-free).
     import torch
 
     rows = []

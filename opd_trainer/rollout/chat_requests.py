@@ -81,6 +81,7 @@ def chat_request(body: object) -> ChatCompletionRequest:
     ...); the gateway refuses what it cannot honour: `n` > 1 (a rollout records one completion per
     call), no messages, template arguments it sets itself, `NOT_SERVED` fields and unknown ones.
     Raises `InvalidRequest`."""
+    # Lazy: vLLM/transformers/uvicorn load in the gateway's actor, not where this module is imported.
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.exceptions import VLLMValidationError
 
@@ -145,6 +146,7 @@ def sampling_params(
 ) -> SamplingParams:
     """vLLM's own translation of the request into `SamplingParams` (`to_sampling_params`, as its server
     does), with the key's temperature and the call's seed; vLLM's range checks become a 400."""
+    # Lazy: vLLM/transformers/uvicorn load in the gateway's actor, not where this module is imported.
     from vllm.exceptions import VLLMValidationError
 
     owned = request.model_copy(update={"temperature": temperature, "seed": seed})

@@ -155,6 +155,7 @@ _ERROR_TYPES = {
 
 def error_body(status: HTTPStatus, message: str, param: str | None = None) -> ErrorResponse:
     """vLLM's error answer (`create_error_response`: `type`, `param`, the status as `code`)."""
+    # Lazy: vLLM/transformers/uvicorn load in the gateway's actor, not where this module is imported.
     from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 
     return create_error_response(message, _ERROR_TYPES.get(status, "InternalServerError"), status, param)
@@ -187,6 +188,7 @@ def chat_logprobs(
     (`OpenAIServingChat._create_chat_logprobs`, a method of its serving object): each token's text,
     logprob and UTF-8 bytes, with its `top` most likely alternatives by rank (vLLM lists the sampled
     token first and may keep it in place of the k-th; OpenAI's are the k most likely)."""
+    # Lazy: vLLM/transformers/uvicorn load in the gateway's actor, not where this module is imported.
     from vllm.entrypoints.openai.chat_completion.protocol import (
         ChatCompletionLogProb,
         ChatCompletionLogProbs,
@@ -306,6 +308,7 @@ class Gateway:
 
     def _load_tokenizer(self) -> PreTrainedTokenizerBase:
         if self._tokenizer is None:
+            # Lazy: vLLM/transformers/uvicorn load in the gateway's actor, not where this module is imported.
             from transformers import AutoTokenizer
 
             self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path, trust_remote_code=False)
@@ -382,6 +385,7 @@ class Gateway:
 
     def _record(self, prepared: PreparedCall, sampled: Sampled) -> tuple[ChatCompletionResponse, LLMCall]:
         """The OpenAI response for a finished completion; the call is recorded under its key."""
+        # Lazy: vLLM/transformers/uvicorn load in the gateway's actor, not where this module is imported.
         from vllm.entrypoints.openai.chat_completion.protocol import (
             ChatCompletionResponse,
             ChatCompletionResponseChoice,
@@ -441,6 +445,7 @@ class Gateway:
     def _message(self, prepared: PreparedCall, completion: LLMCall) -> ChatMessage:
         """The assistant message: the text, or the content and tool calls vLLM's parser reads in it
         (only the first with `parallel_tool_calls: false`, as vLLM's server answers)."""
+        # Lazy: vLLM/transformers/uvicorn load in the gateway's actor, not where this module is imported.
         from vllm.entrypoints.generate.base.protocol import ToolCall
         from vllm.entrypoints.openai.chat_completion.protocol import ChatMessage
         from vllm.entrypoints.serve.utils.tool_calls_utils import maybe_filter_parallel_tool_calls
@@ -478,12 +483,14 @@ class Gateway:
         parse, the reply is sent once complete (content, then each tool call): what looks like text
         may turn out to be a call's markup. The call is recorded as a non-streamed one would be.
         """
+        # Lazy: vLLM/transformers/uvicorn load in the gateway's actor, not where this module is imported.
         from vllm.entrypoints.generate.base.protocol import DeltaFunctionCall, DeltaMessage, DeltaToolCall
         from vllm.entrypoints.openai.chat_completion.protocol import (
             ChatCompletionResponseStreamChoice,
             ChatCompletionStreamResponse,
         )
 
+        # Lazy: vLLM/transformers/uvicorn load in the gateway's actor, not where this module is imported.
         from opd_trainer.engine.vllm_engine import Sampled
 
         with_ids = bool(prepared.request.return_token_ids)
@@ -565,6 +572,7 @@ class Gateway:
 
         @app.get("/v1/models")
         async def models() -> JSONResponse:
+            # Lazy: vLLM/transformers/uvicorn load in the gateway's actor, not where this module is imported.
             from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList
 
             card = ModelCard(id=self.model_name, owned_by="opd", max_model_len=self.max_length)
@@ -616,6 +624,7 @@ class Gateway:
 
     async def serve(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Starts uvicorn on this event loop (idempotent) and returns the `/v1` base URL."""
+        # Lazy: vLLM/transformers/uvicorn load in the gateway's actor, not where this module is imported.
         import uvicorn
 
         if self._server is not None:

@@ -29,6 +29,7 @@ class ToolCallParsing:
     """One model's composed parser class, checked against its tokenizer once; an instance per call."""
 
     def __init__(self, name: str, tokenizer: Any) -> None:
+        # Lazy: vLLM/transformers/uvicorn load in the gateway's actor, not where this module is imported.
         from vllm.parser import ParserManager
         from vllm.tool_parsers import ToolParserManager
 
@@ -62,6 +63,7 @@ class ToolCallParsing:
 
     def parse(self, text: str, request: Any) -> tuple[str | None, list[dict[str, Any]]]:
         """(content, OpenAI tool calls) of a completion's text, for the `request` it answers."""
+        # Lazy: vLLM/transformers/uvicorn load in the gateway's actor, not where this module is imported.
         from vllm.entrypoints.generate.base.protocol import ToolCall
         from vllm.renderers.chat_utils import make_tool_call_id
 

@@ -177,14 +177,17 @@ def _otlp_span_processor() -> SpanProcessor | None:
         os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
     ):
         return None
+    # Lazy: the OTLP exporter loads only when OTEL_EXPORTER_OTLP_* asks for it.
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get(
         "OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"
     )
     if protocol == "grpc":
+        # Lazy: the OTLP exporter loads only when OTEL_EXPORTER_OTLP_* asks for it.
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     else:
+        # Lazy: the OTLP exporter loads only when OTEL_EXPORTER_OTLP_* asks for it.
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     return BatchSpanProcessor(OTLPSpanExporter())
 

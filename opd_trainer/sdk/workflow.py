@@ -98,6 +98,7 @@ def chat_model(resource: ModelResource, sampling: dict[str, Any]) -> Any:
     `GatewayChatModel` (AgentScope 2.x rebuilt its model classes and has no tuner: not bound)."""
     generate = {k: v for k, v in sampling.items() if k in {"temperature", "max_tokens", "seed"}}
     try:
+        # Lazy: optional dependency (agentscope, the workspace's), loaded by a workflow that uses it.
         from agentscope.model import OpenAIChatModel
     except ImportError:
         return GatewayChatModel(resource, generate)
@@ -154,6 +155,7 @@ def restore_response(value: Any) -> Any:
     """A response back from its JSON form: a `Msg` again where `agentscope` imports."""
     if isinstance(value, dict) and _MSG_MARK in value:
         try:
+            # Lazy: optional dependency (agentscope, the workspace's), loaded by a workflow that uses it.
             from agentscope.message import Msg
         except ImportError:
             return value[_MSG_MARK]

@@ -60,6 +60,7 @@ class ProcessorHost:
         self._out.flush()
 
     def load(self, args: argparse.Namespace) -> str:
+        # Lazy: sandbox child: its import set stays minimal until the host is told what to load.
         from opd_trainer.sdk.tracing import configure_tracing, ensure_observed
         from opd_trainer.storage.zips import unpack_workspace
         from opd_trainer.workers.classpath import instantiate_processor, load_processor_class
@@ -77,6 +78,7 @@ class ProcessorHost:
         return type(self._processor).__name__
 
     def _payload(self, data: dict[str, Any]) -> Any:
+        # Lazy: sandbox child: its import set stays minimal until the host is told what to load.
         from opd_trainer.sdk import RewardInput, RolloutInput
 
         return (RolloutInput if self.kind == "rollout" else RewardInput).model_validate(data)
@@ -85,6 +87,7 @@ class ProcessorHost:
         return {"status": "FAILED", "error": message}
 
     async def call(self, request: dict[str, Any]) -> None:
+        # Lazy: sandbox child: its import set stays minimal until the host is told what to load.
         from opd_trainer.sdk import call_processor
         from opd_trainer.sdk.tracing import collect_spans
 
@@ -118,6 +121,7 @@ class ProcessorHost:
         """Starts a loopback relay to a gateway socket, on the relay thread's own event loop: user code
         that blocks its loop (a synchronous HTTP call inside `async def process`) must not block the
         relay its own request goes through."""
+        # Lazy: sandbox child: its import set stays minimal until the host is told what to load.
         from opd_trainer.workers.relay import serve_tcp_to_unix
 
         if self._relay_loop is None:

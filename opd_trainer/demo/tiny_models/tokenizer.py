@@ -127,6 +127,7 @@ def wrap_tokenizer(tokenizer: Tokenizer, model_max_length: int = 1024) -> PreTra
     Padding stays on the right (the transformers default, as for Qwen2.5); batched `generate` callers set
     `padding_side = "left"` themselves.
     """
+    # Lazy: transformers loads only when a tokenizer is wrapped.
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(
