@@ -37,7 +37,7 @@ from transformers import AutoTokenizer
 from opd_trainer.cluster.ray_runtime import init_ray
 from opd_trainer.demo.tiny_models import build_tiny_models
 from opd_trainer.engine.vllm_engine import EngineConfig, start_engines
-from opd_trainer.engine.weight_sync import shared_memory_weights
+from opd_trainer.engine.weight_transfer import ShmTransfer
 from opd_trainer.jobspec.job_spec import DEFAULT_TEACHER_TOP_K
 from opd_trainer.jsonl import read_jsonl
 from opd_trainer.rollout.chat import prompt_token_ids
@@ -127,7 +127,7 @@ async def _weight_update_ratio(actor: Any, weights_path: Path, rounds: int) -> t
     update_s, copy_s = [], []
     for _ in range(rounds):
         started = time.perf_counter()
-        with shared_memory_weights(weights.items()) as handoff:
+        with ShmTransfer().exported(weights.items()) as handoff:
             await actor.update_weights.remote(handoff)
         update_s.append(time.perf_counter() - started)
         started = time.perf_counter()

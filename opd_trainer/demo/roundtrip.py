@@ -21,7 +21,7 @@ from opd_trainer.demo.tiny_models import TinyModels
 from opd_trainer.demo.tiny_models.serving import tiny_engine_config
 from opd_trainer.demo.tool_routing import evaluator
 from opd_trainer.engine.vllm_engine import start_engines
-from opd_trainer.engine.weight_sync import shared_memory_weights
+from opd_trainer.engine.weight_transfer import ShmTransfer
 from opd_trainer.jsonl import read_jsonl
 from opd_trainer.rollout.chat import prompt_token_ids
 from opd_trainer.stats import mean
@@ -94,7 +94,7 @@ async def run_roundtrip(models: TinyModels, num_prompts: int = 8, max_tokens: in
 
         started = time.perf_counter()
         teacher_weights = load_file(str(models.teacher / "model.safetensors"))
-        with shared_memory_weights(teacher_weights.items()) as handoff:
+        with ShmTransfer().exported(teacher_weights.items()) as handoff:
             weight_version = await student.update_weights.remote(handoff)
         sync_s = time.perf_counter() - started
         rescored = await student.score_many.remote(pairs)

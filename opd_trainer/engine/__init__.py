@@ -1,5 +1,6 @@
 """vLLM engines: the student samples, the teacher scores the student's exact tokens.
 
 `vllm_engine` (engine actors and the group that spreads requests), `kv_cache` (CPU KV-cache sizing),
-`weight_sync` and `vllm_extension` (how the learner's weights reach a running engine).
+`weight_transfer` (one class per transport, `shm` / `ray`, owning the learner's and the engine's half of
+moving weights) and `vllm_extension` (the worker half that reloads them in place).
 """

@@ -17,24 +17,18 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import ray
+import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from opd_trainer.cluster.placement import placed
 from opd_trainer.engine.engine_stats import EngineStats, combine
 from opd_trainer.engine.kv_cache import cpu_kv_cache_bytes
 from opd_trainer.engine.vllm_extension import EXTENSION_CLASSPATH
-from opd_trainer.engine.weight_sync import (
-    ObjectStoreWeights,
-    SharedMemoryWeights,
-    TransferEngineWeights,
-    WeightHandoff,
-    shared_memory_weights,
-    transfer_for,
-)
+from opd_trainer.engine.weight_transfer import WeightHandoff, apply_weights, transfer_for
 from opd_trainer.errors import EngineError, WeightSyncError
 from opd_trainer.jobspec.job_spec import EngineResources
 from opd_trainer.records import LLMCall
@@ -66,11 +60,6 @@ class EngineConfig(BaseModel):
         default=None,
         description="Skip CUDA graphs / torch.compile. None: eager on CPU (compiling a small model "
         "costs ~20 s of start-up and gains little there), compiled on GPU.",
-    )
-    weight_transfer_backend: Literal["shm", "nccl", "ipc"] = Field(
-        default="shm",
-        description="How learner weights arrive: a shared-memory file (any box) or vLLM's "
-        "weight-transfer API over NCCL / CUDA IPC (GPU).",
     )
     num_cpus: float = Field(default=1.0, ge=0, description="Ray CPU slots each replica reserves.")
     placement_timeout_s: float = Field(
@@ -151,8 +140,6 @@ def _sampled_logprobs(steps: list[dict[int, Logprob]], token_ids: list[int]) -> 
 
 
 def _on_gpu() -> bool:
-    import torch
-
     return torch.cuda.is_available()
 
 
@@ -175,16 +162,11 @@ class Engine:
         async with self._start_lock:
             if self._llm is not None:
                 return
+            # vLLM is imported where it is used: ~11 s of import that the driver, CLI and server skip.
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
 
             extra: dict[str, Any] = {}
-            if self.config.weight_transfer_backend != "shm":
-                from vllm.config import WeightTransferConfig
-
-                extra["weight_transfer_config"] = WeightTransferConfig(
-                    backend=self.config.weight_transfer_backend
-                )
             resources = self.config.resources
             if resources.kv_cache_memory_bytes is not None:
                 extra["kv_cache_memory_bytes"] = resources.kv_cache_memory_bytes
@@ -287,6 +269,7 @@ class Engine:
         `structured_outputs`: vLLM's `StructuredOutputsParams` constraining what may be sampled (a
         required or named tool call); the sampler's logprobs are then those of the constrained
         distribution (`processed_logprobs`), which is what the tokens were drawn from."""
+        # vLLM imported on use, not at the top (import cost, see `start`).
         from vllm import SamplingParams
 
         return SamplingParams(
@@ -303,6 +286,7 @@ class Engine:
         """A copy of `params` as this engine runs them: the completion fits under `max_model_len`, each
         sampled token's logprob comes back (the record's sampler logprobs; with `logprobs` = k > 0 also
         the k most likely tokens), and the output arrives whole or as it is generated."""
+        # vLLM imported on use, not at the top (import cost, see `start`).
         from vllm.sampling_params import RequestOutputKind
 
         room = self.config.max_model_len - len(prompt_token_ids)
@@ -389,6 +373,7 @@ class Engine:
         """Teacher forcing of prompt + completion: per completion position, the scored token's and the
         `top_k` most likely tokens' (ids, logprobs), as [T, 1 + top_k] arrays (column 0: the scored
         token; then by rank). Prompt logprobs skip vLLM's sampling processors: temperature 1."""
+        # vLLM imported on use, not at the top (import cost, see `start`).
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -458,7 +443,8 @@ class Engine:
         return list(await asyncio.gather(*(self.score_top_k(p, c, top_k) for p, c in pairs)))
 
     async def update_weights(self, handoff: WeightHandoff, version: int | None = None) -> int:
-        """Loads new weights in place, clears cached KV of the old ones, bumps the weight version.
+        """Loads new weights in place by the handoff's own transport (`weight_transfer.apply_weights`),
+        clears cached KV of the old ones, bumps the weight version.
 
         Generation is paused (in-flight requests finish first) so no sequence mixes two policies.
         """
@@ -466,28 +452,7 @@ class Engine:
         async with self._update_lock:
             await llm.pause_generation(mode="wait", clear_cache=True)
             try:
-                if isinstance(handoff, SharedMemoryWeights | ObjectStoreWeights):
-                    if self.config.weight_transfer_backend != "shm":
-                        raise WeightSyncError(
-                            f"{self.name}: got a {type(handoff).__name__} handoff but the engine uses "
-                            f"{self.config.weight_transfer_backend}"
-                        )
-                    if isinstance(handoff, SharedMemoryWeights):
-                        await self._reload_from_file(llm, handoff.path)
-                    else:
-                        # Fetched from the learner's node, then reloaded from this node's tmpfs.
-                        tensors = await handoff.refs[0]
-                        with shared_memory_weights(tensors.items()) as local:
-                            del tensors
-                            await self._reload_from_file(llm, local.path)
-                elif isinstance(handoff, TransferEngineWeights):
-                    from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
-                    await llm.start_weight_update()
-                    await llm.update_weights(WeightTransferUpdateRequest(update_info=handoff.update_info))
-                    await llm.finish_weight_update()
-                else:
-                    raise WeightSyncError(f"{self.name}: unknown weight handoff {type(handoff).__name__}")
+                await apply_weights(handoff, llm, self.name)
                 # Prefix-cache blocks were computed with the old weights.
                 await llm.reset_prefix_cache()
             except WeightSyncError:
@@ -499,22 +464,9 @@ class Engine:
             self._weight_version = self._weight_version + 1 if version is None else version
             return self._weight_version
 
-    async def _reload_from_file(self, llm: AsyncLLM, path: str) -> None:
-        results = await llm.collective_rpc("opd_reload_weights_from_file", args=(path,))
-        failed = [r["error"] for r in results if not r["ok"]]
-        if failed:
-            raise WeightSyncError(f"{self.name}: a worker could not load weights: {failed[0]}")
-
     def node_id(self) -> str:
         """The Ray node this replica runs on (weight handoffs by shared memory stay on one node)."""
         return ray.get_runtime_context().get_node_id()
-
-    async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
-        """GPU only: joins the learner's weight-transfer group (vLLM's `init_weight_transfer_engine`)."""
-        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
-
-        llm = await self._llm_ready()
-        await llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
 
     def weight_version(self) -> int:
         return self._weight_version
@@ -604,7 +556,8 @@ class EngineGroup:
         return self.node_ids
 
     async def transfers(self, configured: str, learner_node: str) -> list[str]:
-        """The weight handoff kind of each replica (`weight_sync.transfer_for`)."""
+        """The weight transport ("shm" / "ray") of each replica (`weight_transfer.transfer_for`); raises
+        ValueError on a choice the placement makes impossible."""
         return [transfer_for(configured, learner_node, node) for node in await self.locate()]
 
     async def update_weights(self, handoffs: list[WeightHandoff], version: int) -> None:

@@ -1,5 +1,6 @@
 """vLLM worker extension that reloads model weights in place from a shared-memory safetensors file.
 
+The worker half of the shm / ray weight transfers (`engine/weight_transfer.py`, which calls it).
 Loaded by name into every vLLM worker (`worker_extension_cls`) and called through
 `collective_rpc`, because vLLM's RPC serializer refuses plain functions and
 `model.load_weights` fails once the engine has started ("Parameter has no attribute
@@ -10,10 +11,14 @@ from __future__ import annotations
 
 import traceback
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 EXTENSION_CLASSPATH = "opd_trainer.engine.vllm_extension.WeightReloadExtension"
+# The method `collective_rpc` calls on every worker (`WeightReloadExtension.opd_reload_weights_from_file`).
+RELOAD_FROM_FILE = "opd_reload_weights_from_file"
 
 
 class WeightReloadExtension:
@@ -42,10 +47,6 @@ class WeightReloadExtension:
     def _checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         cached: dict[str, tuple[int, ...]] | None = getattr(self, "_opd_checkpoint_shapes", None)
         if cached is None:
-            from pathlib import Path
-
-            from safetensors import safe_open
-
             cached = {}
             model_dir = Path(self.model_runner.model_config.model)  # type: ignore[attr-defined]
             for file in sorted(model_dir.glob("*.safetensors")):
@@ -57,8 +58,6 @@ class WeightReloadExtension:
 
     def _check_against_checkpoint(self, path: str) -> str:
         """Why the file cannot replace the engine's weights ('' if it can)."""
-        from safetensors import safe_open
-
         expected = self._checkpoint_shapes()
         if not expected:
             return ""  # not a safetensors checkpoint on disk: nothing to compare with
@@ -75,8 +74,6 @@ class WeightReloadExtension:
         return ""
 
     def _reload_from_file(self, path: str) -> int:
-        from safetensors import safe_open
-
         with safe_open(path, framework="pt", device="cpu") as handle:
             names = list(handle.keys())
 

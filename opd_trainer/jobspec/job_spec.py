@@ -471,7 +471,8 @@ class Resources(_Strict):
         description="How the learner's weights reach the student engines after each step: 'shm' a "
         "shared-memory file on the learner's node (engines there only), 'ray' Ray's object store (any "
         "node, one more copy per engine node), 'auto' shared memory for engines on the learner's node "
-        "and the object store for the others.",
+        "and the object store for the others. GPU jobs use these too (NCCL / CUDA IPC is not wired). "
+        "One transport class each in `opd_trainer/engine/weight_transfer.py`.",
     )
 
 

@@ -20,18 +20,12 @@ from typing import Any
 
 import ray
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from opd_trainer.cluster.placement import gang, in_gang, placed
 from opd_trainer.cluster.ports import free_port
-from opd_trainer.engine.weight_sync import (
-    SharedMemoryWeights,
-    WeightHandoff,
-    put_object_store_weights,
-    release_shared_memory_weights,
-    write_shared_memory_weights,
-)
-from opd_trainer.errors import WeightSyncError
+from opd_trainer.engine import weight_transfer
+from opd_trainer.engine.weight_transfer import WeightHandoff
 from opd_trainer.learner.batch import (
     LearnerBatch,
     logprobs_of_targets,
@@ -97,7 +91,6 @@ class Learner:
         )
         # Imported here, not at the top: deepspeed picks its accelerator at import time (above).
         import deepspeed
-        from transformers import AutoModelForCausalLM
 
         if not on_gpu:
             # Ray sets OMP_NUM_THREADS to the actor's 1 CPU slot, which left torch one thread. On CPU the
@@ -265,7 +258,7 @@ class Learner:
         Tied tensors (e.g. `lm_head.weight` = `model.embed_tokens.weight`) appear once, under their
         first name, as in a tied checkpoint: the engine re-ties them on load.
         """
-        import deepspeed
+        import deepspeed  # imported on use: its accelerator is chosen by `initialize` (see there)
 
         module = self._engine.module
 
@@ -285,30 +278,19 @@ class Learner:
         return untied(module.state_dict())
 
     def export_weights(self, kinds: list[str]) -> dict[str, WeightHandoff]:
-        """The current weights as one handoff per kind asked for ("shm": a tmpfs file on this node,
-        "ray": Ray's object store), for the engine group to hand to its replicas. Every rank takes
-        part (ZeRO-3 gathers the parameters collectively); rank 0's handoffs are the ones returned.
-        Call `release_weights` once every engine has loaded them."""
+        """The current weights as one handoff per transport asked for (`weight_transfer`: "shm" a
+        tmpfs file on this node, "ray" Ray's object store), for the engine group to hand to its
+        replicas. Every rank takes part (ZeRO-3 gathers the parameters collectively); rank 0's
+        handoffs are the ones returned. Call `release_weights` once every engine has loaded them."""
         self.initialize()
         weights = self.named_weights()
         if self.rank != 0:
             return {}
-        handoffs: dict[str, WeightHandoff] = {}
-        for kind in sorted(set(kinds)):
-            if kind == "shm":
-                handoffs[kind] = write_shared_memory_weights(weights)
-            elif kind == "ray":
-                handoffs[kind] = put_object_store_weights(weights)
-            else:
-                raise WeightSyncError(f"unknown weight handoff kind {kind!r}")
-        return handoffs
+        return weight_transfer.export_weights(weights, kinds)
 
     def release_weights(self, handoffs: list[WeightHandoff]) -> None:
-        """Frees what `export_weights` made (the tmpfs file; an object-store copy goes with its last
-        reference)."""
-        for handoff in handoffs:
-            if isinstance(handoff, SharedMemoryWeights):
-                release_shared_memory_weights(handoff)
+        """Frees what `export_weights` made, each handoff by its own transport."""
+        weight_transfer.release_weights(handoffs)
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()

@@ -22,11 +22,7 @@ from transformers import AutoModelForCausalLM
 from opd_trainer.cluster.ray_runtime import remove_runtime_resources
 from opd_trainer.demo.tiny_models.serving import tiny_engine_config
 from opd_trainer.engine.vllm_engine import EngineActor, EngineGroup
-from opd_trainer.engine.weight_sync import (
-    put_object_store_weights,
-    release_shared_memory_weights,
-    write_shared_memory_weights,
-)
+from opd_trainer.engine.weight_transfer import export_weights, release_weights
 
 
 @ray.remote(num_cpus=0, resources={"node_a": 0.01})
@@ -41,9 +37,7 @@ class WeightHolder:
 
     def export(self, kinds: list[str]) -> dict[str, object]:
         """As `Learner.export_weights`: one handoff per kind."""
-        weights = list(load_file(str(Path(self.model_dir) / "model.safetensors")).items())
-        makers = {"ray": put_object_store_weights, "shm": write_shared_memory_weights}
-        return {kind: makers[kind](weights) for kind in set(kinds)}
+        return export_weights(load_file(str(Path(self.model_dir) / "model.safetensors")).items(), kinds)
 
 
 def hf_logprobs(model_dir: str, prompt: list[int], completion: list[int]) -> list[float]:
@@ -84,7 +78,7 @@ async def main(student: str, teacher: str) -> dict[str, object]:
     before = [(await engine.score_many.remote([pair]))[0] for engine in engines]
     handoffs = await holder.export.remote(kinds)
     await group.update_weights([handoffs[kind] for kind in kinds], version=7)
-    release_shared_memory_weights(handoffs["shm"])
+    release_weights(handoffs.values())
     after = [(await engine.score_many.remote([pair]))[0] for engine in engines]
     teacher_scores = hf_logprobs(teacher, *pair)
 

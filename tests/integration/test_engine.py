@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from transformers import PreTrainedTokenizerBase
 
 from opd_trainer.demo.tiny_models import TinyModels
-from opd_trainer.engine.weight_sync import SharedMemoryWeights, shared_memory_weights
+from opd_trainer.engine.weight_transfer import ShmHandoff, ShmTransfer, transfer
 from opd_trainer.errors import WeightSyncError
 from opd_trainer.jsonl import read_jsonl
 from opd_trainer.rollout.chat import prompt_token_ids
@@ -71,9 +71,16 @@ def test_sampling_logprobs_equal_score_of_same_tokens(
     assert max(_max_abs_diff(s, t) for s, t in zip(student_scores, teacher_scores, strict=True)) > 1e-2
 
 
+@pytest.mark.parametrize("kind", ["shm", "ray"])
 def test_update_weights_moves_student_onto_teacher_and_back(
-    student_engine: Any, teacher_engine: Any, tiny_models: TinyModels, tokenizer: PreTrainedTokenizerBase
+    kind: str,
+    student_engine: Any,
+    teacher_engine: Any,
+    tiny_models: TinyModels,
+    tokenizer: PreTrainedTokenizerBase,
 ) -> None:
+    """Each transport's both halves: the learner's `export` here, the engine's `apply` in the actor."""
+    weights = transfer(kind)
     prompts = _validation_prompts(tiny_models, tokenizer, 4)
     completions = ray.get(
         teacher_engine.generate_many.remote(prompts, max_tokens=24, temperature=1.0, seed=3)
@@ -83,7 +90,7 @@ def test_update_weights_moves_student_onto_teacher_and_back(
     student_before = ray.get(student_engine.score_many.remote(pairs))
     version_before = ray.get(student_engine.weight_version.remote())
 
-    with shared_memory_weights(load_file(str(tiny_models.teacher / "model.safetensors")).items()) as handoff:
+    with weights.exported(load_file(str(tiny_models.teacher / "model.safetensors")).items()) as handoff:
         version = ray.get(student_engine.update_weights.remote(handoff))
     assert version == version_before + 1
     student_as_teacher = ray.get(student_engine.score_many.remote(pairs))
@@ -91,7 +98,7 @@ def test_update_weights_moves_student_onto_teacher_and_back(
         assert _max_abs_diff(got, want) < 1e-4
 
     # Restore the student (other tests share this engine); this also proves a second update works.
-    with shared_memory_weights(load_file(str(tiny_models.student / "model.safetensors")).items()) as handoff:
+    with weights.exported(load_file(str(tiny_models.student / "model.safetensors")).items()) as handoff:
         assert ray.get(student_engine.update_weights.remote(handoff)) == version_before + 2
     restored = ray.get(student_engine.score_many.remote(pairs))
     for got, want in zip(restored, student_before, strict=True):
@@ -113,9 +120,9 @@ def test_update_weights_with_wrong_shapes_fails_cleanly_and_engine_survives(
         {**weights, name: torch.zeros(3, 3)},
         {**weights, "model.layers.99.mlp.up_proj.weight": torch.zeros(2)},
     ):
-        with shared_memory_weights(broken.items()) as handoff, pytest.raises(WeightSyncError):
+        with ShmTransfer().exported(broken.items()) as handoff, pytest.raises(WeightSyncError):
             ray.get(student_engine.update_weights.remote(handoff))
-    missing = SharedMemoryWeights(path="/nonexistent/weights.safetensors", num_tensors=0, num_bytes=0)
+    missing = ShmHandoff(path="/nonexistent/weights.safetensors", num_tensors=0, num_bytes=0)
     with pytest.raises(WeightSyncError):
         ray.get(student_engine.update_weights.remote(missing))
 
@@ -124,7 +131,7 @@ def test_update_weights_with_wrong_shapes_fails_cleanly_and_engine_survives(
     assert ray.get(student_engine.score_many.remote(pair)) == before
     health = ray.get(student_engine.health.remote())
     assert health["alive"] and health["started"]
-    with shared_memory_weights(weights.items()) as handoff:
+    with ShmTransfer().exported(weights.items()) as handoff:
         assert ray.get(student_engine.update_weights.remote(handoff)) == version_before + 1
     after = ray.get(student_engine.score_many.remote(pair))
     assert max(abs(a - b) for a, b in zip(after[0], before[0], strict=True)) < 1e-5
