@@ -7,7 +7,6 @@ Fakes stand in for the rollout runner and the teacher engine group (the real one
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -77,33 +76,35 @@ class FakeTeacher:
         ]
 
 
-def _driver(tmp_path: Path, events: list[str], fail_batch: bool = False) -> Any:
-    from opd_trainer.driver.job_driver import JobDriver
+def _phase(events: list[str], fail_batch: bool = False) -> Any:
+    """The sample phase with a fake runner, scoring each rollout by the score phase with a fake
+    teacher (`step.teacher_segments`), as `Sampler.start` wires them."""
+    from opd_trainer.driver.step import sample_and_score, teacher_segments
 
-    train = tmp_path / "train.jsonl"
-    train.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
-    spec = parse_job_spec(
+    hp = parse_job_spec(
         {
             "job_name": "j",
             "model": "s",
             "teacher_model": "t",
-            "training_datasets": [str(train)],
+            "training_datasets": ["train.jsonl"],
             "hyper_parameters": {"n_rollouts": 4},
         }
-    )
-    driver = JobDriver(spec, str(tmp_path / "run"))
-    driver._runner = FakeRunner(events, fail_batch)
-    driver._teacher = FakeTeacher(events)
-    return driver
+    ).hyper_parameters
+    runner, teacher = FakeRunner(events, fail_batch), FakeTeacher(events)
+
+    async def score(results: list[Any]) -> list[LLMCall]:
+        return await teacher_segments(teacher, None, 512, hp, results)
+
+    return lambda samples, step, seeds: sample_and_score(runner, score, samples, step, seeds, hp.n_rollouts)
 
 
 def test_each_rollout_is_scored_as_it_ends_and_segments_keep_rollout_order(tmp_path: Path) -> None:
     events: list[str] = []
-    driver = _driver(tmp_path, events)
+    sample_and_score = _phase(events)
     sample = Sample(source="train.jsonl", line=1, messages=[{"role": "user", "content": "hi"}], tools=None)
 
     async def go() -> tuple[list[Any], list[LLMCall]]:
-        rollouts, scored = driver._sample_and_score([sample], 0, [0, 1, 2, 3])
+        rollouts, scored = sample_and_score([sample], 0, [0, 1, 2, 3])
         return await rollouts, await scored
 
     results, segments = asyncio.run(go())
@@ -117,11 +118,11 @@ def test_each_rollout_is_scored_as_it_ends_and_segments_keep_rollout_order(tmp_p
 
 def test_a_failed_batch_cancels_the_scoring_it_started(tmp_path: Path) -> None:
     events: list[str] = []
-    driver = _driver(tmp_path, events, fail_batch=True)
+    sample_and_score = _phase(events, fail_batch=True)
     sample = Sample(source="train.jsonl", line=1, messages=[{"role": "user", "content": "hi"}], tools=None)
 
     async def go() -> None:
-        rollouts, scored = driver._sample_and_score([sample], 0, [0, 1, 2, 3])
+        rollouts, scored = sample_and_score([sample], 0, [0, 1, 2, 3])
         with pytest.raises(RuntimeError, match="the pool died"):
             await scored
         with pytest.raises(RuntimeError):

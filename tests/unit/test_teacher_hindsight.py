@@ -117,10 +117,10 @@ class RecordingTeacher:
         return [TeacherScores(np.full(len(c), -0.5, dtype=np.float32), None, None) for _, c in pairs]
 
 
-def test_the_driver_scores_with_the_reference_and_trains_on_the_students_prompt(
+def test_the_score_phase_scores_with_the_reference_and_trains_on_the_students_prompt(
     tokenizer: Any, tmp_path: Path
 ) -> None:
-    from opd_trainer.driver.job_driver import JobDriver
+    from opd_trainer.driver.step import teacher_segments
     from opd_trainer.rollout.runner import RolloutResult
 
     train = tmp_path / "train.jsonl"
@@ -135,13 +135,11 @@ def test_the_driver_scores_with_the_reference_and_trains_on_the_students_prompt(
         }
     )
     assert spec.teacher_model == "s"  # `self`: the initial student
-    driver = JobDriver(spec, str(tmp_path / "run"))
-    driver._tokenizer, driver._max_length = tokenizer, 512
     teacher = RecordingTeacher()
-    driver._teacher = teacher
     sample = Sample("train.jsonl", 1, MESSAGES, None, {"ground_truth": "5"})
     call = _call(tokenizer, MESSAGES, [8])
-    segments = asyncio.run(driver._segments([RolloutResult(0, 0, "r0", sample, calls=[call])]))
+    result = RolloutResult(0, 0, "r0", sample, calls=[call])
+    segments = asyncio.run(teacher_segments(teacher, tokenizer, 512, spec.hyper_parameters, [result]))
     [(teacher_prompt, completion)] = teacher.pairs
     note_ids = tokenizer.encode(reference_note("5"), add_special_tokens=False)
     assert completion == [8] and _holds(teacher_prompt, note_ids)

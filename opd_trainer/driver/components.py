@@ -1,0 +1,337 @@
+"""A job's running parts: started once, handed to every phase as one frozen `Components`.
+
+`start_components` starts the engines (student, teacher), the learner, the recording gateways and the
+user's worker pools, and returns them only when all are up. Everything it starts is registered in a
+`Started` as soon as it exists, so `Started.stop()` stops what a start-up that failed half-way left
+running as well as a finished job's parts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from transformers import AutoTokenizer
+
+from opd_trainer.engine.vllm_engine import EngineConfig, EngineGroup
+from opd_trainer.errors import ConfigError, ProcessorLoadError
+from opd_trainer.jobspec.dataset import Sample
+from opd_trainer.jobspec.job_spec import EngineResources, FunctionComponent, JobSpec
+from opd_trainer.jobspec.preflight import check_same_tokenizer, resolve_max_length
+from opd_trainer.learner.deepspeed_learner import LearnerGroup
+from opd_trainer.learner.settings import LearnerSettings
+from opd_trainer.rollout.chat import prompt_token_ids
+from opd_trainer.rollout.gateway import GatewayActor
+from opd_trainer.rollout.runner import STUDENT_MODEL_NAME, TEACHER_MODEL_NAME, AuxiliaryModel, RolloutRunner
+from opd_trainer.workers.pool import user_code_resources
+from opd_trainer.workers.sandbox import (
+    SandboxUnavailable,
+    configured_mode,
+    configured_network,
+    effective_mode,
+    unconfined_reason,
+)
+from reward_workers.pool import RewardPool
+from rollout_workers.pool import RolloutPool
+
+Emit = Callable[..., None]
+"""`emit(kind, message, **data)`: one job event."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Components:
+    """What a running job holds. `teacher_runner` exists when the job validates (the teacher's
+    baseline runs through the same rollout, reward and evaluator code as the student's)."""
+
+    spec: JobSpec
+    job_id: str
+    tokenizer: Any
+    max_length: int
+    student: EngineGroup
+    teacher: EngineGroup
+    learner: LearnerGroup
+    weight_transfers: tuple[str, ...]  # the handoff kind of each student replica
+    runner: RolloutRunner
+    teacher_runner: RolloutRunner | None
+    pools: tuple[Any, ...]
+
+    def prompt(self, sample: Sample) -> list[int]:
+        return prompt_token_ids(self.tokenizer, sample.messages, sample.tools, self.spec.chat_template_kwargs)
+
+    async def publish_weights(self, version: int) -> None:
+        """The learner's weights to every student replica, each by its handoff kind."""
+        kinds = list(self.weight_transfers)
+        handoffs = await self.learner.export_weights(kinds)
+        try:
+            await self.student.update_weights([handoffs[kind] for kind in kinds], version)
+        finally:
+            await self.learner.release_weights(list(handoffs.values()))
+
+    async def engine_metrics(self) -> dict[str, float]:
+        """`engine/ROLE/KEY` of both engine groups (`EngineGroup.stats`: totals so far, peaks since the
+        previous call)."""
+        roles = {"student": self.student, "teacher": self.teacher}
+        stats = await asyncio.gather(*(group.stats() for group in roles.values()))
+        return {
+            f"engine/{role}/{key}": value
+            for role, numbers in zip(roles, stats, strict=True)
+            for key, value in numbers.items()
+        }
+
+
+@dataclasses.dataclass
+class Started:
+    """Everything start-up has started so far, for `stop()`; pools also feed the live pool metrics."""
+
+    gateways: list[Any] = dataclasses.field(default_factory=list)
+    engines: list[EngineGroup] = dataclasses.field(default_factory=list)
+    learner: LearnerGroup | None = None
+    pools: list[Any] = dataclasses.field(default_factory=list)
+    runners: list[RolloutRunner] = dataclasses.field(default_factory=list)
+
+    async def stop(self) -> None:
+        """Stops all of it; vLLM engines take seconds each, so in parallel."""
+        for runner in self.runners:
+            await runner.close()
+        stops: list[Awaitable[Any]] = [pool.shutdown() for pool in self.pools]
+        stops += [group.shutdown() for group in self.engines]
+        stops += [gateway.shutdown.remote() for gateway in self.gateways]
+        await asyncio.gather(*stops, return_exceptions=True)
+        for gateway in self.gateways:
+            ray.kill(gateway)
+        if self.learner is not None:
+            self.learner.shutdown()
+        self.gateways, self.engines, self.pools, self.runners, self.learner = [], [], [], [], None
+
+
+async def start_components(
+    spec: JobSpec,
+    job_id: str,
+    *,
+    validates: bool,
+    total_updates: int,
+    started: Started,
+    emit: Emit,
+    server: bool,
+    run_dir: Path,
+    storage_token: str | None,
+) -> Components:
+    """Starts the job's parts into `started` and returns them together. `validates`: the job has
+    validation data (a teacher runner and evaluator pool); `total_updates`: learner updates of the
+    whole job (the learning-rate schedule's length)."""
+    hp = spec.hyper_parameters
+    sandbox = _sandbox_options(spec, server)
+    check_same_tokenizer(spec.model, spec.teacher_model)
+    max_length = resolve_max_length(hp.max_length, spec.model, spec.teacher_model)
+    tokenizer = AutoTokenizer.from_pretrained(spec.model, trust_remote_code=False)
+    world_size = max(1, spec.resources.learner_gpus)
+    _check_rank_split(spec, world_size)
+    emit("status", "starting engines and learner")
+    # The gateways (vLLM's request validation and tool-call parser: a vLLM import of their own)
+    # start beside the engines and learner; they get their engines once those are up.
+    gateway = _new_gateway(spec, max_length, spec.model, STUDENT_MODEL_NAME)
+    started.gateways.append(gateway)
+    teacher_gateway = None
+    if validates or spec.auxiliary_models:
+        teacher_gateway = _new_gateway(spec, max_length, spec.teacher_model, TEACHER_MODEL_NAME)
+        started.gateways.append(teacher_gateway)
+    gateways_ready = [g.ready.remote() for g in started.gateways]
+    learner = LearnerGroup(
+        LearnerSettings.from_spec(spec, total_updates),
+        world_size,
+        spec.resources.learner_gpu_fraction if torch.cuda.is_available() else 0.0,
+        placement_timeout_s=spec.resources.placement_timeout_s,
+        ray_resources=spec.resources.learner_ray_resources,
+    )
+    started.learner = learner
+
+    async def engines(model: str, resources: EngineResources, role: str) -> EngineGroup:
+        config = _engine_config(spec, max_length, model, resources, role)
+        group = await EngineGroup.start(config, f"{job_id}-{role}")
+        started.engines.append(group)
+        return group
+
+    student, teacher, _ = await asyncio.gather(
+        engines(spec.model, spec.resources.student, "student"),
+        engines(spec.teacher_model, spec.resources.teacher, "teacher"),
+        learner.initialize(),
+    )
+    if storage_token is not None:
+        await learner.check_storage(str(run_dir), storage_token)
+    try:
+        transfers = await student.transfers(spec.resources.weight_transfer, await learner.node_id())
+    except ValueError as exc:
+        raise ConfigError(str(exc), field="resources.weight_transfer") from None
+    emit(
+        "status",
+        f"student weights reach the engines by {', '.join(sorted(set(transfers)))}",
+        weight_transfers=transfers,
+    )
+    base_url = await _serve_gateway(gateway, student)
+    pools = await _start_pools(spec, job_id, validates, sandbox, started, emit)
+    teacher_url = None
+    if teacher_gateway is not None:
+        teacher_url = await _serve_gateway(teacher_gateway, teacher)
+    options: dict[str, Any] = {
+        "max_tokens": hp.max_tokens,
+        "temperature": hp.temperature,
+        "rollout_pool": pools.rollout,
+        "reward_pools": pools.rewards,
+        "evaluator_pool": pools.evaluator,
+        "auxiliary_models": {
+            name: AuxiliaryModel(teacher_gateway, teacher_url, TEACHER_MODEL_NAME)
+            for name in spec.auxiliary_models  # every value is "teacher", the only model served
+        },
+    }
+    runner = RolloutRunner(job_id, gateway, base_url, **options)
+    started.runners.append(runner)
+    teacher_runner = None
+    if teacher_url is not None and validates:
+        teacher_runner = RolloutRunner(job_id, teacher_gateway, teacher_url, **options)
+        started.runners.append(teacher_runner)
+    # vLLM's tool-call parsers loaded in the gateways meanwhile; a bad parser name fails here.
+    await asyncio.gather(*gateways_ready)
+    return Components(
+        spec=spec,
+        job_id=job_id,
+        tokenizer=tokenizer,
+        max_length=max_length,
+        student=student,
+        teacher=teacher,
+        learner=learner,
+        weight_transfers=tuple(transfers),
+        runner=runner,
+        teacher_runner=teacher_runner,
+        pools=tuple(started.pools),
+    )
+
+
+def _sandbox_options(spec: JobSpec, server: bool) -> dict[str, Any]:
+    """The pools' sandbox options. Where user code runs on this node too (no user-code group), a job
+    whose code cannot run confined stops here, before any engine starts; every worker checks again on
+    its own node."""
+    if not spec.functions:
+        return {}
+    mode = configured_mode()
+    if not user_code_resources():
+        try:
+            effective_mode(mode, server=server)
+        except SandboxUnavailable as exc:
+            raise ProcessorLoadError(str(exc), field="functions") from None
+    return {"sandbox_mode": mode, "sandbox_network": configured_network(), "server": server}
+
+
+def _check_rank_split(spec: JobSpec, world_size: int) -> None:
+    """Mini-batches are split across ranks by prompt group: each needs a group per rank."""
+    hp = spec.hyper_parameters
+    rollouts = hp.batch_size * hp.n_rollouts
+    smallest = min(hp.ppo_mini_batch_size, rollouts % hp.ppo_mini_batch_size or hp.ppo_mini_batch_size)
+    if smallest < world_size * hp.n_rollouts:
+        raise ConfigError(
+            f"with {world_size} learner ranks every mini-batch needs {world_size} prompt groups "
+            f"({world_size * hp.n_rollouts} rollouts); the smallest of this job's has {smallest}",
+            field="hyper_parameters.ppo_mini_batch_size",
+        )
+
+
+def _engine_config(
+    spec: JobSpec, max_length: int, model: str, resources: EngineResources, role: str
+) -> EngineConfig:
+    hp = spec.hyper_parameters
+    return EngineConfig(
+        model=model,
+        max_model_len=max_length,
+        resources=resources,
+        seed=hp.seed,
+        concurrent_sequences=hp.batch_size * hp.n_rollouts,
+        role=role,
+        # vLLM refuses a request for more top-k logprobs than this; 20 is its own default.
+        max_logprobs=max(20, hp.teacher_top_k) if role == "teacher" else 20,
+        placement_timeout_s=spec.resources.placement_timeout_s,
+    )
+
+
+def _new_gateway(spec: JobSpec, max_length: int, model: str, served_name: str) -> Any:
+    """A recording gateway for `model`'s engines (given later, `_serve_gateway`), on this driver's
+    node: a zero-CPU actor fits anywhere, and one Ray put on a worker node would take the job down
+    with that node (seen in CI: the gateway landed on the processor pools' node, killed)."""
+    hp = spec.hyper_parameters
+    this_node = ray.get_runtime_context().get_node_id()
+    beside_the_driver = NodeAffinitySchedulingStrategy(this_node, soft=False)
+    return GatewayActor.options(  # type: ignore[attr-defined]
+        num_cpus=0, scheduling_strategy=beside_the_driver
+    ).remote(
+        served_name,
+        model,
+        [],
+        max_tokens=hp.max_tokens,
+        temperature=hp.temperature,
+        max_length=max_length,
+        tool_call_parser=spec.tool_call_parser,
+        chat_template_kwargs=spec.chat_template_kwargs,
+    )
+
+
+async def _serve_gateway(gateway: Any, engines: EngineGroup) -> str:
+    """Hands `gateway` its engines and starts its HTTP server; returns the base URL."""
+    await gateway.set_engines.remote(engines.actors)
+    # On a cluster the rollout workers may sit on other nodes: listen on every interface there.
+    single_node = sum(1 for node in ray.nodes() if node.get("Alive")) <= 1
+    return await gateway.serve.remote("127.0.0.1" if single_node else "0.0.0.0")  # type: ignore[no-any-return]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pools:
+    rollout: Any
+    rewards: list[Any]
+    evaluator: Any
+
+
+async def _start_pools(
+    spec: JobSpec, job_id: str, validates: bool, sandbox: dict[str, Any], started: Started, emit: Emit
+) -> _Pools:
+    """The user's worker pools (rollout, rewards, and the evaluator when the job validates)."""
+
+    def on_event(event: dict[str, Any]) -> None:
+        message = f"{event['pool']}: {event['from']} -> {event['to']} workers ({event['reason']})"
+        emit("autoscale", message, **{k: v for k, v in event.items() if k != "type"})
+
+    options: dict[str, Any] = {"on_event": on_event, **sandbox}
+    rollout = None
+    for component in spec.rollout_components:
+        rollout = RolloutPool(job_id, component, _workspace(component), **options)
+    rewards = [RewardPool(job_id, c, _workspace(c), **options) for c in spec.reward_components]
+    evaluator = None
+    if validates:
+        for component in spec.evaluator_components:
+            evaluator = RewardPool(job_id, component, _workspace(component), **options)
+    pools = [p for p in (rollout, *rewards, evaluator) if p is not None]
+    started.pools.extend(pools)
+    if pools:
+        emit("status", "loading user processors: " + ", ".join(p.component.name for p in pools))
+    await asyncio.gather(*(pool.start() for pool in pools))
+    for pool in pools:
+        emit("status", f"{pool.component.name} runs in {pool.confinement}", sandbox=pool.confinement)
+        if (pool.confinement or "").startswith("no sandbox"):
+            message = f"{pool.component.name}: user processors run without a sandbox: {unconfined_reason()}"
+            emit("warning", message, sandbox="none")
+    return _Pools(rollout, rewards, evaluator)
+
+
+def _workspace(component: FunctionComponent) -> Path:
+    fcmodel = component.fcmodel
+    if fcmodel.zipdir is None:
+        raise ConfigError(
+            "workspace file ids are resolved by the job server; give zipdir for a local run",
+            field=f"functions.{component.name}.fcmodel.workspace",
+        )
+    path = Path(fcmodel.zipdir)
+    if not path.exists():
+        raise ConfigError(f"{path} does not exist", field=f"functions.{component.name}.fcmodel.zipdir")
+    return path

@@ -1,0 +1,328 @@
+"""One training step, phase by phase: sample → score → reward → learn → publish.
+
+`train_step` is the whole step; each phase is a function of its own returning what the next needs and
+its metrics:
+
+- **sample** (`Sampler`): a batch of prompts from the data cursor, `n_rollouts` rollouts each through
+  the user's rollout code and the recording gateway, with the weights the engines hold. With
+  `max_staleness >= 1` the next batch is sampled while this step learns, one version behind.
+- **score** (`teacher_segments`): every recorded LLM call of a successful rollout becomes a segment the
+  teacher scores on exactly the student's tokens (its top-k too when the estimator needs it), as soon
+  as the rollout ends, not when the batch ends.
+- **reward** (`shape_signal`): drops segments staler than `max_staleness`, adds the hindsight signal.
+  The rollout's own reward came from the user's reward workers during sampling.
+- **learn**: the learner's update on mini-batches of whole rollouts (`minibatches`).
+- **publish**: the new weights to every student replica (`Components.publish_weights`).
+
+`StepClock` times a step from one step's start to the next's, so a step's bookkeeping is never left
+out of the clock that samples/s and tokens/s divide by.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+from opd_trainer.driver.components import Components
+from opd_trainer.driver.teacher_hindsight import hindsight_notes, teacher_inputs
+from opd_trainer.errors import OPDError
+from opd_trainer.jobspec.dataset import EpochCursor, Sample
+from opd_trainer.jobspec.job_spec import HyperParameters
+from opd_trainer.learner.hindsight import hindsight_advantages
+from opd_trainer.records import LLMCall
+from opd_trainer.rollout.runner import RolloutResult, failure_message, rollout_step_metrics
+from opd_trainer.stats import mean
+from opd_trainer.storage.run_dir import RunDir
+from opd_trainer.workers.pool import pool_metrics
+
+TRAJECTORIES_PER_STEP = 16
+
+Scorer = Callable[[list[RolloutResult]], Awaitable[list[LLMCall]]]
+
+
+def request_seed(job_seed: int, step: int, index: int) -> int:
+    """A distinct, reproducible sampler seed per (step, request): resumed runs resample identically."""
+    return (job_seed * 1_000_003 + step * 10_007 + index) % (2**31 - 1)
+
+
+def reverse_kl_metrics(
+    sampler_logprobs: list[list[float]], teacher_logprobs: list[list[float]]
+) -> dict[str, float]:
+    """Reverse KL, teacher/student logprob and entropy estimate over every token of the given calls
+    (`learner.loss.distillation_metrics`; the one place the driver measures reverse KL)."""
+    # torch on use: the job server imports this package's launcher, never torch (see driver/launch.py).
+    import torch
+
+    from opd_trainer.learner.loss import distillation_metrics
+
+    sampler_1_T = torch.tensor([[lp for row in sampler_logprobs for lp in row]])
+    teacher_1_T = torch.tensor([[lp for row in teacher_logprobs for lp in row]])
+    return distillation_metrics(sampler_1_T, teacher_1_T, torch.ones_like(sampler_1_T))
+
+
+class StepClock:
+    """Seconds from one step's start to the next's. `lap()` ends a step and starts the next, so what a
+    step does after its lap (its records, trackers, events) counts in the step after it; validation and
+    checkpoints between steps run inside `excluded()` and are left out."""
+
+    def __init__(self) -> None:
+        self._mark = time.perf_counter()
+        self._excluded = 0.0
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        elapsed = now - self._mark - self._excluded
+        self._mark, self._excluded = now, 0.0
+        return elapsed
+
+    @contextlib.contextmanager
+    def excluded(self) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._excluded += time.perf_counter() - started
+
+
+# -- sample -----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Batch:
+    """A step's rollouts under way and the teacher's scores of them (segments in rollout order)."""
+
+    cursor: dict[str, Any]  # the data cursor before this batch was taken
+    rollouts: asyncio.Task[list[RolloutResult]]
+    scored: asyncio.Task[list[LLMCall]]
+
+    async def cancel(self) -> None:
+        for task in (self.rollouts, self.scored):
+            task.cancel()
+        await asyncio.gather(self.rollouts, self.scored, return_exceptions=True)
+
+
+def sample_and_score(
+    runner: Any, score: Scorer, samples: list[Sample], step: int, seeds: list[int], n_rollouts: int
+) -> tuple[asyncio.Task[list[RolloutResult]], asyncio.Task[list[LLMCall]]]:
+    """Starts a batch's rollouts; `score` runs on each successful rollout as soon as it ends. Returns
+    the rollouts' task and the scored segments' (rollout order). A failed batch cancels the scoring."""
+    scoring: dict[int, asyncio.Task[list[LLMCall]]] = {}
+
+    def on_result(result: RolloutResult) -> None:
+        if not result.failed:
+            scoring[id(result)] = asyncio.create_task(score([result]))
+
+    rollouts = asyncio.create_task(runner.run(samples, n_rollouts, step, seeds, on_result=on_result))
+
+    async def scored() -> list[LLMCall]:
+        try:
+            results = await rollouts
+        finally:
+            if not rollouts.done() or rollouts.cancelled() or rollouts.exception() is not None:
+                for task in scoring.values():
+                    task.cancel()
+        parts = await asyncio.gather(
+            *(scoring[id(r)] for r in results if id(r) in scoring), return_exceptions=True
+        )
+        for part in parts:
+            if isinstance(part, BaseException):
+                raise part
+        return [segment for part in parts for segment in part]  # type: ignore[union-attr]
+
+    return rollouts, asyncio.create_task(scored())
+
+
+class Sampler:
+    """Takes batches from the training data in cursor order; holds at most one batch sampled ahead."""
+
+    def __init__(self, components: Components, samples: list[Sample], cursor: EpochCursor) -> None:
+        self.components = components
+        self.samples = samples
+        self.cursor = cursor
+        self.ahead: Batch | None = None
+
+    def start(self, step: int) -> Batch:
+        """Samples step `step`'s batch now, with the weights the engines hold."""
+        c, hp = self.components, self.components.spec.hyper_parameters
+        cursor = self.cursor.state()
+        batch = [self.samples[i] for i in self.cursor.next_batch(hp.batch_size)]
+        seeds = [request_seed(hp.seed, step, index) for index in range(len(batch) * hp.n_rollouts)]
+
+        async def score(results: list[RolloutResult]) -> list[LLMCall]:
+            return await teacher_segments(c.teacher, c.tokenizer, c.max_length, hp, results)
+
+        return Batch(cursor, *sample_and_score(c.runner, score, batch, step, seeds, hp.n_rollouts))
+
+    def take(self, step: int) -> Batch:
+        """The batch sampled ahead for `step`, else a new one."""
+        batch, self.ahead = self.ahead, None
+        return batch if batch is not None else self.start(step)
+
+    def cursor_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps: with a batch sampled ahead, the state before it (a resume samples
+        it again)."""
+        return self.ahead.cursor if self.ahead is not None else self.cursor.state()
+
+    async def drop_ahead(self) -> None:
+        """Ends the batch sampled ahead (stop, failure): it is sampled again after a resume."""
+        batch, self.ahead = self.ahead, None
+        if batch is not None:
+            await batch.cancel()
+
+
+async def collect_rollouts(
+    batch: Batch, step: int, hp: HyperParameters, has_rewards: bool, log: RunDir
+) -> tuple[list[RolloutResult], dict[str, float]]:
+    """Waits for a batch's rollouts, records the first trajectories, and fails the step when more
+    rollouts failed than `max_failed_ratio` allows (or all did)."""
+    try:
+        results = await batch.rollouts
+        log.trajectories([r.trajectory(step + 1) for r in results[:TRAJECTORIES_PER_STEP]])
+        metrics = rollout_step_metrics(results, has_rewards=has_rewards)
+        failed = metrics["failed_rollouts"]
+        if metrics["failed_ratio"] > hp.max_failed_ratio or failed == len(results):
+            raise OPDError(
+                f"step {step + 1}: {failed:.0f}/{len(results)} rollouts failed "
+                f"(max_failed_ratio={hp.max_failed_ratio}); first error: {failure_message(results)}"
+            )
+    except BaseException:
+        await batch.cancel()
+        raise
+    return results, metrics
+
+
+# -- score ------------------------------------------------------------------------------------------
+
+
+async def teacher_segments(
+    teacher: Any, tokenizer: Any, max_length: int, hp: HyperParameters, results: list[RolloutResult]
+) -> list[LLMCall]:
+    """One segment per recorded LLM call of every successful rollout, scored by the teacher on the
+    student's exact tokens (with the hindsight note in its prompt where `teacher_hindsight` asks)."""
+    calls = [(r, c) for r in results if not r.failed for c in r.calls if c.completion_token_ids]
+    top_k = hp.teacher_top_k
+    notes = [note for r in results if not r.failed for note in hindsight_notes(r, hp.teacher_hindsight)]
+    noted_calls = [(c, note) for (_, c), note in zip(calls, notes, strict=True)]
+    inputs = teacher_inputs(tokenizer, noted_calls, max_length)
+    scores = await teacher.score_top_k_many(inputs.pairs, top_k)
+    return [
+        dataclasses.replace(
+            c,
+            teacher_logprobs=score.logprobs.tolist(),
+            group_id=r.group_id,
+            rollout_id=r.index,
+            reward=r.reward,
+            teacher_top_ids=score.top_ids if top_k else None,
+            teacher_top_logprobs=score.top_logprobs if top_k else None,
+            teacher_saw_note=noted,
+        )
+        for (r, c), score, noted in zip(calls, scores, inputs.noted, strict=True)
+    ]
+
+
+# -- reward -----------------------------------------------------------------------------------------
+
+
+def shape_signal(
+    segments: list[LLMCall], step: int, hp: HyperParameters
+) -> tuple[list[LLMCall], dict[str, float]]:
+    """Drops segments sampled more than `max_staleness` versions ago and adds the hindsight signal
+    (`hindsight_coef`); returns the segments to train on and the staleness/hindsight metrics."""
+    staleness = [step - s.weight_version for s in segments]
+    kept = segments
+    if hp.max_staleness > 0:
+        kept = [s for s, lag in zip(segments, staleness, strict=True) if lag <= hp.max_staleness]
+    metrics = {
+        "staleness/mean": mean(staleness),
+        "staleness/max": float(max(staleness, default=0)),
+        "staleness/dropped_segments": float(len(segments) - len(kept)),
+    }
+    if hp.teacher_hindsight != "none":
+        metrics["hindsight/teacher_note_share"] = mean([s.teacher_saw_note for s in kept])
+    if hp.hindsight_coef > 0:
+        values = hindsight_advantages(kept)
+        kept = [dataclasses.replace(s, hindsight=v) for s, v in zip(kept, values, strict=True)]
+        metrics["hindsight/turns_up"] = float(sum(v > 0 for v in values))
+        metrics["hindsight/turns_down"] = float(sum(v < 0 for v in values))
+    return kept, metrics
+
+
+# -- learn ------------------------------------------------------------------------------------------
+
+
+def minibatches(segments: list[LLMCall], size: int) -> list[list[LLMCall]]:
+    """Mini-batches of `size` rollouts (`ppo_mini_batch_size`); a rollout's segments stay together."""
+    rollouts = sorted({s.rollout_id for s in segments})
+    chunks = [set(rollouts[i : i + size]) for i in range(0, len(rollouts), size)]
+    return [[s for s in segments if s.rollout_id in chunk] for chunk in chunks]
+
+
+# -- the step ---------------------------------------------------------------------------------------
+
+
+class _Phases:
+    """Seconds per phase of one step, read in order."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._mark = time.perf_counter()
+
+    def done(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[f"time/{phase}_s"] = now - self._mark
+        self._mark = now
+
+
+async def train_step(
+    c: Components, sampler: Sampler, step: int, *, sample_next: bool, clock: StepClock, log: RunDir
+) -> dict[str, float]:
+    """Step `step` (0-based) end to end; returns its metrics. `sample_next`: start the next step's
+    batch while this one learns (`max_staleness >= 1` and a next step to come).
+
+    The engines finish the batch sampled ahead before new weights reach them, so no completion mixes
+    weight versions; the learner's importance ratio (sampler logprobs, capped) corrects for the lag.
+    """
+    hp = c.spec.hyper_parameters
+    phases = _Phases()
+    batch = sampler.take(step)
+    results, rollout_metrics = await collect_rollouts(
+        batch, step, hp, has_rewards=bool(c.spec.reward_components), log=log
+    )
+    phases.done("rollout")
+    if sample_next:
+        sampler.ahead = sampler.start(step + 1)
+    segments = await batch.scored  # scoring started as each rollout ended: this is the teacher's tail
+    phases.done("teacher")
+    segments, signal_metrics = shape_signal(segments, step, hp)
+    learner_metrics = await c.learner.train_step(minibatches(segments, hp.ppo_mini_batch_size))
+    phases.done("learner")
+    if sampler.ahead is not None:  # new weights only once the engines finished the next rollouts
+        await asyncio.wait([sampler.ahead.rollouts])
+    phases.done("next_rollouts_wait")
+    await c.publish_weights(step + 1)
+    phases.done("sync")
+    engine_metrics = await c.engine_metrics()
+    step_s = clock.lap()
+    trained_tokens = sum(len(s.completion_token_ids) for s in segments)
+    metrics = {
+        **reverse_kl_metrics(
+            [s.sampler_logprobs for s in segments], [s.teacher_logprobs or [] for s in segments]
+        ),
+        **rollout_metrics,
+        **learner_metrics,
+        **pool_metrics(c.pools),
+        **engine_metrics,
+        **signal_metrics,
+        "segments": float(len(segments)),
+        "trained_tokens": float(trained_tokens),
+        "tokens_per_s": trained_tokens / step_s,
+        "samples_per_s": len(results) / step_s,
+        **phases.seconds,
+        "time/step_s": step_s,
+    }
+    metrics["time/other_s"] = step_s - sum(phases.seconds.values())
+    return metrics

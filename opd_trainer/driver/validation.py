@@ -1,0 +1,120 @@
+"""Validation and the drift probe: what the driver measures outside the training step.
+
+Validation measures what every job has, never a particular task: the reverse KL to the teacher on
+validation prompts (seeded student samples, scored by the teacher), and the job's own rollout, reward
+and evaluator components run on one greedy rollout per validation sample, for the student and, as the
+baseline, for the teacher (through a gateway of its own). A sample that fails, is cut off or cannot be
+scored counts as wrong (`rollout.runner.validation_metrics`) and is named in an event; the job goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from opd_trainer.driver.components import Components, Emit
+from opd_trainer.driver.step import request_seed, reverse_kl_metrics
+from opd_trainer.jobspec.dataset import Sample
+from opd_trainer.records import LLMCall
+from opd_trainer.rollout.agent_eval import agent_metrics, pass_at_k, success_by_threshold
+from opd_trainer.rollout.runner import scoring_failures, validation_metrics
+
+# Samples named in one validation's failure event (the count is always complete).
+REPORTED_FAILURES = 20
+# Seeds of the validation samples and of the drift probe: apart from every training step's.
+VALIDATION_SEED_STEP = -1
+PASS_AT_K_SEED_STEP = -2
+PROBE_SEED_STEP = -2
+
+
+async def evaluate(
+    c: Components, samples: list[Sample], label: str, emit: Emit, *, teacher: bool = False
+) -> dict[str, float]:
+    """One validation pass of the student (or with `teacher`, the teacher's baseline) over `samples`;
+    emits an `eval` event (and `eval_failures` naming the samples that failed) and returns the metrics."""
+    if not samples:
+        return {}
+    runner = c.teacher_runner if teacher else c.runner
+    if runner is None:
+        raise ValueError("the teacher's baseline needs the teacher runner, started only with validation data")
+    hp = c.spec.hyper_parameters
+    seeds = [request_seed(hp.seed, VALIDATION_SEED_STEP, i) for i in range(len(samples))]
+    tag = "eval-" + "".join(ch if ch.isalnum() else "-" for ch in label)
+    results, reverse_kl = await asyncio.gather(
+        runner.validate(samples, tag, seeds),
+        asyncio.sleep(0, None) if teacher else validation_reverse_kl(c, samples),
+    )
+    spec = c.spec
+    metrics = validation_metrics(results, bool(spec.reward_components), bool(spec.evaluator_components))
+    if reverse_kl is not None:  # None: task records only, no prompt to sample on
+        metrics["reverse_kl"] = reverse_kl
+    succeeded = success_by_threshold(hp.eval_success_threshold)
+    metrics |= agent_metrics(results, succeeded)
+    if hp.eval_pass_k > 1:
+        k = hp.eval_pass_k
+        sampled = await runner.validate(
+            samples,
+            f"{tag}-pass",
+            [request_seed(hp.seed, PASS_AT_K_SEED_STEP, i) for i in range(len(samples) * k)],
+            per_sample=k,
+            temperature=hp.eval_temperature,
+        )
+        groups = [sampled[i * k : (i + 1) * k] for i in range(len(samples))]
+        metrics[f"agent/pass_at_{k}"] = pass_at_k(groups, succeeded)
+    failures = scoring_failures(results)
+    if failures:
+        shown = ", ".join(f"{f['sample_id']} ({f['error'][:120]})" for f in failures[:REPORTED_FAILURES])
+        emit(
+            "eval_failures",
+            f"{label}: {len(failures)}/{len(results)} validation samples failed and count as wrong: {shown}",
+            label=label,
+            failures=failures[:REPORTED_FAILURES],
+            count=len(failures),
+        )
+    emit(
+        "eval",
+        f"{label}: " + ", ".join(f"{k}={v:.3f}" for k, v in sorted(metrics.items())),
+        label=label,
+        **metrics,
+    )
+    return metrics
+
+
+async def validation_reverse_kl(c: Components, samples: list[Sample]) -> float | None:
+    """Mean `logp_student − logp_teacher` per token of seeded student samples on validation prompts.
+
+    Sampled at the job's temperature straight from the student engines (no user code), so it
+    estimates the same reverse KL the training signal minimises, on prompts it never trains on.
+    """
+    hp = c.spec.hyper_parameters
+    # Task records have no prompt of their own (a workflow writes it): they take no part here.
+    prompts = [c.prompt(s) for s in samples if s.messages]
+    if not prompts:
+        return None
+    sampled = await c.student.generate_many(
+        prompts,
+        seeds=[request_seed(hp.seed, VALIDATION_SEED_STEP, i) for i in range(len(prompts))],
+        max_tokens=hp.max_tokens,
+        temperature=hp.temperature,
+    )
+    scored = [call for call in sampled if call.completion_token_ids]
+    pairs = [(call.prompt_token_ids, call.completion_token_ids) for call in scored]
+    teacher = await c.teacher.score_many(pairs)
+    return reverse_kl_metrics([call.sampler_logprobs for call in scored], teacher)["reverse_kl"]
+
+
+async def drift_probe_segments(c: Components, train_samples: list[Sample]) -> list[LLMCall]:
+    """A few student samples, to compare the learner's logprobs with the sampler's (pre-flight drift)."""
+    hp = c.spec.hyper_parameters
+    samples = [s for s in train_samples if s.messages][:4]  # task records have no prompt
+    completions = await c.student.generate_many(
+        [c.prompt(s) for s in samples],
+        seeds=[request_seed(hp.seed, PROBE_SEED_STEP, i) for i in range(len(samples))],
+        max_tokens=hp.max_tokens,
+        temperature=hp.temperature,
+    )
+    return [
+        dataclasses.replace(call, teacher_logprobs=call.sampler_logprobs, group_id=index, rollout_id=index)
+        for index, call in enumerate(completions)
+        if call.completion_token_ids
+    ]

@@ -1,0 +1,57 @@
+"""The step's pure phases (`driver/step.py`): the step clock, the reward phase's staleness filter, and
+mini-batches of whole rollouts. The sample and score phases run with fakes in
+`test_scoring_per_rollout.py` and `test_teacher_hindsight.py`; the whole step in the integration jobs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from opd_trainer.driver import step as step_module
+from opd_trainer.driver.step import StepClock, minibatches, shape_signal
+from opd_trainer.jobspec.job_spec import parse_job_spec
+from opd_trainer.records import LLMCall
+
+
+def _hp(**fields: Any) -> Any:
+    spec = {"job_name": "j", "model": "s", "teacher_model": "t", "training_datasets": ["t.jsonl"]}
+    return parse_job_spec({**spec, "hyper_parameters": fields}).hyper_parameters
+
+
+def _segment(rollout_id: int, version: int = 0) -> LLMCall:
+    return LLMCall([1], [2, 3], [-0.1, -0.2], weight_version=version, rollout_id=rollout_id)
+
+
+def test_the_step_clock_runs_from_one_lap_to_the_next_leaving_out_only_what_is_excluded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    now = [100.0]
+    monkeypatch.setattr(step_module.time, "perf_counter", lambda: now[0])
+    clock = StepClock()
+    now[0] += 2.0  # the first step
+    assert clock.lap() == 2.0
+    now[0] += 0.5  # that step's records and events, after its lap: counted in the next step
+    with clock.excluded():
+        now[0] += 7.0  # a validation between the steps
+    now[0] += 3.0  # the second step
+    assert clock.lap() == pytest.approx(3.5)
+    now[0] += 1.0
+    assert clock.lap() == pytest.approx(1.0)  # nothing excluded any more
+
+
+def test_segments_staler_than_max_staleness_are_dropped_and_counted() -> None:
+    segments = [_segment(0, version=5), _segment(1, version=4), _segment(2, version=2)]
+    kept, metrics = shape_signal(segments, 5, _hp(max_staleness=1))
+    assert [s.rollout_id for s in kept] == [0, 1]
+    assert metrics["staleness/dropped_segments"] == 1.0 and metrics["staleness/max"] == 3.0
+    assert metrics["staleness/mean"] == pytest.approx(4 / 3)
+    kept, metrics = shape_signal(segments, 5, _hp(max_staleness=0))
+    assert len(kept) == 3 and metrics["staleness/dropped_segments"] == 0.0  # on-policy: nothing to drop
+
+
+def test_minibatches_hold_whole_rollouts() -> None:
+    segments = [_segment(0), _segment(1), _segment(1), _segment(2), _segment(3), _segment(3)]
+    batches = minibatches(segments, 2)
+    assert [[s.rollout_id for s in batch] for batch in batches] == [[0, 1, 1], [2, 3, 3]]
+    assert minibatches([], 2) == []
