@@ -143,11 +143,15 @@ def agent_metrics(results: list[RolloutResult], succeeded: Succeeded) -> dict[st
         "agent/tool_calls_per_trajectory": mean([float(len(_made_calls(r))) for r in good]),
         "agent/cut_off_share": mean([float(_cut_off(r, results_of[id(r)])) for r in good]),
     }
-    referenced = [(r, calls) for r in good if (calls := reference_tool_calls(r)) is not None]
+    # A failed rollout made no call the reference asks for: it counts as wrong, not as absent.
+    referenced = [(r, calls) for r in results if (calls := reference_tool_calls(r)) is not None]
     if referenced:
         for name, key in (("tool_call_accuracy", _canonical), ("tool_name_accuracy", _name)):
             metrics[f"agent/{name}"] = mean(
-                [float(_multiset(_made_calls(r), key) == _multiset(ref, key)) for r, ref in referenced]
+                [
+                    float(not r.failed and _multiset(_made_calls(r), key) == _multiset(ref, key))
+                    for r, ref in referenced
+                ]
             )
     return metrics
 

@@ -467,9 +467,14 @@ def rollout_step_metrics(results: list[RolloutResult], has_rewards: bool) -> dic
     return metrics
 
 
-def validation_metrics(results: list[RolloutResult], has_rewards: bool) -> dict[str, float]:
-    """Means over the samples each part could score: rewards as in training, the evaluator's metrics
-    under their own names plus `eval_score`; `failed_samples` counts samples something could not score.
+def validation_metrics(
+    results: list[RolloutResult], has_rewards: bool, has_evaluator: bool = False
+) -> dict[str, float]:
+    """Validation metrics over every sample. With an evaluator, its `eval_score` and its named metrics are
+    means over all samples, where a sample the evaluator did not score (its rollout failed or was cut
+    off without a completion, or the evaluator raised) counts as wrong: 0. `failed_samples` counts
+    those samples, `scored_samples` the rest. Rewards (as in training, whose scale is the user's) are
+    means over the samples their reward workers scored.
     """
     metrics: dict[str, float] = {
         "samples": float(len(results)),
@@ -486,12 +491,18 @@ def validation_metrics(results: list[RolloutResult], has_rewards: bool) -> dict[
             metrics[f"reward/{name}"] = mean(
                 [r.reward_metrics[name] for r in good if name in r.reward_metrics]
             )
-    evaluated = [r for r in results if r.eval_score is not None]
-    if evaluated:
-        metrics["eval_score"] = mean([r.eval_score for r in evaluated if r.eval_score is not None])
-        for name in sorted({k for r in evaluated for k in r.eval_metrics}):
-            metrics[name] = mean([r.eval_metrics[name] for r in evaluated if name in r.eval_metrics])
+    if has_evaluator and results:
+        unscored = sum(1 for r in results if r.failed or r.eval_error or r.eval_score is None)
+        metrics["scored_samples"] = float(len(results) - unscored)
+        metrics["eval_score"] = mean([_scored(r, r.eval_score) for r in results])
+        for name in sorted({k for r in results for k in r.eval_metrics}):
+            metrics[name] = mean([_scored(r, r.eval_metrics.get(name)) for r in results])
     return metrics
+
+
+def _scored(result: RolloutResult, value: float | None) -> float:
+    """An evaluator's value of one sample; 0 (wrong) where the sample failed or was not scored."""
+    return 0.0 if result.failed or result.eval_error or value is None else float(value)
 
 
 def scoring_failures(results: list[RolloutResult]) -> list[dict[str, str]]:

@@ -25,21 +25,31 @@ def _result(index: int, **fields: object) -> RolloutResult:
     return result
 
 
-def test_means_over_what_each_part_could_score() -> None:
+def test_a_sample_that_failed_or_went_unscored_counts_as_wrong() -> None:
     results = [
         _result(0, reward=1.0, component_rewards={"r": 1.0}, eval_score=1.0, eval_metrics={"accuracy": 1.0}),
         _result(1, reward=0.0, component_rewards={"r": 0.0}, eval_error="evaluator e failed: KeyError"),
-        _result(2, error="reward r failed: TypeError", eval_score=0.0, eval_metrics={"accuracy": 0.0}),
+        _result(2, error="reward r failed: TypeError", eval_score=1.0, eval_metrics={"accuracy": 1.0}),
         _result(3, calls=[]),  # the rollout itself produced nothing
+        _result(4, reward=1.0, component_rewards={"r": 1.0}, eval_score=0.5, eval_metrics={"accuracy": 0.5}),
     ]
-    metrics = validation_metrics(results, has_rewards=True)
-    assert metrics["samples"] == 4 and metrics["failed_samples"] == 3
-    assert metrics["reward_mean"] == pytest.approx(0.5) and metrics["reward/r"] == pytest.approx(0.5)
-    assert metrics["eval_score"] == pytest.approx(0.5) and metrics["accuracy"] == pytest.approx(0.5)
+    metrics = validation_metrics(results, has_rewards=True, has_evaluator=True)
+    assert metrics["samples"] == 5 and metrics["failed_samples"] == 3 and metrics["scored_samples"] == 2
+    # Rewards: means over what the reward workers scored (their scale is the user's).
+    assert metrics["reward_mean"] == pytest.approx(2 / 3) and metrics["reward/r"] == pytest.approx(2 / 3)
+    # The evaluator's numbers: over all five, the three it could not score (or whose rollout failed,
+    # even with a score) as 0.
+    assert metrics["eval_score"] == pytest.approx(1.5 / 5) and metrics["accuracy"] == pytest.approx(1.5 / 5)
     failures = {f["sample_id"]: f["error"] for f in scoring_failures(results)}
     assert set(failures) == {"v1", "v2", "v3"}
     assert "KeyError" in failures["v1"] and "TypeError" in failures["v2"]
     assert failures["v3"] == "no completion recorded"
+
+
+def test_an_evaluator_that_scored_nothing_reports_zero_not_nothing() -> None:
+    metrics = validation_metrics([_result(0, calls=[]), _result(1, calls=[])], False, has_evaluator=True)
+    assert metrics["eval_score"] == 0.0 and metrics["scored_samples"] == 0.0
+    assert metrics["failed_samples"] == 2
 
 
 def test_without_rewards_or_evaluator_only_counts() -> None:
