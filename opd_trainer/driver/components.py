@@ -20,6 +20,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from transformers import AutoTokenizer
 
 from opd_trainer.engine.vllm_engine import EngineConfig, EngineGroup
+from opd_trainer.engine.weight_transfer import publish_weights
 from opd_trainer.errors import ConfigError, ProcessorLoadError
 from opd_trainer.jobspec.dataset import Sample
 from opd_trainer.jobspec.job_spec import EngineResources, FunctionComponent, JobSpec
@@ -66,12 +67,7 @@ class Components:
 
     async def publish_weights(self, version: int) -> None:
         """The learner's weights to every student replica, each by its handoff kind."""
-        kinds = list(self.weight_transfers)
-        handoffs = await self.learner.export_weights(kinds)
-        try:
-            await self.student.update_weights([handoffs[kind] for kind in kinds], version)
-        finally:
-            await self.learner.release_weights(list(handoffs.values()))
+        await publish_weights(self.learner, self.student, list(self.weight_transfers), version)
 
     async def engine_metrics(self) -> dict[str, float]:
         """`engine/ROLE/KEY` of both engine groups (`EngineGroup.stats`: totals so far, peaks since the
@@ -142,6 +138,49 @@ async def start_components(
         teacher_gateway = _new_gateway(spec, max_length, spec.teacher_model, TEACHER_MODEL_NAME)
         started.gateways.append(teacher_gateway)
     gateways_ready = [g.ready.remote() for g in started.gateways]
+    student, teacher, learner = await _start_engines_and_learner(
+        spec, job_id, max_length, total_updates, world_size, started
+    )
+    if storage_token is not None:
+        await learner.check_storage(str(run_dir), storage_token)
+    try:
+        transfers = await student.transfers(spec.resources.weight_transfer, await learner.node_id())
+    except ValueError as exc:
+        raise ConfigError(str(exc), field="resources.weight_transfer") from None
+    emit(
+        "status",
+        f"student weights reach the engines by {', '.join(sorted(set(transfers)))}",
+        weight_transfers=transfers,
+    )
+    base_url = await _serve_gateway(gateway, student)
+    pools = await _start_pools(spec, job_id, validates, sandbox, started, emit)
+    teacher_url = None
+    if teacher_gateway is not None:
+        teacher_url = await _serve_gateway(teacher_gateway, teacher)
+    teacher_side = (teacher_gateway, teacher_url)
+    runner, teacher_runner = _runners(spec, job_id, (gateway, base_url), teacher_side, pools, validates)
+    started.runners.extend(r for r in (runner, teacher_runner) if r is not None)
+    # vLLM's tool-call parsers loaded in the gateways meanwhile; a bad parser name fails here.
+    await asyncio.gather(*gateways_ready)
+    return Components(
+        spec=spec,
+        job_id=job_id,
+        tokenizer=tokenizer,
+        max_length=max_length,
+        student=student,
+        teacher=teacher,
+        learner=learner,
+        weight_transfers=tuple(transfers),
+        runner=runner,
+        teacher_runner=teacher_runner,
+        pools=tuple(started.pools),
+    )
+
+
+async def _start_engines_and_learner(
+    spec: JobSpec, job_id: str, max_length: int, total_updates: int, world_size: int, started: Started
+) -> tuple[EngineGroup, EngineGroup, LearnerGroup]:
+    """The student and teacher engine groups and the learner ranks, started side by side."""
     learner = LearnerGroup(
         LearnerSettings.from_spec(spec, total_updates),
         world_size,
@@ -162,22 +201,22 @@ async def start_components(
         engines(spec.teacher_model, spec.resources.teacher, "teacher"),
         learner.initialize(),
     )
-    if storage_token is not None:
-        await learner.check_storage(str(run_dir), storage_token)
-    try:
-        transfers = await student.transfers(spec.resources.weight_transfer, await learner.node_id())
-    except ValueError as exc:
-        raise ConfigError(str(exc), field="resources.weight_transfer") from None
-    emit(
-        "status",
-        f"student weights reach the engines by {', '.join(sorted(set(transfers)))}",
-        weight_transfers=transfers,
-    )
-    base_url = await _serve_gateway(gateway, student)
-    pools = await _start_pools(spec, job_id, validates, sandbox, started, emit)
-    teacher_url = None
-    if teacher_gateway is not None:
-        teacher_url = await _serve_gateway(teacher_gateway, teacher)
+    return student, teacher, learner
+
+
+def _runners(
+    spec: JobSpec,
+    job_id: str,
+    student: tuple[Any, str],
+    teacher: tuple[Any, str | None],
+    pools: _Pools,
+    validates: bool,
+) -> tuple[RolloutRunner, RolloutRunner | None]:
+    """The student's rollout runner, and with `validates` the teacher's (its validation baseline).
+    Both run the same rollout, reward and evaluator pools; every rollout gets the teacher as each
+    auxiliary model the job names."""
+    hp = spec.hyper_parameters
+    teacher_gateway, teacher_url = teacher
     options: dict[str, Any] = {
         "max_tokens": hp.max_tokens,
         "temperature": hp.temperature,
@@ -189,27 +228,11 @@ async def start_components(
             for name in spec.auxiliary_models  # every value is "teacher", the only model served
         },
     }
-    runner = RolloutRunner(job_id, gateway, base_url, **options)
-    started.runners.append(runner)
+    runner = RolloutRunner(job_id, *student, **options)
     teacher_runner = None
     if teacher_url is not None and validates:
         teacher_runner = RolloutRunner(job_id, teacher_gateway, teacher_url, **options)
-        started.runners.append(teacher_runner)
-    # vLLM's tool-call parsers loaded in the gateways meanwhile; a bad parser name fails here.
-    await asyncio.gather(*gateways_ready)
-    return Components(
-        spec=spec,
-        job_id=job_id,
-        tokenizer=tokenizer,
-        max_length=max_length,
-        student=student,
-        teacher=teacher,
-        learner=learner,
-        weight_transfers=tuple(transfers),
-        runner=runner,
-        teacher_runner=teacher_runner,
-        pools=tuple(started.pools),
-    )
+    return runner, teacher_runner
 
 
 def _sandbox_options(spec: JobSpec, server: bool) -> dict[str, Any]:

@@ -47,12 +47,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -484,39 +485,13 @@ class Gateway:
         may turn out to be a call's markup. The call is recorded as a non-streamed one would be.
         """
         # Lazy: vLLM/transformers/uvicorn load in the gateway's actor, not where this module is imported.
-        from vllm.entrypoints.generate.base.protocol import DeltaFunctionCall, DeltaMessage, DeltaToolCall
-        from vllm.entrypoints.openai.chat_completion.protocol import (
-            ChatCompletionResponseStreamChoice,
-            ChatCompletionStreamResponse,
-        )
+        from vllm.entrypoints.generate.base.protocol import DeltaMessage
 
         # Lazy: vLLM/transformers/uvicorn load in the gateway's actor, not where this module is imported.
         from opd_trainer.engine.vllm_engine import Sampled
 
         with_ids = bool(prepared.request.return_token_ids)
-
-        def event(
-            delta: DeltaMessage,
-            finish: str | None = None,
-            logprobs: ChatCompletionLogProbs | None = None,
-            token_ids: list[int] | None = None,
-        ) -> str:
-            choice = ChatCompletionResponseStreamChoice(
-                index=0, delta=delta, logprobs=logprobs, finish_reason=finish
-            )
-            chunk = ChatCompletionStreamResponse(
-                id=prepared.response_id,
-                object="chat.completion.chunk",
-                created=prepared.created,
-                model=self.model_name,
-                choices=[choice],
-            )
-            if with_ids:  # assigned, so that only then they are set and sent (as vLLM's server does)
-                choice.token_ids = token_ids or []
-                if delta.role is not None:
-                    chunk.prompt_token_ids = prepared.rendered.prompt_ids
-            return f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
-
+        event = functools.partial(self._chunk, prepared)
         yield event(DeltaMessage(role="assistant", content=""))
         replica = self._replica()
         self._in_flight[replica] += 1
@@ -541,18 +516,63 @@ class Gateway:
             return
         finally:
             self._in_flight[replica] -= 1
-        assert sampled is not None
+        if sampled is None:  # the engine's stream ends with the whole completion; this one did not
+            message = "generation failed: the engine's stream ended without a completion"
+            yield f"data: {error_body(HTTPStatus.SERVICE_UNAVAILABLE, message).model_dump_json()}\n\n"
+        else:
+            for chunk in self._closing_chunks(prepared, sampled, include_usage):
+                yield chunk
+        yield "data: [DONE]\n\n"
+
+    def _chunk(
+        self,
+        prepared: PreparedCall,
+        delta: Any,
+        finish: str | None = None,
+        logprobs: ChatCompletionLogProbs | None = None,
+        token_ids: list[int] | None = None,
+    ) -> str:
+        """One `chat.completion.chunk` server-sent event carrying `delta` (vLLM's `DeltaMessage`)."""
+        # Lazy: vLLM/transformers/uvicorn load in the gateway's actor, not where this module is imported.
+        from vllm.entrypoints.openai.chat_completion.protocol import (
+            ChatCompletionResponseStreamChoice,
+            ChatCompletionStreamResponse,
+        )
+
+        choice = ChatCompletionResponseStreamChoice(
+            index=0, delta=delta, logprobs=logprobs, finish_reason=finish
+        )
+        chunk = ChatCompletionStreamResponse(
+            id=prepared.response_id,
+            object="chat.completion.chunk",
+            created=prepared.created,
+            model=self.model_name,
+            choices=[choice],
+        )
+        if prepared.request.return_token_ids:  # assigned, so only then set and sent (as vLLM's server does)
+            choice.token_ids = token_ids or []
+            if delta.role is not None:
+                chunk.prompt_token_ids = prepared.rendered.prompt_ids
+        return f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
+
+    def _closing_chunks(self, prepared: PreparedCall, sampled: Any, include_usage: bool) -> Iterator[str]:
+        """After generation: the call recorded, then (with tools to parse) the reply's content and each
+        tool call, the finish reason, and the usage when asked for."""
+        # Lazy: vLLM/transformers/uvicorn load in the gateway's actor, not where this module is imported.
+        from vllm.entrypoints.generate.base.protocol import DeltaFunctionCall, DeltaMessage, DeltaToolCall
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionStreamResponse
+
         response, _ = self._record(prepared, sampled)
         choice = response.choices[0]
         if prepared.parsing is not None:
             if choice.message.content or choice.logprobs:
                 content = DeltaMessage(content=choice.message.content or "")
-                yield event(content, None, choice.logprobs, sampled.call.completion_token_ids)
+                yield self._chunk(prepared, content, None, choice.logprobs, sampled.call.completion_token_ids)
             for index, call in enumerate(choice.message.tool_calls):
                 function = DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments)
                 delta = DeltaToolCall(index=index, id=call.id, type="function", function=function)
-                yield event(DeltaMessage(tool_calls=[delta]))
-        yield event(DeltaMessage(), choice.finish_reason)
+                yield self._chunk(prepared, DeltaMessage(tool_calls=[delta]))
+        yield self._chunk(prepared, DeltaMessage(), choice.finish_reason)
         if include_usage:
             usage = ChatCompletionStreamResponse(
                 id=prepared.response_id,
@@ -563,7 +583,6 @@ class Gateway:
                 usage=response.usage,
             )
             yield f"data: {usage.model_dump_json(exclude_unset=True)}\n\n"
-        yield "data: [DONE]\n\n"
 
     # -- HTTP -----------------------------------------------------------------------------------
 
