@@ -14,14 +14,19 @@ weights through Ray's object store after every step.
 `agentic`: an Agentic OPD job (user rollout, reward and evaluator) on those five nodes.
 `model-kill`: a Model OPD job (built-in rollout, a user reward) whose pool node is killed without
 warning once the first step is written; a second pool node joins then, and the pool must re-form on it.
+`all`: on one cluster (its start-up, ~30 s on 2 cores, paid once), `multi_node_weight_sync.py`'s check
+first (its node A is the head, its node B the pool node), then `agentic`, then `model-kill` (last: it
+loses a node). Each job's placement counts only the actors created after it was submitted.
 
 Writes one JSON object to the file its fifth argument names: the job's summary, where Ray placed
 each kind of actor (a dead node's actors count too), the weight handoffs used and the per-step
-metrics that tell whether the engine sampled with the learner's weights.
+metrics that tell whether the engine sampled with the learner's weights; for `all`, one such object per
+mode and the weight-sync check's result under "weight_sync".
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 import tempfile
@@ -41,6 +46,8 @@ from opd_trainer.jsonl import read_jsonl, write_jsonl
 from opd_trainer.storage.run_dir import RunDir
 
 NODES = {"head": 2, "student": 1, "teacher": 1, "learner": 1, "pools": 2}  # name -> CPUs
+# `multi_node_weight_sync.py`'s two nodes, for `all`: A (the weights' node) and B, each with 2 CPUs there too.
+WEIGHT_SYNC_NODES = {"head": "node_a", "pools": "node_b"}
 
 
 def component(name: str, kind: str, workspace: Path, classpath: str) -> dict[str, Any]:
@@ -117,6 +124,8 @@ def main(
 
     work = Path(tempfile.mkdtemp(prefix="opd-multi-node-"))
     spec = parse_job_spec(job(mode, student, teacher, data, work))
+    # Actors of what ran on this cluster before (`all`) are not this job's.
+    earlier = {actor.actor_id for actor in list_actors(detail=True, limit=10_000)}
     driver = (
         ray.remote(JobDriver)
         .options(
@@ -145,6 +154,8 @@ def main(
     placed: dict[str, list[str]] = {}
     never_placed: list[str] = []
     for actor in list_actors(detail=True, limit=10_000):
+        if actor.actor_id in earlier:
+            continue
         if not actor.node_id:  # created, but Ray never gave it a node (its start failed or was abandoned)
             never_placed.append(f"{actor.class_name}:{actor.state}")
             continue
@@ -167,17 +178,38 @@ def main(
     }
 
 
+def main_all(cluster: Cluster, pool_node: Any, student: Path, teacher: Path, data: Path) -> dict[str, Any]:
+    from multi_node_weight_sync import main as weight_sync  # this script's folder
+
+    # Its engines and weight holder go when its handles do, before the jobs ask for those CPUs.
+    results: dict[str, Any] = {"weight_sync": asyncio.run(weight_sync(str(student), str(teacher)))}
+    for mode in ("agentic", "model-kill"):
+        results[mode] = main(mode, cluster, pool_node, student, teacher, data)
+    return results
+
+
 if __name__ == "__main__":
     mode = sys.argv[4] if len(sys.argv) > 4 else "agentic"
     cluster = Cluster()
     nodes = {
-        name: cluster.add_node(num_cpus=cpus, resources={f"{name}_node": 100}) for name, cpus in NODES.items()
+        name: cluster.add_node(
+            num_cpus=cpus,
+            resources={
+                f"{name}_node": 100,
+                **({WEIGHT_SYNC_NODES[name]: 1} if mode == "all" and name in WEIGHT_SYNC_NODES else {}),
+            },
+        )
+        for name, cpus in NODES.items()
     }
     ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
     try:
         arguments = (Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]))
+        if mode == "all":
+            result = main_all(cluster, nodes["pools"], *arguments)
+        else:
+            result = main(mode, cluster, nodes["pools"], *arguments)
         # A file, not stdout: the raylets of nodes added later print their own lines there.
-        Path(sys.argv[5]).write_text(json.dumps(main(mode, cluster, nodes["pools"], *arguments)))
+        Path(sys.argv[5]).write_text(json.dumps(result))
     finally:
         session_dir = Path(cluster.head_node.get_session_dir_path())
         ray.shutdown()
