@@ -48,16 +48,20 @@ unit: setup
 lint: setup
 	$(BIN)/ruff check .
 
-# Every side-by-side benchmark, then one table (benchmarks/report.py) from benchmarks/results/*.json.
+# Every benchmark in publishing mode (repeated, side-by-side ones interleaved; each writes its record to
+# benchmarks/results/ and its committed copy to benchmarks/published/), then the table in docs/benchmarks.md
+# and README.md from the published records (benchmarks/report.py --write). Hours on 2 cores, machine idle:
+# see docs/benchmarks.md (Regenerating the records).
 bench: setup
 	$(BIN)/opd make-tiny-models $(TINY_MODELS_DIR)
-	$(BIN)/python benchmarks/engine_throughput.py --models-dir $(TINY_MODELS_DIR)
-	$(BIN)/python benchmarks/rollout_gateway.py
-	$(BIN)/python benchmarks/step_breakdown.py
-	$(BIN)/python benchmarks/staleness.py
-	$(BIN)/python benchmarks/api_load.py --models-dir $(TINY_MODELS_DIR)
-	$(BIN)/python benchmarks/vs_trl_gkd.py --models-dir $(TINY_MODELS_DIR)
-	$(BIN)/python benchmarks/report.py
+	$(BIN)/python benchmarks/repeat.py engine_throughput --runs 3 --publish --models-dir $(TINY_MODELS_DIR) -- --models-dir $(TINY_MODELS_DIR)
+	$(BIN)/python benchmarks/repeat.py rollout_gateway --runs 3 --publish
+	$(BIN)/python benchmarks/repeat.py step_breakdown --runs 3 --publish -- --steps 6
+	$(BIN)/python benchmarks/staleness.py --steps 12 --eval-every 4 --seeds 0 1 2 --publish
+	$(BIN)/python benchmarks/repeat.py api_load --runs 3 --publish -- --models-dir $(TINY_MODELS_DIR)
+	$(BIN)/python benchmarks/vs_trl_gkd.py --models-dir $(TINY_MODELS_DIR) --publish
+	$(BIN)/python benchmarks/vs_trl_gkd.py --models-dir $(TINY_MODELS_DIR) --batch-size 32 --crossover-batches --publish
+	$(BIN)/python benchmarks/report.py --write
 
 # The same headline numbers on one CUDA GPU (install with EXTRAS=gpu,test,bench), under 10 minutes.
 bench-gpu: setup
