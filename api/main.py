@@ -17,9 +17,10 @@ from api.db import Database, migrate
 from api.errors import install_error_handlers, openapi_with_declared_errors
 from api.limits import BodyLimitMiddleware, RateLimitMiddleware, StreamSlots
 from api.observability import ServerMetrics
-from api.routes import files, health, jobs, keys
+from api.routes import files, health, jobs, keys, webhooks
 from api.services.keys import AuthCache
 from api.services.scheduler import Scheduler
+from api.services.webhooks_delivery import Deliverer
 from api.settings import Settings, withhold_secrets_from_children
 from opd_trainer.jobspec.preflight import import_tokenizer_support
 
@@ -31,6 +32,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     db = Database(settings.sqlalchemy_url)
     metrics = ServerMetrics(db)
     scheduler = Scheduler(settings, db) if settings.scheduler_enabled else None
+    deliverer = Deliverer(settings, db)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -45,9 +47,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         gc.freeze()
         if scheduler is not None:
             scheduler.start()
+        deliverer.start()
         try:
             yield
         finally:
+            await deliverer.stop()
             if scheduler is not None:
                 scheduler.stop()
             db.engine.dispose()
@@ -66,9 +70,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.db = db
     app.state.metrics = metrics
     app.state.scheduler = scheduler
+    app.state.webhook_deliverer = deliverer
     app.state.auth_cache = AuthCache()
     app.state.event_streams = StreamSlots(settings.event_streams_per_tenant)
-    for router in (health.router, keys.router, files.router, jobs.router):
+    for router in (health.router, keys.router, files.router, jobs.router, webhooks.router):
         app.include_router(router)
     install_error_handlers(app)
     app.openapi = lambda: openapi_with_declared_errors(app)  # type: ignore[method-assign]

@@ -1,4 +1,5 @@
-"""SQLAlchemy tables: tenants, their API keys, uploaded files, jobs and every job's events."""
+"""SQLAlchemy tables: tenants, their API keys, uploaded files, jobs and every job's events, webhook endpoints
+and their deliveries."""
 
 from __future__ import annotations
 
@@ -113,3 +114,65 @@ class SchedulerLease(Base):
     name: Mapped[str] = mapped_column(String(32), primary_key=True)
     holder: Mapped[str] = mapped_column(String(200))
     expires_at: Mapped[float] = mapped_column(Float)
+
+
+class WebhookEndpoint(Base):
+    """A tenant's webhook receiver: where job status changes are POSTed, signed with `secret`.
+
+    The secret is kept as given out (`whsec_<base64>`): signing needs it, so it cannot be a hash.
+    """
+
+    __tablename__ = "webhook_endpoints"
+
+    pk: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(40), unique=True, index=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    url: Mapped[str] = mapped_column(Text)
+    events: Mapped[list[str]] = mapped_column(JSON, default=list)
+    description: Mapped[str] = mapped_column(String(256), default="")
+    secret: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[int] = mapped_column(Integer, default=now)
+
+
+class WebhookDelivery(Base):
+    """One event for one endpoint (the outbox): written in the transaction that changes the job's
+    status, then POSTed by the deliverer until delivered or out of attempts.
+
+    `seq` orders a job's events to one endpoint: a delivery is attempted only when no earlier one of
+    the same job and endpoint is still pending. `locked_until` claims it for one attempt (so that
+    several server processes never send it at once); a claim that outlives its process expires.
+    """
+
+    __tablename__ = "webhook_deliveries"
+
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(40), unique=True, index=True)
+    endpoint_id: Mapped[str] = mapped_column(
+        ForeignKey("webhook_endpoints.id", ondelete="CASCADE"), index=True
+    )
+    job_id: Mapped[str] = mapped_column(String(40), index=True)
+    event_id: Mapped[str] = mapped_column(String(40))
+    event_type: Mapped[str] = mapped_column(String(32))
+    payload: Mapped[dict[str, Any]] = mapped_column(JSON)
+    status: Mapped[str] = mapped_column(String(16), index=True)  # pending, delivered, failed
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[float] = mapped_column(Float, default=time.time)
+    next_attempt_at: Mapped[float] = mapped_column(Float, default=time.time)
+    locked_until: Mapped[float] = mapped_column(Float, default=0.0)
+    finished_at: Mapped[float | None] = mapped_column(Float, default=None)
+
+
+class WebhookAttempt(Base):
+    """One POST of a delivery: what the receiver answered (or the error), and how long it took."""
+
+    __tablename__ = "webhook_attempts"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    delivery_seq: Mapped[int] = mapped_column(
+        ForeignKey("webhook_deliveries.seq", ondelete="CASCADE"), index=True
+    )
+    number: Mapped[int] = mapped_column(Integer)
+    at: Mapped[float] = mapped_column(Float)
+    status_code: Mapped[int | None] = mapped_column(Integer, default=None)
+    error: Mapped[str | None] = mapped_column(Text, default=None)
+    duration_ms: Mapped[float] = mapped_column(Float)

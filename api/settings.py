@@ -13,6 +13,7 @@ from typing import Annotated
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from api.services.webhooks_urls import parse_allowed_hosts
 from opd_trainer.driver.trackers import parse_allowed_uris
 
 MIB = 1024 * 1024
@@ -156,6 +157,47 @@ class Settings(BaseSettings):
     max_driver_restarts: int = Field(
         default=2, ge=0, description="Times a job's driver that died is restarted from its checkpoint."
     )
+    webhook_allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Webhook receivers allowed besides the public internet, comma-separated: host, "
+        "host:port, IP address or CIDR (e.g. hooks.internal:8443,10.20.0.0/16,127.0.0.1:9000). By default "
+        "a webhook URL must be https and its host resolve only to public addresses; a URL whose host "
+        "(and port, when the entry names one) matches an entry, or whose addresses all lie in the "
+        "entries' networks, may also be http and private.",
+    )
+    webhook_max_attempts: int = Field(
+        default=12, ge=1, le=100, description="Attempts at delivering one webhook event before it fails."
+    )
+    webhook_backoff_base_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=3600,
+        description="Wait before a webhook's second attempt; it doubles after each failure (with jitter: "
+        "between half and all of it), up to webhook_backoff_cap_s.",
+    )
+    webhook_backoff_cap_s: float = Field(
+        default=3600.0, gt=0, le=86400, description="Longest wait between two attempts of one webhook."
+    )
+    webhook_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=120,
+        description="Bound on one webhook attempt: resolve, connect, send, answer.",
+    )
+    webhook_concurrency: int = Field(
+        default=16, ge=1, le=1000, description="Webhook attempts in flight at once (per server process)."
+    )
+    webhook_poll_interval_s: float = Field(
+        default=1.0, gt=0, le=60, description="How often the webhook deliverer looks for due deliveries."
+    )
+    webhook_max_endpoints_per_tenant: int = Field(
+        default=10, ge=1, le=1000, description="Webhook endpoints one tenant may register."
+    )
+    webhook_log_retention_days: float = Field(
+        default=30.0,
+        gt=0,
+        description="Days a finished webhook delivery (delivered or failed) and its attempts stay listed.",
+    )
 
     @field_validator("database_url", "admin_key", "ray_address", mode="before")
     @classmethod
@@ -173,6 +215,17 @@ class Settings(BaseSettings):
     @classmethod
     def _tracking_servers(cls, value: object) -> object:
         return parse_allowed_uris(value) if isinstance(value, str | list) else value
+
+    @field_validator("webhook_allowed_hosts", mode="before")
+    @classmethod
+    def _webhook_hosts(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = value.split(",")
+        if isinstance(value, list):
+            entries = [str(entry).strip() for entry in value if str(entry).strip()]
+            parse_allowed_hosts(entries)  # a bad entry fails the start, naming it
+            return entries
+        return value
 
     @field_validator("database_url")
     @classmethod
@@ -206,6 +259,12 @@ class Settings(BaseSettings):
     def _answer_time_above_poll(self) -> Settings:
         if self.driver_unresponsive_s <= self.poll_interval_s:
             raise ValueError("driver_unresponsive_s must exceed poll_interval_s")
+        return self
+
+    @model_validator(mode="after")
+    def _backoff_cap_above_base(self) -> Settings:
+        if self.webhook_backoff_cap_s < self.webhook_backoff_base_s:
+            raise ValueError("webhook_backoff_cap_s must be at least webhook_backoff_base_s")
         return self
 
     @field_validator("model_dirs")

@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 
 from api.errors import APIError, not_found
 from api.models import File, Job, JobEvent
-from api.services import model_files, server_paths
+from api.services import model_files, server_paths, webhooks
 from api.services.ids import new_id
 from api.services.states import ACTIVE, TERMINAL, next_status
 from api.settings import Settings
@@ -62,7 +62,8 @@ def add_event(
 
 
 def compare_and_set(session: Session, job_id: str, expected: str, new: str, **fields: Any) -> bool:
-    """Moves `job_id` from `expected` to `new` only if nobody moved it meanwhile (API vs scheduler)."""
+    """Moves `job_id` from `expected` to `new` only if nobody moved it meanwhile (API vs scheduler), and
+    writes the webhook deliveries of the move in the same transaction."""
     if new in TERMINAL:
         fields.setdefault("finished_at", int(time.time()))
     result = session.execute(
@@ -71,7 +72,10 @@ def compare_and_set(session: Session, job_id: str, expected: str, new: str, **fi
         .values(status=new, **fields)
         .execution_options(synchronize_session=False)
     )
-    return bool(result.rowcount)  # type: ignore[attr-defined]
+    if not result.rowcount:  # type: ignore[attr-defined]
+        return False
+    webhooks.enqueue(session, job_id, new)  # the outbox: committed with the status change, or not at all
+    return True
 
 
 def status_since(session: Session, job_id: str, status: str) -> float | None:

@@ -71,7 +71,7 @@ class FileList(BaseModel):
 
 class Deleted(BaseModel):
     id: str = Field(description="Id of what was deleted.")
-    object: str = Field(description="Its kind: `file`, `opd.job` or `api_key`.")
+    object: str = Field(description="Its kind: `file`, `opd.job`, `api_key` or `opd.webhook`.")
     deleted: bool = Field(default=True, description="Always true.")
 
 
@@ -199,6 +199,118 @@ class MetricsPublic(BaseModel):
 class TrajectoryList(BaseModel):
     object: Literal["list"] = Field(default="list", description="Always `list`.")
     data: list[dict[str, Any]] = Field(description="Recent rollouts: messages, tool calls, rewards, spans.")
+
+
+# -- webhooks -------------------------------------------------------------------------------------
+
+WebhookEventType = Literal["job.running", "job.paused", "job.succeeded", "job.failed", "job.cancelled"]
+WEBHOOK_EVENT_TYPES: tuple[WebhookEventType, ...] = (
+    "job.running",
+    "job.paused",
+    "job.succeeded",
+    "job.failed",
+    "job.cancelled",
+)
+
+
+class WebhookCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(
+        min_length=1,
+        max_length=2048,
+        description="Where events are POSTed: an https URL on the public internet (http and internal "
+        "addresses only for receivers the operator allows, OPD_WEBHOOK_ALLOWED_HOSTS).",
+    )
+    events: list[WebhookEventType] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=len(WEBHOOK_EVENT_TYPES),
+        description="The job status changes to send; default all: " + ", ".join(WEBHOOK_EVENT_TYPES) + ".",
+    )
+    description: str = Field(default="", max_length=256, description="A note for people.")
+
+
+class WebhookPublic(_Public):
+    object: Literal["opd.webhook"] = Field(default="opd.webhook", description="Always `opd.webhook`.")
+    id: str = Field(description="Endpoint id.")
+    url: str = Field(description="Where events are POSTed.")
+    events: list[WebhookEventType] = Field(description="The event types it receives.")
+    description: str = Field(default="", description="A note for people.")
+    created_at: int = Field(description="Creation time, Unix seconds.")
+    secret: str | None = Field(
+        default=None,
+        description="The signing secret (`whsec_...`); returned once, at creation. Deliveries are signed "
+        "with it (Standard Webhooks: `webhook-id`, `webhook-timestamp`, `webhook-signature`).",
+    )
+
+
+class WebhookList(BaseModel):
+    object: Literal["list"] = Field(default="list", description="Always `list`.")
+    data: list[WebhookPublic] = Field(description="The tenant's endpoints, oldest first, without secrets.")
+
+
+class WebhookJob(BaseModel):
+    """The job as a webhook event carries it."""
+
+    object: Literal["opd.job"] = Field(default="opd.job", description="Always `opd.job`.")
+    id: str = Field(description="Job id.")
+    job_name: str = Field(description="The spec's `job_name`.")
+    status: JobStatus = Field(description="The status it moved to.")
+    created_at: int = Field(description="Submission time, Unix seconds.")
+    started_at: int | None = Field(default=None, description="When a driver first started it.")
+    finished_at: int | None = Field(default=None, description="When it succeeded, failed or was cancelled.")
+    fine_tuned_model: str | None = Field(
+        default=None, description="The checkpoint holding the trained student, once it succeeded."
+    )
+    error: JobError | None = Field(default=None, description="Why it failed, when it has.")
+
+
+class WebhookEvent(BaseModel):
+    """The JSON body of one webhook delivery."""
+
+    object: Literal["event"] = Field(default="event", description="Always `event`.")
+    id: str = Field(description="Event id; also the `webhook-id` header, the same on every retry.")
+    type: WebhookEventType = Field(description="What happened, e.g. `job.succeeded`.")
+    created_at: float = Field(description="When the job's status changed, Unix seconds.")
+    data: WebhookJob = Field(description="The job as it was then.")
+
+
+class WebhookAttemptPublic(_Public):
+    number: int = Field(description="1 for the first attempt, then 2, 3, ...")
+    at: float = Field(description="When it was sent, Unix seconds.")
+    status_code: int | None = Field(
+        default=None, description="The receiver's HTTP status; None if none came."
+    )
+    error: str | None = Field(
+        default=None, description="What went wrong: a network error, a refused URL, ..."
+    )
+    duration_ms: float = Field(description="From sending to the answer (or the error), milliseconds.")
+
+
+class WebhookDeliveryPublic(_Public):
+    object: Literal["opd.webhook.delivery"] = Field(
+        default="opd.webhook.delivery", description="Always `opd.webhook.delivery`."
+    )
+    id: str = Field(description="Delivery id (one event to one endpoint).")
+    event_id: str = Field(description="The event's id, its `webhook-id` header.")
+    event_type: WebhookEventType = Field(description="e.g. `job.succeeded`.")
+    job_id: str = Field(description="The job the event is about.")
+    status: Literal["pending", "delivered", "failed"] = Field(
+        description="`pending` (waiting for its next attempt), `delivered` (a 2xx answer) or `failed` "
+        "(out of attempts, or an answer that is not retried: a 3xx or a 4xx other than 429)."
+    )
+    created_at: float = Field(description="When the event was written, Unix seconds.")
+    next_attempt_at: float | None = Field(default=None, description="When it is tried next, while pending.")
+    finished_at: float | None = Field(default=None, description="When it was delivered or failed.")
+    payload: dict[str, Any] = Field(description="The JSON body (a `WebhookEvent`).")
+    attempts: list[WebhookAttemptPublic] = Field(description="Every attempt so far, first first.")
+
+
+class WebhookDeliveryList(BaseModel):
+    object: Literal["list"] = Field(default="list", description="Always `list`.")
+    data: list[WebhookDeliveryPublic] = Field(description="Deliveries, newest first.")
+    has_more: bool = Field(description="More deliveries follow: pass the last id as `after`.")
 
 
 class Health(BaseModel):
