@@ -40,7 +40,7 @@ from opd_trainer.wire.schemas import (
 STATUS_EVENTS = {event.removeprefix("job."): event for event in WEBHOOK_EVENT_TYPES}
 # A claimed delivery whose attempt has not been recorded after this long past its timeout is free
 # again (its server process died mid-attempt).
-CLAIM_MARGIN_S = 30.0
+CLAIM_MARGIN_S = 10.0
 
 
 # -- endpoints --------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """The job-server client commands: jobs (`submit`, `jobs`, `get`, `logs`, `cancel`, `pause`, `resume`,
-`delete`, `checkpoints`, `download`, `metrics`), `files` and `keys`.
+`delete`, `checkpoints`, `download`, `metrics`), `files`, `keys` and `webhooks`.
 
 They read `--base-url`/`--api-key` or `OPD_BASE_URL`/`OPD_API_KEY` (`--admin-key`/`OPD_ADMIN_KEY` for
 key management). `-o json` prints the server's object instead of the text line or table. Bad input
@@ -237,8 +237,11 @@ def _delete(args: argparse.Namespace) -> int:
 def _checkpoints(args: argparse.Namespace) -> int:
     checkpoints = _client(args).checkpoints(args.job_id)
     if not _json_out(args, checkpoints):
-        rows = ([c.id, str(c.step), _when(c.created_at), c.student] for c in checkpoints)
-        _table(["id", "step", "created", "student model folder (on the server)"], rows)
+        rows = (
+            [c.id, str(c.step), _when(c.created_at), "best" if c.promoted else "", c.student]
+            for c in checkpoints
+        )
+        _table(["id", "step", "created", "promoted", "student model folder (on the server)"], rows)
     return 0
 
 
@@ -342,6 +345,55 @@ def _keys_revoke(args: argparse.Namespace) -> int:
         revoked = client.revoke_key(args.key_id, _admin_key(args))
     if not _json_out(args, revoked):
         print(f"revoked {revoked.id}")
+    return 0
+
+
+# -- webhooks -------------------------------------------------------------------------------------
+
+
+def _webhooks_create(args: argparse.Namespace) -> int:
+    webhook = _client(args).create_webhook(args.url, args.event or None, args.description)
+    if not _json_out(args, webhook):
+        print(f"webhook {webhook.id}: {webhook.url} ({', '.join(webhook.events)})")
+        print(f"signing secret (shown once): {webhook.secret}")
+    return 0
+
+
+def _webhooks_list(args: argparse.Namespace) -> int:
+    webhooks = _client(args).list_webhooks()
+    if not _json_out(args, webhooks):
+        rows = ([w.id, ",".join(w.events), _when(w.created_at), w.url] for w in webhooks)
+        _table(["id", "events", "created", "url"], rows)
+    return 0
+
+
+def _webhooks_delete(args: argparse.Namespace) -> int:
+    deleted = _client(args).delete_webhook(args.webhook_id)
+    if not _json_out(args, deleted):
+        print(f"deleted {deleted.id}")
+    return 0
+
+
+def _webhooks_deliveries(args: argparse.Namespace) -> int:
+    page = _client(args).webhook_deliveries(args.webhook_id, limit=args.limit, job_id=args.job)
+    if _json_out(args, page):
+        return 0
+    rows = []
+    for delivery in page.data:
+        last = delivery.attempts[-1] if delivery.attempts else None
+        answer = "-" if last is None else str(last.status_code or last.error or "-")
+        rows.append(
+            [
+                delivery.id,
+                delivery.event_type,
+                delivery.job_id,
+                delivery.status,
+                str(len(delivery.attempts)),
+                answer[:60],
+                _when(delivery.created_at),
+            ]
+        )
+    _table(["id", "event", "job", "status", "attempts", "last answer", "created"], rows)
     return 0
 
 
@@ -463,3 +515,30 @@ def add_client_commands(commands: Any) -> None:
     revoke = key_commands.add_parser("revoke", parents=[admin], help="revoke a key at once (admin key)")
     revoke.add_argument("key_id")
     revoke.set_defaults(handler=_guarded(_keys_revoke))
+
+    hooks = commands.add_parser("webhooks", help="webhook endpoints: job status changes POSTed to your URL")
+    hook_commands = hooks.add_subparsers(dest="webhooks_command", required=True)
+    hook_create = hook_commands.add_parser(
+        "create", parents=[connection], help="register an endpoint (its signing secret is shown once)"
+    )
+    hook_create.add_argument("url", help="an https URL on the public internet")
+    hook_create.add_argument(
+        "--event",
+        action="append",
+        choices=("job.running", "job.paused", "job.succeeded", "job.failed", "job.cancelled"),
+        help="an event to send (repeat it for several; default all)",
+    )
+    hook_create.add_argument("--description", default="", help="a note for people")
+    hook_create.set_defaults(handler=_guarded(_webhooks_create))
+    hook_list = hook_commands.add_parser("list", parents=[connection], help="your endpoints")
+    hook_list.set_defaults(handler=_guarded(_webhooks_list))
+    hook_delete = hook_commands.add_parser("delete", parents=[connection], help="delete an endpoint")
+    hook_delete.add_argument("webhook_id")
+    hook_delete.set_defaults(handler=_guarded(_webhooks_delete))
+    hook_log = hook_commands.add_parser(
+        "deliveries", parents=[connection], help="an endpoint's deliveries and their attempts, newest first"
+    )
+    hook_log.add_argument("webhook_id")
+    hook_log.add_argument("--job", help="only this job's deliveries")
+    hook_log.add_argument("--limit", type=int, default=20, help="how many (at most 100)")
+    hook_log.set_defaults(handler=_guarded(_webhooks_deliveries))

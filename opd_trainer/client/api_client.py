@@ -1,4 +1,5 @@
-"""Python client of the OPD job server: files, jobs, events (incl. the SSE stream), keys, and `run(...)`.
+"""Python client of the OPD job server: files, jobs, events (incl. the SSE stream), keys, webhooks, and
+`run(...)`.
 
     from opd_trainer.client import OPDClient
     client = OPDClient("http://127.0.0.1:8000", api_key="opd-...")
@@ -198,6 +199,31 @@ class OPDClient(ClientBase[httpx.Client]):
     def trajectories(self, job_id: str, limit: int = 16) -> list[dict[str, Any]]:
         """Recent rollouts. Dicts: the API types a trajectory as a free-form object."""
         return self._send(operations.trajectories(job_id, limit))
+
+    # -- webhooks -------------------------------------------------------------------------------
+
+    def create_webhook(
+        self, url: str, events: list[str] | None = None, description: str = ""
+    ) -> schemas.WebhookPublic:
+        """Registers an endpoint for this tenant's job status changes (`events`: default all of
+        `schemas.WEBHOOK_EVENT_TYPES`); `secret` signs every delivery and is shown this once
+        (`opd_trainer.client.webhooks.verify_webhook` checks a delivery with it)."""
+        return self._send(operations.create_webhook(url, events, description))
+
+    def list_webhooks(self) -> list[schemas.WebhookPublic]:
+        return self._send(operations.list_webhooks())
+
+    def get_webhook(self, webhook_id: str) -> schemas.WebhookPublic:
+        return self._send(operations.get_webhook(webhook_id))
+
+    def delete_webhook(self, webhook_id: str) -> schemas.Deleted:
+        return self._send(operations.delete_webhook(webhook_id))
+
+    def webhook_deliveries(
+        self, webhook_id: str, limit: int = 20, after: str | None = None, job_id: str | None = None
+    ) -> schemas.WebhookDeliveryList:
+        """One page of the endpoint's deliveries, newest first, each with its attempts."""
+        return self._send(operations.webhook_deliveries(webhook_id, limit, after, job_id))
 
     def stream_events(
         self, job_id: str, after: int = 0, retries: int = 5

@@ -198,6 +198,27 @@ class AsyncOPDClient(ClientBase[httpx.AsyncClient]):
         """Recent rollouts. Dicts: the API types a trajectory as a free-form object."""
         return await self._send(operations.trajectories(job_id, limit))
 
+    # -- webhooks -------------------------------------------------------------------------------
+
+    async def create_webhook(
+        self, url: str, events: list[str] | None = None, description: str = ""
+    ) -> schemas.WebhookPublic:
+        return await self._send(operations.create_webhook(url, events, description))
+
+    async def list_webhooks(self) -> list[schemas.WebhookPublic]:
+        return await self._send(operations.list_webhooks())
+
+    async def get_webhook(self, webhook_id: str) -> schemas.WebhookPublic:
+        return await self._send(operations.get_webhook(webhook_id))
+
+    async def delete_webhook(self, webhook_id: str) -> schemas.Deleted:
+        return await self._send(operations.delete_webhook(webhook_id))
+
+    async def webhook_deliveries(
+        self, webhook_id: str, limit: int = 20, after: str | None = None, job_id: str | None = None
+    ) -> schemas.WebhookDeliveryList:
+        return await self._send(operations.webhook_deliveries(webhook_id, limit, after, job_id))
+
     async def stream_events(
         self, job_id: str, after: int = 0, retries: int = 5
     ) -> AsyncIterator[schemas.EventPublic | StreamEnd]:

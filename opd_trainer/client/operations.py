@@ -47,6 +47,9 @@ from opd_trainer.wire.schemas import (
     KeyPublic,
     MetricsPublic,
     TrajectoryList,
+    WebhookDeliveryList,
+    WebhookList,
+    WebhookPublic,
 )
 
 logger = logging.getLogger(__name__)
@@ -264,6 +267,37 @@ def trajectories(job_id: str, limit: int) -> Call[list[dict[str, Any]]]:
     """The API types a trajectory as a free-form object (`TrajectoryList.data`): these stay dicts."""
     path = f"/v1/opd/jobs/{job_id}/trajectories"
     return Call("GET", path, lambda r: TrajectoryList.model_validate(r.json()).data, params={"limit": limit})
+
+
+def create_webhook(url: str, events: list[str] | None, description: str) -> Call[WebhookPublic]:
+    body: dict[str, Any] = {"url": url, "description": description}
+    if events:
+        body["events"] = events
+    return Call("POST", "/v1/opd/webhooks", _model(WebhookPublic), json=body)
+
+
+def list_webhooks() -> Call[list[WebhookPublic]]:
+    return Call("GET", "/v1/opd/webhooks", lambda r: WebhookList.model_validate(r.json()).data)
+
+
+def get_webhook(webhook_id: str) -> Call[WebhookPublic]:
+    return Call("GET", f"/v1/opd/webhooks/{webhook_id}", _model(WebhookPublic))
+
+
+def delete_webhook(webhook_id: str) -> Call[Deleted]:
+    return Call("DELETE", f"/v1/opd/webhooks/{webhook_id}", _model(Deleted))
+
+
+def webhook_deliveries(
+    webhook_id: str, limit: int, after: str | None, job_id: str | None
+) -> Call[WebhookDeliveryList]:
+    params: dict[str, Any] = {"limit": limit}
+    if after:
+        params["after"] = after
+    if job_id:
+        params["job_id"] = job_id
+    path = f"/v1/opd/webhooks/{webhook_id}/deliveries"
+    return Call("GET", path, _model(WebhookDeliveryList), params=params)
 
 
 # -- errors and retries ---------------------------------------------------------------------------

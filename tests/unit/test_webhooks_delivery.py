@@ -59,7 +59,8 @@ def _endpoint(db: Database, url: str, events: list[str] | None = None) -> str:
                 id=f"whk-{len(url)}-{secret[-6:]}",
                 tenant_id="tenant-1",
                 url=url,
-                events=events or ["job.running", "job.paused", "job.succeeded", "job.failed", "job.cancelled"],
+                events=events
+                or ["job.running", "job.paused", "job.succeeded", "job.failed", "job.cancelled"],
                 secret=secret,
             )
         )
@@ -99,7 +100,10 @@ def resolve_to(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], None]:
 
 
 def _deliver(
-    db: Database, handler: Callable[[httpx.Request], httpx.Response], done: Callable[[], bool], **settings: Any
+    db: Database,
+    handler: Callable[[httpx.Request], httpx.Response],
+    done: Callable[[], bool],
+    **settings: Any,
 ) -> None:
     async def run() -> None:
         deliverer = Deliverer(Settings(**{**FAST, **settings}), db, transport=httpx.MockTransport(handler))
@@ -173,7 +177,9 @@ def test_refused_redirected_and_exhausted_deliveries_fail_and_let_the_next_throu
     _endpoint(db, "https://rebound.example.com/", ["job.running"])
     _move(db, ("queued", "running"))
     sent: list[httpx.Request] = []
-    _deliver(db, lambda r: sent.append(r) or httpx.Response(200), lambda: _deliveries(db)[0].status != "pending")
+    _deliver(
+        db, lambda r: sent.append(r) or httpx.Response(200), lambda: _deliveries(db)[0].status != "pending"
+    )
     assert sent == [] and _deliveries(db)[0].status == "failed"
     with db.session() as session:
         error = session.scalars(select(WebhookAttempt.error)).one()
@@ -189,7 +195,9 @@ def test_refused_redirected_and_exhausted_deliveries_fail_and_let_the_next_throu
             return httpx.Response(503)  # every time: runs out of attempts
         return httpx.Response(302, headers={"Location": "http://169.254.169.254/"})
 
-    _deliver(db, receiver, lambda: all(r.status != "pending" for r in _deliveries(db)), webhook_max_attempts=3)
+    _deliver(
+        db, receiver, lambda: all(r.status != "pending" for r in _deliveries(db)), webhook_max_attempts=3
+    )
     assert [b"job.paused" in r.content for r in sent] == [True, True, True, False]
     assert [r.status for r in _deliveries(db)] == ["failed", "failed", "failed"]
     assert [code for *_, code in _attempts(db)][-4:] == [503, 503, 503, 302]
