@@ -1,10 +1,13 @@
-"""Session fixtures shared by every test folder: the tiny models (built once, cached on disk)."""
+"""Session fixtures shared by every test folder: the tiny models (built once, cached on disk) and one
+training `opd serve` for the tests that submit jobs over HTTP."""
 
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -24,3 +27,33 @@ def tiny_models() -> TinyModels:
     from opd_trainer.demo.tiny_models import build_tiny_models
 
     return build_tiny_models(Path(os.environ.get("OPD_TINY_MODELS_DIR", REPO / ".cache" / "tiny-models")))
+
+
+@pytest.fixture(scope="session")
+def _training_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    sys.path.insert(0, str(REPO / "tests" / "api"))
+    from apiserver import TINY_MODELS_DIR, Server
+
+    root = tmp_path_factory.mktemp("training-server")
+    (root / "models").mkdir()
+    server = Server(
+        root / "data", env={"OPD_MAX_CONCURRENT_JOBS": "1"}, model_dirs=[TINY_MODELS_DIR, root / "models"]
+    )
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def training_server(_training_server: Any) -> Any:
+    """One real `opd serve` (SQLite file, embedded Ray, scheduler on, one job at a time) shared by the tests
+    that train over HTTP and need nothing else of a server: its start-up (a Ray, ~20 s on 2 busy cores)
+    is paid once, not once per test. Jobs may take models from the tiny models and from
+    `training_server.model_dirs[-1]`, where a test may make model folders (with names of its own).
+
+    Started on first use and again after a test that killed it without starting it again; a test that
+    kills it (SIGKILL, then `start` on the same data dir) leaves it running for the next.
+    """
+    server = _training_server
+    if server.process is None or server.process.poll() is not None:
+        server.start(ready_timeout=300, wait_ready=True)
+    return server

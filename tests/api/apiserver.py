@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -88,6 +89,14 @@ class Server:
                 self.process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+
+def cancel_unfinished(client: OPDClient, job_id: str | None) -> None:
+    """Cancels a job a failed test left queued or running, so it cannot hold a shared server's slot (the
+    session's `training_server` runs one job at a time). Cleanup: it never raises over the test's error."""
+    with contextlib.suppress(Exception):
+        if job_id is not None and client.get_job(job_id).status not in ("succeeded", "failed", "cancelled"):
+            client.cancel_job(job_id)
 
 
 def create_key(server_url: str, tenant: str) -> str:

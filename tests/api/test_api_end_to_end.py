@@ -13,19 +13,31 @@
 
 1 to 3 need the tiny models (`opd make-tiny-models .cache/tiny-models`): several minutes each on 2
 CPU cores; 3 also a PostgreSQL server (tests/api/postgres_server.py). 4 needs only Ray.
+
+1, 2 and 4 run on the session's shared training server (`training_server`, tests/conftest.py): one
+server start for them all (2 kills it and starts it again on the same data dir, as it did its own).
 """
 
 from __future__ import annotations
 
 import json
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from apiserver import TINY_MODELS_DIR, Server, create_key, jsonl, make_tokenizer, record
+from apiserver import (
+    TINY_MODELS_DIR,
+    Server,
+    cancel_unfinished,
+    create_key,
+    jsonl,
+    make_tokenizer,
+    record,
+)
 
 from opd_trainer.client import OPDClient, StreamEnd
 from opd_trainer.wire.schemas import EventPublic, JobPublic
@@ -70,13 +82,6 @@ def _run_args(tiny_models: TinyModels, tmp_path: Path, max_steps: int, save_step
     }
 
 
-def _server(tmp_path: Path) -> Server:
-    # Jobs take models from the tiny models and from folders the tests make in tmp_path.
-    return Server(
-        tmp_path / "data", env={"OPD_MAX_CONCURRENT_JOBS": "1"}, model_dirs=[TINY_MODELS_DIR, tmp_path]
-    )
-
-
 def _wait(client: OPDClient, job_id: str, done: Any, timeout_s: float) -> JobPublic:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -113,12 +118,13 @@ def _assert_same_model(downloaded: Path, on_server: Path) -> None:
 
 
 def test_job_over_http_succeeds_with_events_metrics_and_checkpoint(
-    trained_models: TinyModels, tmp_path: Path
+    trained_models: TinyModels, tmp_path: Path, training_server: Server
 ) -> None:
     tiny_models = trained_models
-    server = _server(tmp_path).start(ready_timeout=300, wait_ready=True)
+    server = training_server
+    client = OPDClient(server.url, create_key(server.url, "e2e"))
+    job_id = None
     try:
-        client = OPDClient(server.url, create_key(server.url, "e2e"))
         job_id = client.run(**_run_args(tiny_models, tmp_path, max_steps=3, save_steps=2))
         events, end = _followed(client, job_id)
         final = end.job
@@ -147,17 +153,18 @@ def test_job_over_http_succeeds_with_events_metrics_and_checkpoint(
         assert len(trajectories) == 4 and all("messages" in t for t in trajectories)
         assert "[checkpoint] saved step 3" in client.logs(job_id)
     finally:
-        server.stop()
+        cancel_unfinished(client, job_id)
 
 
 def test_server_killed_mid_job_resumes_and_the_job_succeeds(
-    trained_models: TinyModels, tmp_path: Path
+    trained_models: TinyModels, tmp_path: Path, training_server: Server
 ) -> None:
     tiny_models = trained_models
-    server = _server(tmp_path).start(ready_timeout=300, wait_ready=True)
+    server = training_server
+    key = create_key(server.url, "restart")
+    client = OPDClient(server.url, key)
+    job_id = None
     try:
-        key = create_key(server.url, "restart")
-        client = OPDClient(server.url, key)
         job_id = client.run(**_run_args(tiny_models, tmp_path, max_steps=5, save_steps=1))
         _wait(client, job_id, lambda j: j.step >= 2, timeout_s=900)
         server.kill()  # SIGKILL: no shutdown hook runs, and the embedded Ray dies with the server
@@ -181,16 +188,19 @@ def test_server_killed_mid_job_resumes_and_the_job_succeeds(
         # Trajectories of discarded steps are gone: every step has one batch (4 prompts x 2 rollouts).
         per_step = Counter(t["step"] for t in client.trajectories(job_id, limit=200))
         assert per_step == {step: 8 for step in (1, 2, 3, 4, 5)}
-    finally:
-        server.stop()
+    finally:  # the next test gets the server running, without this job (were it left unfinished)
+        if server.process is None or server.process.poll() is not None:
+            server.start(ready_timeout=300, wait_ready=True)
+        cancel_unfinished(client, job_id)
 
 
-def test_a_failing_driver_fails_its_job_with_the_reason(tmp_path: Path) -> None:
-    tokenizer_only = str(make_tokenizer(tmp_path / "no-weights"))
-    server = _server(tmp_path).start(ready_timeout=300, wait_ready=True)
+def test_a_failing_driver_fails_its_job_with_the_reason(tmp_path: Path, training_server: Server) -> None:
+    server = training_server
+    tokenizer_only = str(make_tokenizer(server.model_dirs[-1] / f"no-weights-{uuid.uuid4().hex[:8]}"))
+    client = OPDClient(server.url, create_key(server.url, "failing"))
+    job_id = None
     try:
         assert server_ready_checks(server)["ray"] == "ok"
-        client = OPDClient(server.url, create_key(server.url, "failing"))
         (tmp_path / "train.jsonl").write_bytes(jsonl([record("hello world")] * 4))
         job_id = client.run(
             job_name="no-weights",
@@ -209,7 +219,7 @@ def test_a_failing_driver_fails_its_job_with_the_reason(tmp_path: Path) -> None:
         assert types.count("error") == 1 and "status" in types
         assert [e.data["status"] for e in events if e.type == "status" and "status" in e.data][-1] == "failed"
     finally:
-        server.stop()
+        cancel_unfinished(client, job_id)
 
 
 def test_a_standby_replica_takes_over_when_the_scheduling_one_is_killed(

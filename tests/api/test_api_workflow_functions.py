@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from apiserver import TINY_MODELS_DIR, Server, create_key
+from apiserver import Server, cancel_unfinished, create_key
 
 from opd_trainer.client import OPDClient, StreamEnd
 from opd_trainer.jsonl import read_jsonl, write_jsonl
@@ -54,7 +54,7 @@ def _task(record: dict) -> dict:
 
 
 def test_workflow_and_judge_functions_train_through_the_http_api(
-    trained_models: TinyModels, tmp_path: Path
+    trained_models: TinyModels, tmp_path: Path, training_server: Server
 ) -> None:
     records = read_jsonl(trained_models.data_dir / "train.jsonl")
     workspace = tmp_path / "workspace"
@@ -64,10 +64,10 @@ def test_workflow_and_judge_functions_train_through_the_http_api(
     (workspace / "tool_agent.py").write_text(AGENT)
     write_jsonl(tmp_path / "tasks.jsonl", [_task(r) for r in records[:8]])
 
-    server = Server(tmp_path / "data", env={"OPD_MAX_CONCURRENT_JOBS": "1"}, model_dirs=[TINY_MODELS_DIR])
-    server.start(ready_timeout=300, wait_ready=True)
+    server = training_server  # the session's (tests/conftest.py): scheduler on, one job at a time
+    client = OPDClient(server.url, create_key(server.url, "workflows"))
+    job = None
     try:
-        client = OPDClient(server.url, create_key(server.url, "workflows"))
         job = client.submit(
             {
                 "job_name": "api-workflow",
@@ -116,4 +116,4 @@ def test_workflow_and_judge_functions_train_through_the_http_api(
         assert trajectories and all(t["auxiliary_calls"] == 1 for t in trajectories)
         assert all(t["messages"][-1]["role"] == "assistant" for t in trajectories)
     finally:
-        server.stop()
+        cancel_unfinished(client, job.id if job is not None else None)

@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
 PORTED_WORKSPACE = Path(__file__).resolve().parent / "bailian_port" / "workspace"
 # tests/api holds the helper that runs a real `opd serve` subprocess on a free port.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "api"))
-from apiserver import ADMIN_KEY, Server, create_key  # noqa: E402
+from apiserver import ADMIN_KEY, Server, cancel_unfinished, create_key  # noqa: E402
 
 ENGINE = {"kv_cache_memory_bytes": TINY_KV_CACHE_BYTES, "dtype": "float32"}
 BAILIAN_ONLY = {"charge_type": "mtu_postpaid", "mtu_spec_code": "MTU4", "mtu_capacity": 24}
@@ -73,7 +73,7 @@ def _load_script(path: Path) -> object:
 
 
 def test_ported_bailian_job_trains_through_the_api_with_llm_spans(
-    tiny_models: TinyModels, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_models: TinyModels, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, training_server: Server
 ) -> None:
     workspace = tmp_path / "workspace"
     shutil.copytree(PORTED_WORKSPACE, workspace, ignore=shutil.ignore_patterns("__pycache__"))
@@ -81,10 +81,10 @@ def test_ported_bailian_job_trains_through_the_api_with_llm_spans(
     _head(tiny_models.data_dir / "train.jsonl", workspace / "data" / "train.jsonl", 8)
     _head(tiny_models.data_dir / "validation.jsonl", workspace / "data" / "validation.jsonl", 4)
 
-    server = Server(tmp_path / "server", env={"OPD_MAX_CONCURRENT_JOBS": "1"})
-    server.start(ready_timeout=300, wait_ready=True)
+    server = training_server  # the session's (tests/conftest.py): scheduler on, one job at a time
+    key = create_key(server.url, "bailian")
+    job_id = None
     try:
-        key = create_key(server.url, "bailian")
         monkeypatch.setenv("OPD_BASE_URL", server.url)
         monkeypatch.setenv("OPD_API_KEY", key)
         # The script's paths (`zipdir="."`, `data/train.jsonl`) are relative to the workspace, as on Bailian.
@@ -163,4 +163,4 @@ def test_ported_bailian_job_trains_through_the_api_with_llm_spans(
         assert all(r["engine/student/generation_tokens"] > 0 for r in train)
         assert all(r["engine/teacher/prompt_tokens"] > 0 for r in train)
     finally:
-        server.stop()
+        cancel_unfinished(OPDClient(server.url, key), job_id)
