@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -46,8 +47,15 @@ def run_child(script: Path, side: str, args: Sequence[str], timeout_s: float | N
         out = Path(scratch) / "run.json"
         cmd = [sys.executable, str(script), *args, "--one-run", side, "--one-run-out", str(out)]
         print(f"[interleave] {side}: {' '.join(cmd[1:])}", flush=True)
+        # A Ray temp dir of its own: a local Ray started by the child cannot find and join another Ray on
+        # this machine (ray.init() without an address joins the cluster named in
+        # <tmp>/ray/ray_current_cluster, e.g. a test's `ray.cluster_utils.Cluster`), and nothing of it
+        # outlives the run.
+        env = {**os.environ}
+        if not env.get("RAY_ADDRESS"):
+            env["RAY_TMPDIR"] = scratch
         started = time.perf_counter()
-        subprocess.run(cmd, check=True, timeout=timeout_s)
+        subprocess.run(cmd, check=True, timeout=timeout_s, env=env)
         result: dict[str, Any] = json.loads(out.read_text())
     result["process_wall_s"] = time.perf_counter() - started
     return result

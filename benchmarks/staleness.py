@@ -9,8 +9,14 @@ evaluations excluded: the last validation each run had reached by then). On a CP
 shares the same cores, so overlap can only win what the roles leave idle; on GPUs the roles run on
 different devices.
 
+Every run is a fresh process (`--one-run 0|1`, started by this script), the two settings alternating
+(0, 1, 0, 1, ... one pair per seed; interleave.py), so neither inherits the other's Ray or engines. The
+record (records.py) names its headline `samples_per_s_ratio_median` (1 over 0, per pair); 3 seeds or
+more make it publishable.
+
 Launch: `.venv/bin/python benchmarks/staleness.py --steps 12 --eval-every 4 --seeds 0 1 2`
-(after `opd make-tiny-models`); `--eval-every 0` skips validation (what `gpu_check.sh` runs).
+(after `opd make-tiny-models`); `--eval-every 0` skips validation (what `gpu_check.sh` runs);
+`--publish` also writes the committed record.
 """
 
 from __future__ import annotations
@@ -22,6 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from harness import EXAMPLE_JOB, job_spec, run_job, save_figure, write_json
+from interleave import add_one_run_arguments, run_child, write_one_run
+from records import add_publish_arguments, new_record, write_record
+
+SCRIPT = Path(__file__).resolve()
 
 
 def measure(job_file: Path, steps: int, max_staleness: int, seed: int, eval_every: int) -> dict[str, Any]:
@@ -102,12 +112,21 @@ def main() -> None:
         "--eval-every", type=int, default=0, help="validate every N steps (0: no validation, timing only)"
     )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/staleness.json"))
+    add_publish_arguments(parser)
+    add_one_run_arguments(parser, ["0", "1"])
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.one_run is not None:
+        write_one_run(
+            args.one_run_out, measure(args.job, args.steps, int(args.one_run), args.seed, args.eval_every)
+        )
+        return
     runs: list[dict[str, Any]] = []
     comparisons = []
+    shared = ["--job", str(args.job), "--steps", str(args.steps), "--eval-every", str(args.eval_every)]
     for seed in args.seeds:
-        on_policy = measure(args.job, args.steps, 0, seed, args.eval_every)
-        overlapped = measure(args.job, args.steps, 1, seed, args.eval_every)
+        on_policy = run_child(SCRIPT, "0", [*shared, "--seed", str(seed)])
+        overlapped = run_child(SCRIPT, "1", [*shared, "--seed", str(seed)])
         runs += [on_policy, overlapped]
         comparisons.append(compare(on_policy, overlapped))
         print(json.dumps(comparisons[-1]), flush=True)
@@ -138,6 +157,23 @@ def main() -> None:
         )
     print(f"samples/s, max_staleness 1 / 0 (median over seeds): {result['samples_per_s_ratio']:.2f}x")
     write_json(args.out, result)
+    record = new_record(
+        "staleness",
+        {k: v for k, v in vars(args).items() if k not in {"one_run", "one_run_out", "seed"}},
+        seeds=args.seeds,
+        runs=runs,
+        figures={
+            "samples_per_s_ratio": ratios,
+            "samples_per_s/0": [r["samples_per_s"] for r in runs if r["max_staleness"] == 0],
+            "samples_per_s/1": [r["samples_per_s"] for r in runs if r["max_staleness"] == 1],
+            "final_exact_match/0": [r["final_exact_match"] for r in runs if r["max_staleness"] == 0],
+            "final_exact_match/1": [r["final_exact_match"] for r in runs if r["max_staleness"] == 1],
+        },
+        headline=["samples_per_s_ratio"],
+        models_dir=None,
+        notes=["one pair per seed, max_staleness 0 then 1, each a fresh process"],
+    )
+    write_record(record, publish=args.publish, results_dir=args.results_dir, published_dir=args.published_dir)
     if args.eval_every > 0:
         plot(runs, args.out.with_suffix(".png"))
 

@@ -1,8 +1,9 @@
 """TRL's on-policy distillation (GKD) on the tiny tool-routing models: the TRL side of "ours vs TRL".
 
-What it measures: `trl.experimental.gkd.GKDTrainer` with `lmbda=1.0, beta=1.0, temperature=1.0`, i.e.
-every step samples one completion per prompt from the student (HF `generate`, no vLLM) and minimises the
-full-vocabulary reverse KL(student ‖ teacher) on those tokens. It reports
+What it measures: `trl.experimental.gkd.GKDTrainer` with `lmbda=1.0, temperature=1.0` and `beta`
+(default 1.0), i.e. every step samples one completion per prompt from the student (HF `generate`, no
+vLLM) and minimises GKD's full-vocabulary generalized JSD on those tokens: beta 1 the reverse
+KL(student ‖ teacher), 0 the forward KL, 0.5 the JSD. It reports
 
 - `samples_per_s`: completions generated and trained on per second of training-step wall time,
 - `step_s`: wall seconds of every optimizer step (data collation, generation, teacher and student
@@ -202,10 +203,13 @@ def run_trl_gkd(
     eval_samples: int,
     seed: int,
     num_threads: int | None = None,
+    beta: float = 1.0,
 ) -> TrlRun:
     """Train the tiny student by TRL's GKD for `steps` steps of `batch_size` prompts (one completion each).
 
-    `num_threads` sets `torch.set_num_threads` for the run (None: leave torch's default).
+    `num_threads` sets `torch.set_num_threads` for the run (None: leave torch's default). `beta` is GKD's
+    interpolation of its generalized JSD: 0 the forward KL(teacher ‖ student), 0.5 the JSD, 1 the reverse
+    KL(student ‖ teacher).
     """
     # Imported here so that importing this module (e.g. for `TrlRun`) does not need the `bench` extra.
     from trl.experimental.gkd import GKDConfig, GKDTrainer
@@ -246,9 +250,9 @@ def run_trl_gkd(
     with tempfile.TemporaryDirectory(prefix="trl-gkd-") as out_dir:
         args = GKDConfig(
             output_dir=out_dir,
-            # fully on-policy (lmbda=1), reverse KL(student ‖ teacher) (beta=1), untempered sampling
+            # fully on-policy (lmbda=1), untempered sampling; beta picks the divergence
             lmbda=1.0,
-            beta=1.0,
+            beta=beta,
             temperature=1.0,
             max_new_tokens=max_new_tokens,
             per_device_train_batch_size=batch_size,
@@ -289,7 +293,7 @@ def run_trl_gkd(
     config = {
         "trainer": "trl.experimental.gkd.GKDTrainer",
         "lmbda": 1.0,
-        "beta": 1.0,
+        "beta": beta,
         "temperature": 1.0,
         "steps": steps,
         "batch_size": batch_size,
@@ -323,6 +327,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--eval-every", type=int, default=3)
     parser.add_argument("--eval-samples", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--beta", type=float, default=1.0, help="0 forward KL, 0.5 JSD, 1 reverse KL")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     parser.add_argument("--json", type=Path, default=None, help="also write the run as JSON here")
     a = parser.parse_args(argv)
@@ -337,6 +342,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         a.eval_samples,
         a.seed,
         num_threads=a.threads,
+        beta=a.beta,
     )
     median_s = sorted(run.step_s)[len(run.step_s) // 2]
     tokens = sum(run.completion_tokens)
