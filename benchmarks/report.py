@@ -7,7 +7,8 @@ instead of a verdict. Nothing in the table is typed by hand.
 
 `report.py` prints the table; `--write` also puts it into docs/benchmarks.md between
 `<!-- published:begin -->` and `<!-- published:end -->`, and the headline figures into README.md between
-`<!-- published-headline:begin -->` and `<!-- published-headline:end -->`; `--check` exits 1 when
+`<!-- published-headline:begin -->` and `<!-- published-headline:end -->` (and `records.TARGETS` between
+`<!-- targets:begin -->` and `<!-- targets:end -->` in the docs); `--check` exits 1 when
 either file is not what `--write` would make (for CI). Run by `make bench` after the benchmarks.
 
 `--results DIR` instead prints (never writes) the same table from a scratch folder: the records there
@@ -26,6 +27,7 @@ from typing import Any
 from records import (
     MIN_RUNS,
     PUBLISHED_DIR,
+    TARGETS,
     Record,
     format_value,
     load_published,
@@ -37,6 +39,7 @@ from records import (
 DOCS = Path("docs/benchmarks.md")
 README = Path("README.md")
 DOCS_MARKERS = ("<!-- published:begin -->", "<!-- published:end -->")
+TARGETS_MARKERS = ("<!-- targets:begin -->", "<!-- targets:end -->")
 README_MARKERS = ("<!-- published-headline:begin -->", "<!-- published-headline:end -->")
 HEADER = ("record", "figure", "median", "range", "runs", "target", "met?", "regenerate")
 
@@ -130,6 +133,12 @@ def headline_table(records: Sequence[Record]) -> str:
     return "\n".join(lines)
 
 
+def targets_table() -> str:
+    lines = ["| record | figure | target |", "|---|---|---|"]
+    lines += [f"| `{b}` | `{f}` | {t} |" for (b, f), t in TARGETS.items()]
+    return "\n".join(lines)
+
+
 def replace_between(text: str, markers: tuple[str, str], body: str) -> str:
     begin, end = markers
     if begin not in text or end not in text:
@@ -182,12 +191,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not (args.write or args.check):
         return 0
     stale = []
-    for path, markers, body in (
-        (args.docs, DOCS_MARKERS, markdown_table(records)),
-        (args.readme, README_MARKERS, headline_table(records)),
+    for path, blocks in (
+        (args.docs, [(DOCS_MARKERS, markdown_table(records)), (TARGETS_MARKERS, targets_table())]),
+        (args.readme, [(README_MARKERS, headline_table(records))]),
     ):
-        text = path.read_text()
-        new = replace_between(text, markers, body)
+        text = new = path.read_text()
+        for markers, body in blocks:
+            if markers[0] in new or markers is not TARGETS_MARKERS:
+                new = replace_between(new, markers, body)
         if new != text:
             stale.append(path)
             if args.write:
