@@ -29,8 +29,9 @@ LOCAL_CPU_SLOTS = 16
 
 
 def embedded_ray(address: str | None = None) -> bool:
-    """Whether `init_ray(address)` starts a local Ray of this process rather than joining a cluster."""
-    return not (address or os.environ.get("RAY_ADDRESS"))
+    """Whether `init_ray(address)` starts a local Ray of this process rather than joining a cluster
+    (no address, or Ray's own word for a new local one, `local`)."""
+    return (address or os.environ.get("RAY_ADDRESS") or "local") == "local"
 
 
 def init_ray(address: str | None = None, reap_on_exit: bool = False) -> None:
@@ -47,6 +48,8 @@ def init_ray(address: str | None = None, reap_on_exit: bool = False) -> None:
         logger.info("joined Ray cluster at %s", address)
         return
     ray.init(
+        # Always a new Ray of this process: never a stray local cluster another process left running.
+        address="local",
         num_cpus=max(LOCAL_CPU_SLOTS, os.cpu_count() or 1),
         include_dashboard=False,
         logging_level=logging.WARNING,

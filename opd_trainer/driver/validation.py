@@ -42,7 +42,8 @@ async def evaluate(
     tag = "eval-" + "".join(ch if ch.isalnum() else "-" for ch in label)
     results, reverse_kl = await asyncio.gather(
         runner.validate(samples, tag, seeds),
-        asyncio.sleep(0, None) if teacher else validation_reverse_kl(c, samples),
+        # The teacher's reverse KL to itself is 0 by definition.
+        asyncio.sleep(0, 0.0) if teacher else validation_reverse_kl(c, samples),
     )
     spec = c.spec
     metrics = validation_metrics(results, bool(spec.reward_components), bool(spec.evaluator_components))
