@@ -93,8 +93,11 @@ def status_since(session: Session, job_id: str, status: str) -> float | None:
 
 def public(job: Job) -> JobPublic:
     found = JobPublic.model_validate(job)
+    run_dir = RunDir(job.run_dir)
+    found.promotion = run_dir.promoted()
+    found.best_checkpoint = (found.promotion or {}).get("checkpoint")
     if job.status == JobStatus.SUCCEEDED:
-        found.fine_tuned_model = RunDir(job.run_dir).latest_checkpoint_id()
+        found.fine_tuned_model = run_dir.fine_tuned_model_id()
     if found.error is not None:
         found.error.message = server_paths.public_text(found.error.message, server_paths.data_dir_of(job))
     return found
@@ -353,6 +356,7 @@ def checkpoints(session: Session, tenant_id: str, job_id: str) -> CheckpointList
     run_dir = RunDir(job.run_dir)
     records = finite(run_dir.records())
     by_step = {(r.get("kind"), r.get("step")): r for r in records}
+    promoted = (run_dir.promoted() or {}).get("checkpoint")
 
     def values(record: dict[str, Any] | None) -> dict[str, Any] | None:
         if record is None:
@@ -369,6 +373,7 @@ def checkpoints(session: Session, tenant_id: str, job_id: str) -> CheckpointList
                 },
                 metrics=values(by_step.get(("train", found["step"]))) or {},
                 eval=values(by_step.get(("eval", found["step"]))),
+                promoted=found["id"] == promoted,
             )
             for found in run_dir.checkpoints()
         ]

@@ -24,6 +24,7 @@ from typing import Any
 import ray
 
 from opd_trainer.driver.components import Components, Started, start_components
+from opd_trainer.driver.promotion import Promoter
 from opd_trainer.driver.step import Sampler, StepClock, train_step
 from opd_trainer.driver.trackers import BackgroundTracker, open_trackers
 from opd_trainer.driver.validation import drift_probe_segments, evaluate
@@ -96,6 +97,7 @@ class JobDriver:
         self._started = Started()  # what start-up started: stopped at the end, whatever happened
         self._sampler: Sampler | None = None  # exists once the components do
         self._trackers: list[BackgroundTracker] = []  # report_to (opened in run())
+        self._promoter = Promoter.for_job(spec)  # None: no validation data, the model is the last checkpoint
 
     # -- observation ----------------------------------------------------------------------------
 
@@ -199,24 +201,54 @@ class JobDriver:
             )
             stopping = self._stop_requested or (stop_after is not None and self.step >= stop_after)
             with clock.excluded():
-                validates_now = self.step % hp.eval_steps == 0 and self.step < self.total_steps
-                if self.validation_samples and validates_now:
-                    self._record("eval", self.step, await self._evaluate(c, f"step {self.step}"))
-                if self.step % hp.save_steps == 0 or stopping:
-                    await self.save_checkpoint(c, sampler)
+                await self._between_steps(c, sampler, stopping)
             if stopping:
                 self.status = "stopped"
                 self.emit("status", f"stopped after step {self.step}", step=self.step)
                 return summary
+        return await self._finish(c, sampler, summary)
+
+    async def _between_steps(self, c: Components, sampler: Sampler, stopping: bool) -> None:
+        """Validation every `eval_steps` (a new best is promoted and checkpointed at once), and a
+        checkpoint every `save_steps` or before a stop."""
+        hp = self.spec.hyper_parameters
+        promoted = False
+        if self.validation_samples and self.step % hp.eval_steps == 0 and self.step < self.total_steps:
+            metrics = await self._evaluate(c, f"step {self.step}")
+            self._record("eval", self.step, metrics)
+            promoted = self._promoter is not None and self._promoter.consider(self.step, metrics)
+        if self.step % hp.save_steps == 0 or stopping or promoted:
+            await self.save_checkpoint(c, sampler)
+        if promoted:
+            self._promote(final=False)
+
+    async def _finish(self, c: Components, sampler: Sampler, summary: dict[str, Any]) -> dict[str, Any]:
+        """The last validation, the final checkpoint and the promotion decision."""
         if self.validation_samples:
             summary["student_after"] = await self._evaluate(c, "student after")
             self._record("eval", self.step, summary["student_after"])
+            if self._promoter is not None:
+                self._promoter.consider(self.step, summary["student_after"])
         if self.checkpoints.latest_step() != self.step:
             await self.save_checkpoint(c, sampler)
+        if self._promoter is not None:
+            self._promote(final=True)
         self.log.save_summary(summary)
         self.status = "succeeded"
         self.emit("status", "succeeded", step=self.step)
         return summary
+
+    def _promote(self, *, final: bool) -> None:
+        """Writes the promotion decision so far (`final`: the job's) and says it in an event."""
+        if self._promoter is None:
+            return
+        best = self._promoter.best_step
+        decision = self._promoter.decision(None if best is None else self.checkpoints.name(best), final=final)
+        self.checkpoints.promote(decision)
+        if decision["checkpoint"] is not None:
+            self.emit("promotion", f"promoted {decision['checkpoint']}: {decision['reason']}", **decision)
+        elif final:
+            self.emit("warning", f"no fine_tuned_model: {decision['reason']}", promotion=decision)
 
     async def shutdown(self) -> None:
         """Stops everything this job started (also after a start-up that failed half-way)."""
@@ -256,6 +288,8 @@ class JobDriver:
             summary["teacher"] = await self._evaluate(c, "teacher", teacher=True)
             summary["student_before"] = await self._evaluate(c, "student before")
             self._record("eval", 0, summary["student_before"])
+            if self._promoter is not None:
+                self._promoter.observe_start(summary["student_before"])
         self.log.save_summary(summary)
         return summary
 
@@ -269,9 +303,20 @@ class JobDriver:
         await c.learner.save_checkpoint(str(staging))
         # With the next step's batch under way the cursor is one batch ahead: the checkpoint keeps
         # the state before that batch, which a resume samples again.
-        state = {"step": self.step, "cursor": sampler.cursor_state(), "total_steps": self.total_steps}
+        state = {
+            "step": self.step,
+            "cursor": sampler.cursor_state(),
+            "total_steps": self.total_steps,
+            "promotion": None if self._promoter is None else self._promoter.state(),
+        }
         path = self.checkpoints.commit(staging, self.step, state)
         self.emit("checkpoint", f"saved step {self.step}", step=self.step, path=str(path))
+        keep_last_n = self.spec.hyper_parameters.keep_last_n
+        if keep_last_n is not None:
+            removed = self.checkpoints.prune(keep_last_n)
+            if removed:
+                message = f"removed {', '.join(removed)} (keep_last_n={keep_last_n}; the best is kept)"
+                self.emit("checkpoint", message, removed=removed)
         return path
 
     async def _resume(self, c: Components, sampler: Sampler) -> dict[str, Any]:
@@ -283,6 +328,8 @@ class JobDriver:
         await c.learner.load_checkpoint(str(path))
         self.step = int(state["step"])
         sampler.cursor.restore(state["cursor"])
+        if self._promoter is not None:
+            self._promoter.restore(state.get("promotion"))
         discarded = self.log.truncate_after(self.step)
         await c.publish_weights(self.step)
         # Step events of discarded steps stay in the event log (ids are never reused); this event names

@@ -343,6 +343,12 @@ class HyperParameters(_Strict):
     save_steps: int = Field(
         default=50, ge=1, description="Checkpoint every this many steps (and at the end)."
     )
+    keep_last_n: int | None = Field(
+        default=None,
+        ge=1,
+        description="Checkpoints kept: the newest this many, plus the promoted (best) one, which is never "
+        "removed. None keeps every checkpoint.",
+    )
     seed: int = Field(default=42, description="Seed of data order, sampling and initialisation.")
     max_failed_ratio: float = Field(
         default=0.2,
@@ -476,6 +482,42 @@ class Resources(_Strict):
     )
 
 
+class Promotion(_Strict):
+    """Which checkpoint becomes the job's `fine_tuned_model`: the best validation by `metric`, with
+    optional gates. Needs validation_datasets; without them the last checkpoint is the model."""
+
+    metric: str | None = Field(
+        default=None,
+        min_length=1,
+        description="A metric the job's validation reports (any name: the evaluator's, `reward_mean`, "
+        "`reverse_kl`, `agent/...`). Default: `eval_score` with an evaluator component, else `reward_mean` "
+        "with reward components, else `reverse_kl`. A name the first validation does not report fails the "
+        "job naming the ones it does.",
+    )
+    higher_is_better: bool | None = Field(
+        default=None,
+        description="The metric's direction. Default: lower is better for `reverse_kl` and names ending in "
+        "`loss` or `kl`, higher for everything else.",
+    )
+    min_gain_over_start: float | None = Field(
+        default=None,
+        ge=0,
+        description="Gate: promote only a validation that beats the starting student's by at least this "
+        "much (in the metric's direction). A job whose gate is never met ends succeeded with no "
+        "fine_tuned_model and an event saying why.",
+    )
+    threshold: float | None = Field(
+        default=None,
+        description="Gate: promote only a validation at least this good (>= when higher is better, <= "
+        "otherwise).",
+    )
+
+    def direction_higher(self, metric: str) -> bool:
+        if self.higher_is_better is not None:
+            return self.higher_is_better
+        return not (metric == "reverse_kl" or metric.endswith(("loss", "kl")))
+
+
 class JobSpec(_Strict):
     """One OPD job."""
 
@@ -532,6 +574,10 @@ class JobSpec(_Strict):
         "not served.",
     )
     resources: Resources = Field(default_factory=Resources, description="Engine and learner placement.")
+    promotion: Promotion = Field(
+        default_factory=Promotion,
+        description="How the best checkpoint is chosen by validation and gated; it becomes fine_tuned_model.",
+    )
     report_to: list[Literal["tensorboard", "mlflow"]] = Field(
         default_factory=lambda: ["tensorboard"],
         description="Experiment trackers that get every training and validation record besides the run "
@@ -613,6 +659,9 @@ class JobSpec(_Strict):
             raise ValueError("at most one evaluator component")
         if self.evaluator_components and not self.validation_datasets:
             raise ValueError("an evaluator component scores validation rollouts: give validation_datasets")
+        promotion_set = self.promotion.model_fields_set - {"higher_is_better"}
+        if promotion_set and not self.validation_datasets:
+            raise ValueError("promotion chooses a checkpoint by validation: give validation_datasets")
         names = [f.name for f in self.functions]
         if len(names) != len(set(names)):
             raise ValueError("component names must be unique")
@@ -634,6 +683,15 @@ class JobSpec(_Strict):
     @property
     def evaluator_components(self) -> list[FunctionComponent]:
         return [f for f in self.functions if f.type == "evaluator"]
+
+    @property
+    def promotion_metric(self) -> str:
+        """The metric promotion selects by (`promotion.metric` or its default for this job)."""
+        if self.promotion.metric is not None:
+            return self.promotion.metric
+        if self.evaluator_components:
+            return "eval_score"
+        return "reward_mean" if self.reward_components else "reverse_kl"
 
     @property
     def is_agentic(self) -> bool:

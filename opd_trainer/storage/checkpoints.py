@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 STATE_FILE = "driver_state.json"
+# The promotion decision (`driver/promotion.py`): which checkpoint is the job's model, and why.
+PROMOTED_FILE = "promoted.json"
 
 
 class CheckpointStore:
@@ -73,3 +75,33 @@ class CheckpointStore:
                     }
                 )
         return found
+
+    def promote(self, decision: dict[str, Any]) -> None:
+        """Records the promotion decision (`checkpoint`: a checkpoint id, or None when no validation met
+        the gate), replacing the previous one atomically."""
+        staging = self.root / f"{PROMOTED_FILE}.tmp"
+        staging.write_text(json.dumps(decision, indent=2))
+        os.replace(staging, self.root / PROMOTED_FILE)
+
+    def prune(self, keep_last_n: int) -> list[str]:
+        """Removes all but the newest `keep_last_n` checkpoints; the latest and the promoted one always
+        stay. Returns the ids removed."""
+        promoted = read_promoted(self.root)
+        keep = {promoted.get("checkpoint")} if promoted else set()
+        latest = self.latest()
+        if latest is not None:
+            keep.add(latest[0].name)
+        found = [c["id"] for c in self.list()]
+        removed = [name for name in found[: max(0, len(found) - keep_last_n)] if name not in keep]
+        for name in removed:
+            shutil.rmtree(self.root / name, ignore_errors=True)
+        return removed
+
+
+def read_promoted(root: Path) -> dict[str, Any] | None:
+    """The promotion decision under a checkpoints folder, or None when there is none (read-only)."""
+    try:
+        found = json.loads((root / PROMOTED_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return found if isinstance(found, dict) else None

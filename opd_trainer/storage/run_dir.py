@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from opd_trainer.jsonl import read_jsonl, write_jsonl
-from opd_trainer.storage.checkpoints import CheckpointStore
+from opd_trainer.storage.checkpoints import CheckpointStore, read_promoted
 
 
 class RunDir:
@@ -63,6 +63,17 @@ class RunDir:
         pointer = self.checkpoints_path / "latest"
         return pointer.read_text().strip() or None if pointer.is_file() else None
 
+    def promoted(self) -> dict[str, Any] | None:
+        """The promotion decision so far (`checkpoint`, `metric`, `value`, `step`, `final`, `reason`), or
+        None for a job that does not promote (no validation data)."""
+        return read_promoted(self.checkpoints_path)
+
+    def fine_tuned_model_id(self) -> str | None:
+        """The checkpoint a finished job hands out: the promoted one when the job promotes (None when no
+        validation met its gate), else the latest."""
+        promoted = self.promoted()
+        return promoted.get("checkpoint") if promoted is not None else self.latest_checkpoint_id()
+
     def checkpoint_store(self) -> CheckpointStore:
         return CheckpointStore(self.checkpoints_path)
 
@@ -96,3 +107,4 @@ class RunDir:
 
     def save_summary(self, summary: dict[str, Any]) -> None:
         self.summary_path.write_text(json.dumps(summary, indent=2))
+

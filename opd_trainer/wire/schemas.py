@@ -129,8 +129,17 @@ class JobPublic(_Public):
     trained_tokens: float = Field(default=0.0, description="Completion tokens trained on so far.")
     fine_tuned_model: str | None = Field(
         default=None,
-        description="Id of the checkpoint holding the trained student once the job succeeded (its last); "
-        "`GET .../checkpoints/{id}/content` downloads it.",
+        description="Id of the checkpoint holding the trained student once the job succeeded: the promoted "
+        "one (best validation by `promotion.metric`, through its gates; null when no validation met them) "
+        "for a job with validation data, else the last; `GET .../checkpoints/{id}/content` downloads it.",
+    )
+    best_checkpoint: str | None = Field(
+        default=None, description="The promoted checkpoint so far (also while the job runs)."
+    )
+    promotion: dict[str, Any] | None = Field(
+        default=None,
+        description="The promotion decision so far: metric, its direction, the starting student's value, "
+        "the best step and value, whether it is final, and why (e.g. the gate no validation met).",
     )
     error: JobError | None = Field(default=None, description="Why it failed, once it has.")
     spec: dict[str, Any] = Field(description="The submitted job spec (with file ids).")
@@ -179,6 +188,7 @@ class CheckpointPublic(BaseModel):
     eval: dict[str, float | None] | None = Field(
         default=None, description="The validation metrics at its step, when the job validated there."
     )
+    promoted: bool = Field(default=False, description="It is the job's promoted (best) checkpoint.")
 
 
 class CheckpointList(BaseModel):
