@@ -17,7 +17,7 @@ from api.db import Database, migrate
 from api.errors import install_error_handlers, openapi_with_declared_errors
 from api.limits import BodyLimitMiddleware, RateLimitMiddleware, StreamSlots
 from api.observability import ServerMetrics
-from api.routes import files, health, jobs, keys, webhooks
+from api.routes import files, health, jobs, keys, usage, webhooks
 from api.services.keys import AuthCache
 from api.services.scheduler import Scheduler
 from api.services.webhooks_delivery import Deliverer
@@ -73,7 +73,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.webhook_deliverer = deliverer
     app.state.auth_cache = AuthCache()
     app.state.event_streams = StreamSlots(settings.event_streams_per_tenant)
-    for router in (health.router, keys.router, files.router, jobs.router, webhooks.router):
+    for router in (health.router, keys.router, files.router, jobs.router, webhooks.router, usage.router):
         app.include_router(router)
     install_error_handlers(app)
     app.openapi = lambda: openapi_with_declared_errors(app)  # type: ignore[method-assign]

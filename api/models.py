@@ -22,6 +22,8 @@ class Tenant(Base):
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
     name: Mapped[str] = mapped_column(String(128), unique=True, index=True)
     created_at: Mapped[int] = mapped_column(Integer, default=now)
+    # What the tenant's deleted jobs had used (`driver/metering.py` keys): deleting a job keeps its usage.
+    deleted_jobs_usage: Mapped[dict[str, float]] = mapped_column(JSON, default=dict)
 
 
 class ApiKey(Base):
@@ -77,6 +79,8 @@ class Job(Base):
     eta_s: Mapped[float | None] = mapped_column(Float, default=None)
     trained_tokens: Mapped[float] = mapped_column(Float, default=0.0)
     metrics: Mapped[dict[str, float]] = mapped_column(JSON, default=dict)
+    # What the job used so far, over all its runs (`driver/metering.py`), as the driver last reported.
+    usage: Mapped[dict[str, float]] = mapped_column(JSON, default=dict)
     error: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     # Which driver incarnation runs the job, and how many of its events are already copied here.
     driver_attempts: Mapped[int] = mapped_column(Integer, default=0)

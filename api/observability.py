@@ -1,9 +1,11 @@
-"""Prometheus metrics of the server: jobs by status, queue depth, per-job training gauges, request latency.
+"""Prometheus metrics of the server: jobs by status, queue depth, per-job training gauges, per-tenant usage,
+request latency.
 
 Job numbers are read from the database at scrape time (one query), so they are right after a restart
 and need no bookkeeping; request latency is a histogram labelled by route template, not raw path, so
-ids do not explode the label set. Series labelled by job id are rendered only for a scrape that presents
-the admin key: anyone may see how busy the server is, not which jobs it runs.
+ids do not explode the label set. Series labelled by job id or tenant (`opd_tenant_*_total`, what each
+tenant's jobs used) are rendered only for a scrape that presents the admin key: anyone may see how
+busy the server is, not which jobs it runs or who uses it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from sqlalchemy import func, select
 from api.db import Database
 from api.models import Job
 from api.services.states import WITH_DRIVER
+from api.services.usage import tenant_usage
 from opd_trainer.jobspec.job_status import JobStatus
 
 STATUSES: tuple[str, ...] = tuple(JobStatus)
@@ -137,6 +140,36 @@ class JobProgressCollector(Collector):
             yield from families.values()
 
 
+# Per tenant, from each job's usage (`driver/metering.py`) added up, deleted jobs included.
+TENANT_COUNTERS = {
+    "teacher_tokens": "Tokens the teacher engines processed for the tenant's jobs.",
+    "teacher_cached_tokens": "Of the teacher's tokens, prefix-cache hits.",
+    "student_generated_tokens": "Tokens the student engines generated for the tenant's jobs.",
+    "learner_tokens_trained": "Completion tokens the learner trained on.",
+    "processor_calls": "Calls of the tenant's rollout, reward and evaluator processors.",
+    "processor_seconds": "Seconds those calls took.",
+    "cpu_s": "CPU-seconds of every role of the tenant's jobs.",
+    "gpu_s": "GPU-seconds (GPUs held x seconds) of the tenant's jobs.",
+    "wall_s": "Seconds the tenant's job drivers ran.",
+}
+
+
+class TenantUsageCollector(Collector):
+    """`opd_tenant_KEY_total{tenant}`: what each tenant's jobs used so far."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        with self.db.session() as session:
+            tenants = tenant_usage(session, None)
+        for key, help_text in TENANT_COUNTERS.items():
+            family = CounterMetricFamily(f"opd_tenant_{key}", help_text, labels=["tenant"])
+            for entry in tenants:
+                family.add_metric([entry.tenant], entry.usage.get(key, 0.0))
+            yield family
+
+
 class ServerMetrics:
     """The app's own registry (not the global one), so several apps can live in one process."""
 
@@ -145,6 +178,7 @@ class ServerMetrics:
         self.registry.register(JobCountCollector(db))
         self.job_registry = CollectorRegistry()
         self.job_registry.register(JobProgressCollector(db))
+        self.job_registry.register(TenantUsageCollector(db))
 
     def instrument(self, app: FastAPI) -> None:
         """Request latency, `opd_http_request_duration_seconds{handler,method,status}` by route template

@@ -23,6 +23,7 @@ from api.models import File, Job, JobEvent
 from api.services import model_files, server_paths, webhooks
 from api.services.ids import new_id
 from api.services.states import ACTIVE, TERMINAL, next_status
+from api.services.usage import keep_usage_of_deleted
 from api.settings import Settings
 from opd_trainer.driver.trackers import check_tracking_uri
 from opd_trainer.errors import ConfigError
@@ -444,6 +445,7 @@ def delete(session: Session, tenant_id: str, job_id: str) -> None:
             "status",
         )
     session.query(JobEvent).filter(JobEvent.job_id == job_id).delete()
+    keep_usage_of_deleted(session, job)
     session.delete(job)
     session.commit()
     shutil.rmtree(job.run_dir, ignore_errors=True)

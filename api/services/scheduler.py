@@ -462,6 +462,9 @@ class Scheduler:
         }
         if metrics:
             job.metrics = metrics
+        usage = {k: v for k, v in finite(progress.get("usage") or {}).items() if isinstance(v, int | float)}
+        if usage:
+            job.usage = usage
         if job.step != previous_step:
             job.trained_tokens = self._trained_tokens(job, metrics, job.step - previous_step)
         if progress["status"] == "created" and handle.run_ref is None:

@@ -321,6 +321,25 @@ def _keys_create(args: argparse.Namespace) -> int:
     return 0
 
 
+def _usage(args: argparse.Namespace) -> int:
+    # Lazy: CLI start-up (`opd --help`) loads no command's stack; this one loads when it runs.
+    from opd_trainer.client.api_client import OPDClient
+
+    admin_key = _admin_key(args, required=False)
+    if admin_key:
+        with OPDClient(args.base_url, api_key="") as client:
+            tenants = client.usage(admin_key)
+    else:
+        tenants = _client(args).usage()
+    if not _json_out(args, tenants):
+        columns = ("teacher_tokens", "student_generated_tokens", "learner_tokens_trained", "cpu_s", "gpu_s")
+        rows = ([t.tenant, t.jobs, *(f"{t.usage.get(c, 0.0):.0f}" for c in columns)] for t in tenants)
+        _table(
+            ["tenant", "jobs", "teacher tokens", "student tokens", "trained tokens", "CPU s", "GPU s"], rows
+        )
+    return 0
+
+
 def _keys_list(args: argparse.Namespace) -> int:
     # Lazy: CLI start-up (`opd --help`) loads no command's stack; this one loads when it runs.
     from opd_trainer.client.api_client import OPDClient
@@ -480,6 +499,11 @@ def add_client_commands(commands: Any) -> None:
     metrics.add_argument("job_id")
     metrics.add_argument("--last", type=int, default=10, help="how many of the latest steps (default 10)")
     metrics.add_argument("--all", action="store_true", help="every step")
+
+    usage_help = (
+        "what your jobs used (tokens, CPU/GPU-seconds), deleted ones too; all tenants' with --admin-key"
+    )
+    command("usage", usage_help, _usage, parent=admin)
 
     files = commands.add_parser("files", help="uploaded datasets and workspaces")
     file_commands = files.add_subparsers(dest="files_command", required=True)

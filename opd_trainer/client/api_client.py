@@ -83,6 +83,11 @@ class OPDClient(ClientBase[httpx.Client]):
         """This tenant's keys (prefixes, never secrets); every tenant's with the admin key."""
         return self._send(operations.list_keys(admin_key))
 
+    def usage(self, admin_key: str | None = None) -> list[schemas.TenantUsage]:
+        """What this tenant's jobs used, added up (deleted jobs included); every tenant's with the admin
+        key."""
+        return self._send(operations.usage(admin_key))
+
     def revoke_key(self, key_id: str, admin_key: str) -> schemas.Deleted:
         """Revokes a tenant key at once; needs the server's admin key."""
         return self._send(operations.revoke_key(key_id, admin_key))

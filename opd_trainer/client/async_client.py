@@ -91,6 +91,9 @@ class AsyncOPDClient(ClientBase[httpx.AsyncClient]):
     async def list_keys(self, admin_key: str | None = None) -> list[schemas.KeyPublic]:
         return await self._send(operations.list_keys(admin_key))
 
+    async def usage(self, admin_key: str | None = None) -> list[schemas.TenantUsage]:
+        return await self._send(operations.usage(admin_key))
+
     async def revoke_key(self, key_id: str, admin_key: str) -> schemas.Deleted:
         return await self._send(operations.revoke_key(key_id, admin_key))
 

@@ -46,7 +46,9 @@ from opd_trainer.wire.schemas import (
     KeyList,
     KeyPublic,
     MetricsPublic,
+    TenantUsage,
     TrajectoryList,
+    UsageList,
     WebhookDeliveryList,
     WebhookList,
     WebhookPublic,
@@ -188,6 +190,12 @@ def create_key(tenant: str, admin_key: str) -> Call[KeyPublic]:
 def list_keys(admin_key: str | None) -> Call[list[KeyPublic]]:
     return Call(
         "GET", "/v1/keys", lambda r: KeyList.model_validate(r.json()).data, headers=_bearer(admin_key)
+    )
+
+
+def usage(admin_key: str | None) -> Call[list[TenantUsage]]:
+    return Call(
+        "GET", "/v1/usage", lambda r: UsageList.model_validate(r.json()).data, headers=_bearer(admin_key)
     )
 
 

@@ -61,6 +61,7 @@ class Components:
     runner: RolloutRunner
     teacher_runner: RolloutRunner | None
     pools: tuple[Any, ...]
+    gateways: tuple[Any, ...]  # the recording gateways' actors (student's, teacher's)
 
     def prompt(self, sample: Sample) -> list[int]:
         return prompt_token_ids(self.tokenizer, sample.messages, sample.tools, self.spec.chat_template_kwargs)
@@ -174,6 +175,7 @@ async def start_components(
         runner=runner,
         teacher_runner=teacher_runner,
         pools=tuple(started.pools),
+        gateways=tuple(started.gateways),
     )
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import ray
 
 from opd_trainer.driver.components import Components, Started, start_components
+from opd_trainer.driver.metering import Meter, budget_reached, usage_summary
 from opd_trainer.driver.promotion import Promoter
 from opd_trainer.driver.step import Sampler, StepClock, train_step
 from opd_trainer.driver.trackers import BackgroundTracker, open_trackers
@@ -98,6 +99,9 @@ class JobDriver:
         self._sampler: Sampler | None = None  # exists once the components do
         self._trackers: list[BackgroundTracker] = []  # report_to (opened in run())
         self._promoter = Promoter.for_job(spec)  # None: no validation data, the model is the last checkpoint
+        # What earlier runs of this job used (a resume) is where this run's meter starts.
+        self._meter = Meter(self.log.usage() if self._storage_error is None else None)
+        self._usage: dict[str, float] = dict(self._meter.base)
 
     # -- observation ----------------------------------------------------------------------------
 
@@ -132,6 +136,7 @@ class JobDriver:
             # The latest step's metrics, with the pools' live numbers (the server exports them).
             "metrics": {**self._latest, **pool_metrics(self._started.pools)},
             "eta_s": eta,
+            "usage": self._usage,  # as of the latest record (`driver/metering.py`)
         }
 
     def request_stop(self) -> None:
@@ -190,7 +195,8 @@ class JobDriver:
             )
             self.step += 1
             self._latest = metrics
-            self._record("train", self.step, metrics)
+            self._meter.add_step(metrics)
+            self._record("train", self.step, await self._with_usage(c, metrics))
             self.emit(
                 "step",
                 f"step {self.step}/{self.total_steps} reverse_kl={metrics['reverse_kl']:.4f} "
@@ -199,6 +205,12 @@ class JobDriver:
                 total_steps=self.total_steps,
                 **{k: metrics[k] for k in ("reverse_kl", "loss", "tokens_per_s")},
             )
+            reached = budget_reached(self.spec.budget, self._usage)
+            if reached is not None:
+                message = f"{reached}; stopping after step {self.step} ({usage_summary(self._usage)})"
+                self.emit("budget", message, step=self.step, usage=self._usage)
+                await sampler.drop_ahead()
+                break
             stopping = self._stop_requested or (stop_after is not None and self.step >= stop_after)
             with clock.excluded():
                 await self._between_steps(c, sampler, stopping)
@@ -215,7 +227,7 @@ class JobDriver:
         promoted = False
         if self.validation_samples and self.step % hp.eval_steps == 0 and self.step < self.total_steps:
             metrics = await self._evaluate(c, f"step {self.step}")
-            self._record("eval", self.step, metrics)
+            self._record("eval", self.step, await self._with_usage(c, metrics))
             promoted = self._promoter is not None and self._promoter.consider(self.step, metrics)
         if self.step % hp.save_steps == 0 or stopping or promoted:
             await self.save_checkpoint(c, sampler)
@@ -226,7 +238,7 @@ class JobDriver:
         """The last validation, the final checkpoint and the promotion decision."""
         if self.validation_samples:
             summary["student_after"] = await self._evaluate(c, "student after")
-            self._record("eval", self.step, summary["student_after"])
+            self._record("eval", self.step, await self._with_usage(c, summary["student_after"]))
             if self._promoter is not None:
                 self._promoter.consider(self.step, summary["student_after"])
         if self.checkpoints.latest_step() != self.step:
@@ -234,6 +246,7 @@ class JobDriver:
         if self._promoter is not None:
             self._promote(final=True)
         self.log.save_summary(summary)
+        self.emit("usage", usage_summary(self._usage), **self._usage)
         self.status = "succeeded"
         self.emit("status", "succeeded", step=self.step)
         return summary
@@ -287,7 +300,7 @@ class JobDriver:
         if self.validation_samples:
             summary["teacher"] = await self._evaluate(c, "teacher", teacher=True)
             summary["student_before"] = await self._evaluate(c, "student before")
-            self._record("eval", 0, summary["student_before"])
+            self._record("eval", 0, await self._with_usage(c, summary["student_before"]))
             if self._promoter is not None:
                 self._promoter.observe_start(summary["student_before"])
         self.log.save_summary(summary)
@@ -341,6 +354,13 @@ class JobDriver:
         return self.log.load_summary()
 
     # -- records --------------------------------------------------------------------------------
+
+    async def _with_usage(self, c: Components, metrics: dict[str, float]) -> dict[str, float]:
+        """`metrics` and what the job used since the previous record (`usage/...`,
+        `driver/metering.py`); the job's usage is read now and usage.json rewritten."""
+        self._usage = await self._meter.read(c)
+        self.log.save_usage(self._usage)
+        return {**metrics, **self._meter.deltas(self._usage)}
 
     def _record(self, kind: str, step: int, metrics: dict[str, float]) -> None:
         """A training (`train`) or validation (`eval`) record: metrics.jsonl, then queued for each

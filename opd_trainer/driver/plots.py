@@ -16,7 +16,8 @@ def validation_curve_keys(evals: list[dict[str, Any]]) -> list[str]:
 
     Taken from the records themselves (first reported first), since each job's evaluator names its own.
     """
-    keys = list(dict.fromkeys(k for r in evals for k in r if k not in _NOT_VALIDATION_CURVES))
+    keys = [k for r in evals for k in r if k not in _NOT_VALIDATION_CURVES and not k.startswith("usage/")]
+    keys = list(dict.fromkeys(keys))
     task = [k for k in keys if not k.startswith("reward")]
     return (task or [k for k in keys if k == "reward_mean"])[:MAX_VALIDATION_CURVES]
 

@@ -308,6 +308,7 @@ async def train_step(
     engine_metrics = await c.engine_metrics()
     step_s = clock.lap()
     trained_tokens = sum(len(s.completion_token_ids) for s in segments)
+    forwarded_tokens = sum(len(s.prompt_token_ids) + len(s.completion_token_ids) for s in segments)
     metrics = {
         **reverse_kl_metrics(
             [s.sampler_logprobs for s in segments], [s.teacher_logprobs or [] for s in segments]
@@ -319,6 +320,7 @@ async def train_step(
         **signal_metrics,
         "segments": float(len(segments)),
         "trained_tokens": float(trained_tokens),
+        "forwarded_tokens": float(forwarded_tokens),
         "tokens_per_s": trained_tokens / step_s,
         "samples_per_s": len(results) / step_s,
         **phases.seconds,

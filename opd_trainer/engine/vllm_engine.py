@@ -25,6 +25,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from opd_trainer.cluster.placement import placed
+from opd_trainer.cluster.process_usage import actor_usage
 from opd_trainer.engine.engine_stats import EngineStats, combine
 from opd_trainer.engine.kv_cache import cpu_kv_cache_bytes
 from opd_trainer.engine.vllm_extension import EXTENSION_CLASSPATH
@@ -480,6 +481,11 @@ class Engine:
         running / waiting requests and KV-cache usage since the last call."""
         return self._stats.read()
 
+    async def usage(self) -> dict[str, float]:
+        """For metering, without resetting the peaks `stats` reports: the token totals so far, and
+        `cpu_s` / `gpus` (`process_usage.actor_usage`: the actor and its vLLM core)."""
+        return {**self._stats.totals, **actor_usage()}
+
     async def health(self) -> dict[str, Any]:
         """Liveness plus what a scheduler needs: version, load, whether the engine core is alive."""
         alive = self._llm is not None and not self._llm.errored
@@ -625,6 +631,11 @@ class EngineGroup:
     async def stats(self) -> dict[str, float]:
         """The replicas' `Engine.stats`, combined (`engine_stats.combine`)."""
         return combine(list(await asyncio.gather(*(actor.stats.remote() for actor in self.actors))))
+
+    async def usage(self) -> dict[str, float]:
+        """The replicas' `Engine.usage`, added up."""
+        replicas = await asyncio.gather(*(actor.usage.remote() for actor in self.actors))
+        return {key: float(sum(r[key] for r in replicas)) for key in replicas[0]}
 
     async def shutdown(self) -> None:
         await asyncio.gather(*(actor.shutdown.remote() for actor in self.actors), return_exceptions=True)

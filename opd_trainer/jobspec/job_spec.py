@@ -518,6 +518,33 @@ class Promotion(_Strict):
         return not (metric == "reverse_kl" or metric.endswith(("loss", "kl")))
 
 
+class Budget(_Strict):
+    """Limits on what a job may use (`driver/metering.py` measures it). Checked after every step: the job
+    stops at the first limit reached, as a finished job does (final validation, checkpoint, promotion)
+    and ends succeeded, the limit named in its events. Unset limits do not apply."""
+
+    max_teacher_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="Tokens the teacher engines processed: scored prompts and completions, and what the "
+        "teacher generated for its validation baseline (`usage.teacher_tokens`).",
+    )
+    max_cpu_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        description="CPU-seconds of every role together: engines, learner, gateways, processor workers "
+        "(`usage.cpu_s`).",
+    )
+    max_gpu_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        description="GPUs held times wall seconds, engines and learner together (`usage.gpu_s`).",
+    )
+    max_wall_seconds: float | None = Field(
+        default=None, gt=0, description="Seconds since the job's driver started (`usage.wall_s`)."
+    )
+
+
 class JobSpec(_Strict):
     """One OPD job."""
 
@@ -577,6 +604,11 @@ class JobSpec(_Strict):
     promotion: Promotion = Field(
         default_factory=Promotion,
         description="How the best checkpoint is chosen by validation and gated; it becomes fine_tuned_model.",
+    )
+    budget: Budget = Field(
+        default_factory=Budget,
+        description="Limits on teacher tokens, CPU-/GPU-seconds and wall time; the job stops cleanly at the "
+        "first one reached.",
     )
     report_to: list[Literal["tensorboard", "mlflow"]] = Field(
         default_factory=lambda: ["tensorboard"],
@@ -659,8 +691,8 @@ class JobSpec(_Strict):
             raise ValueError("at most one evaluator component")
         if self.evaluator_components and not self.validation_datasets:
             raise ValueError("an evaluator component scores validation rollouts: give validation_datasets")
-        promotion_set = self.promotion.model_fields_set - {"higher_is_better"}
-        if promotion_set and not self.validation_datasets:
+        gates = (self.promotion.metric, self.promotion.min_gain_over_start, self.promotion.threshold)
+        if any(value is not None for value in gates) and not self.validation_datasets:
             raise ValueError("promotion chooses a checkpoint by validation: give validation_datasets")
         names = [f.name for f in self.functions]
         if len(names) != len(set(names)):

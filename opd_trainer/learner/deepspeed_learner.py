@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from opd_trainer.cluster.placement import gang, in_gang, placed
 from opd_trainer.cluster.ports import free_port
+from opd_trainer.cluster.process_usage import actor_usage
 from opd_trainer.engine import weight_transfer
 from opd_trainer.engine.weight_transfer import WeightHandoff
 from opd_trainer.learner.batch import (
@@ -292,6 +293,10 @@ class Learner:
         """Frees what `export_weights` made, each handoff by its own transport."""
         weight_transfer.release_weights(handoffs)
 
+    def usage(self) -> dict[str, float]:
+        """This rank's CPU-seconds so far and GPUs held (`process_usage.actor_usage`), for metering."""
+        return actor_usage()
+
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
@@ -438,6 +443,11 @@ class LearnerGroup:
 
     async def release_weights(self, handoffs: list[WeightHandoff]) -> None:
         await self.actors[0].release_weights.remote(handoffs)
+
+    async def usage(self) -> dict[str, float]:
+        """Every rank's CPU-seconds so far and GPUs held, added up (metering)."""
+        ranks = await asyncio.gather(*(a.usage.remote() for a in self.actors))
+        return {key: float(sum(rank[key] for rank in ranks)) for key in ("cpu_s", "gpus")}
 
     async def node_id(self) -> str:
         """Rank 0's node, where the handoffs are made."""

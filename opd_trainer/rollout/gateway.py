@@ -63,6 +63,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from opd_trainer.cluster.ports import free_port
+from opd_trainer.cluster.process_usage import actor_usage
 from opd_trainer.errors import ConfigError, EngineError
 from opd_trainer.records import LLMCall
 from opd_trainer.rollout.chat_requests import (
@@ -668,6 +669,10 @@ class Gateway:
         self.base_url = f"http://{advertised}:{port}/v1"
         logger.info("gateway for %s serving at %s", self.model_name, self.base_url)
         return self.base_url
+
+    async def usage(self) -> dict[str, float]:
+        """This gateway's CPU-seconds so far (`process_usage.actor_usage`), for metering."""
+        return actor_usage()
 
     async def shutdown(self) -> None:
         if self._server is not None:

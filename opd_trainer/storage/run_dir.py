@@ -4,6 +4,7 @@
     events.jsonl        the driver's events (status, progress, errors), in order
     trajectories.jsonl  rollouts as the user's agent saw them (messages, tool calls, rewards, spans)
     summary.json        the final validation summary
+    usage.json          what the job used so far, over all its runs (`driver/metering.py`)
     checkpoints/        `step-N/` folders and a `latest` pointer (`learner.checkpoint.CheckpointStore`)
     tensorboard/        the same metrics for TensorBoard (`report_to: [tensorboard]`, driver/trackers.py)
     mlflow.db, mlflow_run_id   `report_to: [mlflow]`: the default local store and the job's MLflow run
@@ -16,6 +17,7 @@ line is skipped), so the server can read while a job runs.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,7 @@ class RunDir:
         self.events_path = self.root / "events.jsonl"
         self.trajectories_path = self.root / "trajectories.jsonl"
         self.summary_path = self.root / "summary.json"
+        self.usage_path = self.root / "usage.json"
         self.checkpoints_path = self.root / "checkpoints"
         self.tensorboard_path = self.root / "tensorboard"
         self.curves_path = self.root / "curves.png"
@@ -54,6 +57,14 @@ class RunDir:
             return json.loads(self.summary_path.read_text())
         except (OSError, json.JSONDecodeError):
             return {}
+
+    def usage(self) -> dict[str, float]:
+        """What the job used so far (`driver/metering.py`); empty before its first step."""
+        try:
+            found = json.loads(self.usage_path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return {}
+        return found if isinstance(found, dict) else {}
 
     def checkpoints(self) -> list[dict[str, Any]]:
         return self.checkpoint_store().list() if self.checkpoints_path.is_dir() else []
@@ -108,3 +119,8 @@ class RunDir:
     def save_summary(self, summary: dict[str, Any]) -> None:
         self.summary_path.write_text(json.dumps(summary, indent=2))
 
+    def save_usage(self, usage: dict[str, float]) -> None:
+        """Replaces usage.json at once (a reader never sees half of it)."""
+        staging = self.usage_path.with_suffix(".json.tmp")
+        staging.write_text(json.dumps(usage, indent=2))
+        os.replace(staging, self.usage_path)

@@ -127,6 +127,13 @@ class JobPublic(_Public):
     eta_s: float | None = Field(default=None, description="Seconds to the last step, from the pace so far.")
     metrics: dict[str, float] = Field(default_factory=dict, description="The latest step's metrics.")
     trained_tokens: float = Field(default=0.0, description="Completion tokens trained on so far.")
+    usage: dict[str, float] = Field(
+        default_factory=dict,
+        description="What the job used so far over all its runs: teacher_tokens (teacher_cached_tokens of "
+        "them from the prefix cache), student_prompt_tokens, student_generated_tokens, "
+        "learner_tokens_forwarded, learner_tokens_trained, processor_calls, processor_seconds, wall_s, "
+        "cpu_s, gpu_s and cpu_s/ROLE, gpu_s/ROLE per role (docs/guide.md, Usage and budgets).",
+    )
     fine_tuned_model: str | None = Field(
         default=None,
         description="Id of the checkpoint holding the trained student once the job succeeded: the promoted "
@@ -143,6 +150,23 @@ class JobPublic(_Public):
     )
     error: JobError | None = Field(default=None, description="Why it failed, once it has.")
     spec: dict[str, Any] = Field(description="The submitted job spec (with file ids).")
+
+
+class TenantUsage(BaseModel):
+    object: Literal["opd.usage"] = Field(default="opd.usage", description="Always `opd.usage`.")
+    tenant_id: str = Field(description="The tenant's id.")
+    tenant: str = Field(description="The tenant's name.")
+    jobs: int = Field(description="Jobs of the tenant on record (deleted ones not counted).")
+    usage: dict[str, float] = Field(
+        description="The usage of all its jobs added up (JobPublic.usage keys), deleted jobs included."
+    )
+
+
+class UsageList(BaseModel):
+    object: Literal["list"] = Field(default="list", description="Always `list`.")
+    data: list[TenantUsage] = Field(
+        description="One entry per tenant: the caller's, or every one for the admin."
+    )
 
 
 class JobList(BaseModel):

@@ -41,6 +41,7 @@ from typing import Any, Literal
 import ray
 from ray.exceptions import RayActorError
 
+from opd_trainer.cluster.process_usage import process_tree_cpu_seconds
 from opd_trainer.errors import ProcessorLoadError
 from opd_trainer.jobspec.job_spec import FunctionComponent
 from opd_trainer.sdk import RewardOutput, RolloutOutput, TaskStatus
@@ -143,7 +144,11 @@ class ProcessorWorker:
     async def stats(self) -> dict[str, float]:
         resident = self.sandboxed.resident_mb()
         in_flight = len(self.sandboxed._pending)
-        return {"in_flight": float(in_flight), "memory_fraction": resident / self.memory_limit_mb}
+        return {
+            "in_flight": float(in_flight),
+            "memory_fraction": resident / self.memory_limit_mb,
+            "cpu_s": process_tree_cpu_seconds(),  # the worker and its sandboxed user process
+        }
 
     async def close(self) -> None:
         if self.sandboxed is not None:
@@ -201,6 +206,9 @@ class WorkerPool:
         self._autoscale_task: asyncio.Task[None] | None = None
         self.calls = 0
         self.failures = 0
+        self.call_seconds = 0.0  # seconds the user's process calls took, failed ones included
+        # Each worker's latest CPU-seconds (from its stats): a worker gone keeps its last reading.
+        self._cpu_seconds: dict[Any, float] = {}
         self.retries = 0  # calls sent again after their worker died
         self.replaced = 0  # workers dropped (died, or killed for a timeout or memory) and replaced
         self.history: list[dict[str, Any]] = []
@@ -350,6 +358,7 @@ class WorkerPool:
                 await self._kill(worker, lost)
                 return self._failure(lost, attempt, result["seconds"])
             self.calls += 1
+            self.call_seconds += float(result.get("seconds", 0.0))
             result["attempt_id"] = attempt
             return result
         return self._failure(f"worker died {MAX_ATTEMPTS} times", MAX_ATTEMPTS - 1, 0.0)
@@ -357,6 +366,7 @@ class WorkerPool:
     def _failure(self, reason: str, attempt: int, seconds: float) -> dict[str, Any]:
 
         self.calls += 1
+        self.call_seconds += seconds
         self.failures += 1
         output_type = RolloutOutput if self.kind == "rollout" else RewardOutput
         return {
@@ -374,7 +384,21 @@ class WorkerPool:
 
     async def _worker_stats(self) -> dict[Any, dict[str, float] | None]:
         workers = list(self._workers)
-        return dict(zip(workers, await asyncio.gather(*(self._stats(w) for w in workers)), strict=True))
+        stats = dict(zip(workers, await asyncio.gather(*(self._stats(w) for w in workers)), strict=True))
+        for worker, numbers in stats.items():
+            if numbers is not None and "cpu_s" in numbers:
+                self._cpu_seconds[worker] = numbers["cpu_s"]
+        return stats
+
+    async def usage(self) -> dict[str, float]:
+        """Calls, their seconds and the workers' CPU-seconds so far (metering); reads every live
+        worker now, so the figure is current."""
+        await self._worker_stats()
+        return {
+            "calls": float(self.calls),
+            "call_seconds": self.call_seconds,
+            "cpu_s": float(sum(self._cpu_seconds.values())),
+        }
 
     async def _enforce_memory(self, stats: dict[Any, dict[str, float] | None]) -> None:
         """Kills (and replaces) every worker whose resident memory exceeds the component's memory_size."""

@@ -28,8 +28,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import httpx
 import pytest
 from apiserver import (
+    ADMIN_KEY,
     TINY_MODELS_DIR,
     Server,
     cancel_unfinished,
@@ -152,6 +154,22 @@ def test_job_over_http_succeeds_with_events_metrics_and_checkpoint(
         trajectories = client.trajectories(job_id, limit=4)
         assert len(trajectories) == 4 and all("messages" in t for t in trajectories)
         assert "[checkpoint] saved step 3" in client.logs(job_id)
+        # Metering: the job's usage, the tenant's total (kept after the job is deleted) and the
+        # admin's Prometheus series of it.
+        usage = final.usage
+        assert usage["teacher_tokens"] > 0 and usage["learner_tokens_trained"] == final.trained_tokens
+        assert usage["cpu_s/teacher_engines"] > 0 and usage["wall_s"] > 0
+        [mine] = client.usage()
+        assert mine.tenant == "e2e" and mine.jobs == 1 and mine.usage == pytest.approx(usage)
+        client.delete_job(job_id)
+        [mine] = client.usage()
+        assert mine.jobs == 0 and mine.usage == pytest.approx(usage)
+        scrape = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}).text
+        line = next(
+            x for x in scrape.splitlines() if x.startswith('opd_tenant_teacher_tokens_total{tenant="e2e"}')
+        )
+        assert float(line.split()[-1]) == pytest.approx(usage["teacher_tokens"])
+        assert "opd_tenant_" not in httpx.get(server.url + "/metrics").text  # only with the admin key
     finally:
         cancel_unfinished(client, job_id)
 

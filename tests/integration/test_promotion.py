@@ -1,5 +1,7 @@
-"""Promotion in real jobs: the best validation becomes the model, checkpointed between save_steps and
-kept by retention, and a gate no validation meets leaves the job without a model.
+"""Promotion, metering and budgets in real jobs: the best validation becomes the model, checkpointed
+between save_steps and kept by retention; a gate no validation meets leaves the job without a model;
+the usage the job reports adds up from its records and every role; a teacher-token budget stops the
+job cleanly at the step that reaches it.
 
 The evaluator is scripted by validation (it reads the label in the rollout id: `eval-step-2`, ...), so
 the job's curve rises to a peak at step 2 and falls after it whatever the tiny models learn; everything
@@ -37,7 +39,9 @@ class ScriptedEvaluator(AbstractRewardProcessor):
 """
 
 
-def _job(tiny_models: TinyModels, tmp_path: Path, **promotion: Any) -> Any:
+def _job(
+    tiny_models: TinyModels, tmp_path: Path, budget: dict[str, Any] | None = None, **promotion: Any
+) -> Any:
     workspace = tmp_path / "workspace"
     (workspace / "functions").mkdir(parents=True)
     (workspace / "functions" / "__init__.py").write_text("")
@@ -78,6 +82,7 @@ def _job(tiny_models: TinyModels, tmp_path: Path, **promotion: Any) -> Any:
                 "learning_rate": 1e-5,
             },
             "promotion": promotion,
+            "budget": budget or {},
             "resources": {"student": engine, "teacher": engine, "learner_gpus": 0},
             "report_to": [],
         }
@@ -110,12 +115,43 @@ def test_the_peak_is_promoted_and_kept_and_an_unmet_gate_leaves_no_model(
     assert saved == [1, 2, 3]
     assert any(e["type"] == "promotion" and "step-000002" in e["message"] for e in run.events())
 
-    gated = _run(_job(tiny_models, tmp_path / "gated", threshold=0.95), tmp_path / "gated" / "run")
+    # Metering: the usage the job ends with is what its records add up to, and every role used CPU.
+    usage = run.usage()
+    records = run.records()
+    for key in ("teacher_tokens", "student_generated_tokens", "learner_tokens_trained", "processor_calls"):
+        assert usage[key] > 0 and sum(r[f"usage/{key}"] for r in records) == pytest.approx(usage[key])
+    trained = sum(r["trained_tokens"] for r in records if r["kind"] == "train")
+    assert usage["learner_tokens_trained"] == trained
+    roles = ("student_engines", "teacher_engines", "learner", "gateways", "processors", "driver")
+    assert all(usage[f"cpu_s/{role}"] > 0 for role in roles), usage
+    assert usage["gpu_s"] == 0.0 and usage["wall_s"] > 0
+    assert any(e["type"] == "usage" for e in run.events())
+
+    # The same job, gated by a threshold no validation meets and with a teacher-token budget the first
+    # job's second step crossed: it stops at the step whose record reaches the budget.
+    used = 0.0
+    for record in records:
+        used += record["usage/teacher_tokens"]
+        if record["kind"] == "train" and record["step"] == 1:
+            break
+    budget = {"max_teacher_tokens": int(used) + 1}
+    gated_spec = _job(tiny_models, tmp_path / "gated", budget=budget, threshold=0.95)
+    gated = _run(gated_spec, tmp_path / "gated" / "run")
+    steps = [r["step"] for r in gated.records() if r["kind"] == "train"]
+    cumulative, stop_step = 0.0, None
+    for record in gated.records():
+        cumulative += record["usage/teacher_tokens"]
+        if record["kind"] == "train" and cumulative >= budget["max_teacher_tokens"]:
+            stop_step = record["step"]
+            break
+    assert stop_step is not None and steps[-1] == stop_step == 2  # one step past the first job's step 1
+    events = gated.events()
+    [reached] = [e for e in events if e["type"] == "budget"]
+    assert reached["message"].startswith("budget.max_teacher_tokens reached") and reached["data"]["step"] == 2
     promoted = gated.promoted()
     assert promoted is not None and promoted["final"] and promoted["checkpoint"] is None
-    assert "threshold" in promoted["reason"] and "step 2" in promoted["reason"]
+    assert "threshold" in promoted["reason"]
     assert gated.fine_tuned_model_id() is None
-    events = gated.events()
     assert events[-1]["type"] == "status" and events[-1]["message"] == "succeeded"
     assert any(e["type"] == "warning" and e["message"].startswith("no fine_tuned_model") for e in events)
-    assert [c["id"] for c in gated.checkpoints()] == ["step-000003"]  # only the final one: nothing promoted
+    assert [c["id"] for c in gated.checkpoints()] == ["step-000002"]  # the stop's checkpoint only
