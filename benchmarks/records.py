@@ -91,6 +91,9 @@ TARGETS: dict[tuple[str, str], Target] = {
     ("efficacy", "train_s_to_90"): Target("<=", 600.0, "s"),
     ("efficacy", "steps_to_50_ratio"): Target(">=", 5.0),
     ("efficacy", "steps_to_90_ratio"): Target(">=", 5.0),
+    # `opd estimate` against the job it estimated: |estimate - actual| / actual.
+    ("estimate_error", "teacher_tokens_abs_error"): Target("<=", 0.1, "frac"),
+    ("estimate_error", "wall_s_abs_error"): Target("<=", 0.25, "frac"),
 }
 
 

@@ -1,10 +1,10 @@
 """Repeat a one-sided benchmark in fresh processes and write its record (records.py) from every run.
 
 For the benchmarks that measure one thing per run (engine_throughput, rollout_gateway, step_breakdown,
-api_load, efficacy): runs `benchmarks/<name>.py <args> --out <scratch>` `--runs` times, each a fresh
-process, one after another, reads the figures below from each run's JSON and writes one record whose
-figures are the per-run values (median, range, runs). A figure a run gives per seed (efficacy) counts
-each seed as a run.
+api_load, efficacy, estimate_error): runs `benchmarks/<name>.py <args> --out <scratch>` `--runs` times,
+each a fresh process, one after another, reads the figures below from each run's JSON and writes one
+record whose figures are the per-run values (median, range, runs). A figure a run gives per seed
+(efficacy) counts each seed as a run.
 
     .venv/bin/python benchmarks/repeat.py step_breakdown --runs 3 --publish -- --steps 6
 
@@ -63,6 +63,11 @@ def _steps_ratio(level: float) -> Extract:
     return extract
 
 
+def _abs_error(key: str) -> Extract:
+    """|estimate - actual| / actual of one metered key (estimate_error)."""
+    return lambda r: abs(r["relative_error"][key])
+
+
 # benchmark -> figure -> how to read it from one run's JSON (`--out`).
 FIGURES: dict[str, dict[str, Extract]] = {
     "engine_throughput": {
@@ -95,6 +100,10 @@ FIGURES: dict[str, dict[str, Extract]] = {
         "steps_to_50_ratio": _steps_ratio(0.5),
         "steps_to_90_ratio": _steps_ratio(0.9),
     },
+    "estimate_error": {
+        f"{key}_abs_error": _abs_error(key)
+        for key in ("teacher_tokens", "student_generated_tokens", "learner_tokens_trained", "cpu_s", "wall_s")
+    },
 }
 HEADLINE = {
     "engine_throughput": ["generate_ratio", "score_ratio"],
@@ -102,6 +111,7 @@ HEADLINE = {
     "step_breakdown": ["other_percent", "teacher_percent"],
     "api_load": ["read_p99_ms"],
     "efficacy": ["gap_closed"],
+    "estimate_error": ["teacher_tokens_abs_error", "wall_s_abs_error"],
 }
 
 

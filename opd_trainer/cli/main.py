@@ -18,6 +18,7 @@ from opd_trainer.cli.arguments import positive_int
 from opd_trainer.cli.client_commands import add_client_commands
 from opd_trainer.cli.preview import add_preview_command
 from opd_trainer.cli.serve import add_server_commands
+from opd_trainer.driver.estimate import DEFAULT_CALIBRATION_STEPS
 
 DEFAULT_MODELS_DIR = Path(".cache/tiny-models")
 
@@ -60,6 +61,13 @@ def _train(args: argparse.Namespace) -> int:
     from opd_trainer.cli.train import run_train
 
     return run_train(Path(args.job_file), Path(args.run_dir) if args.run_dir else None, args.stop_after)
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    # Lazy: CLI start-up (`opd --help`) loads no command's stack; this one loads when it runs.
+    from opd_trainer.cli.train import run_estimate
+
+    return run_estimate(Path(args.job_file), args.calibration_steps, args.output == "json")
 
 
 def _version() -> str:
@@ -106,6 +114,22 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--run-dir", help="where metrics, checkpoints and curves go (default: runs/JOB_NAME)")
     train.add_argument("--stop-after", type=int, help="stop (with a checkpoint) after this many steps")
     train.set_defaults(handler=_train)
+
+    estimate = commands.add_parser(
+        "estimate",
+        help="what a job will use (teacher tokens, CPU/GPU-seconds, wall time), from a short calibration run "
+        "of it on a local Ray",
+    )
+    estimate.add_argument("job_file", help="job spec, YAML or JSON")
+    estimate.add_argument(
+        "--calibration-steps",
+        type=positive_int,
+        default=DEFAULT_CALIBRATION_STEPS,
+        help=f"training steps the calibration runs (default {DEFAULT_CALIBRATION_STEPS}; it validates "
+        "after the first)",
+    )
+    estimate.add_argument("-o", "--output", choices=("table", "json"), default="table", help="output format")
+    estimate.set_defaults(handler=_estimate)
 
     roundtrip = commands.add_parser(
         "roundtrip",

@@ -1,5 +1,6 @@
 """`opd train JOB.yaml`: runs one job on an embedded local Ray with a live progress bar
-(`opd_trainer.driver.local_run`, which `tune(...)` also uses).
+(`opd_trainer.driver.local_run`, which `tune(...)` also uses); `opd estimate JOB.yaml`: what the job
+will use, from a short calibration run of it (`opd_trainer.driver.estimate`).
 
 Writes per-step metrics (JSONL + TensorBoard), events, checkpoints, PNG curves and a final
 teacher / student-before / student-after table under the run directory. Re-running the same
@@ -8,15 +9,31 @@ command resumes from the run directory's latest checkpoint.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import sys
 from pathlib import Path
 
+from opd_trainer.driver.estimate import estimate
 from opd_trainer.driver.local_run import prepare_spec, train_spec
 from opd_trainer.driver.plots import format_final_table
 from opd_trainer.errors import OPDError
 from opd_trainer.jobspec.job_spec import load_job_spec
 
-__all__ = ["format_final_table", "run_train"]
+__all__ = ["format_final_table", "run_estimate", "run_train"]
+
+# What `opd estimate` prints, in this order.
+ESTIMATE_ROWS = (
+    ("teacher tokens", "teacher_tokens", ""),
+    ("  of them from the prefix cache", "teacher_cached_tokens", ""),
+    ("student tokens generated", "student_generated_tokens", ""),
+    ("student prompt tokens", "student_prompt_tokens", ""),
+    ("learner tokens trained", "learner_tokens_trained", ""),
+    ("processor calls", "processor_calls", ""),
+    ("CPU-seconds", "cpu_s", " s"),
+    ("GPU-seconds", "gpu_s", " s"),
+    ("wall time", "wall_s", " s"),
+)
 
 
 def run_train(job_file: Path, run_dir: Path | None, stop_after: int | None) -> int:
@@ -31,4 +48,30 @@ def run_train(job_file: Path, run_dir: Path | None, stop_after: int | None) -> i
     except OPDError as exc:
         print(f"error: {exc.field + ': ' if exc.field else ''}{exc.message}", file=sys.stderr)
         return 1
+    return 0
+
+
+def run_estimate(job_file: Path, calibration_steps: int, as_json: bool) -> int:
+    """`opd estimate`: exit code 2 for a job file that fails pre-flight, 1 for a calibration that fails."""
+    try:
+        spec = prepare_spec(load_job_spec(job_file))
+    except OPDError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        # The calibration's progress goes to stderr, so that stdout is the estimate alone.
+        with contextlib.redirect_stdout(sys.stderr):
+            found = estimate(spec, calibration_steps)
+    except OPDError as exc:
+        print(f"error: {exc.field + ': ' if exc.field else ''}{exc.message}", file=sys.stderr)
+        return 1
+    if as_json:
+        print(json.dumps(found, indent=2))
+        return 0
+    print(
+        f"estimate for {spec.job_name}: {found['total_steps']} steps, {found['validations']} validations "
+        f"(from {found['calibration_steps']} calibration steps)"
+    )
+    for label, key, unit in ESTIMATE_ROWS:
+        print(f"  {label:<32} {found['usage'][key]:>14,.0f}{unit}")
     return 0
