@@ -462,6 +462,14 @@ def _options(admin: bool = False) -> argparse.ArgumentParser:
 def add_client_commands(commands: Any) -> None:
     """Registers the client commands on `opd`'s subparsers."""
     connection, admin = _options(), _options(admin=True)
+    _add_job_commands(commands, connection, admin)
+    _add_file_commands(commands, connection)
+    _add_key_commands(commands, admin)
+    _add_webhook_commands(commands, connection)
+
+
+def _add_job_commands(commands: Any, connection: Any, admin: Any) -> None:
+    """submit, jobs, get, logs, cancel/pause/resume, delete, checkpoints, download, metrics, usage."""
 
     def command(name: str, help_text: str, handler: Callable[[argparse.Namespace], int], **kw: Any) -> Any:
         parser = commands.add_parser(name, parents=[kw.pop("parent", connection)], help=help_text)
@@ -505,6 +513,9 @@ def add_client_commands(commands: Any) -> None:
     )
     command("usage", usage_help, _usage, parent=admin)
 
+
+def _add_file_commands(commands: Any, connection: Any) -> None:
+    """files list | upload | delete."""
     files = commands.add_parser("files", help="uploaded datasets and workspaces")
     file_commands = files.add_subparsers(dest="files_command", required=True)
     listing = file_commands.add_parser("list", parents=[connection], help="your files")
@@ -527,6 +538,9 @@ def add_client_commands(commands: Any) -> None:
     remove.add_argument("file_id")
     remove.set_defaults(handler=_guarded(_files_delete))
 
+
+def _add_key_commands(commands: Any, admin: Any) -> None:
+    """keys create | list | revoke."""
     keys = commands.add_parser("keys", help="API keys")
     key_commands = keys.add_subparsers(dest="keys_command", required=True)
     create = key_commands.add_parser("create", parents=[admin], help="create a tenant key (admin key)")
@@ -540,6 +554,9 @@ def add_client_commands(commands: Any) -> None:
     revoke.add_argument("key_id")
     revoke.set_defaults(handler=_guarded(_keys_revoke))
 
+
+def _add_webhook_commands(commands: Any, connection: Any) -> None:
+    """webhooks create | list | delete | deliveries."""
     hooks = commands.add_parser("webhooks", help="webhook endpoints: job status changes POSTed to your URL")
     hook_commands = hooks.add_subparsers(dest="webhooks_command", required=True)
     hook_create = hook_commands.add_parser(

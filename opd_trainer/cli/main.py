@@ -13,6 +13,7 @@ import sys
 import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from typing import Any
 
 from opd_trainer.cli.arguments import positive_int
 from opd_trainer.cli.client_commands import add_client_commands
@@ -77,6 +78,34 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+def _add_train_commands(commands: Any) -> None:
+    """train and estimate: a job file run (or calibrated) on a local Ray."""
+    train = commands.add_parser(
+        "train",
+        help="run an OPD job file on a local Ray (resumes from the run directory's latest checkpoint)",
+    )
+    train.add_argument("job_file", help="job spec, YAML or JSON")
+    train.add_argument("--run-dir", help="where metrics, checkpoints and curves go (default: runs/JOB_NAME)")
+    train.add_argument("--stop-after", type=int, help="stop (with a checkpoint) after this many steps")
+    train.set_defaults(handler=_train)
+
+    estimate = commands.add_parser(
+        "estimate",
+        help="what a job will use (teacher tokens, CPU/GPU-seconds, wall time), from a short calibration run "
+        "of it on a local Ray",
+    )
+    estimate.add_argument("job_file", help="job spec, YAML or JSON")
+    estimate.add_argument(
+        "--calibration-steps",
+        type=positive_int,
+        default=DEFAULT_CALIBRATION_STEPS,
+        help=f"training steps the calibration runs (default {DEFAULT_CALIBRATION_STEPS}; it validates "
+        "after the first)",
+    )
+    estimate.add_argument("-o", "--output", choices=("text", "json"), default="text", help="output format")
+    estimate.set_defaults(handler=_estimate)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="opd", description="Online policy distillation trainer.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -106,30 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tiny.set_defaults(handler=_make_tiny_models)
 
-    train = commands.add_parser(
-        "train",
-        help="run an OPD job file on a local Ray (resumes from the run directory's latest checkpoint)",
-    )
-    train.add_argument("job_file", help="job spec, YAML or JSON")
-    train.add_argument("--run-dir", help="where metrics, checkpoints and curves go (default: runs/JOB_NAME)")
-    train.add_argument("--stop-after", type=int, help="stop (with a checkpoint) after this many steps")
-    train.set_defaults(handler=_train)
-
-    estimate = commands.add_parser(
-        "estimate",
-        help="what a job will use (teacher tokens, CPU/GPU-seconds, wall time), from a short calibration run "
-        "of it on a local Ray",
-    )
-    estimate.add_argument("job_file", help="job spec, YAML or JSON")
-    estimate.add_argument(
-        "--calibration-steps",
-        type=positive_int,
-        default=DEFAULT_CALIBRATION_STEPS,
-        help=f"training steps the calibration runs (default {DEFAULT_CALIBRATION_STEPS}; it validates "
-        "after the first)",
-    )
-    estimate.add_argument("-o", "--output", choices=("table", "json"), default="table", help="output format")
-    estimate.set_defaults(handler=_estimate)
+    _add_train_commands(commands)
 
     roundtrip = commands.add_parser(
         "roundtrip",

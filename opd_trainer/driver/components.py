@@ -142,17 +142,7 @@ async def start_components(
     student, teacher, learner = await _start_engines_and_learner(
         spec, job_id, max_length, total_updates, world_size, started
     )
-    if storage_token is not None:
-        await learner.check_storage(str(run_dir), storage_token)
-    try:
-        transfers = await student.transfers(spec.resources.weight_transfer, await learner.node_id())
-    except ValueError as exc:
-        raise ConfigError(str(exc), field="resources.weight_transfer") from None
-    emit(
-        "status",
-        f"student weights reach the engines by {', '.join(sorted(set(transfers)))}",
-        weight_transfers=transfers,
-    )
+    transfers = await _learner_handoffs(spec, student, learner, (run_dir, storage_token), emit)
     base_url = await _serve_gateway(gateway, student)
     pools = await _start_pools(spec, job_id, validates, sandbox, started, emit)
     teacher_url = None
@@ -177,6 +167,26 @@ async def start_components(
         pools=tuple(started.pools),
         gateways=tuple(started.gateways),
     )
+
+
+async def _learner_handoffs(
+    spec: JobSpec, student: EngineGroup, learner: LearnerGroup, storage: tuple[Path, str | None], emit: Emit
+) -> list[str]:
+    """Every learner rank sees the run dir (`storage`: it and the probe token, if any); returns each
+    student replica's weight transport (`resources.weight_transfer` against where they landed)."""
+    run_dir, storage_token = storage
+    if storage_token is not None:
+        await learner.check_storage(str(run_dir), storage_token)
+    try:
+        transfers = await student.transfers(spec.resources.weight_transfer, await learner.node_id())
+    except ValueError as exc:
+        raise ConfigError(str(exc), field="resources.weight_transfer") from None
+    emit(
+        "status",
+        f"student weights reach the engines by {', '.join(sorted(set(transfers)))}",
+        weight_transfers=transfers,
+    )
+    return transfers
 
 
 async def _start_engines_and_learner(

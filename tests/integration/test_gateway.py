@@ -27,8 +27,8 @@ pytestmark = pytest.mark.integration
 MAX_TOKENS = 48
 
 
-@pytest.fixture(scope="module")
-def gateway(student_engine: Any, tiny_models: TinyModels) -> Iterator[tuple[Any, str]]:
+def _student_gateway(student_engine: Any, tiny_models: TinyModels, **options: Any) -> tuple[Any, str]:
+    """A gateway over the shared student engine, serving; returns the actor and its base URL."""
     actor = GatewayActor.remote(  # type: ignore[attr-defined]
         "student",
         str(tiny_models.student),
@@ -36,8 +36,14 @@ def gateway(student_engine: Any, tiny_models: TinyModels) -> Iterator[tuple[Any,
         max_tokens=MAX_TOKENS,
         temperature=1.0,
         max_length=1024,
+        **options,
     )
-    base_url = ray.get(actor.serve.remote())
+    return actor, ray.get(actor.serve.remote())
+
+
+@pytest.fixture(scope="module")
+def gateway(student_engine: Any, tiny_models: TinyModels) -> Iterator[tuple[Any, str]]:
+    actor, base_url = _student_gateway(student_engine, tiny_models)
     yield actor, base_url
     ray.get(actor.shutdown.remote())
     ray.kill(actor)
@@ -403,16 +409,7 @@ def test_builtin_rollouts_survive_a_pause_longer_than_the_gateways_keep_alive(
     in which the driver's loop is busy (3 s, e.g. starved of cores after a validation), so each pooled
     connection's FIN is not read before the next step's rollouts write into it. Every rollout of the
     next step succeeds, with exactly one recorded call: the retried requests had never been sent."""
-    actor = GatewayActor.remote(  # type: ignore[attr-defined]
-        "student",
-        str(tiny_models.student),
-        [student_engine],
-        max_tokens=MAX_TOKENS,
-        temperature=1.0,
-        max_length=1024,
-        keep_alive_s=1.0,
-    )
-    base_url = ray.get(actor.serve.remote())
+    actor, base_url = _student_gateway(student_engine, tiny_models, keep_alive_s=1.0)
     runner = RolloutRunner("keep-alive", actor, base_url, max_tokens=8, temperature=1.0)
     samples = [Sample("keep-alive.jsonl", i, tool_call_record["messages"], None) for i in range(2)]
     open_keys = runner._open_keys
