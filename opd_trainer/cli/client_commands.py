@@ -321,16 +321,21 @@ def _keys_create(args: argparse.Namespace) -> int:
     return 0
 
 
-def _usage(args: argparse.Namespace) -> int:
+def _as_admin_or_tenant(args: argparse.Namespace, call: Callable[[Any, str | None], Any]) -> Any:
+    """`call(client, admin_key)` with the admin key when one is given (every tenant's view), else
+    `call(client, None)` with the tenant's key."""
     # Lazy: CLI start-up (`opd --help`) loads no command's stack; this one loads when it runs.
     from opd_trainer.client.api_client import OPDClient
 
     admin_key = _admin_key(args, required=False)
     if admin_key:
         with OPDClient(args.base_url, api_key="") as client:
-            tenants = client.usage(admin_key)
-    else:
-        tenants = _client(args).usage()
+            return call(client, admin_key)
+    return call(_client(args), None)
+
+
+def _usage(args: argparse.Namespace) -> int:
+    tenants = _as_admin_or_tenant(args, lambda client, admin_key: client.usage(admin_key))
     if not _json_out(args, tenants):
         columns = ("teacher_tokens", "student_generated_tokens", "learner_tokens_trained", "cpu_s", "gpu_s")
         rows = ([t.tenant, t.jobs, *(f"{t.usage.get(c, 0.0):.0f}" for c in columns)] for t in tenants)
@@ -341,15 +346,7 @@ def _usage(args: argparse.Namespace) -> int:
 
 
 def _keys_list(args: argparse.Namespace) -> int:
-    # Lazy: CLI start-up (`opd --help`) loads no command's stack; this one loads when it runs.
-    from opd_trainer.client.api_client import OPDClient
-
-    admin_key = _admin_key(args, required=False)
-    if admin_key:
-        with OPDClient(args.base_url, api_key="") as client:
-            keys = client.list_keys(admin_key)
-    else:
-        keys = _client(args).list_keys()
+    keys = _as_admin_or_tenant(args, lambda client, admin_key: client.list_keys(admin_key))
     if not _json_out(args, keys):
         rows = ([k.id, k.tenant, f"{k.prefix}...", _when(k.created_at)] for k in keys)
         _table(["id", "tenant", "key", "created"], rows)

@@ -18,7 +18,7 @@ from opd_trainer.driver.estimate import estimate
 from opd_trainer.driver.local_run import prepare_spec, train_spec
 from opd_trainer.driver.plots import format_final_table
 from opd_trainer.errors import OPDError
-from opd_trainer.jobspec.job_spec import load_job_spec
+from opd_trainer.jobspec.job_spec import JobSpec, load_job_spec
 
 __all__ = ["format_final_table", "run_estimate", "run_train"]
 
@@ -36,35 +36,43 @@ ESTIMATE_ROWS = (
 )
 
 
-def run_train(job_file: Path, run_dir: Path | None, stop_after: int | None) -> int:
-    """`opd train`: exit code 2 for a job file that fails pre-flight, 1 for a job that fails."""
+def _prepared(job_file: Path) -> JobSpec | None:
+    """The job file, prepared (`prepare_spec`); None after printing why it fails pre-flight."""
     try:
-        spec = prepare_spec(load_job_spec(job_file))
+        return prepare_spec(load_job_spec(job_file))
     except OPDError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return None
+
+
+def _job_failed(exc: OPDError) -> int:
+    print(f"error: {exc.field + ': ' if exc.field else ''}{exc.message}", file=sys.stderr)
+    return 1
+
+
+def run_train(job_file: Path, run_dir: Path | None, stop_after: int | None) -> int:
+    """`opd train`: exit code 2 for a job file that fails pre-flight, 1 for a job that fails."""
+    spec = _prepared(job_file)
+    if spec is None:
         return 2
     try:
         train_spec(spec, run_dir, stop_after)
     except OPDError as exc:
-        print(f"error: {exc.field + ': ' if exc.field else ''}{exc.message}", file=sys.stderr)
-        return 1
+        return _job_failed(exc)
     return 0
 
 
 def run_estimate(job_file: Path, calibration_steps: int, as_json: bool) -> int:
     """`opd estimate`: exit code 2 for a job file that fails pre-flight, 1 for a calibration that fails."""
-    try:
-        spec = prepare_spec(load_job_spec(job_file))
-    except OPDError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    spec = _prepared(job_file)
+    if spec is None:
         return 2
     try:
         # The calibration's progress goes to stderr, so that stdout is the estimate alone.
         with contextlib.redirect_stdout(sys.stderr):
             found = estimate(spec, calibration_steps)
     except OPDError as exc:
-        print(f"error: {exc.field + ': ' if exc.field else ''}{exc.message}", file=sys.stderr)
-        return 1
+        return _job_failed(exc)
     if as_json:
         print(json.dumps(found, indent=2))
         return 0
