@@ -59,6 +59,7 @@ bench: setup
 	$(BIN)/python benchmarks/repeat.py step_breakdown --runs 3 --publish -- --steps 6
 	$(BIN)/python benchmarks/staleness.py --steps 12 --eval-every 4 --seeds 0 1 2 --publish
 	$(BIN)/python benchmarks/repeat.py api_load --runs 3 --publish -- --models-dir $(TINY_MODELS_DIR)
+	$(BIN)/python benchmarks/repeat.py estimate_error --runs 3 --publish --models-dir $(TINY_MODELS_DIR)
 	$(BIN)/python benchmarks/vs_trl_gkd.py --models-dir $(TINY_MODELS_DIR) --publish
 	$(BIN)/python benchmarks/vs_trl_gkd.py --models-dir $(TINY_MODELS_DIR) --batch-size 32 --crossover-batches --publish
 	$(BIN)/python benchmarks/report.py --write

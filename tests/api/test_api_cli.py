@@ -211,6 +211,13 @@ def test_keys_list_and_revoke(
     assert [k["id"] for k in own] == [key["id"]] and all(k.get("key") is None for k in own)
     assert main(["keys", "list", "--admin-key", ADMIN_KEY]) == 0
     assert key["id"] in capsys.readouterr().out
+    # Usage: a tenant with no job has used nothing; the admin sees every tenant's row.
+    assert main(["usage", "--api-key", key["key"], "-o", "json"]) == 0
+    [mine] = json.loads(capsys.readouterr().out)
+    assert mine["tenant"] == "revoked-tenant" and mine["jobs"] == 0 and mine["usage"] == {}
+    assert main(["usage", "--admin-key", ADMIN_KEY]) == 0
+    table = capsys.readouterr().out
+    assert table.startswith("tenant") and "revoked-tenant" in table
     assert main(["keys", "revoke", key["id"]]) == 2  # no admin key
     assert "error: admin_key: set OPD_ADMIN_KEY" in capsys.readouterr().err
     assert main(["keys", "revoke", key["id"], "--admin-key", ADMIN_KEY]) == 0
