@@ -3,11 +3,11 @@
 A short calibration run of the job itself (its engines, learner, processors and data; the first
 `calibration_steps` steps, validating after the first) is metered like any job (`driver/metering.py`),
 and its records say what each part of a job costs: the start (start-up, drift probe, the teacher's
-baseline and the starting student's validation: the first validation record), one training step (the
-mean of the training records) and one validation of the trained student (the validation after step 1).
-The estimate is
+baseline and the starting student's validation: the first validation record), the first training step
+(it warms caches and allocators: counted once), a steady step (the mean of the later training records)
+and one validation of the trained student (the validation after step 1). The estimate is
 
-    start + total_steps x step + validations x validation
+    start + first step + (total_steps - 1) x steady step + validations x validation
 
 for every metered key, `validations` being the job's validations every `eval_steps` and the final one.
 What varies with what the student learns (completion lengths, a processor's speed) is taken at the
@@ -69,16 +69,21 @@ def estimate_from_records(records: list[dict[str, Any]], spec: JobSpec, total_st
         raise ValueError("the calibration run recorded no training step")
     start = _usage(evals[0]) if evals and evals[0]["step"] == 0 else dict.fromkeys(RECORDED, 0.0)
     trained_evals = [_usage(r) for r in evals if r["step"] >= 1]
-    step = {key: mean([u[key] for u in train]) for key in RECORDED}
+    first, steady_steps = train[0], train[1:] or train[:1]
+    step = {key: mean([u[key] for u in steady_steps]) for key in RECORDED}
     validation = trained_evals[0] if trained_evals else dict.fromkeys(RECORDED, 0.0)
     count = validations(spec, total_steps)
-    usage = {key: start[key] + total_steps * step[key] + count * validation[key] for key in RECORDED}
+    usage = {
+        key: start[key] + first[key] + (total_steps - 1) * step[key] + count * validation[key]
+        for key in RECORDED
+    }
     return {
         "total_steps": total_steps,
         "validations": count,
         "calibration_steps": len(train),
         "usage": usage,
         "start": start,
+        "first_step": first,
         "step": step,
         "validation": validation,
     }

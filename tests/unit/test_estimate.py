@@ -38,7 +38,7 @@ def test_validations_are_every_eval_steps_before_the_last_step_and_the_final_one
     assert validations(no_validation, 10) == 0
 
 
-def test_the_estimate_is_start_plus_steps_plus_validations() -> None:
+def test_the_estimate_is_start_first_step_steady_steps_and_validations() -> None:
     records = [
         _record("eval", 0, 1000, 70),  # start-up, the teacher's baseline, the starting student
         _record("train", 1, 300, 5),
@@ -49,8 +49,11 @@ def test_the_estimate_is_start_plus_steps_plus_validations() -> None:
     spec = _spec(eval_steps=4)
     found = estimate_from_records(records, spec, total_steps=10)
     assert found["calibration_steps"] == 2 and found["validations"] == 3
-    assert found["usage"]["teacher_tokens"] == pytest.approx(1000 + 10 * 400 + 3 * 200)
-    assert found["usage"]["wall_s"] == pytest.approx(70 + 10 * 6 + 3 * 2)
+    # The first step (300 tokens, 5 s) counts once; the other 9 are the later steps' mean.
+    assert found["usage"]["teacher_tokens"] == pytest.approx(1000 + 300 + 9 * 500 + 3 * 200)
+    assert found["usage"]["wall_s"] == pytest.approx(70 + 5 + 9 * 7 + 3 * 2)
+    one_step = estimate_from_records(records[:3], spec, total_steps=10)
+    assert one_step["usage"]["teacher_tokens"] == pytest.approx(1000 + 10 * 300 + 3 * 200)
 
 
 def test_a_calibration_without_a_training_step_is_refused() -> None:
