@@ -17,7 +17,7 @@ from api.db import Database, migrate
 from api.errors import install_error_handlers, openapi_with_declared_errors
 from api.limits import BodyLimitMiddleware, RateLimitMiddleware, StreamSlots
 from api.observability import ServerMetrics
-from api.routes import files, health, jobs, keys, usage, webhooks
+from api.routes import console, files, health, jobs, keys, usage, webhooks
 from api.services.keys import AuthCache
 from api.services.scheduler import Scheduler
 from api.services.webhooks_delivery import Deliverer
@@ -75,6 +75,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.event_streams = StreamSlots(settings.event_streams_per_tenant)
     for router in (health.router, keys.router, files.router, jobs.router, webhooks.router, usage.router):
         app.include_router(router)
+    app.include_router(console.router)  # the web console's static pages (docs/console.md)
     install_error_handlers(app)
     app.openapi = lambda: openapi_with_declared_errors(app)  # type: ignore[method-assign]
     metrics.instrument(app)

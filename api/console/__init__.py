@@ -1,0 +1,1 @@
+"""The web console's static pages, served by api/routes/console.py under /console."""

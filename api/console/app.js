@@ -1,0 +1,192 @@
+// OPD console: hash-routed pages over the tenant-scoped /v1/opd routes. The key lives in sessionStorage.
+const KEY = "opd_api_key";
+const main = document.getElementById("main");
+const errorBox = document.getElementById("error");
+let streamAbort = null;
+
+const esc = (s) => String(s ?? "").replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
+const when = (t) => (t ? new Date(t * 1000).toISOString().replace("T", " ").slice(0, 19) : "");
+
+async function api(path, options = {}) {
+  const response = await fetch(path, {
+    ...options,
+    headers: { Authorization: `Bearer ${sessionStorage.getItem(KEY)}`, ...(options.headers || {}) },
+  });
+  if (!response.ok) {
+    let message = `${response.status} ${response.statusText}`;
+    try { message = (await response.json()).error.message; } catch (_) { /* not JSON */ }
+    if (response.status === 401) { sessionStorage.removeItem(KEY); }
+    throw new Error(`${path}: ${message}`);
+  }
+  return response;
+}
+const json = async (path, options) => (await api(path, options)).json();
+
+function loginPage() {
+  main.innerHTML = `<form id="login"><label>API key <input id="key" type="password" size="50" autofocus></label>
+    <button>Open</button></form>`;
+  document.getElementById("login").onsubmit = (e) => {
+    e.preventDefault();
+    sessionStorage.setItem(KEY, document.getElementById("key").value.trim());
+    route();
+  };
+}
+
+async function jobsPage(filter) {
+  const jobs = (await json("/v1/opd/jobs?limit=100")).data;
+  const statuses = [...new Set(jobs.map((j) => j.status))];
+  const shown = filter ? jobs.filter((j) => j.status === filter) : jobs;
+  main.innerHTML = `<h1>Jobs</h1><label>Status <select id="filter"><option value="">all</option>
+    ${statuses.map((s) => `<option ${s === filter ? "selected" : ""}>${esc(s)}</option>`).join("")}</select></label>
+    <table><thead><tr><th>Job</th><th>Name</th><th>Status</th><th>Step</th><th>Latest metrics</th><th>Created</th><th>Finished</th></tr></thead>
+    <tbody>${shown.map((j) => `<tr class="job" tabindex="0" data-id="${esc(j.id)}"><td>${esc(j.id)}</td><td>${esc(j.job_name)}</td>
+      <td>${esc(j.status)}</td><td>${j.step} / ${j.total_steps ?? "?"}</td>
+      <td>${Object.entries(j.metrics || {}).slice(0, 4).map(([k, v]) => `${esc(k)}=${Number(v).toFixed(3)}`).join(" ")}</td>
+      <td>${when(j.created_at)}</td><td>${when(j.finished_at)}</td></tr>`).join("")}</tbody></table>`;
+  document.getElementById("filter").onchange = (e) => { location.hash = `#/jobs/${e.target.value}`.replace(/\/$/, ""); };
+  for (const row of main.querySelectorAll("tr.job")) {
+    const open = () => { location.hash = `#/job/${row.dataset.id}`; };
+    row.onclick = open;
+    row.onkeydown = (e) => { if (e.key === "Enter") open(); };
+  }
+}
+
+// One chart per metric name, whatever the job reports; step (train) and validation (eval) records apart.
+const series = new Map();
+function addPoint(kind, step, values) {
+  for (const [name, value] of Object.entries(values || {})) {
+    if (typeof value !== "number" || name === "step") continue;
+    const id = `${kind}:${name}`;
+    if (!series.has(id)) series.set(id, { kind, name, x: [], y: [] });
+    const s = series.get(id);
+    s.x.push(step); s.y.push(value);
+    const div = document.getElementById(`chart-${CSS.escape(id)}`);
+  }
+}
+function drawCharts() {
+  const box = document.getElementById("charts");
+  for (const [id, s] of series) {
+    let div = document.getElementById(`chart-${CSS.escape(id)}`);
+    if (!div) { div = document.createElement("div"); div.id = `chart-${id}`; div.className = "chart"; box.append(div); }
+    Plotly.newPlot(div, [{ x: s.x.slice(), y: s.y.slice(), mode: "lines+markers", name: s.name }],
+      { title: { text: `${s.kind === "eval" ? "validation" : "step"}: ${s.name}` }, margin: { t: 36, l: 48, r: 12, b: 32 },
+        xaxis: { title: { text: "step" } } }, { displayModeBar: false, responsive: true });
+    div.dataset.drawn = "1";
+  }
+}
+
+async function loadCurves(jobId) {
+  const metrics = await json(`/v1/opd/jobs/${jobId}/metrics`);
+  series.clear();
+  for (const r of metrics.data) addPoint(r.kind === "eval" ? "eval" : "train", r.step, r);
+  drawCharts();
+}
+
+async function follow(jobId, after) {
+  // EventSource cannot send a header, so the stream is read through fetch.
+  streamAbort = new AbortController();
+  const response = await api(`/v1/opd/jobs/${jobId}/events?after=${after}`, {
+    headers: { Accept: "text/event-stream" }, signal: streamAbort.signal,
+  });
+  const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += value;
+    let cut;
+    while ((cut = buffer.indexOf("\n\n")) >= 0) {
+      const block = buffer.slice(0, cut); buffer = buffer.slice(cut + 2);
+      const data = block.split("\n").filter((l) => l.startsWith("data:")).map((l) => l.slice(5)).join("\n");
+      if (!data) continue;
+      const event = JSON.parse(data);
+      if (event.object === "opd.job") { renderHead(event); continue; }
+      logEvent(event);
+      // A step event names a few metrics; metrics.jsonl has them all, so every curve follows it.
+      if (event.type === "step" || event.type === "eval" || event.type === "checkpoint") await loadCurves(jobId);
+    }
+  }
+}
+
+function logEvent(e) {
+  const log = document.getElementById("events");
+  if (log) log.insertAdjacentHTML("afterbegin", `<tr><td>${e.id}</td><td>${when(e.time)}</td><td>${esc(e.type)}</td><td>${esc(e.message)}</td></tr>`);
+}
+
+function renderHead(job) {
+  document.getElementById("head").innerHTML = `<h1>${esc(job.job_name)} <small>${esc(job.id)}</small></h1>
+    <p>Status <strong id="status">${esc(job.status)}</strong>, step ${job.step} / ${job.total_steps ?? "?"}</p>`;
+}
+
+async function jobPage(jobId) {
+  const job = await json(`/v1/opd/jobs/${jobId}`);
+  series.clear();
+  main.innerHTML = `<p><a href="#/jobs">All jobs</a> · <a href="#/job/${esc(jobId)}/trajectories">Trajectories</a></p>
+    <div id="head"></div>
+    <p><button data-act="cancel">Cancel</button> <button data-act="pause">Pause</button> <button data-act="resume">Resume</button></p>
+    <h2>Curves</h2><div id="charts" class="charts"></div>
+    <h2>Checkpoints</h2><table id="checkpoints"></table>
+    <h2>Events</h2><table><tbody id="events"></tbody></table>
+    <h2>Spec as submitted</h2><pre>${esc(JSON.stringify(job.spec, null, 2))}</pre>`;
+  renderHead(job);
+  for (const b of main.querySelectorAll("button[data-act]")) {
+    b.onclick = async () => {
+      try { renderHead(await json(`/v1/opd/jobs/${jobId}/${b.dataset.act}`, { method: "POST" })); errorBox.textContent = ""; }
+      catch (err) { errorBox.textContent = err.message; }
+    };
+  }
+  await loadCurves(jobId);
+  const checkpoints = (await json(`/v1/opd/jobs/${jobId}/checkpoints`)).data;
+  document.getElementById("checkpoints").innerHTML = `<tr><th>Id</th><th>Step</th><th>Validation</th><th></th></tr>` +
+    checkpoints.map((c) => `<tr><td>${esc(c.id)}</td><td>${c.step}</td>
+      <td>${esc(Object.entries(c.eval || c.metrics || {}).map(([k, v]) => `${k}=${v}`).join(" "))}</td>
+      <td><button data-ckpt="${esc(c.id)}">Download</button></td></tr>`).join("");
+  for (const b of main.querySelectorAll("button[data-ckpt]")) {
+    // A plain link cannot carry the key: download through fetch and hand the blob to the browser.
+    b.onclick = async () => {
+      const blob = await (await api(`/v1/opd/jobs/${jobId}/checkpoints/${b.dataset.ckpt}/content`)).blob();
+      const a = Object.assign(document.createElement("a"), { href: URL.createObjectURL(blob), download: `${jobId}-${b.dataset.ckpt}.zip` });
+      a.click();
+    };
+  }
+  follow(jobId, 0).catch((err) => { if (err.name !== "AbortError") errorBox.textContent = err.message; });
+}
+
+function renderMessage(m) {
+  const calls = (m.tool_calls || []).map((c) => {
+    const f = c.function || c;
+    return `<div class="toolcall">tool call <strong>${esc(f.name)}</strong>(${esc(typeof f.arguments === "string" ? f.arguments : JSON.stringify(f.arguments))})</div>`;
+  }).join("");
+  const content = typeof m.content === "string" ? m.content : JSON.stringify(m.content);
+  const label = m.role === "tool" ? `tool result${m.name ? ` (${esc(m.name)})` : ""}` : esc(m.role);
+  return `<div class="turn ${esc(m.role)}"><em>${label}</em>\n${esc(content)}${calls}</div>`;
+}
+
+async function trajectoriesPage(jobId) {
+  const trajectories = (await json(`/v1/opd/jobs/${jobId}/trajectories?limit=50`)).data;
+  main.innerHTML = `<p><a href="#/job/${esc(jobId)}">Back to the job</a></p><h1>Trajectories</h1>` +
+    trajectories.map((t, i) => `<section class="trajectory"><h2>#${i + 1} step ${esc(t.step ?? "")}
+      reward ${esc(t.reward)} ${esc(JSON.stringify(t.component_rewards ?? {}))}${t.failed ? ` failed: ${esc(t.error)}` : ""}</h2>
+      ${(t.messages || []).map(renderMessage).join("")}</section>`).join("");
+}
+
+async function route() {
+  if (streamAbort) { streamAbort.abort(); streamAbort = null; }
+  errorBox.textContent = "";
+  const key = sessionStorage.getItem(KEY);
+  document.getElementById("logout").hidden = !key;
+  if (!key) return loginPage();
+  const parts = location.hash.replace(/^#\/?/, "").split("/");
+  try {
+    if (parts[0] === "job" && parts[2] === "trajectories") return await trajectoriesPage(parts[1]);
+    if (parts[0] === "job" && parts[1]) return await jobPage(parts[1]);
+    return await jobsPage(parts[0] === "jobs" ? parts[1] : "");
+  } catch (err) {
+    errorBox.textContent = err.message;
+    if (!sessionStorage.getItem(KEY)) loginPage();
+  }
+}
+
+document.getElementById("logout").onclick = () => { sessionStorage.removeItem(KEY); route(); };
+window.addEventListener("hashchange", route);
+route();
