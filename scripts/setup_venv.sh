@@ -64,6 +64,10 @@ if [[ ",${extras}," == *",test,"* ]] && ! ls /usr/lib/postgresql/*/bin/initdb >/
     && ! command -v initdb >/dev/null 2>&1; then
     apt_install postgresql "the PostgreSQL tests will be skipped"
 fi
+# tests/api/test_console.py drives the web console in Debian's headless `chromium` (through Playwright).
+if [[ ",${extras}," == *",test,"* ]] && ! command -v chromium >/dev/null 2>&1; then
+    apt_install chromium "the console's browser test will be skipped"
+fi
 "$venv/bin/python" - <<'PY'
 import torch, transformers  # noqa: F401  (fail set-up early if the stack cannot import)
 print(f"venv ready: torch {torch.__version__}, transformers {transformers.__version__}")

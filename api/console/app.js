@@ -93,7 +93,8 @@ async function follow(jobId, after) {
   for (;;) {
     const { value, done } = await reader.read();
     if (done) return;
-    buffer += value;
+    // sse-starlette ends lines in CRLF; joined first, so a CRLF split across two chunks still matches.
+    buffer = (buffer + value).replace(/\r\n/g, "\n");
     let cut;
     while ((cut = buffer.indexOf("\n\n")) >= 0) {
       const block = buffer.slice(0, cut); buffer = buffer.slice(cut + 2);
