@@ -193,10 +193,13 @@ class JobDriver:
             metrics = await train_step(
                 c, sampler, self.step, sample_next=sample_next, clock=clock, log=self.log
             )
+            self._meter.add_step(metrics)
+            recorded = await self._with_usage(c, metrics)
+            # From here to the record no await: whoever sees the new step (`progress()`) finds its
+            # record in metrics.jsonl (the server sums trained tokens from it).
             self.step += 1
             self._latest = metrics
-            self._meter.add_step(metrics)
-            self._record("train", self.step, await self._with_usage(c, metrics))
+            self._record("train", self.step, recorded)
             self.emit(
                 "step",
                 f"step {self.step}/{self.total_steps} reverse_kl={metrics['reverse_kl']:.4f} "
