@@ -22,7 +22,7 @@ from typing import Any
 
 from opd_trainer.driver.metering import RECORDED
 from opd_trainer.jobspec.dataset import load_samples
-from opd_trainer.jobspec.job_spec import JobSpec
+from opd_trainer.jobspec.job_spec import Budget, JobSpec
 from opd_trainer.stats import mean
 
 DEFAULT_CALIBRATION_STEPS = 2
@@ -37,12 +37,7 @@ def calibration_spec(spec: JobSpec, steps: int) -> JobSpec:
             "job_name": f"{spec.job_name}-calibration",
             "hyper_parameters": hp,
             "report_to": [],
-            "budget": spec.budget.model_copy(
-                update={
-                    f: None
-                    for f in ("max_teacher_tokens", "max_cpu_seconds", "max_gpu_seconds", "max_wall_seconds")
-                }
-            ),
+            "budget": Budget(),  # no limit
         }
     )
 
