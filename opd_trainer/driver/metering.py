@@ -92,8 +92,11 @@ class Meter:
             "gateways": sum(g["gpus"] for g in gateways),
         }
         now = time.monotonic()
+        first = self._last_read == self._started
         for role in ROLES:  # GPUs held since the last read, at what was held then
-            self._gpu_s[role] += self._gpus[role] * (now - self._last_read)
+            # Before the first read the parts were starting up, holding what they hold now.
+            held = gpus.get(role, 0.0) if first else self._gpus[role]
+            self._gpu_s[role] += held * (now - self._last_read)
             self._gpus[role] = gpus.get(role, 0.0)
         self._last_read = now
         run = {

@@ -71,10 +71,12 @@ def test_usage_adds_up_every_part_per_role() -> None:
 
 def test_gpu_seconds_are_gpus_held_times_the_seconds_held() -> None:
     meter = Meter()
-    asyncio.run(meter.read(_components(teacher_prompt=0, learner_gpus=2.0)))
+    time.sleep(0.2)  # start-up: the GPUs the first read finds were held since the meter started
+    first = asyncio.run(meter.read(_components(teacher_prompt=0, learner_gpus=2.0)))
+    assert 0.4 <= first["gpu_s/learner"] < 1.0
     time.sleep(0.2)
     usage = asyncio.run(meter.read(_components(teacher_prompt=0, learner_gpus=2.0)))
-    assert 0.4 <= usage["gpu_s/learner"] < 1.0 and usage["gpu_s"] == usage["gpu_s/learner"]
+    assert 0.8 <= usage["gpu_s/learner"] < 2.0 and usage["gpu_s"] == usage["gpu_s/learner"]
 
 
 def test_record_deltas_add_up_to_the_usage_and_a_resume_starts_from_the_earlier_runs() -> None:
