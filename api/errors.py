@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from opd_trainer.errors import OPDError
+from opd_trainer.jobspec.job_spec import error_field_path
 
 logger = logging.getLogger(__name__)
 
@@ -70,10 +71,10 @@ def error_response(status: int, code: str, message: str, param: str | None = Non
 
 def field_path(location: tuple[Any, ...] | list[Any]) -> str | None:
     """`("body", "hyper_parameters", "batch_size")` → `hyper_parameters.batch_size`."""
-    parts = [str(p) for p in location]
+    parts = list(location)
     if parts and parts[0] in {"body", "query", "path", "header", "cookie"}:
         parts = parts[1:]
-    return ".".join(parts) or None
+    return error_field_path(parts) if parts else None
 
 
 def _validation_message(errors: list[dict[str, Any]]) -> str:

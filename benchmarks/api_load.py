@@ -95,7 +95,7 @@ def _summary(name: str, latencies: list[float], statuses: list[int]) -> dict[str
 
 def _job_model_dirs(job_file: Path) -> list[str]:
     spec = load_job_spec(job_file)
-    return [str(Path(spec.model).resolve().parent), str(Path(spec.teacher_model).resolve().parent)]
+    return sorted({str(Path(path).resolve().parent) for path in spec.weight_sources().values()})
 
 
 def _start_running_job(base_url: str, key: str, job_file: Path, timeout_s: float = 900) -> str:

@@ -54,3 +54,7 @@ class LLMCall:
     """Turn-level hindsight advantage of this call (learner/hindsight.py; 0 unless `hindsight_coef`)."""
     teacher_saw_note: bool = False
     """The teacher scored this call with the reference in its context (driver/teacher_hindsight.py)."""
+    teacher_name: str = ""
+    """The teacher that scored this call (`teacher_model`'s names; `teacher` for a job's only one)."""
+    teacher_latency_s: float = 0.0
+    """Seconds the scoring request that held this call took."""

@@ -74,14 +74,15 @@ def tune(
     workflow_func: Callable[..., Any],
     judge_func: Callable[..., Any] | None = None,
     model: str,
-    teacher_model: str,
+    teacher_model: str | list[dict[str, Any]],
     train_dataset: DatasetConfig | str | Path,
     eval_dataset: DatasetConfig | str | Path | None = None,
     job_name: str = "tune",
     run_dir: str | Path | None = None,
     **job_fields: Any,
 ) -> dict[str, Any]:
-    """Trains `model` toward `teacher_model` (`"self"`: its own initial weights) on `workflow_func`'s
+    """Trains `model` toward `teacher_model` (`"self"`: its own initial weights; a list of
+    {name, model, data_tags}: several teachers routed by data tag, as in the job spec) on `workflow_func`'s
     rollouts, rewarded by `judge_func` if given; returns the job's summary (validation before and after
     when `eval_dataset` is given). `job_fields` are further job-spec fields (`hyper_parameters`,
     `resources`, ...). Raises `ConfigError` naming a bad field, `OPDError` when the job fails."""

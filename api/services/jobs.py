@@ -30,7 +30,7 @@ from opd_trainer.errors import ConfigError
 from opd_trainer.jobspec.job_spec import JobSpec
 from opd_trainer.jobspec.job_status import JobStatus, format_event_line
 from opd_trainer.jobspec.model_source import is_hub_id, local_model
-from opd_trainer.jobspec.preflight import check_same_tokenizer, resolve_max_length
+from opd_trainer.jobspec.preflight import preflight_models
 from opd_trainer.storage.run_dir import RunDir
 from opd_trainer.wire.schemas import (
     CheckpointList,
@@ -172,9 +172,6 @@ def resolve_files(session: Session, tenant_id: str, spec: JobSpec) -> tuple[JobS
     return resolved, used
 
 
-MODEL_FIELDS = ("model", "teacher_model")
-
-
 def check_model_access(session: Session, settings: Settings, tenant_id: str, spec: JobSpec) -> None:
     """`model` / `teacher_model` may name only folders under an operator-approved model directory
     (`OPD_MODEL_DIRS`) or inside one of this tenant's own jobs (its checkpoints, by path or as
@@ -185,8 +182,7 @@ def check_model_access(session: Session, settings: Settings, tenant_id: str, spe
     """
     own_jobs = session.execute(select(Job.id, Job.run_dir).where(Job.tenant_id == tenant_id)).all()
     roots = [*settings.approved_model_dirs, *(Path(run_dir) for _, run_dir in own_jobs if run_dir)]
-    for field in MODEL_FIELDS:
-        value = getattr(spec, field)
+    for field, value in spec.weight_sources().items():
         checkpoint = server_paths.CHECKPOINT_MODEL.fullmatch(value)
         if checkpoint is not None:
             if any(job_id == checkpoint["job"] for job_id, _ in own_jobs):
@@ -215,8 +211,7 @@ def resolve_models(session: Session, tenant_id: str, spec: JobSpec) -> tuple[Job
     fetched); paths stay."""
     updates: dict[str, str] = {}
     used: list[File] = []
-    for field in MODEL_FIELDS:
-        value = getattr(spec, field)
+    for field, value in spec.weight_sources().items():
         checkpoint = server_paths.CHECKPOINT_MODEL.fullmatch(value)
         if checkpoint is not None:
             source = get_owned(session, tenant_id, checkpoint["job"], field)
@@ -228,7 +223,7 @@ def resolve_models(session: Session, tenant_id: str, spec: JobSpec) -> tuple[Job
             updates[field] = record.extracted_dir
         else:
             updates[field] = local_model(value, field, download=False)
-    return spec.model_copy(update=updates), used
+    return spec.with_weight_sources(updates), used
 
 
 def preflight(resolved: JobSpec) -> None:
@@ -241,12 +236,11 @@ def preflight(resolved: JobSpec) -> None:
             raise ConfigError("; ".join(problems), field=f"functions.{component.name}.fcmodel.classpath")
         # Package specifiers only (no pip options, paths or URLs): refused here, not when a worker starts.
         requirements_of(Path(component.fcmodel.zipdir), f"functions.{component.name}.fcmodel.workspace")
-    for field in MODEL_FIELDS:
+    for field, value in resolved.weight_sources().items():
         # Only local model folders: a hub name would make transformers try the network from the API.
-        if not Path(getattr(resolved, field)).is_dir():
-            raise ConfigError(f"model folder {getattr(resolved, field)} not found on the server", field=field)
-    check_same_tokenizer(resolved.model, resolved.teacher_model)
-    resolve_max_length(resolved.hyper_parameters.max_length, resolved.model, resolved.teacher_model)
+        if not Path(value).is_dir():
+            raise ConfigError(f"model folder {value} not found on the server", field=field)
+    preflight_models(resolved.hyper_parameters.max_length, resolved.weight_sources())
 
 
 def create(session: Session, settings: Settings, tenant_id: str, body: JobCreate) -> JobPublic:
@@ -266,7 +260,7 @@ def create(session: Session, settings: Settings, tenant_id: str, body: JobCreate
     resolved, used = resolve_files(session, tenant_id, with_models)
     used += models_used
     # Before transformers opens a tenant's folder in this process: bounded files, no custom code.
-    model_files.check_models(resolved.model, resolved.teacher_model, settings.model_max_tokenizer_bytes)
+    model_files.check_models(resolved.weight_sources(), settings.model_max_tokenizer_bytes)
     try:
         preflight(resolved)
     except ConfigError as exc:

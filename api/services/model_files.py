@@ -74,9 +74,9 @@ def _json_object(path: Path) -> dict[str, Any]:
     return found if isinstance(found, dict) else {}
 
 
-def check_models(model: str, teacher_model: str, max_bytes: int) -> None:
-    """`check_model_folder` on the resolved student and teacher folders (a missing one is left to
-    pre-flight, which says so)."""
-    for field, value in (("model", model), ("teacher_model", teacher_model)):
+def check_models(sources: dict[str, str], max_bytes: int) -> None:
+    """`check_model_folder` on the resolved student and teacher folders (`JobSpec.weight_sources`; a
+    missing one is left to pre-flight, which says so)."""
+    for field, value in sources.items():
         if Path(value).is_dir():
             check_model_folder(Path(value), field, max_bytes)

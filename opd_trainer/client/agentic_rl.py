@@ -124,7 +124,7 @@ class AgenticRL:
         self,
         job_name: str,
         model: str,
-        teacher_model: str,
+        teacher_model: str | list[dict[str, Any]],
         training_datasets: Sequence[TrainingDataset | dict[str, Any] | str],
         validation_datasets: Sequence[ValidationDataset | dict[str, Any] | str] | None = None,
         functions: Sequence[FunctionComponent | dict[str, Any]] | None = None,

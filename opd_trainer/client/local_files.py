@@ -39,7 +39,7 @@ class RunArguments(TypedDict, total=False):
 
     job_name: Required[str]
     model: Required[str]
-    teacher_model: Required[str]
+    teacher_model: Required[str | list[dict[str, Any]]]
     training_datasets: Required[list[str | dict[str, Any]]]
     validation_datasets: list[str | dict[str, Any]] | None
     functions: list[dict[str, Any]] | None

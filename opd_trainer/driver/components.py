@@ -19,12 +19,13 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from transformers import AutoTokenizer
 
+from opd_trainer.driver.teachers import TeacherEngines
 from opd_trainer.engine.vllm_engine import EngineConfig, EngineGroup
 from opd_trainer.engine.weight_transfer import publish_weights
 from opd_trainer.errors import ConfigError, ProcessorLoadError
 from opd_trainer.jobspec.dataset import Sample
 from opd_trainer.jobspec.job_spec import EngineResources, FunctionComponent, JobSpec
-from opd_trainer.jobspec.preflight import check_same_tokenizer, resolve_max_length
+from opd_trainer.jobspec.preflight import preflight_models
 from opd_trainer.learner.deepspeed_learner import LearnerGroup
 from opd_trainer.learner.settings import LearnerSettings
 from opd_trainer.rollout.chat import prompt_token_ids
@@ -55,7 +56,7 @@ class Components:
     tokenizer: Any
     max_length: int
     student: EngineGroup
-    teacher: EngineGroup
+    teachers: TeacherEngines
     learner: LearnerGroup
     weight_transfers: tuple[str, ...]  # the handoff kind of each student replica
     runner: RolloutRunner
@@ -71,14 +72,12 @@ class Components:
         await publish_weights(self.learner, self.student, list(self.weight_transfers), version)
 
     async def engine_metrics(self) -> dict[str, float]:
-        """`engine/ROLE/KEY` of both engine groups (`EngineGroup.stats`: totals so far, peaks since the
-        previous call)."""
-        roles = {"student": self.student, "teacher": self.teacher}
-        stats = await asyncio.gather(*(group.stats() for group in roles.values()))
+        """`engine/ROLE/KEY` of the student's and the teachers' engines (`EngineGroup.stats`: totals so
+        far, peaks since the previous call; `TeacherEngines.stats` for the teachers' roles)."""
+        student, teachers = await asyncio.gather(self.student.stats(), self.teachers.stats())
+        roles = {"student": student, **teachers}
         return {
-            f"engine/{role}/{key}": value
-            for role, numbers in zip(roles, stats, strict=True)
-            for key, value in numbers.items()
+            f"engine/{role}/{key}": value for role, numbers in roles.items() for key, value in numbers.items()
         }
 
 
@@ -124,8 +123,7 @@ async def start_components(
     whole job (the learning-rate schedule's length)."""
     hp = spec.hyper_parameters
     sandbox = _sandbox_options(spec, server)
-    check_same_tokenizer(spec.model, spec.teacher_model)
-    max_length = resolve_max_length(hp.max_length, spec.model, spec.teacher_model)
+    max_length = preflight_models(hp.max_length, spec.weight_sources())
     tokenizer = AutoTokenizer.from_pretrained(spec.model, trust_remote_code=False)
     world_size = max(1, spec.resources.learner_gpus)
     _check_rank_split(spec, world_size)
@@ -136,10 +134,10 @@ async def start_components(
     started.gateways.append(gateway)
     teacher_gateway = None
     if validates or spec.auxiliary_models:
-        teacher_gateway = _new_gateway(spec, max_length, spec.teacher_model, TEACHER_MODEL_NAME)
+        teacher_gateway = _new_gateway(spec, max_length, spec.default_teacher_model, TEACHER_MODEL_NAME)
         started.gateways.append(teacher_gateway)
     gateways_ready = [g.ready.remote() for g in started.gateways]
-    student, teacher, learner = await _start_engines_and_learner(
+    student, teachers, learner = await _start_engines_and_learner(
         spec, job_id, max_length, total_updates, world_size, started
     )
     transfers = await _learner_handoffs(spec, student, learner, (run_dir, storage_token), emit)
@@ -147,7 +145,7 @@ async def start_components(
     pools = await _start_pools(spec, job_id, validates, sandbox, started, emit)
     teacher_url = None
     if teacher_gateway is not None:
-        teacher_url = await _serve_gateway(teacher_gateway, teacher)
+        teacher_url = await _serve_gateway(teacher_gateway, teachers.default)
     teacher_side = (teacher_gateway, teacher_url)
     runner, teacher_runner = _runners(spec, job_id, (gateway, base_url), teacher_side, pools, validates)
     started.runners.extend(r for r in (runner, teacher_runner) if r is not None)
@@ -159,7 +157,7 @@ async def start_components(
         tokenizer=tokenizer,
         max_length=max_length,
         student=student,
-        teacher=teacher,
+        teachers=teachers,
         learner=learner,
         weight_transfers=tuple(transfers),
         runner=runner,
@@ -191,8 +189,8 @@ async def _learner_handoffs(
 
 async def _start_engines_and_learner(
     spec: JobSpec, job_id: str, max_length: int, total_updates: int, world_size: int, started: Started
-) -> tuple[EngineGroup, EngineGroup, LearnerGroup]:
-    """The student and teacher engine groups and the learner ranks, started side by side."""
+) -> tuple[EngineGroup, TeacherEngines, LearnerGroup]:
+    """The student's and every teacher's engine groups and the learner ranks, started side by side."""
     learner = LearnerGroup(
         LearnerSettings.from_spec(spec, total_updates),
         world_size,
@@ -202,18 +200,27 @@ async def _start_engines_and_learner(
     )
     started.learner = learner
 
-    async def engines(model: str, resources: EngineResources, role: str) -> EngineGroup:
+    async def engines(model: str, resources: EngineResources, role: str, name: str) -> EngineGroup:
         config = _engine_config(spec, max_length, model, resources, role)
-        group = await EngineGroup.start(config, f"{job_id}-{role}")
+        group = await EngineGroup.start(config, f"{job_id}-{name}")
         started.engines.append(group)
         return group
 
-    student, teacher, _ = await asyncio.gather(
-        engines(spec.model, spec.resources.student, "student"),
-        engines(spec.teacher_model, spec.resources.teacher, "teacher"),
+    # One teacher keeps the actor name `JOB-teacher`; several are `JOB-teacher.NAME`.
+    teachers = spec.teachers
+    names = ["teacher"] if len(teachers) == 1 else [f"teacher.{t.name}" for t in teachers]
+    student, teacher_groups, _ = await asyncio.gather(
+        engines(spec.model, spec.resources.student, "student", "student"),
+        asyncio.gather(
+            *(
+                engines(t.model, spec.resources.teacher, "teacher", n)
+                for t, n in zip(teachers, names, strict=True)
+            )
+        ),
         learner.initialize(),
     )
-    return student, teacher, learner
+    groups = dict(zip((t.name for t in teachers), teacher_groups, strict=True))
+    return student, TeacherEngines(spec, groups), learner
 
 
 def _runners(

@@ -22,12 +22,7 @@ from opd_trainer.driver.plots import format_final_table, plot_curves
 from opd_trainer.jobspec.dataset import load_samples
 from opd_trainer.jobspec.job_spec import JobSpec
 from opd_trainer.jobspec.model_source import local_model
-from opd_trainer.jobspec.preflight import (
-    check_references,
-    check_same_tokenizer,
-    check_task_records,
-    resolve_max_length,
-)
+from opd_trainer.jobspec.preflight import check_references, check_task_records, preflight_models
 from opd_trainer.storage.run_dir import RunDir
 from opd_trainer.storage.shared import write_probe
 
@@ -42,8 +37,7 @@ def preflight_local(spec: JobSpec) -> None:
     if spec.validation_datasets:
         validation = load_samples(spec.validation_datasets, "validation_datasets")
         check_task_records(validation, "validation_datasets", spec.is_agentic)
-    check_same_tokenizer(spec.model, spec.teacher_model)
-    resolve_max_length(spec.hyper_parameters.max_length, spec.model, spec.teacher_model)
+    preflight_models(spec.hyper_parameters.max_length, spec.weight_sources())
 
 
 async def _follow(driver: Any, run: Any) -> Any:
@@ -85,8 +79,8 @@ async def _follow(driver: Any, run: Any) -> Any:
 def prepare_spec(spec: JobSpec) -> JobSpec:
     """`spec` with Hugging Face ids turned into their snapshot folders (downloaded if missing, as the
     server resolves them), after the local pre-flight checks; raises `OPDError` naming the field."""
-    spec = spec.model_copy(
-        update={f: local_model(getattr(spec, f), f, download=True) for f in ("model", "teacher_model")}
+    spec = spec.with_weight_sources(
+        {field: local_model(value, field, download=True) for field, value in spec.weight_sources().items()}
     )
     preflight_local(spec)
     return spec

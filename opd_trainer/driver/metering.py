@@ -72,7 +72,7 @@ class Meter:
         """The usage so far, every part asked now (also what the records' deltas are taken from)."""
         student, teacher, learner, gateways, pools = await asyncio.gather(
             c.student.usage(),
-            c.teacher.usage(),
+            c.teachers.usage(),
             c.learner.usage(),
             asyncio.gather(*(gateway.usage.remote() for gateway in c.gateways)),
             asyncio.gather(*(pool.usage() for pool in c.pools)),

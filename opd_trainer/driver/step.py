@@ -29,6 +29,7 @@ from typing import Any
 
 from opd_trainer.driver.components import Components
 from opd_trainer.driver.teacher_hindsight import hindsight_notes, teacher_inputs
+from opd_trainer.driver.teachers import TeacherEngines
 from opd_trainer.errors import OPDError
 from opd_trainer.jobspec.dataset import EpochCursor, Sample
 from opd_trainer.jobspec.job_spec import HyperParameters
@@ -153,7 +154,7 @@ class Sampler:
         seeds = [request_seed(hp.seed, step, index) for index in range(len(batch) * hp.n_rollouts)]
 
         async def score(results: list[RolloutResult]) -> list[LLMCall]:
-            return await teacher_segments(c.teacher, c.tokenizer, c.max_length, hp, results)
+            return await teacher_segments(c.teachers, c.tokenizer, c.max_length, hp, results)
 
         return Batch(cursor, *sample_and_score(c.runner, score, batch, step, seeds, hp.n_rollouts))
 
@@ -199,29 +200,58 @@ async def collect_rollouts(
 
 
 async def teacher_segments(
-    teacher: Any, tokenizer: Any, max_length: int, hp: HyperParameters, results: list[RolloutResult]
+    teachers: TeacherEngines,
+    tokenizer: Any,
+    max_length: int,
+    hp: HyperParameters,
+    results: list[RolloutResult],
 ) -> list[LLMCall]:
-    """One segment per recorded LLM call of every successful rollout, scored by the teacher on the
-    student's exact tokens (with the hindsight note in its prompt where `teacher_hindsight` asks)."""
+    """One segment per recorded LLM call of every successful rollout, scored on the student's exact
+    tokens by the teacher its sample is routed to (with the hindsight note in its prompt where
+    `teacher_hindsight` asks)."""
     calls = [(r, c) for r in results if not r.failed for c in r.calls if c.completion_token_ids]
     top_k = hp.teacher_top_k
     notes = [note for r in results if not r.failed for note in hindsight_notes(r, hp.teacher_hindsight)]
     noted_calls = [(c, note) for (_, c), note in zip(calls, notes, strict=True)]
     inputs = teacher_inputs(tokenizer, noted_calls, max_length)
-    scores = await teacher.score_top_k_many(inputs.pairs, top_k)
+    scored = await teachers.score_top_k([teachers.name_for(r.sample) for r, _ in calls], inputs.pairs, top_k)
     return [
         dataclasses.replace(
             c,
-            teacher_logprobs=score.logprobs.tolist(),
+            teacher_logprobs=one.scores.logprobs.tolist(),
             group_id=r.group_id,
             rollout_id=r.index,
             reward=r.reward,
-            teacher_top_ids=score.top_ids if top_k else None,
-            teacher_top_logprobs=score.top_logprobs if top_k else None,
+            teacher_top_ids=one.scores.top_ids if top_k else None,
+            teacher_top_logprobs=one.scores.top_logprobs if top_k else None,
             teacher_saw_note=noted,
+            teacher_name=one.teacher,
+            teacher_latency_s=one.latency_s,
         )
-        for (r, c), score, noted in zip(calls, scores, inputs.noted, strict=True)
+        for (r, c), one, noted in zip(calls, scored, inputs.noted, strict=True)
     ]
+
+
+def per_teacher_metrics(segments: list[LLMCall]) -> dict[str, float]:
+    """`teacher/NAME/KEY` for each teacher that scored segments of this step: its `segments`,
+    `scored_tokens` (prompt + completion), `reverse_kl` over its segments' tokens and the mean
+    `latency_s` of its scoring requests (a step's records carry them when a job has several teachers)."""
+    names = sorted({s.teacher_name for s in segments})
+    metrics: dict[str, float] = {}
+    for name in names:
+        own = [s for s in segments if s.teacher_name == name]
+        kl = reverse_kl_metrics([s.sampler_logprobs for s in own], [s.teacher_logprobs or [] for s in own])
+        metrics.update(
+            {
+                f"teacher/{name}/segments": float(len(own)),
+                f"teacher/{name}/scored_tokens": float(
+                    sum(len(s.prompt_token_ids) + len(s.completion_token_ids) for s in own)
+                ),
+                f"teacher/{name}/reverse_kl": kl["reverse_kl"],
+                f"teacher/{name}/latency_s": mean([s.teacher_latency_s for s in own]),
+            }
+        )
+    return metrics
 
 
 # -- reward -----------------------------------------------------------------------------------------
@@ -318,6 +348,7 @@ async def train_step(
         **pool_metrics(c.pools),
         **engine_metrics,
         **signal_metrics,
+        **(per_teacher_metrics(segments) if c.teachers.several else {}),
         "segments": float(len(segments)),
         "trained_tokens": float(trained_tokens),
         "forwarded_tokens": float(forwarded_tokens),

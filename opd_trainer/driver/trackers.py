@@ -177,10 +177,15 @@ class MLflowTracker:
         experiment_id = (
             experiment.experiment_id if experiment else self._client.create_experiment(spec.job_name)
         )
+        # One teacher: its model; several: `name=model` of each, the default first.
+        teachers = spec.teachers
+        teacher_models = (
+            teachers[0].model if len(teachers) == 1 else ", ".join(f"{t.name}={t.model}" for t in teachers)
+        )
         run = self._client.create_run(
             experiment_id,
             run_name=job_id,
-            tags={"opd.job_id": job_id, "opd.model": spec.model, "opd.teacher_model": spec.teacher_model},
+            tags={"opd.job_id": job_id, "opd.model": spec.model, "opd.teacher_model": teacher_models},
         )
         self.run_id = run.info.run_id
         # Lazy: optional tracker (TensorBoard via torch, mlflow): loaded only when the job reports to it.

@@ -82,14 +82,16 @@ async def evaluate(
 
 
 async def validation_reverse_kl(c: Components, samples: list[Sample]) -> float | None:
-    """Mean `logp_student − logp_teacher` per token of seeded student samples on validation prompts.
+    """Mean `logp_student − logp_teacher` per token of seeded student samples on validation prompts,
+    each scored by the teacher its sample is routed to.
 
     Sampled at the job's temperature straight from the student engines (no user code), so it
     estimates the same reverse KL the training signal minimises, on prompts it never trains on.
     """
     hp = c.spec.hyper_parameters
     # Task records have no prompt of their own (a workflow writes it): they take no part here.
-    prompts = [c.prompt(s) for s in samples if s.messages]
+    prompted = [s for s in samples if s.messages]
+    prompts = [c.prompt(s) for s in prompted]
     if not prompts:
         return None
     sampled = await c.student.generate_many(
@@ -98,10 +100,10 @@ async def validation_reverse_kl(c: Components, samples: list[Sample]) -> float |
         max_tokens=hp.max_tokens,
         temperature=hp.temperature,
     )
-    scored = [call for call in sampled if call.completion_token_ids]
-    pairs = [(call.prompt_token_ids, call.completion_token_ids) for call in scored]
-    teacher = await c.teacher.score_many(pairs)
-    return reverse_kl_metrics([call.sampler_logprobs for call in scored], teacher)["reverse_kl"]
+    scored = [(s, call) for s, call in zip(prompted, sampled, strict=True) if call.completion_token_ids]
+    pairs = [(call.prompt_token_ids, call.completion_token_ids) for _, call in scored]
+    teacher = await c.teachers.score([c.teachers.name_for(s) for s, _ in scored], pairs)
+    return reverse_kl_metrics([call.sampler_logprobs for _, call in scored], teacher)["reverse_kl"]
 
 
 async def drift_probe_segments(c: Components, train_samples: list[Sample]) -> list[LLMCall]:

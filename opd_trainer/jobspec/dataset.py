@@ -46,6 +46,17 @@ class Sample:
         return str(self.rollout_extra.get("sample_id", f"{Path(self.source).name}:{self.line}"))
 
 
+DATA_TAG_KEY = "data_tag"
+"""`rollout_extra.data_tag`: what routes a record to one of several teachers (`data_tag_of`)."""
+
+
+def data_tag_of(sample: Sample) -> str:
+    """The sample's data tag: `rollout_extra.data_tag` when it is a string, else the name of the
+    dataset file it came from without its extension (`math` for math.jsonl)."""
+    tag = sample.rollout_extra.get(DATA_TAG_KEY)
+    return tag if isinstance(tag, str) and tag else Path(sample.source).stem
+
+
 def ground_truth_of(sample: Sample) -> Any:
     """The sample's reference answer as stored (`rollout_extra.ground_truth`, else `.solution`): Bailian
     rewards `json.loads` a string, use a dict as is."""

@@ -32,8 +32,10 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
+    Discriminator,
     Field,
     JsonValue,
+    Tag,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -93,7 +95,7 @@ def _dataset_file(value: Any) -> Any:
             return DatasetSource.model_validate(value).file_name
         except ValidationError as exc:
             first = exc.errors()[0]
-            raise ValueError(f"{_field_path(first['loc'])}: {first['msg']}") from None
+            raise ValueError(f"{error_field_path(first['loc'])}: {first['msg']}") from None
     return value
 
 
@@ -545,6 +547,42 @@ class Budget(_Strict):
     )
 
 
+DEFAULT_TEACHER_NAME = "teacher"
+"""The name of a job's only teacher when `teacher_model` is one model."""
+
+
+class Teacher(_Strict):
+    """One of several teachers (`teacher_model` given as a list): the samples whose data tag it lists
+    are scored by it."""
+
+    name: str = Field(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$",
+        description="Names the teacher in metrics (`teacher/NAME/...`) and engine actors.",
+    )
+    model: str = Field(
+        min_length=1, description="Given like the job's `model`; `self`: the student's initial weights."
+    )
+    data_tags: list[str] = Field(
+        default_factory=list,
+        description="The data tags it scores: a record's `rollout_extra.data_tag`, else the name of the "
+        "dataset file it came from without its extension (`math` for math.jsonl, or the file id). The "
+        "teacher listing none is the default (for every other tag); without one, the first teacher is.",
+    )
+
+    @field_validator("data_tags")
+    @classmethod
+    def _tags_once(cls, value: list[str]) -> list[str]:
+        if any(not tag for tag in value):
+            raise ValueError("a data tag cannot be empty")
+        if len(value) != len(set(value)):
+            raise ValueError("names a data tag more than once")
+        return value
+
+
+def _teacher_form(value: Any) -> str:
+    return "list" if isinstance(value, list) else "model"
+
+
 class JobSpec(_Strict):
     """One OPD job."""
 
@@ -555,12 +593,18 @@ class JobSpec(_Strict):
         "through the hub cache (the job server uses only what its cache holds), or on the job server "
         "the file id of an uploaded model (purpose `model`).",
     )
-    teacher_model: str = Field(
-        min_length=1,
+    teacher_model: Annotated[
+        Annotated[str, Field(min_length=1), Tag("model")]
+        | Annotated[list[Teacher], Field(min_length=1), Tag("list")],
+        Discriminator(_teacher_form),
+    ] = Field(
         description="Teacher, given like `model`: same tokenizer and chat template as the student. "
         "`self`: a frozen copy of the student's initial weights (hindsight self-distillation with "
         "`hyper_parameters.teacher_hindsight`; without it, the KL only holds the student near its start); "
-        "the job then shows `model` here.",
+        "the job then shows `model` here. Several teachers: a list of {name, model, data_tags}, each "
+        "scoring the samples whose data tag it lists (multi-teacher OPD); each runs its own engines with "
+        "`resources.teacher`, and the default one also serves validation's teacher baseline and "
+        "`auxiliary_models`.",
     )
     training_datasets: list[DatasetFile] = Field(
         min_length=1,
@@ -634,8 +678,19 @@ class JobSpec(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _teacher_self(cls, data: Any) -> Any:
-        if isinstance(data, Mapping) and data.get("teacher_model") == SELF_TEACHER and "model" in data:
+        if not isinstance(data, Mapping) or "model" not in data:
+            return data
+        teacher = data.get("teacher_model")
+        if teacher == SELF_TEACHER:
             return {**data, "teacher_model": data["model"]}
+        if isinstance(teacher, list):
+            teachers = [
+                {**t, "model": data["model"]}
+                if isinstance(t, Mapping) and t.get("model") == SELF_TEACHER
+                else t
+                for t in teacher
+            ]
+            return {**data, "teacher_model": teachers}
         return data
 
     @model_validator(mode="before")
@@ -704,6 +759,61 @@ class JobSpec(_Strict):
             )
         return self
 
+    @field_validator("teacher_model")
+    @classmethod
+    def _teacher_routes(cls, value: str | list[Teacher]) -> str | list[Teacher]:
+        if isinstance(value, str):
+            return value
+        names = [t.name for t in value]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"teacher names must be unique ({', '.join(repeated)} repeated)")
+        tags = [tag for t in value for tag in t.data_tags]
+        shared = sorted({tag for tag in tags if tags.count(tag) > 1})
+        if shared:
+            raise ValueError(f"data tag {', '.join(shared)} is listed by more than one teacher")
+        if sum(not t.data_tags for t in value) > 1:
+            raise ValueError("at most one teacher may list no data_tags (that one is the default)")
+        return value
+
+    @property
+    def teachers(self) -> list[Teacher]:
+        """Every teacher, the default first (one `teacher_model` is the teacher named `teacher`)."""
+        if isinstance(self.teacher_model, str):
+            return [Teacher(name=DEFAULT_TEACHER_NAME, model=self.teacher_model)]
+        default = next((t for t in self.teacher_model if not t.data_tags), self.teacher_model[0])
+        return [default, *(t for t in self.teacher_model if t is not default)]
+
+    @property
+    def default_teacher_model(self) -> str:
+        """The default teacher's model: validation's teacher baseline and the auxiliary `teacher`."""
+        return self.teachers[0].model
+
+    def teacher_for_tag(self, tag: str) -> str:
+        """The name of the teacher that scores samples tagged `tag`."""
+        teachers = self.teachers
+        return next((t.name for t in teachers if tag in t.data_tags), teachers[0].name)
+
+    def weight_sources(self) -> dict[str, str]:
+        """Every model the job loads, by the field that names it: `model`, then `teacher_model` (one
+        teacher) or `teacher_model.I.model` (the I-th of several)."""
+        if isinstance(self.teacher_model, str):
+            return {"model": self.model, "teacher_model": self.teacher_model}
+        teachers = {f"teacher_model.{i}.model": t.model for i, t in enumerate(self.teacher_model)}
+        return {"model": self.model, **teachers}
+
+    def with_weight_sources(self, sources: dict[str, str]) -> JobSpec:
+        """A copy with the models `sources` names (keys as in `weight_sources`) replaced."""
+        update: dict[str, Any] = {"model": sources.get("model", self.model)}
+        if isinstance(self.teacher_model, str):
+            update["teacher_model"] = sources.get("teacher_model", self.teacher_model)
+        else:
+            update["teacher_model"] = [
+                t.model_copy(update={"model": sources.get(f"teacher_model.{i}.model", t.model)})
+                for i, t in enumerate(self.teacher_model)
+            ]
+        return self.model_copy(update=update)
+
     @property
     def rollout_components(self) -> list[FunctionComponent]:
         return [f for f in self.functions if f.type == "rollout"]
@@ -730,8 +840,14 @@ class JobSpec(_Strict):
         return bool(self.rollout_components)
 
 
-def _field_path(location: tuple[int | str, ...]) -> str:
-    return ".".join(str(part) for part in location) or "(job)"
+def error_field_path(location: tuple[int | str, ...] | list[int | str]) -> str:
+    """A validation error's location as the field it names (`hyper_parameters.batch_size`,
+    `teacher_model.1.model`), "(job)" for the whole spec."""
+    # teacher_model's second part is the form pydantic tried ("model" or "list", `_teacher_form`).
+    parts = [
+        part for index, part in enumerate(location) if not (index == 1 and location[0] == "teacher_model")
+    ]
+    return ".".join(str(part) for part in parts) or "(job)"
 
 
 def parse_job_spec(data: Any) -> JobSpec:
@@ -742,8 +858,8 @@ def parse_job_spec(data: Any) -> JobSpec:
         first, *rest = exc.errors()
         message = first["msg"]
         if rest:
-            message += "; also " + "; ".join(f"{_field_path(e['loc'])}: {e['msg']}" for e in rest)
-        raise ConfigError(message, field=_field_path(first["loc"])) from None
+            message += "; also " + "; ".join(f"{error_field_path(e['loc'])}: {e['msg']}" for e in rest)
+        raise ConfigError(message, field=error_field_path(first["loc"])) from None
 
 
 def load_job_spec(path: Path) -> JobSpec:
@@ -780,10 +896,9 @@ def resolve_paths(spec: JobSpec, base: Path) -> JobSpec:
         else f
         for f in spec.functions
     ]
-    return spec.model_copy(
+    with_models = spec.with_weight_sources({k: _resolve(v, base) for k, v in spec.weight_sources().items()})
+    return with_models.model_copy(
         update={
-            "model": _resolve(spec.model, base),
-            "teacher_model": _resolve(spec.teacher_model, base),
             "training_datasets": [_resolve(d, base) for d in spec.training_datasets],
             "validation_datasets": [_resolve(d, base) for d in spec.validation_datasets],
             "functions": functions,

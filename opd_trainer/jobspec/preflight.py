@@ -39,17 +39,28 @@ def model_context_length(model_path: str, field: str) -> int | None:
     return None
 
 
-def resolve_max_length(max_length: int | None, student_path: str, teacher_path: str) -> int:
-    """`hyper_parameters.max_length`, defaulting to the models' context; beyond it is a `ConfigError`.
+def _which(field: str) -> str:
+    return "student" if field == "model" else "teacher" if field == "teacher_model" else f"teacher ({field})"
 
-    Both engines hold the whole prompt + completion (the teacher scores the student's exact tokens), so
-    the smaller of the two windows bounds the job. Checked before any engine starts: vLLM would
-    otherwise refuse the length only after seconds of start-up, with an error naming its own setting.
+
+def preflight_models(max_length: int | None, sources: dict[str, str]) -> int:
+    """Pre-flight of a job's models (`JobSpec.weight_sources`: the student as `model`, then each
+    teacher by its field): every teacher has the student's tokenizer; returns the job's max length."""
+    for field, path in sources.items():
+        if field != "model":
+            check_same_tokenizer(sources["model"], path, field)
+    return resolve_max_length(max_length, sources)
+
+
+def resolve_max_length(max_length: int | None, sources: dict[str, str]) -> int:
+    """`hyper_parameters.max_length`, defaulting to the models' context; beyond it is a `ConfigError`.
+    `sources`: each model's folder by the field that names it (`JobSpec.weight_sources`).
+
+    Every engine holds the whole prompt + completion (a teacher scores the student's exact tokens), so
+    the smallest window bounds the job. Checked before any engine starts: vLLM would otherwise refuse
+    the length only after seconds of start-up, with an error naming its own setting.
     """
-    windows = {
-        field: model_context_length(path, field)
-        for field, path in (("model", student_path), ("teacher_model", teacher_path))
-    }
+    windows = {field: model_context_length(path, field) for field, path in sources.items()}
     known = {field: window for field, window in windows.items() if window is not None}
     if not known:
         if max_length is None:
@@ -62,9 +73,8 @@ def resolve_max_length(max_length: int | None, student_path: str, teacher_path: 
     if max_length is None:
         return context
     if max_length > context:
-        which = "student" if field == "model" else "teacher"
         raise ConfigError(
-            f"{max_length} tokens exceeds the {which}'s context of {context} "
+            f"{max_length} tokens exceeds the {_which(field)}'s context of {context} "
             f"(max_position_embeddings in its config.json); set at most {context}, or leave it unset",
             field="hyper_parameters.max_length",
         )
@@ -124,16 +134,16 @@ def tokenizer_identity(model_path: str, field: str) -> TokenizerIdentity:
         folder = Path(model_path).resolve()
         return _identity(str(folder), _folder_state(folder))
     except (OSError, ValueError) as exc:
-        which = "student" if field == "model" else "teacher"
         raise ConfigError(
-            f"cannot load the {which}'s tokenizer from {model_path}: {exc}", field=field
+            f"cannot load the {_which(field)}'s tokenizer from {model_path}: {exc}", field=field
         ) from None
 
 
-def check_same_tokenizer(student_path: str, teacher_path: str) -> None:
-    """The teacher must score the student's exact token ids: same vocabulary and chat template."""
+def check_same_tokenizer(student_path: str, teacher_path: str, field: str = "teacher_model") -> None:
+    """The teacher (named by `field`) must score the student's exact token ids: same vocabulary and
+    chat template. Cross-tokenizer distillation is not supported."""
     student = tokenizer_identity(student_path, "model")
-    teacher = tokenizer_identity(teacher_path, "teacher_model")
+    teacher = tokenizer_identity(teacher_path, field)
     if student.vocab_digest != teacher.vocab_digest:
         student_vocab = _auto_tokenizer().from_pretrained(student_path, trust_remote_code=False).get_vocab()
         teacher_vocab = _auto_tokenizer().from_pretrained(teacher_path, trust_remote_code=False).get_vocab()
@@ -142,12 +152,12 @@ def check_same_tokenizer(student_path: str, teacher_path: str) -> None:
             f"tokenizer differs from the student's: vocabularies of {len(teacher_vocab)} and "
             f"{len(student_vocab)} tokens, {differing} (token, id) pairs not shared; the teacher "
             "cannot score the student's token ids",
-            field="teacher_model",
+            field=field,
         )
     if student.chat_template != teacher.chat_template:
         raise ConfigError(
             "chat template differs from the student's: prompts would be tokenized differently",
-            field="teacher_model",
+            field=field,
         )
 
 

@@ -127,3 +127,36 @@ def test_a_checkpoint_is_named_by_its_job_id_and_only_its_tenant_may_use_it(
     owner = _submit(other_tenant, teacher_model=name)
     assert (owner["status"], owner["param"]) == (400, "teacher_model")
     assert owner["message"] == f"model folder {name} not found on the server"
+
+
+def test_each_of_several_teachers_is_checked_and_named(tenant: Tenant) -> None:
+    """`teacher_model` as a list: every teacher passes the same access, folder and tokenizer checks as
+    one, and a refusal names the teacher's entry (`teacher_model.I.model`)."""
+    dataset = tenant.upload(jsonl([record()]))
+    teachers = [
+        {"name": "general", "model": tenant.models["teacher"]},
+        {"name": "echo", "model": "self", "data_tags": ["echo"]},
+    ]
+    response = tenant.http.post("/v1/opd/jobs", json=tenant.spec(dataset["id"], teacher_model=teachers))
+    assert response.status_code == 201, response.text
+    assert response.json()["spec"]["teacher_model"] == [
+        {"name": "general", "model": tenant.models["teacher"], "data_tags": []},
+        {"name": "echo", "model": tenant.models["student"], "data_tags": ["echo"]},
+    ]
+
+    outside = _submit(tenant, teacher_model=[teachers[0], {"name": "x", "model": "/etc", "data_tags": ["x"]}])
+    assert (outside["status"], outside["code"], outside["param"]) == (
+        400,
+        "model_not_allowed",
+        "teacher_model.1.model",
+    )
+    mismatched = _submit(
+        tenant,
+        teacher_model=[teachers[0], {"name": "x", "model": tenant.models["other"], "data_tags": ["x"]}],
+    )
+    assert (mismatched["status"], mismatched["param"]) == (400, "teacher_model.1.model")
+    assert "tokenizer differs" in mismatched["message"]
+    duplicate = _submit(tenant, teacher_model=[teachers[0], {**teachers[0], "data_tags": ["x"]}])
+    assert (duplicate["status"], duplicate["param"]) == (422, "teacher_model")
+    misnamed = _submit(tenant, teacher_model=[{**teachers[0], "name": "no spaces"}])
+    assert (misnamed["status"], misnamed["param"]) == (422, "teacher_model.0.name")

@@ -46,7 +46,7 @@ def _engine(prompt: float, generated: float, hits: float, cpu_s: float, gpus: fl
 def _components(teacher_prompt: float, learner_gpus: float = 0.0) -> Any:
     return SimpleNamespace(
         student=_engine(100, 40, 0, 3.0),
-        teacher=_engine(teacher_prompt, 10, 30, 2.0),
+        teachers=_engine(teacher_prompt, 10, 30, 2.0),
         learner=_Part(cpu_s=5.0, gpus=learner_gpus),
         gateways=(_Gateway(1.0), _Gateway(0.5)),
         pools=(_Part(calls=8, call_seconds=1.5, cpu_s=0.25), _Part(calls=4, call_seconds=0.5, cpu_s=0.25)),

@@ -70,3 +70,16 @@ def test_missing_folder_names_the_field(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot load the teacher's tokenizer") as error:
         preflight.check_same_tokenizer(student, str(tmp_path / "missing"))
     assert error.value.field == "teacher_model"
+
+
+def test_each_of_several_teachers_is_checked_and_named(tmp_path: Path) -> None:
+    student = _tokenizer(tmp_path / "student", ["hello", "world"])
+    same = _tokenizer(tmp_path / "same", ["hello", "world"])
+    other = _tokenizer(tmp_path / "other", ["hello", "there"])
+    for path in (student, same, other):
+        (Path(path) / "config.json").write_text('{"max_position_embeddings": 64}')
+    sources = {"model": student, "teacher_model.0.model": same}
+    assert preflight.preflight_models(None, sources) == 64
+    with pytest.raises(ConfigError, match="tokenizer differs") as error:
+        preflight.preflight_models(None, {**sources, "teacher_model.1.model": other})
+    assert error.value.field == "teacher_model.1.model"

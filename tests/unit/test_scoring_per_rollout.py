@@ -80,8 +80,9 @@ def _phase(events: list[str], fail_batch: bool = False) -> Any:
     """The sample phase with a fake runner, scoring each rollout by the score phase with a fake
     teacher (`step.teacher_segments`), as `Sampler.start` wires them."""
     from opd_trainer.driver.step import sample_and_score, teacher_segments
+    from opd_trainer.driver.teachers import TeacherEngines
 
-    hp = parse_job_spec(
+    spec = parse_job_spec(
         {
             "job_name": "j",
             "model": "s",
@@ -89,11 +90,13 @@ def _phase(events: list[str], fail_batch: bool = False) -> Any:
             "training_datasets": ["train.jsonl"],
             "hyper_parameters": {"n_rollouts": 4},
         }
-    ).hyper_parameters
-    runner, teacher = FakeRunner(events, fail_batch), FakeTeacher(events)
+    )
+    hp = spec.hyper_parameters
+    runner = FakeRunner(events, fail_batch)
+    teachers = TeacherEngines(spec, {"teacher": FakeTeacher(events)})  # type: ignore[dict-item]
 
     async def score(results: list[Any]) -> list[LLMCall]:
-        return await teacher_segments(teacher, None, 512, hp, results)
+        return await teacher_segments(teachers, None, 512, hp, results)
 
     return lambda samples, step, seeds: sample_and_score(runner, score, samples, step, seeds, hp.n_rollouts)
 

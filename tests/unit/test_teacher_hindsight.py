@@ -121,6 +121,7 @@ def test_the_score_phase_scores_with_the_reference_and_trains_on_the_students_pr
     tokenizer: Any, tmp_path: Path
 ) -> None:
     from opd_trainer.driver.step import teacher_segments
+    from opd_trainer.driver.teachers import TeacherEngines
     from opd_trainer.rollout.runner import RolloutResult
 
     train = tmp_path / "train.jsonl"
@@ -139,7 +140,8 @@ def test_the_score_phase_scores_with_the_reference_and_trains_on_the_students_pr
     sample = Sample("train.jsonl", 1, MESSAGES, None, {"ground_truth": "5"})
     call = _call(tokenizer, MESSAGES, [8])
     result = RolloutResult(0, 0, "r0", sample, calls=[call])
-    segments = asyncio.run(teacher_segments(teacher, tokenizer, 512, spec.hyper_parameters, [result]))
+    teachers = TeacherEngines(spec, {"teacher": teacher})  # type: ignore[dict-item]
+    segments = asyncio.run(teacher_segments(teachers, tokenizer, 512, spec.hyper_parameters, [result]))
     [(teacher_prompt, completion)] = teacher.pairs
     note_ids = tokenizer.encode(reference_note("5"), add_special_tokens=False)
     assert completion == [8] and _holds(teacher_prompt, note_ids)
