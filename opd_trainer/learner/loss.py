@@ -265,6 +265,27 @@ def policy_loss(
         over micro-batches does not force a device sync per micro-batch; call `.item()` when logging.
         With no trained token all three are 0.
     """
+    _check_policy_loss_inputs(
+        learner_logprobs_B_T, sampler_logprobs_B_T, advantages_B_T, mask_B_T, ratio_cap, num_tokens
+    )
+    trained_B_T = mask_B_T > 0
+    ratio_B_T = _masked_importance_ratio(learner_logprobs_B_T, sampler_logprobs_B_T, trained_B_T)
+    truncated_ratio_B_T = torch.clamp(ratio_B_T, max=ratio_cap)
+    advantages_B_T = torch.where(trained_B_T, advantages_B_T.detach(), 0.0)
+    mask_B_T = mask_B_T.to(ratio_B_T.dtype)
+    loss = -(mask_B_T * truncated_ratio_B_T * advantages_B_T).sum() / _token_count(mask_B_T, num_tokens)
+    return loss, _ratio_stats(ratio_B_T, trained_B_T, ratio_cap)
+
+
+def _check_policy_loss_inputs(
+    learner_logprobs_B_T: Tensor,
+    sampler_logprobs_B_T: Tensor,
+    advantages_B_T: Tensor,
+    mask_B_T: Tensor,
+    ratio_cap: float,
+    num_tokens: float | None,
+) -> None:
+    """Raise ValueError on `policy_loss` inputs of mismatched shapes, a cap below 1 or a bad N."""
     _check_rows(
         "learner_logprobs_B_T",
         learner_logprobs_B_T,
@@ -276,25 +297,27 @@ def policy_loss(
         raise ValueError(f"ratio_cap must be >= 1, got {ratio_cap}")
     _check_num_tokens(num_tokens)
 
-    trained_B_T = mask_B_T > 0
+
+def _masked_importance_ratio(
+    learner_logprobs_B_T: Tensor, sampler_logprobs_B_T: Tensor, trained_B_T: Tensor
+) -> Tensor:
+    """`exp(logp_learner − logp_sampler)` on trained tokens, exactly 1 elsewhere; grad to the learner only."""
     # Zero the log-ratio at masked positions *before* exp: exp of a garbage difference can overflow to
     # inf, and neither where() nor ·0 afterwards keeps inf out of the backward pass (0·inf = nan).
     log_ratio_B_T = torch.where(trained_B_T, learner_logprobs_B_T - sampler_logprobs_B_T.detach(), 0.0)
-    ratio_B_T = torch.exp(log_ratio_B_T)
-    truncated_ratio_B_T = torch.clamp(ratio_B_T, max=ratio_cap)
-    advantages_B_T = torch.where(trained_B_T, advantages_B_T.detach(), 0.0)
-    mask_B_T = mask_B_T.to(ratio_B_T.dtype)
-    loss = -(mask_B_T * truncated_ratio_B_T * advantages_B_T).sum() / _token_count(mask_B_T, num_tokens)
+    return torch.exp(log_ratio_B_T)
 
+
+def _ratio_stats(ratio_B_T: Tensor, trained_B_T: Tensor, ratio_cap: float) -> dict[str, Tensor]:
+    """`policy_loss`'s detached stats over trained tokens: untruncated ratio mean, max, truncated fraction."""
     with torch.no_grad():
         trained_count = trained_B_T.sum().clamp(min=1)
-        stats = {
+        return {
             "ratio_mean": torch.where(trained_B_T, ratio_B_T, 0.0).sum() / trained_count,
             # ratio > 0, so 0 at masked positions never wins the max unless nothing is trained.
             "ratio_max": torch.where(trained_B_T, ratio_B_T, 0.0).amax(),
             "ratio_truncated_frac": (trained_B_T & (ratio_B_T > ratio_cap)).sum() / trained_count,
         }
-    return loss, stats
 
 
 def kl_to_reference(
