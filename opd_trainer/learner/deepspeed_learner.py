@@ -79,6 +79,28 @@ class Learner:
         if self._engine is not None:
             return
         on_gpu = torch.cuda.is_available()
+        self._export_process_group_env(on_gpu)
+        # Imported here, not at the top: deepspeed picks its accelerator at import time (set just above).
+        import deepspeed
+
+        if not on_gpu:
+            self._use_every_allowed_core()
+        torch.manual_seed(self.settings.seed)
+        deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
+        self._device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        dtype = torch.bfloat16 if on_gpu else torch.float32
+        model, optimizer, scheduler = self._model_optimizer_scheduler(dtype)
+        self._engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self._deepspeed_config(on_gpu)
+        )
+        if self.settings.kl_loss_coef > 0:
+            self._reference = self._frozen_reference(dtype)
+        logger.info(
+            "learner rank %d/%d ready (ZeRO-%d)", self.rank, self.world_size, self.settings.zero_stage
+        )
+
+    def _export_process_group_env(self, on_gpu: bool) -> None:
+        """Sets the environment deepspeed reads: its accelerator (CPU only), rendezvous, rank, world size."""
         if not on_gpu:
             # Must be set before deepspeed is imported: it picks its accelerator at import time.
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -90,19 +112,18 @@ class Learner:
             WORLD_SIZE=str(self.world_size),
             LOCAL_RANK="0",
         )
-        # Imported here, not at the top: deepspeed picks its accelerator at import time (above).
-        import deepspeed
 
-        if not on_gpu:
-            # Ray sets OMP_NUM_THREADS to the actor's 1 CPU slot, which left torch one thread. On CPU the
-            # learner runs while the engines wait for its weights (strictly on-policy), so it takes
-            # every core this process may use (learner 3.13 s -> 1.88 s a step, benchmarks/step_breakdown.py).
-            affinity = getattr(os, "sched_getaffinity", None)  # Linux; elsewhere all of the machine's
-            torch.set_num_threads(len(affinity(0)) if affinity else os.cpu_count() or 1)
-        torch.manual_seed(self.settings.seed)
-        deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
-        self._device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-        dtype = torch.bfloat16 if on_gpu else torch.float32
+    @staticmethod
+    def _use_every_allowed_core() -> None:
+        """Gives torch a thread per core this process may run on (CPU learner only)."""
+        # Ray sets OMP_NUM_THREADS to the actor's 1 CPU slot, which left torch one thread. On CPU the
+        # learner runs while the engines wait for its weights (strictly on-policy), so it takes
+        # every core this process may use (learner 3.13 s -> 1.88 s a step, benchmarks/step_breakdown.py).
+        affinity = getattr(os, "sched_getaffinity", None)  # Linux; elsewhere all of the machine's
+        torch.set_num_threads(len(affinity(0)) if affinity else os.cpu_count() or 1)
+
+    def _model_optimizer_scheduler(self, dtype: torch.dtype) -> tuple[Any, torch.optim.AdamW, Any]:
+        """The student loaded from `model_path`, its AdamW optimizer and learning-rate schedule."""
         model = AutoModelForCausalLM.from_pretrained(
             self.settings.model_path, dtype=dtype, trust_remote_code=False
         )
@@ -112,8 +133,11 @@ class Learner:
         )
         total, schedule = self.settings.total_updates, self.settings.lr_scheduler_type
         warmup = round(self.settings.warmup_ratio * total)
-        scheduler = lr_schedule(optimizer, schedule, total, warmup)
-        config = {
+        return model, optimizer, lr_schedule(optimizer, schedule, total, warmup)
+
+    def _deepspeed_config(self, on_gpu: bool) -> dict[str, Any]:
+        """DeepSpeed's config: one micro-batch per engine step, clipping, ZeRO stage, bf16 on GPU only."""
+        return {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,
             "gradient_clipping": self.settings.max_grad_norm,
@@ -122,18 +146,14 @@ class Learner:
             "steps_per_print": 10**9,
             "wall_clock_breakdown": False,
         }
-        self._engine, _, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config
+
+    def _frozen_reference(self, dtype: torch.dtype) -> Any:
+        """A frozen copy of the initial student for KL(learner ‖ initial); only paid for when used."""
+        reference = AutoModelForCausalLM.from_pretrained(
+            self.settings.model_path, dtype=dtype, trust_remote_code=False
         )
-        if self.settings.kl_loss_coef > 0:
-            # A frozen copy of the initial student for KL(learner ‖ initial); only paid for when used.
-            self._reference = AutoModelForCausalLM.from_pretrained(
-                self.settings.model_path, dtype=dtype, trust_remote_code=False
-            )
-            self._reference.to(self._device).eval().requires_grad_(False)
-        logger.info(
-            "learner rank %d/%d ready (ZeRO-%d)", self.rank, self.world_size, self.settings.zero_stage
-        )
+        reference.to(self._device).eval().requires_grad_(False)
+        return reference
 
     # -- forward ------------------------------------------------------------------------------
 
