@@ -46,6 +46,14 @@ class Settings(BaseSettings):
         description="Jobs of one tenant running at once; None means max_concurrent_jobs. Below it, one "
         "tenant's jobs (stuck or many) leave slots to the others; queued jobs start fairly across tenants.",
     )
+    shared_teacher_idle_s: float | None = Field(
+        default=None,
+        ge=0,
+        description="Share teacher engines between jobs: jobs whose teacher is the same model (same folder, "
+        "context, dtype and resources.teacher) score on one engine group the service owns, admitted fairly "
+        "per job and metered per job; it is shut down after this many seconds without a job holding it. "
+        "None (default): every job starts its own teacher engines.",
+    )
     tenant_max_active_jobs: int = Field(
         default=8, ge=1, description="Non-terminal jobs (queued, running, paused, ...) one tenant may hold."
     )

@@ -36,19 +36,23 @@ def _training_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
     root = tmp_path_factory.mktemp("training-server")
     (root / "models").mkdir()
-    server = Server(
-        root / "data", env={"OPD_MAX_CONCURRENT_JOBS": "1"}, model_dirs=[TINY_MODELS_DIR, root / "models"]
-    )
+    # Teacher engines shared between jobs (engine/shared_teachers.py): the jobs here run one after
+    # another, so a job whose teacher matches an earlier one's scores on its engines (the server path
+    # of sharing, tested by every job on this server; the per-job default is what the integration
+    # tests' drivers run).
+    env = {"OPD_MAX_CONCURRENT_JOBS": "1", "OPD_SHARED_TEACHER_IDLE_S": "600"}
+    server = Server(root / "data", env=env, model_dirs=[TINY_MODELS_DIR, root / "models"])
     yield server
     server.stop()
 
 
 @pytest.fixture
 def training_server(_training_server: Any) -> Any:
-    """One real `opd serve` (SQLite file, embedded Ray, scheduler on, one job at a time) shared by the tests
-    that train over HTTP and need nothing else of a server: its start-up (a Ray, ~20 s on 2 busy cores)
-    is paid once, not once per test. Jobs may take models from the tiny models and from
-    `training_server.model_dirs[-1]`, where a test may make model folders (with names of its own).
+    """One real `opd serve` (SQLite file, embedded Ray, scheduler on, one job at a time, teacher engines
+    shared between jobs) shared by the tests that train over HTTP and need nothing else of a server: its
+    start-up (a Ray, ~20 s on 2 busy cores) is paid once, not once per test. Jobs may take models from
+    the tiny models and from `training_server.model_dirs[-1]`, where a test may make model folders (with
+    names of its own).
 
     Started on first use and again after a test that killed it without starting it again; a test that
     kills it (SIGKILL, then `start` on the same data dir) leaves it running for the next.

@@ -608,7 +608,8 @@ class Scheduler:
         # Counted before the new driver can write: what follows in events.jsonl is its own.
         job.driver_events_offset = len(RunDir(job.run_dir).events())
         storage_token = write_probe(Path(job.run_dir))  # the driver and learner check they see it
-        self._handles[job.id] = DriverHandle(launch=self._launch(spec, job.run_dir, job.id, storage_token))
+        launch = self._launch(spec, job.run_dir, job.id, storage_token, self.settings.shared_teacher_idle_s)
+        self._handles[job.id] = DriverHandle(launch=launch)
         job.driver_attempts += 1
         job.driver_event_seq = -1
         logger.info(
@@ -616,7 +617,9 @@ class Scheduler:
         )
 
     @classmethod
-    def _launch(cls, spec: Any, run_dir: str, job_id: str, storage_token: str) -> Future[tuple[Any, Any]]:
+    def _launch(
+        cls, spec: Any, run_dir: str, job_id: str, storage_token: str, shared_teacher_idle_s: float | None
+    ) -> Future[tuple[Any, Any]]:
         """The driver actor and its `run()` under way, made on a thread of its own: creating it waits
         for a Ray task that imports the training stack on the cluster (this process may not hold it:
         the api image), and this thread must not. A daemon thread, so that a launch Ray cannot place
@@ -630,7 +633,9 @@ class Scheduler:
             try:
                 name = actor_name(job_id)
                 cls._kill_named(name)
-                actor = launch_driver(spec, run_dir, job_id, storage_token, name, NAMESPACE)
+                actor = launch_driver(
+                    spec, run_dir, job_id, storage_token, name, NAMESPACE, shared_teacher_idle_s
+                )
                 made.set_result((actor, actor.run.remote()))
             except BaseException as exc:
                 made.set_exception(exc)

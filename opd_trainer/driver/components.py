@@ -20,6 +20,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from transformers import AutoTokenizer
 
 from opd_trainer.driver.teachers import TeacherEngines
+from opd_trainer.engine.shared_teachers import acquire_shared, registry
 from opd_trainer.engine.vllm_engine import EngineConfig, EngineGroup
 from opd_trainer.engine.weight_transfer import publish_weights
 from opd_trainer.errors import ConfigError, ProcessorLoadError
@@ -90,13 +91,25 @@ class Started:
     learner: LearnerGroup | None = None
     pools: list[Any] = dataclasses.field(default_factory=list)
     runners: list[RolloutRunner] = dataclasses.field(default_factory=list)
+    shared_teachers: Any = None  # the shared-teacher registry this job holds engines of, if any
+    job_id: str = ""
+
+    async def acquire_shared_teacher(self, job_id: str, config: EngineConfig, idle_s: float) -> EngineGroup:
+        """Teacher engines from the cluster's shared ones (`engine/shared_teachers.py`), held by this
+        job until `stop()` releases them."""
+        self.shared_teachers, self.job_id = registry(idle_s), job_id
+        holder = ray.get_runtime_context().current_actor if ray.get_runtime_context().get_actor_id() else None
+        return await acquire_shared(self.shared_teachers, job_id, config, holder)
 
     async def stop(self) -> None:
-        """Stops all of it; vLLM engines take seconds each, so in parallel."""
+        """Stops all of it; vLLM engines take seconds each, so in parallel. Shared teacher engines are
+        released, not stopped: the registry ends them once no job holds them."""
         for runner in self.runners:
             await runner.close()
         stops: list[Awaitable[Any]] = [pool.shutdown() for pool in self.pools]
         stops += [group.shutdown() for group in self.engines]
+        if self.shared_teachers is not None:
+            stops.append(self.shared_teachers.release.remote(self.job_id))
         stops += [gateway.shutdown.remote() for gateway in self.gateways]
         await asyncio.gather(*stops, return_exceptions=True)
         for gateway in self.gateways:
@@ -104,6 +117,7 @@ class Started:
         if self.learner is not None:
             self.learner.shutdown()
         self.gateways, self.engines, self.pools, self.runners, self.learner = [], [], [], [], None
+        self.shared_teachers = None
 
 
 async def start_components(
@@ -117,10 +131,12 @@ async def start_components(
     server: bool,
     run_dir: Path,
     storage_token: str | None,
+    shared_teacher_idle_s: float | None = None,
 ) -> Components:
     """Starts the job's parts into `started` and returns them together. `validates`: the job has
     validation data (a teacher runner and evaluator pool); `total_updates`: learner updates of the
-    whole job (the learning-rate schedule's length)."""
+    whole job (the learning-rate schedule's length); `shared_teacher_idle_s`: the teachers' engines
+    come from the cluster's shared ones (`engine/shared_teachers.py`), None: the job starts its own."""
     hp = spec.hyper_parameters
     sandbox = _sandbox_options(spec, server)
     max_length = preflight_models(hp.max_length, spec.weight_sources())
@@ -138,7 +154,7 @@ async def start_components(
         started.gateways.append(teacher_gateway)
     gateways_ready = [g.ready.remote() for g in started.gateways]
     student, teachers, learner = await _start_engines_and_learner(
-        spec, job_id, max_length, total_updates, world_size, started
+        spec, job_id, (max_length, total_updates, world_size), started, shared_teacher_idle_s
     )
     transfers = await _learner_handoffs(spec, student, learner, (run_dir, storage_token), emit)
     base_url = await _serve_gateway(gateway, student)
@@ -188,9 +204,15 @@ async def _learner_handoffs(
 
 
 async def _start_engines_and_learner(
-    spec: JobSpec, job_id: str, max_length: int, total_updates: int, world_size: int, started: Started
+    spec: JobSpec,
+    job_id: str,
+    sizes: tuple[int, int, int],
+    started: Started,
+    shared_teacher_idle_s: float | None,
 ) -> tuple[EngineGroup, TeacherEngines, LearnerGroup]:
-    """The student's and every teacher's engine groups and the learner ranks, started side by side."""
+    """The student's and every teacher's engine groups and the learner ranks, started side by side.
+    `sizes`: max length, learner updates of the whole job, learner ranks."""
+    max_length, total_updates, world_size = sizes
     learner = LearnerGroup(
         LearnerSettings.from_spec(spec, total_updates),
         world_size,
@@ -202,6 +224,8 @@ async def _start_engines_and_learner(
 
     async def engines(model: str, resources: EngineResources, role: str, name: str) -> EngineGroup:
         config = _engine_config(spec, max_length, model, resources, role)
+        if role == "teacher" and shared_teacher_idle_s is not None:
+            return await started.acquire_shared_teacher(job_id, config, shared_teacher_idle_s)
         group = await EngineGroup.start(config, f"{job_id}-{name}")
         started.engines.append(group)
         return group

@@ -66,14 +66,18 @@ class JobDriver:
         storage_token: str | None = None,
         *,
         server: bool = False,
+        shared_teacher_idle_s: float | None = None,
     ) -> None:
         """`storage_token`: what the caller wrote into the run dir (`storage.shared.write_probe`); the
         driver and every learner rank check they see it before anything else. `server`: started by
         the job server, whose tenants' code runs only sandboxed (`workers.sandbox.effective_mode`).
+        `shared_teacher_idle_s`: score on teacher engines shared with other jobs
+        (`engine/shared_teachers.py`, this idle time before unheld ones end); None: the job's own.
         Nothing here can fail: errors surface from `run()` as the job's error, where the server
         reports them."""
         self.spec = spec
         self.server = server
+        self.shared_teacher_idle_s = shared_teacher_idle_s
         self.job_id = job_id
         self.run_dir = Path(run_dir)
         self.storage_token = storage_token
@@ -163,6 +167,7 @@ class JobDriver:
                 server=self.server,
                 run_dir=self.run_dir,
                 storage_token=self.storage_token,
+                shared_teacher_idle_s=self.shared_teacher_idle_s,
             )
             sampler = self._sampler = Sampler(c, self.train_samples, cursor)
             resuming = self.checkpoints.latest() is not None

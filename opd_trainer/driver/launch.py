@@ -17,24 +17,46 @@ import ray
 
 @ray.remote(num_cpus=0)
 def _create_driver(
-    spec: Any, run_dir: str, job_id: str, storage_token: str | None, name: str, namespace: str
+    spec: Any,
+    run_dir: str,
+    job_id: str,
+    storage_token: str | None,
+    name: str,
+    namespace: str,
+    shared_teacher_idle_s: float | None,
 ) -> None:
     # Lazy: runs in a Ray task on the cluster: the server that imports launch has no torch/vLLM.
     from opd_trainer.driver.job_driver import JobDriverActor
 
     JobDriverActor.options(  # type: ignore[attr-defined]
         name=name, namespace=namespace, lifetime="detached", num_cpus=0
-    ).remote(spec, run_dir, job_id, storage_token, server=True)  # tenants' code: sandboxed or refused
+    ).remote(
+        spec,
+        run_dir,
+        job_id,
+        storage_token,
+        server=True,  # tenants' code: sandboxed or refused
+        shared_teacher_idle_s=shared_teacher_idle_s,
+    )
 
 
 NAME_LOOKUP_S = 30.0
 
 
 def launch_driver(
-    spec: Any, run_dir: str, job_id: str, storage_token: str | None, name: str, namespace: str
+    spec: Any,
+    run_dir: str,
+    job_id: str,
+    storage_token: str | None,
+    name: str,
+    namespace: str,
+    shared_teacher_idle_s: float | None = None,
 ) -> Any:
-    """A new detached driver actor named `name` in `namespace`; returns its handle."""
-    ray.get(_create_driver.remote(spec, run_dir, job_id, storage_token, name, namespace))
+    """A new detached driver actor named `name` in `namespace`; returns its handle.
+    `shared_teacher_idle_s`: the server's teacher sharing (`engine/shared_teachers.py`), None off."""
+    ray.get(
+        _create_driver.remote(spec, run_dir, job_id, storage_token, name, namespace, shared_teacher_idle_s)
+    )
     # Ray may register a new actor's name a moment after `.remote()` returned in the task.
     deadline = time.monotonic() + NAME_LOOKUP_S
     while True:

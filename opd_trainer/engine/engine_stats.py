@@ -37,6 +37,7 @@ class EngineStats:
         self.engine_index = engine_index
         self.totals = dict.fromkeys(TOTALS, 0.0)
         self.peaks = dict.fromkeys(PEAKS, 0.0)
+        self.reader_peaks: dict[str, dict[str, float]] = {}  # a shared engine's per-job peaks
 
     def record(
         self,
@@ -51,8 +52,9 @@ class EngineStats:
                 "waiting_max": scheduler_stats.num_waiting_reqs,
                 "kv_cache_usage_max": scheduler_stats.kv_cache_usage,
             }
-            for key, value in now.items():
-                self.peaks[key] = max(self.peaks[key], float(value))
+            for peaks in (self.peaks, *self.reader_peaks.values()):
+                for key, value in now.items():
+                    peaks[key] = max(peaks[key], float(value))
             prefix = scheduler_stats.prefix_cache_stats
             if prefix is not None:
                 self.totals["prefix_cache_queries"] += prefix.queries
@@ -82,6 +84,12 @@ class EngineStats:
         snapshot = {**self.totals, **self.peaks}
         self.peaks = dict.fromkeys(PEAKS, 0.0)
         return snapshot
+
+    def read_peaks(self, reader: str) -> dict[str, float]:
+        """The peaks since `reader`'s last call (each job on a shared engine reads its own)."""
+        peaks = self.reader_peaks.get(reader, dict.fromkeys(PEAKS, 0.0))
+        self.reader_peaks[reader] = dict.fromkeys(PEAKS, 0.0)
+        return peaks
 
 
 def combine(replicas: list[dict[str, float]]) -> dict[str, float]:

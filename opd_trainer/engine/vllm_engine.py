@@ -12,11 +12,12 @@ fraction, so without `kv_cache_memory_bytes` it is sized by `kv_cache.cpu_kv_cac
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -26,7 +27,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from opd_trainer.cluster.placement import placed
 from opd_trainer.cluster.process_usage import actor_usage
-from opd_trainer.engine.engine_stats import EngineStats, combine
+from opd_trainer.engine.engine_stats import TOTALS, EngineStats, combine
+from opd_trainer.engine.fair_gate import FairGate
 from opd_trainer.engine.kv_cache import cpu_kv_cache_bytes
 from opd_trainer.engine.vllm_extension import EXTENSION_CLASSPATH
 from opd_trainer.engine.weight_transfer import WeightHandoff, apply_weights, transfer_for
@@ -157,6 +159,11 @@ class Engine:
         self._in_flight = 0
         self._update_lock = asyncio.Lock()
         self._stats = EngineStats()  # fed by vLLM after every engine step (stat_loggers below)
+        # A teacher engine shared by several jobs (engine/shared_teachers.py): each scoring request
+        # names its job (`client`), admitted fairly and counted per job.
+        self._gate = FairGate(config.concurrent_sequences)
+        self._clients: dict[str, ClientShare] = {}
+        self._attributed = {"cpu_s": 0.0}  # the engine's CPU-seconds already split among its clients
 
     def _placement_args(self) -> dict[str, Any]:
         """vLLM engine arguments that depend on where the engine runs: the KV cache's size (given, else
@@ -375,8 +382,12 @@ class Engine:
         """All prompts in flight at once, so vLLM batches them."""
         return list(await asyncio.gather(*(self.generate(p, **sampling) for p in prompts)))
 
+    def _admitted(self, client: str | None) -> contextlib.AbstractAsyncContextManager[None]:
+        """A slot of the fair gate for a shared engine's client; nothing to wait for otherwise."""
+        return self._gate.slot(client) if client is not None else contextlib.nullcontext()
+
     async def _prompt_logprobs(
-        self, prompt_token_ids: list[int], completion_token_ids: list[int], top_k: int
+        self, prompt_token_ids: list[int], completion_token_ids: list[int], top_k: int, client: str | None
     ) -> tuple[np.ndarray, np.ndarray]:
         """Teacher forcing of prompt + completion: per completion position, the scored token's and the
         `top_k` most likely tokens' (ids, logprobs), as [T, 1 + top_k] arrays (column 0: the scored
@@ -410,24 +421,36 @@ class Engine:
         # forward at p - 1, so the cache may cover at most the prompt's first `first - 1` tokens; when a
         # sibling's completion put more of this sequence in the cache, the request is scored again
         # without it (counted: `scores_rescored`).
-        final = await self._run(sequence, params(read_prefix_cache=True))
-        if (final.num_cached_tokens or 0) >= first:
-            self._stats.count_rescore()
-            final = await self._run(sequence, params(read_prefix_cache=False))
+        async with self._admitted(client):
+            final = await self._run(sequence, params(read_prefix_cache=True))
+            cached = final.num_cached_tokens or 0
+            rescored = cached >= first
+            if rescored:
+                self._stats.count_rescore()
+                final = await self._run(sequence, params(read_prefix_cache=False))
+        if client is not None:
+            self._clients.setdefault(client, ClientShare()).count(len(sequence), cached, rescored)
         return completion_rows(final.prompt_logprobs, first, count, top_k + 1)
 
-    async def score(self, prompt_token_ids: list[int], completion_token_ids: list[int]) -> list[float]:
+    async def score(
+        self, prompt_token_ids: list[int], completion_token_ids: list[int], client: str | None = None
+    ) -> list[float]:
         """This model's logprob of each completion token given the prompt (teacher forcing).
 
         Uses vLLM prompt logprobs over prompt + completion, so it scores exactly the given tokens.
+        `client`: the job asking, on an engine several jobs share (fair admission, its own counts).
         """
         if not completion_token_ids:
             return []
-        _, logprobs = await self._prompt_logprobs(prompt_token_ids, completion_token_ids, 0)
+        _, logprobs = await self._prompt_logprobs(prompt_token_ids, completion_token_ids, 0, client)
         return logprobs[:, 0].tolist()
 
     async def score_top_k(
-        self, prompt_token_ids: list[int], completion_token_ids: list[int], top_k: int
+        self,
+        prompt_token_ids: list[int],
+        completion_token_ids: list[int],
+        top_k: int,
+        client: str | None = None,
     ) -> TeacherScores:
         """`score` plus this model's `top_k` most likely tokens and their logprobs at each position
         (temperature 1 whatever the engine's `logprobs_mode`)."""
@@ -437,18 +460,20 @@ class Engine:
         if not count:
             empty = np.zeros((0, top_k), dtype=np.float32)
             return TeacherScores(np.zeros(0, dtype=np.float32), empty.astype(np.int32), empty)
-        ids, logprobs = await self._prompt_logprobs(prompt_token_ids, completion_token_ids, top_k)
+        ids, logprobs = await self._prompt_logprobs(prompt_token_ids, completion_token_ids, top_k, client)
         return TeacherScores(
             logprobs[:, 0].copy(), np.ascontiguousarray(ids[:, 1:]), np.ascontiguousarray(logprobs[:, 1:])
         )
 
-    async def score_many(self, pairs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
-        return list(await asyncio.gather(*(self.score(p, c) for p, c in pairs)))
+    async def score_many(
+        self, pairs: list[tuple[list[int], list[int]]], client: str | None = None
+    ) -> list[list[float]]:
+        return list(await asyncio.gather(*(self.score(p, c, client) for p, c in pairs)))
 
     async def score_top_k_many(
-        self, pairs: list[tuple[list[int], list[int]]], top_k: int
+        self, pairs: list[tuple[list[int], list[int]]], top_k: int, client: str | None = None
     ) -> list[TeacherScores]:
-        return list(await asyncio.gather(*(self.score_top_k(p, c, top_k) for p, c in pairs)))
+        return list(await asyncio.gather(*(self.score_top_k(p, c, top_k, client) for p, c in pairs)))
 
     async def update_weights(self, handoff: WeightHandoff, version: int | None = None) -> int:
         """Loads new weights in place by the handoff's own transport (`weight_transfer.apply_weights`),
@@ -493,6 +518,32 @@ class Engine:
         `cpu_s` / `gpus` (`process_usage.actor_usage`: the actor and its vLLM core)."""
         return {**self._stats.totals, **actor_usage()}
 
+    async def client_stats(self, client: str) -> dict[str, float]:
+        """`stats` as one job on a shared engine sees it: its own requests' token and request counts,
+        the engine's preemptions, and the peaks since this job's last call."""
+        share = self._clients.get(client, ClientShare())
+        return {
+            **share.totals,
+            "preemptions": self._stats.totals["preemptions"],
+            **self._stats.read_peaks(client),
+        }
+
+    async def client_usage(self, client: str) -> dict[str, float]:
+        """`usage` as one job on a shared engine is metered: its own tokens, and the engine's CPU-seconds
+        split among its jobs by the tokens each had scored since the previous split (`gpus`: the
+        engine's GPUs times this job's share in that interval)."""
+        engine = actor_usage()
+        new_cpu = engine["cpu_s"] - self._attributed["cpu_s"]
+        self._attributed["cpu_s"] = engine["cpu_s"]
+        share = self._clients.setdefault(client, ClientShare())
+        intervals = [each.take_interval() for each in self._clients.values()]
+        tokens = sum(intervals)
+        for each, interval in zip(self._clients.values(), intervals, strict=True):
+            fraction = interval / tokens if tokens else 1 / len(intervals)
+            each.cpu_s += new_cpu * fraction
+            each.gpu_fraction = fraction
+        return {**share.totals, "cpu_s": share.cpu_s, "gpus": engine["gpus"] * share.gpu_fraction}
+
     async def health(self) -> dict[str, Any]:
         """Liveness plus what a scheduler needs: version, load, whether the engine core is alive."""
         alive = self._llm is not None and not self._llm.errored
@@ -509,6 +560,33 @@ class Engine:
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+
+
+@dataclass
+class ClientShare:
+    """One job's part of a shared engine: its scoring requests' counts (the keys of `EngineStats`
+    totals it can be told apart by) and the CPU-seconds attributed to it so far."""
+
+    totals: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TOTALS, 0.0))
+    cpu_s: float = 0.0
+    gpu_fraction: float = 0.0
+    _tokens_split: float = 0.0  # prompt tokens at the previous split (`Engine.client_usage`)
+
+    def count(self, sequence_tokens: int, cached: int, rescored: bool) -> None:
+        """A scoring request of `sequence_tokens`, `cached` of them found in the prefix cache; a
+        rescored one ran a second time without the cache."""
+        runs = 2 if rescored else 1
+        self.totals["prompt_tokens"] += runs * sequence_tokens
+        self.totals["prefix_cache_queries"] += runs * sequence_tokens
+        self.totals["prefix_cache_hits"] += cached
+        self.totals["requests_finished"] += runs
+        self.totals["scores_rescored"] += int(rescored)
+
+    def take_interval(self) -> float:
+        """Prompt tokens scored since the previous call."""
+        interval = self.totals["prompt_tokens"] - self._tokens_split
+        self._tokens_split = self.totals["prompt_tokens"]
+        return interval
 
 
 EngineActor = ray.remote(Engine)
@@ -551,11 +629,16 @@ async def start_located_engines(config: EngineConfig, role: str) -> tuple[list[A
 class EngineGroup:
     """The replicas of one model, used as one: requests are spread, weight updates fanned out."""
 
-    def __init__(self, actors: list[ActorHandle], node_ids: list[str] | None = None) -> None:
+    def __init__(
+        self, actors: list[ActorHandle], node_ids: list[str] | None = None, client: str | None = None
+    ) -> None:
+        """`client`: the job using replicas shared with other jobs (`engine/shared_teachers.py`): its
+        requests are admitted fairly, and `stats` / `usage` are its own part of the engines'."""
         if not actors:
             raise ValueError("an engine group needs at least one replica")
         self.actors = actors
         self.node_ids = node_ids or []
+        self.client = client
         self._rotation = 0  # the replica the next fan-out starts on
 
     @classmethod
@@ -624,24 +707,35 @@ class EngineGroup:
         return list(await asyncio.gather(*calls))
 
     async def score_many(self, pairs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
-        return await self._fan_out(pairs, lambda actor, chunk: actor.score_many.remote(chunk))
+        return await self._fan_out(pairs, lambda actor, chunk: actor.score_many.remote(chunk, self.client))
 
     async def score_top_k_many(
         self, pairs: list[tuple[list[int], list[int]]], top_k: int
     ) -> list[TeacherScores]:
         """In input order: each pair's `TeacherScores` with the model's `top_k` tokens per position."""
-        return await self._fan_out(pairs, lambda actor, chunk: actor.score_top_k_many.remote(chunk, top_k))
+        return await self._fan_out(
+            pairs, lambda actor, chunk: actor.score_top_k_many.remote(chunk, top_k, self.client)
+        )
 
     async def health(self) -> list[dict[str, Any]]:
         return list(await asyncio.gather(*(actor.health.remote() for actor in self.actors)))
 
     async def stats(self) -> dict[str, float]:
-        """The replicas' `Engine.stats`, combined (`engine_stats.combine`)."""
-        return combine(list(await asyncio.gather(*(actor.stats.remote() for actor in self.actors))))
+        """The replicas' `Engine.stats` (a client's: `Engine.client_stats`), combined
+        (`engine_stats.combine`)."""
+        reads = [
+            actor.stats.remote() if self.client is None else actor.client_stats.remote(self.client)
+            for actor in self.actors
+        ]
+        return combine(list(await asyncio.gather(*reads)))
 
     async def usage(self) -> dict[str, float]:
-        """The replicas' `Engine.usage`, added up."""
-        replicas = await asyncio.gather(*(actor.usage.remote() for actor in self.actors))
+        """The replicas' `Engine.usage` (a client's: `Engine.client_usage`), added up."""
+        reads = [
+            actor.usage.remote() if self.client is None else actor.client_usage.remote(self.client)
+            for actor in self.actors
+        ]
+        replicas = await asyncio.gather(*reads)
         return {key: float(sum(r[key] for r in replicas)) for key in replicas[0]}
 
     async def shutdown(self) -> None:
