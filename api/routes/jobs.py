@@ -14,7 +14,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Annotated
+from typing import Annotated, Literal
 
 import anyio
 from fastapi import APIRouter, Header, Query, status
@@ -26,7 +26,7 @@ from starlette.background import BackgroundTask
 from api.db import Database
 from api.deps import DatabaseDep, SessionDep, SettingsDep, StreamSlotsDep, TenantDep
 from api.errors import TENANT, errors
-from api.services import jobs
+from api.services import jobs, trajectories
 from api.services.states import TERMINAL
 from opd_trainer.jobspec.job_status import JobStatus
 from opd_trainer.storage.zip_stream import stream_zip
@@ -40,6 +40,7 @@ from opd_trainer.wire.schemas import (
     JobPublic,
     MetricsPublic,
     TrajectoryList,
+    TrajectorySort,
 )
 
 router = APIRouter(prefix="/v1/opd/jobs", tags=["jobs"])
@@ -254,8 +255,35 @@ def job_metrics(job_id: str, session: SessionDep, tenant: TenantDep) -> MetricsP
     return jobs.metrics(session, tenant.id, job_id)
 
 
-@router.get("/{job_id}/trajectories", response_model=TrajectoryList, responses=errors(*TENANT, 404, 422))
+@router.get(
+    "/{job_id}/trajectories",
+    response_model=TrajectoryList,
+    responses=errors(*TENANT, 404, 422),
+    description="A page of the job's recorded rollouts (the first 16 of each step). Without `step` and "
+    "`sort`: the latest `limit` written before the `offset` latest, in the order written. With either: "
+    "that step's (else every step's) rollouts ordered by `sort` and `order`; those without the value "
+    "(a failed rollout has no reward and no trained tokens) come last.",
+)
 def job_trajectories(
-    job_id: str, session: SessionDep, tenant: TenantDep, limit: Annotated[int, Query(ge=1, le=200)] = 16
+    job_id: str,
+    session: SessionDep,
+    tenant: TenantDep,
+    limit: Annotated[int, Query(ge=1, le=200)] = 16,
+    offset: Annotated[int, Query(ge=0, le=10**6, description="Skip this many (the page's start).")] = 0,
+    step: Annotated[
+        int | None, Query(ge=0, description="Only this step's rollouts (`steps` lists them).")
+    ] = None,
+    sort: Annotated[
+        TrajectorySort | None,
+        Query(
+            description="`recent`: as written; `reward`; `divergence`: mean sampler − teacher logprob "
+            "over the trajectory's trained tokens."
+        ),
+    ] = None,
+    order: Annotated[
+        Literal["desc", "asc"], Query(description="`desc`: highest (or newest) first.")
+    ] = "desc",
 ) -> TrajectoryList:
-    return jobs.trajectories(session, tenant.id, job_id, limit)
+    return trajectories.trajectory_page(
+        session, tenant.id, job_id, step=step, sort=sort, order=order, limit=limit, offset=offset
+    )

@@ -41,7 +41,6 @@ from opd_trainer.wire.schemas import (
     JobList,
     JobPublic,
     MetricsPublic,
-    TrajectoryList,
 )
 from opd_trainer.workers.classpath import validate_workspace
 from opd_trainer.workers.requirements import requirements_of
@@ -398,11 +397,6 @@ def finite(value: Any) -> Any:
 def metrics(session: Session, tenant_id: str, job_id: str) -> MetricsPublic:
     run_dir = RunDir(get_owned(session, tenant_id, job_id).run_dir)
     return MetricsPublic(data=finite(run_dir.records()), summary=finite(run_dir.load_summary()))
-
-
-def trajectories(session: Session, tenant_id: str, job_id: str, limit: int) -> TrajectoryList:
-    run_dir = RunDir(get_owned(session, tenant_id, job_id).run_dir)
-    return TrajectoryList(data=finite(run_dir.recent_trajectories(limit)))
 
 
 # -- user actions -----------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
     metrics.jsonl       one record per training step (`kind: train`) and per validation (`kind: eval`)
     events.jsonl        the driver's events (status, progress, errors), in order
-    trajectories.jsonl  rollouts as the user's agent saw them (messages, tool calls, rewards, spans)
+    trajectories.jsonl  rollouts as the user's agent saw them (messages, tool calls, rewards, spans) and
+                        the teacher's view of each trained token (`RolloutResult.trajectory`)
     summary.json        the final validation summary
     usage.json          what the job used so far, over all its runs (`driver/metering.py`)
     checkpoints/        `step-N/` folders and a `latest` pointer (`learner.checkpoint.CheckpointStore`)
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +53,26 @@ class RunDir:
 
     def recent_trajectories(self, limit: int) -> list[dict[str, Any]]:
         return read_jsonl(self.trajectories_path, tail=limit)
+
+    def trajectory_steps(self) -> list[int]:
+        """The steps that have trajectories, ascending (each line's step is read from its start)."""
+        return sorted({step for step, _ in self._trajectory_lines()})
+
+    def step_trajectories(self, step: int | None = None) -> list[dict[str, Any]]:
+        """The trajectories of `step` (None: all), in the order written; only that step's lines are
+        parsed whole, as the file grows by every step's tokens."""
+        chosen = (line for line_step, line in self._trajectory_lines() if step is None or line_step == step)
+        return [record for record in map(_json_object, chosen) if record is not None]
+
+    def _trajectory_lines(self) -> Iterator[tuple[int, str]]:
+        """Each trajectory line with its `step` (a record starts with it: `RolloutResult.trajectory`)."""
+        if not self.trajectories_path.is_file():
+            return
+        with self.trajectories_path.open(encoding="utf-8", errors="replace") as lines:
+            for line in lines:
+                line_step = _leading_step(line)
+                if line_step is not None:
+                    yield line_step, line
 
     def load_summary(self) -> dict[str, Any]:
         """The final summary; empty while it is not written yet (or caught mid-write)."""
@@ -124,3 +147,25 @@ class RunDir:
         staging = self.usage_path.with_suffix(".json.tmp")
         staging.write_text(json.dumps(usage, indent=2))
         os.replace(staging, self.usage_path)
+
+
+_LEADING_STEP = re.compile(r'^\{"step": (-?\d+)[,}]')
+
+
+def _json_object(line: str) -> dict[str, Any] | None:
+    """The line's JSON object; None for anything else (a half-written last line)."""
+    try:
+        found = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def _leading_step(line: str) -> int | None:
+    """A trajectory line's `step`, read from its start when the record begins with it, else parsed."""
+    match = _LEADING_STEP.match(line)
+    if match is not None:
+        return int(match.group(1))
+    record = _json_object(line)
+    step = record.get("step") if record is not None else None
+    return step if isinstance(step, int) else None

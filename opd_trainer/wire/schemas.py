@@ -230,9 +230,18 @@ class MetricsPublic(BaseModel):
     )
 
 
+TrajectorySort = Literal["recent", "reward", "divergence"]
+
+
 class TrajectoryList(BaseModel):
     object: Literal["list"] = Field(default="list", description="Always `list`.")
-    data: list[dict[str, Any]] = Field(description="Recent rollouts: messages, tool calls, rewards, spans.")
+    data: list[dict[str, Any]] = Field(
+        description="Rollouts: `step`, messages, tool calls, rewards, spans, `divergence` (mean sampler − "
+        "teacher logprob over its trained tokens, null without any) and per LLM call `tokens` (text, "
+        "log_ratio, teacher_top, teacher_top_p per trained token; null for a call not trained)."
+    )
+    has_more: bool = Field(default=False, description="More follow: pass `offset` + `limit` as `offset`.")
+    steps: list[int] = Field(default_factory=list, description="Every step that has trajectories, ascending.")
 
 
 # -- webhooks -------------------------------------------------------------------------------------

@@ -1,0 +1,72 @@
+"""A job's recorded trajectories, paged: the latest ones as written, or one step's (or all) sorted by
+reward or by divergence (the mean sampler − teacher log-ratio over a trajectory's trained tokens).
+
+A trajectory without the value sorted on (a failed rollout: no reward, no trained tokens; a record
+from before tokens were recorded) comes after every one that has it, whatever the order.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from sqlalchemy.orm import Session
+
+from api.services.jobs import finite, get_owned
+from opd_trainer.storage.run_dir import RunDir
+from opd_trainer.wire.schemas import TrajectoryList, TrajectorySort
+
+Order = Literal["desc", "asc"]
+
+
+def sort_key(trajectory: dict[str, Any], sort: TrajectorySort) -> float | None:
+    """The value `sort` orders by; None where the trajectory has none."""
+    if sort == "reward":
+        value = None if trajectory.get("failed") else trajectory.get("reward")
+    else:
+        value = trajectory.get("divergence")
+    return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
+
+
+def sorted_trajectories(
+    trajectories: list[dict[str, Any]], sort: TrajectorySort, order: Order
+) -> list[dict[str, Any]]:
+    """`trajectories` by `sort` (`recent`: as written), highest first for `desc`; those without the
+    value last, in the order written (the sort is stable)."""
+    if sort == "recent":
+        return list(reversed(trajectories)) if order == "desc" else list(trajectories)
+    keyed = [(sort_key(t, sort), t) for t in trajectories]
+    valued = [(key, t) for key, t in keyed if key is not None]
+    valued.sort(key=lambda pair: pair[0], reverse=order == "desc")
+    return [t for _, t in valued] + [t for key, t in keyed if key is None]
+
+
+def latest_page(run_dir: RunDir, limit: int, offset: int) -> tuple[list[dict[str, Any]], bool]:
+    """The `limit` trajectories written before the `offset` latest ones, in the order written (the
+    route's default: read from the file's end, whatever its size)."""
+    found = run_dir.recent_trajectories(offset + limit + 1)
+    end = max(0, len(found) - offset)
+    return found[max(0, end - limit) : end], len(found) > offset + limit
+
+
+def trajectory_page(
+    session: Session,
+    tenant_id: str,
+    job_id: str,
+    *,
+    step: int | None,
+    sort: TrajectorySort | None,
+    order: Order,
+    limit: int,
+    offset: int,
+) -> TrajectoryList:
+    """A page of the job's trajectories. Without `step` and `sort`, the latest written (`latest_page`);
+    else that step's (or every step's) ordered by `sort` (default `recent`) and `order`."""
+    run_dir = RunDir(get_owned(session, tenant_id, job_id).run_dir)
+    steps = run_dir.trajectory_steps()
+    if step is None and sort is None:
+        page, has_more = latest_page(run_dir, limit, offset)
+    else:
+        ordered = sorted_trajectories(run_dir.step_trajectories(step), sort or "recent", order)
+        page, has_more = ordered[offset : offset + limit], len(ordered) > offset + limit
+    return TrajectoryList(data=finite(page), has_more=has_more, steps=steps)
