@@ -81,6 +81,8 @@ class Job(Base):
     metrics: Mapped[dict[str, float]] = mapped_column(JSON, default=dict)
     # What the job used so far, over all its runs (`driver/metering.py`), as the driver last reported.
     usage: Mapped[dict[str, float]] = mapped_column(JSON, default=dict)
+    # A dry run (`POST /v1/opd/jobs?dry_run=true`): {calibration_steps, total_steps}; null otherwise.
+    dry_run: Mapped[dict[str, int] | None] = mapped_column(JSON, default=None)
     error: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     # Which driver incarnation runs the job, and how many of its events are already copied here.
     driver_attempts: Mapped[int] = mapped_column(Integer, default=0)

@@ -67,10 +67,21 @@ _submissions = anyio.CapacityLimiter(SUBMISSIONS_AT_ONCE)
     responses=errors(400, *TENANT, 404, 413, 422, 429),
 )
 async def create_job(
-    body: JobCreate, session: SessionDep, settings: SettingsDep, tenant: TenantDep
+    body: JobCreate,
+    session: SessionDep,
+    settings: SettingsDep,
+    tenant: TenantDep,
+    dry_run: Annotated[
+        bool,
+        Query(
+            description="Run a short calibration of the job (its first steps, validating after the first) "
+            "instead of the job, for an estimate of what the whole job would use: `dry_run.estimate` once it "
+            "succeeded. Queued, metered and cancellable like a job; never gives a fine_tuned_model."
+        ),
+    ] = False,
 ) -> JobPublic:
     return await anyio.to_thread.run_sync(
-        jobs.create, session, settings, tenant.id, body, limiter=_submissions
+        jobs.create, session, settings, tenant.id, body, dry_run, limiter=_submissions
     )
 
 

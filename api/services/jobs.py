@@ -25,6 +25,7 @@ from api.services.ids import new_id
 from api.services.states import ACTIVE, TERMINAL, next_status
 from api.services.usage import keep_usage_of_deleted
 from api.settings import Settings
+from opd_trainer.driver.estimate import calibration_spec, estimate_from_records, steps_to_calibrate
 from opd_trainer.driver.trackers import check_tracking_uri
 from opd_trainer.errors import ConfigError
 from opd_trainer.jobspec.job_spec import JobSpec
@@ -94,13 +95,28 @@ def status_since(session: Session, job_id: str, status: str) -> float | None:
 def public(job: Job) -> JobPublic:
     found = JobPublic.model_validate(job)
     run_dir = RunDir(job.run_dir)
-    found.promotion = run_dir.promoted()
-    found.best_checkpoint = (found.promotion or {}).get("checkpoint")
-    if job.status == JobStatus.SUCCEEDED:
-        found.fine_tuned_model = run_dir.fine_tuned_model_id()
+    if found.dry_run is not None:  # a calibration: what it trained is not a model to hand out
+        if job.status == JobStatus.SUCCEEDED:
+            found.dry_run.estimate = _estimate(job, run_dir)
+    else:
+        found.promotion = run_dir.promoted()
+        found.best_checkpoint = (found.promotion or {}).get("checkpoint")
+        if job.status == JobStatus.SUCCEEDED:
+            found.fine_tuned_model = run_dir.fine_tuned_model_id()
     if found.error is not None:
         found.error.message = server_paths.public_text(found.error.message, server_paths.data_dir_of(job))
     return found
+
+
+def _estimate(job: Job, run_dir: RunDir) -> dict[str, Any] | None:
+    """A succeeded dry run's estimate of the whole job (`driver/estimate.py`), from its records."""
+    assert job.dry_run is not None
+    try:
+        return estimate_from_records(
+            run_dir.records(), JobSpec.model_validate(job.spec), job.dry_run["total_steps"]
+        )
+    except ValueError:  # no training record: nothing to scale
+        return None
 
 
 def get_owned(session: Session, tenant_id: str, job_id: str, param: str = "job_id") -> Job:
@@ -242,7 +258,11 @@ def preflight(resolved: JobSpec) -> None:
     preflight_models(resolved.hyper_parameters.max_length, resolved.weight_sources())
 
 
-def create(session: Session, settings: Settings, tenant_id: str, body: JobCreate) -> JobPublic:
+def create(
+    session: Session, settings: Settings, tenant_id: str, body: JobCreate, dry_run: bool = False
+) -> JobPublic:
+    """A new queued job after pre-flight; `dry_run`: a calibration of its first steps instead, whose
+    estimate of the whole job the job shows once it succeeded (`driver/estimate.py`)."""
     spec = JobSpec.model_validate(body.model_dump())
     active = session.scalar(
         select(func.count()).select_from(Job).where(Job.tenant_id == tenant_id, Job.status.in_(ACTIVE))
@@ -266,6 +286,8 @@ def create(session: Session, settings: Settings, tenant_id: str, body: JobCreate
         raise ConfigError(server_paths.public_text(exc.message, settings.data_dir), field=exc.field) from None
     hp = spec.hyper_parameters
     samples = sum(f.samples or 0 for f in used if f.path in resolved.training_datasets)
+    total_steps = hp.total_steps(samples)
+    calibration = {"calibration_steps": steps_to_calibrate(total_steps), "total_steps": total_steps}
     job_id = new_id("opdjob")
     job = Job(
         id=job_id,
@@ -275,23 +297,32 @@ def create(session: Session, settings: Settings, tenant_id: str, body: JobCreate
         spec=spec.model_dump(mode="json", exclude_none=True),  # every None is a default
         file_ids=sorted({f.id for f in used}),
         run_dir=str(settings.runs_dir / job_id),
-        total_steps=hp.total_steps(samples),
+        total_steps=calibration["calibration_steps"] if dry_run else total_steps,
         queued_at=time.time(),
+        dry_run=calibration if dry_run else None,
     )
     session.add(job)
     session.flush()
     add_event(
         session, job_id, "status", "validating_files: pre-flight passed", {"status": "validating_files"}
     )
+    if dry_run:
+        message = (
+            f"dry run: {calibration['calibration_steps']} calibration steps for an estimate of the whole job "
+            f"({total_steps} steps); nothing it trains becomes a model"
+        )
+        add_event(session, job_id, "status", message, {"dry_run": calibration})
     add_event(session, job_id, "status", "queued", {"status": "queued"})
     session.commit()
     return public(job)
 
 
 def resolve_for_driver(session: Session, job: Job) -> JobSpec:
-    """The spec a driver runs: stored ids resolved to today's server paths."""
+    """The spec a driver runs: stored ids resolved to today's server paths (a dry run's calibration)."""
     with_models, _ = resolve_models(session, job.tenant_id, JobSpec.model_validate(job.spec))
     resolved, _ = resolve_files(session, job.tenant_id, with_models)
+    if job.dry_run is not None:
+        return calibration_spec(resolved, job.dry_run["calibration_steps"], ends_by_itself=True)
     return resolved
 
 

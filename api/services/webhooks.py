@@ -165,7 +165,10 @@ def enqueue(session: Session, job_id: str, status: str) -> int:
             created_at=job.created_at,
             started_at=job.started_at,
             finished_at=job.finished_at,
-            fine_tuned_model=RunDir(job.run_dir).fine_tuned_model_id() if status == "succeeded" else None,
+            # A dry run's calibration trains no model to hand out.
+            fine_tuned_model=RunDir(job.run_dir).fine_tuned_model_id()
+            if status == "succeeded" and job.dry_run is None
+            else None,
             error=error,
         ),
     )

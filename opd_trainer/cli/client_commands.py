@@ -99,7 +99,7 @@ def _submit(args: argparse.Namespace) -> int:
 
     spec = load_job_spec(Path(args.job_file))
     client = _client(args)
-    job = client.submit(spec)
+    job = client.submit(spec, dry_run=args.dry_run)
     if not args.follow:
         if not _json_out(args, job):
             print(f"submitted {job.id} ({job.job_name}): {job.status}")
@@ -164,6 +164,11 @@ def _follow(args: argparse.Namespace, client: OPDClient, job: JobPublic, plot_di
         print(f"curves: {curves}", file=notes)
     if metrics.summary:
         print(format_final_table(metrics.summary), file=notes)
+    if final.dry_run is not None and final.dry_run.estimate is not None:
+        # Lazy: CLI start-up (`opd --help`) loads no command's stack; this one loads when it runs.
+        from opd_trainer.driver.estimate import format_estimate
+
+        print(format_estimate(final.dry_run.estimate, final.job_name), file=notes)
     return 0
 
 
@@ -477,6 +482,12 @@ def _add_job_commands(commands: Any, connection: Any, admin: Any) -> None:
     submit.add_argument("job_file", help="job spec, YAML or JSON (local paths are uploaded)")
     submit.add_argument("--follow", action="store_true", help="show progress until the job finishes")
     submit.add_argument("--plot-dir", help="where --follow writes curves.png (default runs/JOB_ID)")
+    submit.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="run a short calibration of the job instead, for an estimate of what the whole job would use "
+        "(shown by --follow and in the job's dry_run.estimate)",
+    )
 
     jobs = command("jobs", "list your jobs, newest first", _jobs)
     jobs.add_argument("--status", help="only jobs in this status")

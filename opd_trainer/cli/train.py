@@ -14,26 +14,13 @@ import json
 import sys
 from pathlib import Path
 
-from opd_trainer.driver.estimate import estimate
+from opd_trainer.driver.estimate import estimate, format_estimate
 from opd_trainer.driver.local_run import prepare_spec, train_spec
 from opd_trainer.driver.plots import format_final_table
 from opd_trainer.errors import OPDError
 from opd_trainer.jobspec.job_spec import JobSpec, load_job_spec
 
 __all__ = ["format_final_table", "run_estimate", "run_train"]
-
-# What `opd estimate` prints, in this order.
-ESTIMATE_ROWS = (
-    ("teacher tokens", "teacher_tokens", ""),
-    ("  of them from the prefix cache", "teacher_cached_tokens", ""),
-    ("student tokens generated", "student_generated_tokens", ""),
-    ("student prompt tokens", "student_prompt_tokens", ""),
-    ("learner tokens trained", "learner_tokens_trained", ""),
-    ("processor calls", "processor_calls", ""),
-    ("CPU-seconds", "cpu_s", " s"),
-    ("GPU-seconds", "gpu_s", " s"),
-    ("wall time", "wall_s", " s"),
-)
 
 
 def _prepared(job_file: Path) -> JobSpec | None:
@@ -76,10 +63,5 @@ def run_estimate(job_file: Path, calibration_steps: int, as_json: bool) -> int:
     if as_json:
         print(json.dumps(found, indent=2))
         return 0
-    print(
-        f"estimate for {spec.job_name}: {found['total_steps']} steps, {found['validations']} validations "
-        f"(from {found['calibration_steps']} calibration steps)"
-    )
-    for label, key, unit in ESTIMATE_ROWS:
-        print(f"  {label:<32} {found['usage'][key]:>14,.0f}{unit}")
+    print(format_estimate(found, spec.job_name))
     return 0

@@ -115,18 +115,22 @@ class OPDClient(ClientBase[httpx.Client]):
 
     # -- jobs -----------------------------------------------------------------------------------
 
-    def create_job(self, spec: dict[str, Any]) -> schemas.JobPublic:
-        """Submits a spec whose datasets/workspaces are already file ids."""
-        return self._send(operations.create_job(spec))
+    def create_job(self, spec: dict[str, Any], dry_run: bool = False) -> schemas.JobPublic:
+        """Submits a spec whose datasets/workspaces are already file ids. `dry_run`: a short calibration
+        of it instead, whose `dry_run.estimate` says what the whole job would use once it succeeded."""
+        return self._send(operations.create_job(spec, dry_run))
 
     def prepare_spec(self, spec: JobSpec) -> dict[str, Any]:
         """Uploads the spec's local datasets and workspace folders; returns it with file ids instead."""
         file_ids = {upload: self.upload_file(*upload).id for upload in local_files.uploads(spec)}
         return local_files.spec_with_file_ids(spec, file_ids.__getitem__)
 
-    def submit(self, spec: JobSpec | dict[str, Any], base_dir: str | Path = ".") -> schemas.JobPublic:
-        """Validates locally, uploads local files (paths relative to `base_dir`), submits; returns the job."""
-        return self.create_job(self.prepare_spec(local_files.parse_spec(spec, base_dir)))
+    def submit(
+        self, spec: JobSpec | dict[str, Any], base_dir: str | Path = ".", dry_run: bool = False
+    ) -> schemas.JobPublic:
+        """Validates locally, uploads local files (paths relative to `base_dir`), submits (`dry_run`: as
+        `create_job`); returns the job."""
+        return self.create_job(self.prepare_spec(local_files.parse_spec(spec, base_dir)), dry_run)
 
     def run(self, **arguments: Unpack[RunArguments]) -> str:
         """Bailian's `AgenticRL().run(...)` (`job_name`, `model`, `teacher_model`, `training_datasets`,

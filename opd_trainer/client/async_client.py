@@ -124,8 +124,8 @@ class AsyncOPDClient(ClientBase[httpx.AsyncClient]):
 
     # -- jobs -----------------------------------------------------------------------------------
 
-    async def create_job(self, spec: dict[str, Any]) -> schemas.JobPublic:
-        return await self._send(operations.create_job(spec))
+    async def create_job(self, spec: dict[str, Any], dry_run: bool = False) -> schemas.JobPublic:
+        return await self._send(operations.create_job(spec, dry_run))
 
     async def prepare_spec(self, spec: JobSpec) -> dict[str, Any]:
         """Uploads the spec's local datasets and workspace folders, all at once; returns it with
@@ -135,8 +135,10 @@ class AsyncOPDClient(ClientBase[httpx.AsyncClient]):
         file_ids = {upload: file.id for upload, file in zip(uploads, uploaded, strict=True)}
         return local_files.spec_with_file_ids(spec, file_ids.__getitem__)
 
-    async def submit(self, spec: JobSpec | dict[str, Any], base_dir: str | Path = ".") -> schemas.JobPublic:
-        return await self.create_job(await self.prepare_spec(local_files.parse_spec(spec, base_dir)))
+    async def submit(
+        self, spec: JobSpec | dict[str, Any], base_dir: str | Path = ".", dry_run: bool = False
+    ) -> schemas.JobPublic:
+        return await self.create_job(await self.prepare_spec(local_files.parse_spec(spec, base_dir)), dry_run)
 
     async def run(self, **arguments: Unpack[RunArguments]) -> str:
         return (await self.submit(local_files.run_spec(arguments))).id

@@ -222,8 +222,9 @@ def delete_file(file_id: str) -> Call[Deleted]:
     return Call("DELETE", f"/v1/files/{file_id}", _model(Deleted))
 
 
-def create_job(spec: dict[str, Any]) -> Call[JobPublic]:
-    return Call("POST", "/v1/opd/jobs", _model(JobPublic), json=spec)
+def create_job(spec: dict[str, Any], dry_run: bool = False) -> Call[JobPublic]:
+    params = {"dry_run": "true"} if dry_run else {}
+    return Call("POST", "/v1/opd/jobs", _model(JobPublic), params=params, json=spec)
 
 
 def list_jobs(status: str | None, limit: int, after: str | None) -> Call[JobList]:

@@ -26,12 +26,29 @@ from opd_trainer.jobspec.job_spec import Budget, JobSpec
 from opd_trainer.stats import mean
 
 DEFAULT_CALIBRATION_STEPS = 2
+# What an estimate's table shows (`opd estimate`, `opd submit --dry-run --follow`), in this order.
+ESTIMATE_ROWS = (
+    ("teacher tokens", "teacher_tokens", ""),
+    ("  of them from the prefix cache", "teacher_cached_tokens", ""),
+    ("student tokens generated", "student_generated_tokens", ""),
+    ("student prompt tokens", "student_prompt_tokens", ""),
+    ("learner tokens trained", "learner_tokens_trained", ""),
+    ("processor calls", "processor_calls", ""),
+    ("CPU-seconds", "cpu_s", " s"),
+    ("GPU-seconds", "gpu_s", " s"),
+    ("wall time", "wall_s", " s"),
+)
 
 
-def calibration_spec(spec: JobSpec, steps: int) -> JobSpec:
+def calibration_spec(spec: JobSpec, steps: int, *, ends_by_itself: bool = False) -> JobSpec:
     """The job as it calibrates: validating after its first step, checkpointing only at the stop, no
-    trackers and no budget (the calibration is short by itself)."""
-    hp = spec.hyper_parameters.model_copy(update={"eval_steps": 1, "save_steps": max(steps, 1) + 1})
+    trackers and no budget (the calibration is short by itself). `ends_by_itself`: `max_steps` is
+    `steps` (a dry run on the job server, whose drivers run to the end; `opd estimate` stops its own
+    after `steps` and keeps the job's learning-rate schedule)."""
+    update: dict[str, Any] = {"eval_steps": 1, "save_steps": max(steps, 1) + 1}
+    if ends_by_itself:
+        update["max_steps"] = steps
+    hp = spec.hyper_parameters.model_copy(update=update)
     return spec.model_copy(
         update={
             "job_name": f"{spec.job_name}-calibration",
@@ -84,6 +101,21 @@ def estimate_from_records(records: list[dict[str, Any]], spec: JobSpec, total_st
     }
 
 
+def steps_to_calibrate(total_steps: int, asked: int = DEFAULT_CALIBRATION_STEPS) -> int:
+    """Steps a calibration runs: `asked`, at least 1 and at most the job's own."""
+    return max(1, min(asked, total_steps))
+
+
+def format_estimate(found: dict[str, Any], job_name: str) -> str:
+    """An estimate (`estimate_from_records`) as the lines `opd estimate` prints."""
+    lines = [
+        f"estimate for {job_name}: {found['total_steps']} steps, {found['validations']} validations "
+        f"(from {found['calibration_steps']} calibration steps)"
+    ]
+    lines += [f"  {label:<32} {found['usage'][key]:>14,.0f}{unit}" for label, key, unit in ESTIMATE_ROWS]
+    return "\n".join(lines)
+
+
 def estimate(spec: JobSpec, calibration_steps: int = DEFAULT_CALIBRATION_STEPS) -> dict[str, Any]:
     """Runs the calibration (on the local or `RAY_ADDRESS` Ray, like `opd train`) and estimates the job."""
     # Lazy: the calibration run loads Ray and the driver's stack only when an estimate is asked for.
@@ -93,7 +125,7 @@ def estimate(spec: JobSpec, calibration_steps: int = DEFAULT_CALIBRATION_STEPS) 
     total_steps = spec.hyper_parameters.total_steps(
         len(load_samples(spec.training_datasets, "training_datasets"))
     )
-    steps = max(1, min(calibration_steps, total_steps))
+    steps = steps_to_calibrate(total_steps, calibration_steps)
     with tempfile.TemporaryDirectory(prefix="opd-estimate-") as scratch:
         run_dir = Path(scratch) / "run"
         train_spec(calibration_spec(spec, steps), run_dir, stop_after=steps)

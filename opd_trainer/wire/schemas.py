@@ -108,6 +108,19 @@ class JobCreate(JobSpec):
     )
 
 
+class DryRun(BaseModel):
+    """What a dry run (`POST /v1/opd/jobs?dry_run=true`) calibrates and, once it succeeded, estimates."""
+
+    calibration_steps: int = Field(description="Steps the calibration runs (the job's first ones).")
+    total_steps: int = Field(description="Steps of the whole job it stands for.")
+    estimate: dict[str, Any] | None = Field(
+        default=None,
+        description="Once the calibration succeeded: `usage`, what the whole job would use per metered key "
+        "(JobPublic.usage's keys: teacher_tokens, wall_s, cpu_s, ...), and the parts it was added up from "
+        "(`start`, `first_step`, `step`, `validation`, `validations`), as `opd estimate` gives them.",
+    )
+
+
 class JobError(BaseModel):
     code: str = Field(description="Machine-readable reason, e.g. `job_failed`, `driver_lost`.")
     message: str = Field(description="What went wrong, for people.")
@@ -149,6 +162,11 @@ class JobPublic(_Public):
         "the best step and value, whether it is final, and why (e.g. the gate no validation met).",
     )
     error: JobError | None = Field(default=None, description="Why it failed, once it has.")
+    dry_run: DryRun | None = Field(
+        default=None,
+        description="Set for a dry run: it trains only a short calibration, for an estimate of the whole "
+        "job (never a fine_tuned_model); null for a job.",
+    )
     spec: dict[str, Any] = Field(description="The submitted job spec (with file ids).")
 
 

@@ -212,6 +212,43 @@ def test_server_killed_mid_job_resumes_and_the_job_succeeds(
         cancel_unfinished(client, job_id)
 
 
+def test_a_dry_run_calibrates_and_estimates_the_whole_job(
+    trained_models: TinyModels,
+    tmp_path: Path,
+    training_server: Server,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`opd submit --dry-run --follow` (the CLI, over HTTP): the server runs the job's first 2 steps
+    as a calibration and the finished job's `dry_run.estimate` scales them to its 6 steps; no model."""
+    from opd_trainer.cli.main import main
+
+    monkeypatch.setenv("OPD_BASE_URL", training_server.url)
+    monkeypatch.setenv("OPD_API_KEY", create_key(training_server.url, "dry-run"))
+    job_file = tmp_path / "job.json"
+    job_file.write_text(json.dumps(_run_args(trained_models, tmp_path, max_steps=6, save_steps=100)))
+    assert (
+        main(["submit", str(job_file), "--dry-run", "--follow", "-o", "json", "--plot-dir", str(tmp_path)])
+        == 0
+    )
+    out, notes = capsys.readouterr()
+    job = JobPublic.model_validate_json(out)
+    assert job.status == "succeeded" and job.step == 2 and job.total_steps == 2
+    assert job.dry_run is not None and (job.dry_run.calibration_steps, job.dry_run.total_steps) == (2, 6)
+    assert job.fine_tuned_model is None and job.best_checkpoint is None
+    found = job.dry_run.estimate
+    assert found is not None and (found["total_steps"], found["validations"]) == (6, 1)
+    # start + first step + 5 steady steps + the final validation, per metered key; more than the
+    # calibration (2 steps, 2 validations of the trained student) used itself.
+    for key in ("teacher_tokens", "learner_tokens_trained", "wall_s"):
+        parts = (
+            found["start"][key] + found["first_step"][key] + 5 * found["step"][key] + found["validation"][key]
+        )
+        assert found["usage"][key] == pytest.approx(parts)
+    assert found["usage"]["learner_tokens_trained"] > job.usage["learner_tokens_trained"] > 0
+    assert "estimate for api-e2e-6: 6 steps, 1 validations (from 2 calibration steps)" in notes
+
+
 def test_a_failing_driver_fails_its_job_with_the_reason(tmp_path: Path, training_server: Server) -> None:
     server = training_server
     tokenizer_only = str(make_tokenizer(server.model_dirs[-1] / f"no-weights-{uuid.uuid4().hex[:8]}"))

@@ -20,7 +20,7 @@ from api.db import Base, Database, migrate
 from api.services.keys import hash_key
 
 SCHEMAS = Path(__file__).parent / "legacy_databases"
-HEAD = "0005"
+HEAD = "0006"
 KEY = "opd-test-key-of-an-old-release-0123456789"
 
 

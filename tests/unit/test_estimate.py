@@ -6,7 +6,13 @@ from typing import Any
 
 import pytest
 
-from opd_trainer.driver.estimate import calibration_spec, estimate_from_records, validations
+from opd_trainer.driver.estimate import (
+    calibration_spec,
+    estimate_from_records,
+    format_estimate,
+    steps_to_calibrate,
+    validations,
+)
 from opd_trainer.driver.metering import RECORDED
 from opd_trainer.jobspec.job_spec import parse_job_spec
 
@@ -67,3 +73,18 @@ def test_the_calibration_validates_after_step_one_without_trackers_or_budget() -
     assert calibrating.hyper_parameters.eval_steps == 1 and calibrating.hyper_parameters.save_steps == 3
     assert calibrating.report_to == [] and calibrating.budget.max_teacher_tokens is None
     assert calibrating.job_name == "sized-calibration" and spec.budget.max_teacher_tokens == 5
+    # `opd estimate` stops its own run and keeps the job's schedule; a server dry run ends by itself.
+    assert calibrating.hyper_parameters.max_steps == 10
+    assert calibration_spec(spec, steps=2, ends_by_itself=True).hyper_parameters.max_steps == 2
+
+
+def test_a_calibration_runs_at_most_the_jobs_steps_and_at_least_one() -> None:
+    assert (steps_to_calibrate(10), steps_to_calibrate(1), steps_to_calibrate(10, asked=0)) == (2, 1, 1)
+
+
+def test_the_estimate_prints_one_row_per_metered_key() -> None:
+    records = [_record("eval", 0, 1000, 70), _record("train", 1, 300, 5), _record("train", 2, 500, 7)]
+    text = format_estimate(estimate_from_records(records, _spec(), total_steps=10), "sized")
+    lines = text.splitlines()
+    assert lines[0] == "estimate for sized: 10 steps, 1 validations (from 2 calibration steps)"
+    assert lines[1].split() == ["teacher", "tokens", "5,800"]  # 1000 + 300 + 9 x 500
