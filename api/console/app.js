@@ -153,22 +153,136 @@ async function jobPage(jobId) {
   follow(jobId, 0).catch((err) => { if (err.name !== "AbortError") errorBox.textContent = err.message; });
 }
 
-function renderMessage(m) {
-  const calls = (m.tool_calls || []).map((c) => {
+// -- trajectories: the teacher's view of every trained token -------------------------------------------
+// A token's log-ratio (sampler − teacher logprob) on a diverging scale clamped at ±SCALE nats:
+// blue below 0 (the teacher likes the token more than the student did), red above (the teacher disagrees).
+const SCALE = 2;
+const PAGE = 10;
+function tokenColour(lr) {
+  if (typeof lr !== "number") return "";
+  const t = Math.max(-1, Math.min(1, lr / SCALE));
+  const [r, g, b] = t < 0 ? [33, 102, 172] : [178, 24, 43];
+  return `background: rgba(${r}, ${g}, ${b}, ${(0.9 * Math.abs(t)).toFixed(2)});${Math.abs(t) > 0.6 ? " color: #fff;" : ""}`;
+}
+const signed = (v) => (typeof v === "number" ? `${v >= 0 ? "+" : ""}${v.toFixed(3)}` : "n/a");
+function tokenInfo(tokens, i) {
+  let info = `token ${JSON.stringify(tokens.text[i])} · log-ratio ${signed(tokens.log_ratio[i])}`;
+  if (tokens.teacher_top) info += ` · teacher's top token ${JSON.stringify(tokens.teacher_top[i])} (p = ${Number(tokens.teacher_top_p[i]).toFixed(3)})`;
+  return info;
+}
+
+function legend() {
+  return `<div class="legend" id="legend" aria-label="colour scale of trained tokens">
+    <span>teacher likes it more (log-ratio −${SCALE} or less)</span>
+    <span class="scale" role="img" aria-label="blue for negative log-ratio, white at 0, red for positive"></span>
+    <span>teacher disagrees (+${SCALE} or more)</span>
+    <p>Trained tokens of the student are coloured by sampler − teacher logprob; hover a token (or focus a reply and
+    use ← →) for the teacher's preferred token. <span class="noloss-sample">Grey, uncoloured text</span> carries no loss:
+    prompt, tool output, and replies that were not trained.</p></div>`;
+}
+
+function renderToolCalls(m) {
+  return (m.tool_calls || []).map((c) => {
     const f = c.function || c;
     return `<div class="toolcall">tool call <strong>${esc(f.name)}</strong>(${esc(typeof f.arguments === "string" ? f.arguments : JSON.stringify(f.arguments))})</div>`;
   }).join("");
-  const content = typeof m.content === "string" ? m.content : JSON.stringify(m.content);
-  const label = m.role === "tool" ? `tool result${m.name ? ` (${esc(m.name)})` : ""}` : esc(m.role);
-  return `<div class="turn ${esc(m.role)}"><em>${label}</em>\n${esc(content)}${calls}</div>`;
 }
 
-async function trajectoriesPage(jobId) {
-  const trajectories = (await json(`/v1/opd/jobs/${jobId}/trajectories?limit=50`)).data;
-  main.innerHTML = `<p><a href="#/job/${esc(jobId)}">Back to the job</a></p><h1>Trajectories</h1>` +
-    trajectories.map((t, i) => `<section class="trajectory"><h2>#${i + 1} step ${esc(t.step ?? "")}
-      reward ${esc(t.reward)} ${esc(JSON.stringify(t.component_rewards ?? {}))}${t.failed ? ` failed: ${esc(t.error)}` : ""}</h2>
-      ${(t.messages || []).map(renderMessage).join("")}</section>`).join("");
+function renderMessage(m) {
+  const content = typeof m.content === "string" ? m.content : JSON.stringify(m.content);
+  const label = m.role === "tool" ? `tool result${m.name ? ` (${esc(m.name)})` : ""}` : esc(m.role);
+  const why = m.role === "assistant" ? "not trained" : "no loss";
+  return `<div class="turn ${esc(m.role)} noloss"><em>${label} · ${why}</em>\n${esc(content ?? "")}${renderToolCalls(m)}</div>`;
+}
+
+function renderTrainedTurn(call, index) {
+  const t = call.tokens;
+  const spans = t.text.map((piece, i) =>
+    `<span class="tok" data-i="${i}" style="${tokenColour(t.log_ratio[i])}" title="${esc(tokenInfo(t, i))}">${esc(piece)}</span>`).join("");
+  const label = `assistant · trained, LLM call ${index + 1}, ${t.text.length} tokens`;
+  return `<div class="turn assistant trained" data-call="${index}"><em>${label}</em>` +
+    `<div class="tokens" tabindex="0" role="group" aria-label="trained tokens of LLM call ${index + 1}; left and right arrows step through them">${spans}</div>` +
+    `<p class="tokinfo" aria-live="polite"></p>${renderToolCalls(call.response || {})}</div>`;
+}
+
+// A reply's text and tool calls (name, arguments), whatever else a client added to the message it kept.
+const replyOf = (m) => JSON.stringify([m.content || "", (m.tool_calls || []).map((c) => {
+  const f = c.function || c;
+  return [f.name, typeof f.arguments === "string" ? f.arguments : JSON.stringify(f.arguments)];
+})]);
+const sameReply = (m, call) => Boolean(call && call.response) && replyOf(m) === replyOf(call.response);
+
+function renderConversation(t) {
+  // Assistant replies are matched to the LLM calls that wrote them, in order; trained ones show their tokens,
+  // and a trained call whose reply the conversation does not hold is shown after it.
+  const calls = t.llm_calls || [];
+  let next = 0;
+  const turns = (t.messages || []).map((m) => {
+    if (m.role === "assistant" && sameReply(m, calls[next])) {
+      const index = next++;
+      return calls[index].tokens ? renderTrainedTurn(calls[index], index) : renderMessage(m);
+    }
+    return renderMessage(m);
+  });
+  for (let i = next; i < calls.length; i++) if (calls[i].tokens) turns.push(renderTrainedTurn(calls[i], i));
+  return turns.join("");
+}
+
+function trajectoryHead(t, rank) {
+  const components = Object.entries(t.component_rewards || {}).map(([k, v]) => `${esc(k)} ${Number(v).toFixed(3)}`).join(", ");
+  return `<h2>#${rank} · step ${esc(t.step)} · ${esc(t.sample_id ?? t.rollout_id)}</h2>
+    <p class="facts">reward <strong>${t.failed ? "n/a" : Number(t.reward).toFixed(3)}</strong>${components ? ` (${components})` : ""}
+    · divergence <strong>${signed(t.divergence)}</strong>${t.failed ? ` · <span class="failed">failed: ${esc(t.error)}</span>` : ""}</p>`;
+}
+
+const SORTS = { "reward-desc": "reward, highest first", "reward-asc": "reward, lowest first",
+  "divergence-desc": "divergence, highest first", "divergence-asc": "divergence, lowest first", "recent-asc": "as recorded" };
+
+async function trajectoriesPage(jobId, query) {
+  const steps = (await json(`/v1/opd/jobs/${jobId}/trajectories?limit=1`)).steps;
+  const step = query.has("step") ? Number(query.get("step")) : steps[steps.length - 1];
+  const sortKey = SORTS[query.get("sort")] ? query.get("sort") : "divergence-desc";
+  const [sort, order] = sortKey.split("-");
+  const offset = Math.max(0, Number(query.get("offset")) || 0);
+  const page = step === undefined ? { data: [], has_more: false }
+    : await json(`/v1/opd/jobs/${jobId}/trajectories?step=${step}&sort=${sort}&order=${order}&limit=${PAGE}&offset=${offset}`);
+  const go = (changes) => {
+    const next = new URLSearchParams({ step: step ?? "", sort: sortKey, offset: 0, ...changes });
+    location.hash = `#/job/${jobId}/trajectories?${next}`;
+  };
+  main.innerHTML = `<p><a href="#/job/${esc(jobId)}">Back to the job</a></p><h1>Trajectories</h1>
+    <p class="controls"><label>Step <select id="traj-step">${steps.map((s) => `<option ${s === step ? "selected" : ""}>${s}</option>`).join("")}</select></label>
+    <label>Sort <select id="traj-sort">${Object.entries(SORTS).map(([k, v]) => `<option value="${k}" ${k === sortKey ? "selected" : ""}>${v}</option>`).join("")}</select></label>
+    <button id="traj-prev" ${offset ? "" : "disabled"}>Previous</button> <button id="traj-next" ${page.has_more ? "" : "disabled"}>Next</button>
+    <span>${page.data.length ? `${offset + 1}–${offset + page.data.length}` : "none recorded"}</span></p>${legend()}` +
+    page.data.map((t, i) => `<section class="trajectory">${trajectoryHead(t, offset + i + 1)}${renderConversation(t)}</section>`).join("");
+  document.getElementById("traj-step").onchange = (e) => go({ step: e.target.value });
+  document.getElementById("traj-sort").onchange = (e) => go({ sort: e.target.value });
+  document.getElementById("traj-prev").onclick = () => go({ offset: Math.max(0, offset - PAGE) });
+  document.getElementById("traj-next").onclick = () => go({ offset: offset + PAGE });
+  main.querySelectorAll("section.trajectory").forEach((section, i) => {
+    for (const box of section.querySelectorAll(".tokens")) followTokens(box, page.data[i]);
+  });
+}
+
+function followTokens(box, trajectory) {
+  // The hover text, also for the keyboard: arrows move a marked token and the line below says what it is.
+  const turn = box.closest(".turn");
+  const tokens = trajectory.llm_calls[Number(turn.dataset.call)].tokens;
+  const spans = box.querySelectorAll(".tok");
+  let at = -1;
+  const show = (i) => {
+    if (at >= 0) spans[at].classList.remove("current");
+    at = Math.max(0, Math.min(spans.length - 1, i));
+    spans[at].classList.add("current");
+    turn.querySelector(".tokinfo").textContent = tokenInfo(tokens, at);
+  };
+  box.onkeydown = (e) => {
+    if (e.key === "ArrowRight" || e.key === "ArrowLeft") { e.preventDefault(); show(at + (e.key === "ArrowRight" ? 1 : -1)); }
+    if (e.key === "Home") show(0);
+    if (e.key === "End") show(spans.length - 1);
+  };
+  box.onclick = (e) => { if (e.target.classList.contains("tok")) show(Number(e.target.dataset.i)); };
 }
 
 async function route() {
@@ -177,9 +291,10 @@ async function route() {
   const key = sessionStorage.getItem(KEY);
   document.getElementById("logout").hidden = !key;
   if (!key) return loginPage();
-  const parts = location.hash.replace(/^#\/?/, "").split("/");
+  const [path, search] = location.hash.replace(/^#\/?/, "").split("?");
+  const parts = path.split("/");
   try {
-    if (parts[0] === "job" && parts[2] === "trajectories") return await trajectoriesPage(parts[1]);
+    if (parts[0] === "job" && parts[2] === "trajectories") return await trajectoriesPage(parts[1], new URLSearchParams(search));
     if (parts[0] === "job" && parts[1]) return await jobPage(parts[1]);
     return await jobsPage(parts[0] === "jobs" ? parts[1] : "");
   } catch (err) {

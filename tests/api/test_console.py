@@ -1,13 +1,23 @@
 """The web console (/console) driven in headless Chromium (Debian's `chromium`, through Playwright)
-against the real job server of tests/api (a queued job: this server runs no training, so curves and
-trajectories are not covered here). Screenshots go to the test's tmp dir."""
+against the real job server of tests/api. This server runs no training (its jobs stay queued), so curves
+are not covered here; the trajectory view reads trajectories.jsonl written into a queued job's run dir
+the way the driver writes it (`scored_trajectories` over rollouts and scored segments, a fixture of the
+storage format). Screenshots go to the test's tmp dir."""
 
+import dataclasses
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 from apiserver import Server, Tenant
+
+from opd_trainer.jobspec.dataset import Sample
+from opd_trainer.records import LLMCall
+from opd_trainer.rollout.runner import RolloutResult, scored_trajectories
+from opd_trainer.storage.run_dir import RunDir
 
 sync_api = pytest.importorskip("playwright.sync_api")
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -61,3 +71,142 @@ def test_console_lists_opens_and_cancels_a_job_and_hides_it_from_other_tenants(
     assert "console-test" not in other.content()
     assert other_tenant.http.get(f"/v1/opd/jobs/{job['id']}").status_code == 404
     other.screenshot(path=tmp_path / "other_tenant.png")
+
+
+class WordTokenizer:
+    """Token id N is the word `WORDS[N]` (what the driver's tokenizer decodes, one id at a time)."""
+
+    WORDS = ("<pad>", "I", " will", " call", " get_weather", "(", "Paris", ")", " It", " is", " sunny", ".")
+
+    def decode(self, token_ids: list[int]) -> str:
+        return "".join(self.WORDS[i] for i in token_ids)
+
+
+def _tool_rollout(
+    index: int, ratios: list[list[float]], reward: float
+) -> tuple[RolloutResult, list[LLMCall]]:
+    """A two-call agent rollout (a tool call, the tool's result, the answer) and its scored segments; the
+    teacher's top-1 is token 10 (" sunny") with p = 0.6 everywhere."""
+    call_msg = {
+        "role": "assistant",
+        "content": "I will call",
+        "tool_calls": [
+            {
+                "id": "c1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }
+        ],
+    }
+    answer = {"role": "assistant", "content": "It is sunny."}
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        call_msg,
+        {"role": "tool", "name": "get_weather", "tool_call_id": "c1", "content": "TOOL_OUTPUT 21C"},
+        answer,
+    ]
+    calls = [
+        LLMCall([1], [1, 2, 3, 4, 5, 6, 7], [-0.5] * 7, response_message=call_msg),
+        LLMCall([1, 2], [8, 9, 10, 11], [-0.5] * 4, response_message=answer),
+    ]
+    segments = []
+    for call, ratio in zip(calls, ratios, strict=True):
+        size = len(call.completion_token_ids)
+        top_ids, top_logprobs = (
+            np.full((size, 2), [10, 0], np.int32),
+            np.log(np.full((size, 2), [0.6, 0.1], np.float32)),
+        )
+        segments.append(
+            dataclasses.replace(
+                call,
+                teacher_logprobs=[-0.5 - r for r in ratio],
+                rollout_id=index,
+                teacher_top_ids=top_ids,
+                teacher_top_logprobs=top_logprobs,
+            )
+        )
+    sample = Sample("train.jsonl", index, messages[:1], None, {"sample_id": f"weather-{index}"})
+    result = RolloutResult(
+        0,
+        index,
+        f"r{index}",
+        sample,
+        calls=calls,
+        messages=messages,
+        reward=reward,
+        component_rewards={"correct": reward},
+    )
+    return result, segments
+
+
+def _write_trajectories(server: Server, job_id: str) -> None:
+    """Step 1: a rollout the teacher disagrees with (+1.5 at " get_weather", −1.5 at " sunny") and a
+    calmer one; step 2: one more, so the step selector has two steps."""
+    loud = _tool_rollout(0, [[0.1, 0.2, 0.0, 1.5, 0.3, 0.2, 0.1], [0.0, 0.2, -1.5, 0.1]], reward=0.2)
+    calm = _tool_rollout(1, [[0.0] * 7, [0.05] * 4], reward=0.9)
+    later = _tool_rollout(0, [[0.01] * 7, [0.01] * 4], reward=1.0)
+    run_dir = RunDir(server.data_dir / "runs" / job_id)
+    run_dir.root.mkdir(parents=True, exist_ok=True)
+    step1: list[Any] = scored_trajectories([loud[0], calm[0]], loud[1] + calm[1], WordTokenizer(), step=1)
+    run_dir.trajectories(step1 + scored_trajectories([later[0]], later[1], WordTokenizer(), step=2))
+
+
+def _background(page: "sync_api.Page", selector: str) -> str:
+    return page.eval_on_selector(selector, "e => getComputedStyle(e).backgroundColor")
+
+
+def test_trajectory_view_colours_trained_tokens_leaves_tool_output_plain_and_sorts_by_step_and_divergence(
+    browser: "sync_api.Browser", server: Server, tenant: Tenant, other_tenant: Tenant, tmp_path: Path
+) -> None:
+    job = tenant.job(job_name="console-trajectories")
+    _write_trajectories(server, job["id"])
+    page = _open(browser, server, tenant.key)
+    page.goto(f"{server.url}/console/#/job/{job['id']}/trajectories")
+    page.wait_for_selector("section.trajectory")
+    assert page.locator("#traj-step option").all_inner_texts() == ["1", "2"]
+    assert page.locator("section.trajectory").count() == 1  # the latest step first
+    assert page.locator("#legend").is_visible() and "teacher disagrees" in page.inner_text("#legend")
+
+    page.select_option("#traj-step", "1")  # by divergence, highest first, by default
+    page.wait_for_function("document.querySelectorAll('section.trajectory').length === 2")
+    heads = page.locator("section.trajectory h2").all_inner_texts()
+    assert "weather-0" in heads[0] and "weather-1" in heads[1]
+    first = page.locator("section.trajectory").first
+    tokens = first.locator(".turn.trained .tok")
+    assert tokens.count() == 11 and "get_weather" in first.locator(".turn.trained").first.inner_text()
+    red = _background(page, "section.trajectory .turn.trained[data-call='0'] .tok[data-i='3']")
+    blue = _background(page, "section.trajectory .turn.trained[data-call='1'] .tok[data-i='2']")
+    assert red.startswith("rgba(178, 24, 43") and blue.startswith("rgba(33, 102, 172"), (red, blue)
+    title = tokens.nth(3).get_attribute("title") or ""
+    assert '" get_weather"' in title and "+1.500" in title and '" sunny"' in title and "p = 0.600" in title
+    tool = first.locator(".turn.tool")
+    assert tool.locator(".tok").count() == 0 and "no loss" in tool.inner_text()
+    assert "TOOL_OUTPUT 21C" in tool.inner_text()
+    assert _background(page, "section.trajectory .turn.tool") == "rgb(244, 244, 244)"  # no colour scale
+    assert (
+        first.locator(".turn.user .tok").count() == 0
+        and "no loss" in first.locator(".turn.user").inner_text()
+    )
+
+    first.locator(".tokens").first.focus()  # the hover text by keyboard
+    for _ in range(4):
+        page.keyboard.press("ArrowRight")
+    assert "log-ratio +1.500" in first.locator(".tokinfo").first.inner_text()
+    assert page.evaluate("document.documentElement.scrollWidth") <= 1280  # nothing wider than the window
+    page.screenshot(path=tmp_path / "trajectories.png", full_page=True)
+
+    page.select_option("#traj-sort", "divergence-asc")
+    page.wait_for_function(
+        "document.querySelector('section.trajectory h2').textContent.includes('weather-1')"
+    )
+    page.select_option("#traj-sort", "reward-desc")
+    page.wait_for_function(
+        "document.querySelector('section.trajectory h2').textContent.includes('weather-1')"
+    )
+    assert "reward 0.900" in page.locator("section.trajectory .facts").first.inner_text()
+    page.screenshot(path=tmp_path / "trajectories_by_reward.png", full_page=True)
+
+    other = _open(browser, server, other_tenant.key)
+    other.goto(f"{server.url}/console/#/job/{job['id']}/trajectories")
+    other.wait_for_function("document.getElementById('error').textContent.length > 0")
+    assert "no job with id" in other.inner_text("#error") and "weather-0" not in other.content()

@@ -41,3 +41,15 @@ def test_console_is_not_in_openapi_and_calls_only_tenant_routes(tmp_path: Path) 
     script = (Path(__file__).parents[2] / "api" / "console" / "app.js").read_text()
     called = re.findall(r"(?:json|api)\(`([^`]*)`", script)
     assert called and all(path.startswith("/v1/opd/jobs") for path in called), called
+
+
+def test_the_trajectory_view_asks_only_for_parameters_the_route_declares(tmp_path: Path) -> None:
+    schema = _client(tmp_path).get("/openapi.json").json()
+    declared = {p["name"] for p in schema["paths"]["/v1/opd/jobs/{job_id}/trajectories"]["get"]["parameters"]}
+    script = (Path(__file__).parents[2] / "api" / "console" / "app.js").read_text()
+    asked = {
+        name
+        for query in re.findall(r"/trajectories\?([^`]*)`", script)
+        for name in re.findall(r"(?:^|&)(\w+)=", query)
+    }
+    assert asked == {"limit", "step", "sort", "order", "offset"} and asked <= declared, (asked, declared)
