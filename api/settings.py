@@ -54,6 +54,13 @@ class Settings(BaseSettings):
         "per job and metered per job; it is shut down after this many seconds without a job holding it. "
         "None (default): every job starts its own teacher engines.",
     )
+    shared_teacher_max_replicas: int | None = Field(
+        default=None,
+        ge=1,
+        description="With shared teacher engines: the most replicas a shared group grows to while jobs' "
+        "requests wait for a slot (one added at a time, given back when idle). None: a group keeps the "
+        "first job's resources.teacher.replicas.",
+    )
     tenant_max_active_jobs: int = Field(
         default=8, ge=1, description="Non-terminal jobs (queued, running, paused, ...) one tenant may hold."
     )

@@ -59,6 +59,7 @@ from api.services.jobs import add_event, compare_and_set, finite, resolve_for_dr
 from api.services.lease import Lease, new_holder_id
 from api.services.states import WITH_DRIVER
 from api.settings import Settings
+from opd_trainer.engine.teacher_sharing import TeacherSharing
 from opd_trainer.errors import OPDError
 from opd_trainer.storage.run_dir import RunDir
 from opd_trainer.storage.shared import write_probe
@@ -608,7 +609,7 @@ class Scheduler:
         # Counted before the new driver can write: what follows in events.jsonl is its own.
         job.driver_events_offset = len(RunDir(job.run_dir).events())
         storage_token = write_probe(Path(job.run_dir))  # the driver and learner check they see it
-        launch = self._launch(spec, job.run_dir, job.id, storage_token, self.settings.shared_teacher_idle_s)
+        launch = self._launch(spec, job.run_dir, job.id, storage_token, self._teacher_sharing())
         self._handles[job.id] = DriverHandle(launch=launch)
         job.driver_attempts += 1
         job.driver_event_seq = -1
@@ -616,9 +617,15 @@ class Scheduler:
             "[%s] starting driver %s (incarnation %d)", job.id, actor_name(job.id), job.driver_attempts
         )
 
+    def _teacher_sharing(self) -> TeacherSharing | None:
+        """The drivers' `TeacherSharing` from the settings; None when sharing is off."""
+        if self.settings.shared_teacher_idle_s is None:
+            return None
+        return TeacherSharing(self.settings.shared_teacher_idle_s, self.settings.shared_teacher_max_replicas)
+
     @classmethod
     def _launch(
-        cls, spec: Any, run_dir: str, job_id: str, storage_token: str, shared_teacher_idle_s: float | None
+        cls, spec: Any, run_dir: str, job_id: str, storage_token: str, teacher_sharing: TeacherSharing | None
     ) -> Future[tuple[Any, Any]]:
         """The driver actor and its `run()` under way, made on a thread of its own: creating it waits
         for a Ray task that imports the training stack on the cluster (this process may not hold it:
@@ -633,9 +640,7 @@ class Scheduler:
             try:
                 name = actor_name(job_id)
                 cls._kill_named(name)
-                actor = launch_driver(
-                    spec, run_dir, job_id, storage_token, name, NAMESPACE, shared_teacher_idle_s
-                )
+                actor = launch_driver(spec, run_dir, job_id, storage_token, name, NAMESPACE, teacher_sharing)
                 made.set_result((actor, actor.run.remote()))
             except BaseException as exc:
                 made.set_exception(exc)

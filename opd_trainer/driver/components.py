@@ -21,6 +21,7 @@ from transformers import AutoTokenizer
 
 from opd_trainer.driver.teachers import TeacherEngines
 from opd_trainer.engine.shared_teachers import acquire_shared, registry
+from opd_trainer.engine.teacher_sharing import TeacherSharing
 from opd_trainer.engine.vllm_engine import EngineConfig, EngineGroup
 from opd_trainer.engine.weight_transfer import publish_weights
 from opd_trainer.errors import ConfigError, ProcessorLoadError
@@ -94,10 +95,12 @@ class Started:
     shared_teachers: Any = None  # the shared-teacher registry this job holds engines of, if any
     job_id: str = ""
 
-    async def acquire_shared_teacher(self, job_id: str, config: EngineConfig, idle_s: float) -> EngineGroup:
+    async def acquire_shared_teacher(
+        self, job_id: str, config: EngineConfig, sharing: TeacherSharing
+    ) -> EngineGroup:
         """Teacher engines from the cluster's shared ones (`engine/shared_teachers.py`), held by this
         job until `stop()` releases them."""
-        self.shared_teachers, self.job_id = registry(idle_s), job_id
+        self.shared_teachers, self.job_id = registry(sharing), job_id
         holder = ray.get_runtime_context().current_actor if ray.get_runtime_context().get_actor_id() else None
         return await acquire_shared(self.shared_teachers, job_id, config, holder)
 
@@ -131,12 +134,12 @@ async def start_components(
     server: bool,
     run_dir: Path,
     storage_token: str | None,
-    shared_teacher_idle_s: float | None = None,
+    teacher_sharing: TeacherSharing | None = None,
 ) -> Components:
     """Starts the job's parts into `started` and returns them together. `validates`: the job has
     validation data (a teacher runner and evaluator pool); `total_updates`: learner updates of the
-    whole job (the learning-rate schedule's length); `shared_teacher_idle_s`: the teachers' engines
-    come from the cluster's shared ones (`engine/shared_teachers.py`), None: the job starts its own."""
+    whole job (the learning-rate schedule's length); `teacher_sharing`: the teachers' engines come
+    from the cluster's shared ones (`engine/shared_teachers.py`), None: the job starts its own."""
     hp = spec.hyper_parameters
     sandbox = _sandbox_options(spec, server)
     max_length = preflight_models(hp.max_length, spec.weight_sources())
@@ -154,7 +157,7 @@ async def start_components(
         started.gateways.append(teacher_gateway)
     gateways_ready = [g.ready.remote() for g in started.gateways]
     student, teachers, learner = await _start_engines_and_learner(
-        spec, job_id, (max_length, total_updates, world_size), started, shared_teacher_idle_s
+        spec, job_id, (max_length, total_updates, world_size), started, teacher_sharing
     )
     transfers = await _learner_handoffs(spec, student, learner, (run_dir, storage_token), emit)
     base_url = await _serve_gateway(gateway, student)
@@ -208,7 +211,7 @@ async def _start_engines_and_learner(
     job_id: str,
     sizes: tuple[int, int, int],
     started: Started,
-    shared_teacher_idle_s: float | None,
+    teacher_sharing: TeacherSharing | None,
 ) -> tuple[EngineGroup, TeacherEngines, LearnerGroup]:
     """The student's and every teacher's engine groups and the learner ranks, started side by side.
     `sizes`: max length, learner updates of the whole job, learner ranks."""
@@ -224,8 +227,8 @@ async def _start_engines_and_learner(
 
     async def engines(model: str, resources: EngineResources, role: str, name: str) -> EngineGroup:
         config = _engine_config(spec, max_length, model, resources, role)
-        if role == "teacher" and shared_teacher_idle_s is not None:
-            return await started.acquire_shared_teacher(job_id, config, shared_teacher_idle_s)
+        if role == "teacher" and teacher_sharing is not None:
+            return await started.acquire_shared_teacher(job_id, config, teacher_sharing)
         group = await EngineGroup.start(config, f"{job_id}-{name}")
         started.engines.append(group)
         return group

@@ -29,6 +29,7 @@ from opd_trainer.driver.promotion import Promoter
 from opd_trainer.driver.step import Sampler, StepClock, train_step
 from opd_trainer.driver.trackers import BackgroundTracker, open_trackers
 from opd_trainer.driver.validation import drift_probe_segments, evaluate
+from opd_trainer.engine.teacher_sharing import TeacherSharing
 from opd_trainer.errors import ConfigError, OPDError
 from opd_trainer.jobspec.dataset import EpochCursor, Sample, load_samples
 from opd_trainer.jobspec.job_spec import JobSpec
@@ -66,18 +67,18 @@ class JobDriver:
         storage_token: str | None = None,
         *,
         server: bool = False,
-        shared_teacher_idle_s: float | None = None,
+        teacher_sharing: TeacherSharing | None = None,
     ) -> None:
         """`storage_token`: what the caller wrote into the run dir (`storage.shared.write_probe`); the
         driver and every learner rank check they see it before anything else. `server`: started by
         the job server, whose tenants' code runs only sandboxed (`workers.sandbox.effective_mode`).
-        `shared_teacher_idle_s`: score on teacher engines shared with other jobs
-        (`engine/shared_teachers.py`, this idle time before unheld ones end); None: the job's own.
+        `teacher_sharing`: score on teacher engines shared with other jobs (`engine/shared_teachers.py`,
+        the server's settings); None: the job starts its own.
         Nothing here can fail: errors surface from `run()` as the job's error, where the server
         reports them."""
         self.spec = spec
         self.server = server
-        self.shared_teacher_idle_s = shared_teacher_idle_s
+        self.teacher_sharing = teacher_sharing
         self.job_id = job_id
         self.run_dir = Path(run_dir)
         self.storage_token = storage_token
@@ -167,7 +168,7 @@ class JobDriver:
                 server=self.server,
                 run_dir=self.run_dir,
                 storage_token=self.storage_token,
-                shared_teacher_idle_s=self.shared_teacher_idle_s,
+                teacher_sharing=self.teacher_sharing,
             )
             sampler = self._sampler = Sampler(c, self.train_samples, cursor)
             resuming = self.checkpoints.latest() is not None

@@ -23,7 +23,7 @@ def _create_driver(
     storage_token: str | None,
     name: str,
     namespace: str,
-    shared_teacher_idle_s: float | None,
+    teacher_sharing: Any,
 ) -> None:
     # Lazy: runs in a Ray task on the cluster: the server that imports launch has no torch/vLLM.
     from opd_trainer.driver.job_driver import JobDriverActor
@@ -36,7 +36,7 @@ def _create_driver(
         job_id,
         storage_token,
         server=True,  # tenants' code: sandboxed or refused
-        shared_teacher_idle_s=shared_teacher_idle_s,
+        teacher_sharing=teacher_sharing,
     )
 
 
@@ -50,13 +50,11 @@ def launch_driver(
     storage_token: str | None,
     name: str,
     namespace: str,
-    shared_teacher_idle_s: float | None = None,
+    teacher_sharing: Any = None,
 ) -> Any:
     """A new detached driver actor named `name` in `namespace`; returns its handle.
-    `shared_teacher_idle_s`: the server's teacher sharing (`engine/shared_teachers.py`), None off."""
-    ray.get(
-        _create_driver.remote(spec, run_dir, job_id, storage_token, name, namespace, shared_teacher_idle_s)
-    )
+    `teacher_sharing`: the server's `TeacherSharing` (`engine/shared_teachers.py`), None: off."""
+    ray.get(_create_driver.remote(spec, run_dir, job_id, storage_token, name, namespace, teacher_sharing))
     # Ray may register a new actor's name a moment after `.remote()` returned in the task.
     deadline = time.monotonic() + NAME_LOOKUP_S
     while True:

@@ -1,15 +1,22 @@
 """Teacher engines shared by jobs: owned by the service, not by a job.
 
 A teacher is frozen, so two jobs distilling from the same teacher can score on the same engines. With
-sharing on (the job server's `OPD_SHARED_TEACHER_IDLE_S`), a job asks the `SharedTeachers` registry, a
-detached Ray actor of the cluster, for its teacher's engines instead of starting its own:
+sharing on (the job server's `OPD_SHARED_TEACHER_IDLE_S`: `TeacherSharing`), a job asks the
+`SharedTeachers` registry, a detached Ray actor of the cluster, for its teacher's engines instead of
+starting its own:
 
 - **Keyed by what makes engines the same**: the model folder (resolved), context length, dtype and
   placement (`resources.teacher`), eagerness, CPU slots and the top-k limit (`sharing_key`). The first
   job's settings start the engines; the others join them.
 - **Reference-counted**: each job holds the engines it acquired until it releases them (its driver
-  stops: finished, failed, cancelled, paused) or its driver actor dies (checked every `idle_s / 2`).
+  stops: finished, failed, cancelled, paused) or its driver actor dies (checked every `check_s`).
   Engines nobody has held for `idle_s` seconds are shut down.
+- **Scaled by load**: every `check_s` the registry reads each replica's load (`Engine.load`); a group
+  whose requests wait for a slot two checks in a row gets a replica more (up to `max_replicas`), one
+  with nothing to do for five checks gives back a replica it added (`teacher_sharing.LoadStreak`). A
+  job's group (`SharedEngineGroup`) reads the current replicas before it sends requests, so a new
+  replica takes work at once, and a removed one is shut down `DRAIN_S` later, once its last requests
+  ended.
 - **Fair between jobs**: every request names its job, and each engine admits at most its concurrency
   at once, handing freed slots to the jobs in turn (`engine/fair_gate.py`): one job's burst waits
   behind the other's queued work instead of starving it.
@@ -24,6 +31,7 @@ import dataclasses
 import hashlib
 import json
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +39,18 @@ import ray
 from ray.actor import ActorHandle
 from ray.exceptions import RayActorError
 
+from opd_trainer.engine.engine_stats import combine
+from opd_trainer.engine.teacher_sharing import LoadStreak, TeacherSharing
 from opd_trainer.engine.vllm_engine import EngineConfig, EngineGroup, start_located_engines
 
 REGISTRY_NAME = "opd-shared-teachers"
 REGISTRY_NAMESPACE = "opd-shared-teachers"
 HOLDER_CHECK_TIMEOUT_S = 30.0
+REFRESH_S = 1.0
+"""How long a job's `SharedEngineGroup` uses its list of replicas before asking again."""
+DRAIN_S = 120.0
+"""How long a replica given back stays up, idle, before it is shut down: jobs that sent to it read
+their counts from it meanwhile (every step); what a job has not read by then is not metered."""
 
 
 def sharing_key(config: EngineConfig) -> str:
@@ -51,40 +66,52 @@ def sharing_key(config: EngineConfig) -> str:
 
 @dataclasses.dataclass
 class _Shared:
-    model: str
+    config: EngineConfig
     actors: list[ActorHandle]
     nodes: list[str]
     holders: dict[str, ActorHandle | None] = dataclasses.field(default_factory=dict)
     idle_since: float | None = None
+    version: int = 0  # bumped whenever the replicas change
+    streak: LoadStreak = dataclasses.field(default_factory=LoadStreak)
+    growing: asyncio.Task[None] | None = None  # a replica being added
+    draining: list[tuple[ActorHandle, float]] = dataclasses.field(default_factory=list)  # (replica, since)
 
 
 class SharedTeachers:
     """The registry (a detached Ray actor, `registry`): engines by `sharing_key`, who holds them."""
 
-    def __init__(self, idle_s: float) -> None:
-        self.idle_s = idle_s
+    def __init__(self, sharing: TeacherSharing) -> None:
+        self.sharing = sharing
         self.groups: dict[str, _Shared] = {}
         self.locks: dict[str, asyncio.Lock] = {}
         self.started = 0  # engine groups started over the registry's life
+        self.replicas_added = 0  # replicas added to running groups under load
+        self.replicas_removed = 0  # ... and given back when load fell
         self._watch: asyncio.Task[None] | None = None
 
     async def acquire(
         self, job_id: str, config: EngineConfig, holder: ActorHandle | None
-    ) -> tuple[list[ActorHandle], list[str]]:
+    ) -> tuple[str, list[ActorHandle], list[str]]:
         """The engines for `config` (started now if none run), held by `job_id` until `release`;
-        `holder`: the job's driver actor, whose death releases them too. Returns actors and nodes."""
+        `holder`: the job's driver actor, whose death releases them too. Returns the group's key, its
+        replicas and their nodes."""
         key = sharing_key(config)
         async with self.locks.setdefault(key, asyncio.Lock()):
             shared = self.groups.get(key)
             if shared is None:
                 actors, nodes = await start_located_engines(config, "teacher")
-                shared = self.groups[key] = _Shared(config.model, actors, nodes)
+                shared = self.groups[key] = _Shared(config, actors, nodes)
                 self.started += 1
             shared.holders[job_id] = holder
             shared.idle_since = None
         if self._watch is None:
-            self._watch = asyncio.create_task(self._watch_holders())
-        return shared.actors, shared.nodes
+            self._watch = asyncio.create_task(self._watch_loop())
+        return key, list(shared.actors), list(shared.nodes)
+
+    async def replicas(self, key: str) -> list[ActorHandle]:
+        """The group's current replicas (a job's `SharedEngineGroup` asks every `REFRESH_S`)."""
+        shared = self.groups.get(key)
+        return list(shared.actors) if shared is not None else []
 
     async def release(self, job_id: str) -> None:
         """`job_id` no longer holds any engines; engines idle past `idle_s` are shut down."""
@@ -94,12 +121,14 @@ class SharedTeachers:
         await self._shut_idle()
 
     async def state(self) -> dict[str, Any]:
-        """What runs: `engine_groups_started` over the registry's life, and each group's model,
-        replicas and holders."""
+        """What runs: groups started and replicas added / removed over the registry's life, and each
+        group's model, replicas and holders."""
         return {
             "engine_groups_started": self.started,
+            "replicas_added": self.replicas_added,
+            "replicas_removed": self.replicas_removed,
             "groups": [
-                {"key": key, "model": s.model, "replicas": len(s.actors), "holders": sorted(s.holders)}
+                {"key": key, "model": s.config.model, "replicas": len(s.actors), "holders": sorted(s.holders)}
                 for key, s in self.groups.items()
             ],
         }
@@ -107,32 +136,87 @@ class SharedTeachers:
     async def _shut_idle(self) -> None:
         now = time.monotonic()
         for key, shared in list(self.groups.items()):
-            if shared.holders or shared.idle_since is None or now - shared.idle_since < self.idle_s:
+            if shared.holders or shared.idle_since is None or now - shared.idle_since < self.sharing.idle_s:
                 continue
             del self.groups[key]
-            await EngineGroup(shared.actors).shutdown()
+            actors = shared.actors + [actor for actor, _ in shared.draining]
+            await EngineGroup(actors).shutdown()
 
-    async def _watch_holders(self) -> None:
-        """Every `idle_s / 2` (at least 1 s): holders whose driver died are released, idle engines end."""
+    async def _watch_loop(self) -> None:
+        """Every `check_s`: holders whose driver died are released, idle groups end, groups scale."""
         while True:
-            await asyncio.sleep(max(1.0, self.idle_s / 2))
+            await asyncio.sleep(self.sharing.check_s)
             for shared in list(self.groups.values()):
                 for job_id, holder in list(shared.holders.items()):
                     if holder is not None and not await _alive(holder):
                         await self.release(job_id)
             await self._shut_idle()
+            for shared in list(self.groups.values()):
+                await self._scale(shared)
+                await self._end_drained(shared)
+
+    async def _scale(self, shared: _Shared) -> None:
+        low = shared.config.resources.replicas
+        high = max(low, self.sharing.max_replicas or low)
+        if shared.growing is not None or high == low:
+            return
+        try:
+            loads = list(await asyncio.gather(*(actor.load.remote() for actor in shared.actors)))
+        except RayActorError:
+            return  # a replica died: the jobs using it fail over on their own; nothing to scale by
+        step = shared.streak.scale(loads, len(shared.actors), low, high)
+        if step > 0:
+            shared.growing = asyncio.create_task(self._grow(shared))
+        elif step < 0:
+            shared.draining.append((shared.actors.pop(), time.monotonic()))
+            shared.nodes.pop()
+            shared.version += 1
+            self.replicas_removed += 1
+
+    async def _grow(self, shared: _Shared) -> None:
+        one = shared.config.resources.model_copy(update={"replicas": 1})
+        try:
+            actors, nodes = await start_located_engines(
+                shared.config.model_copy(update={"resources": one}), "teacher"
+            )
+        except Exception:  # no room on the cluster now: the next busy checks try again
+            shared.growing = None
+            return
+        shared.actors += actors
+        shared.nodes += nodes
+        shared.version += 1
+        shared.growing = None
+        self.replicas_added += 1
+
+    async def _end_drained(self, shared: _Shared) -> None:
+        """Shuts down removed replicas once no job can still be sending to them and the jobs had time
+        to read their counts from them (`DRAIN_S`), and their last requests ended."""
+        now = time.monotonic()
+        for actor, since in list(shared.draining):
+            if now - since < DRAIN_S:
+                continue
+            try:
+                load = await actor.load.remote()
+            except RayActorError:
+                load = {"in_flight": 0.0, "queued": 0.0}
+            if load["in_flight"] + load["queued"] == 0:
+                shared.draining.remove((actor, since))
+                await EngineGroup([actor]).shutdown()
 
 
 async def _alive(actor: ActorHandle) -> bool:
+    """False once Ray says the actor died; a busy one that does not answer in time counts as alive."""
     try:
         await asyncio.wait_for(actor.__ray_ready__.remote(), HOLDER_CHECK_TIMEOUT_S)
-    except (RayActorError, TimeoutError):
+    except RayActorError:
         return False
+    except TimeoutError:
+        return True
     return True
 
 
-def registry(idle_s: float) -> ActorHandle:
-    """The cluster's registry, created on first use (`idle_s`: the first creator's)."""
+def registry(sharing: TeacherSharing) -> ActorHandle:
+    """The cluster's registry, created on first use (with the first creator's `sharing`)."""
     return (
         ray.remote(SharedTeachers)
         .options(  # type: ignore[attr-defined]
@@ -143,13 +227,58 @@ def registry(idle_s: float) -> ActorHandle:
             num_cpus=0,
             max_concurrency=1000,
         )
-        .remote(idle_s)
+        .remote(sharing)
     )
+
+
+class SharedEngineGroup(EngineGroup):
+    """A job's view of a shared group: its requests name the job (fair admission, its own metering),
+    and the replicas are re-read from the registry every `REFRESH_S`, so it follows the group as it
+    grows and shrinks. Its stats and usage add up every replica it has used."""
+
+    def __init__(self, registry_actor: ActorHandle, key: str, job_id: str, actors: list[ActorHandle]) -> None:
+        super().__init__(actors, client=job_id)
+        self.registry, self.key = registry_actor, key
+        self._refreshed = time.monotonic()
+        self._used = list(actors)  # every replica this job has sent to
+        self._last: dict[tuple[str, int], dict[str, float]] = {}  # (what, replica index) -> last reading
+
+    async def _fan_out(
+        self, items: list[Any], call: Callable[[ActorHandle, list[Any]], Awaitable[list[Any]]]
+    ) -> list[Any]:
+        if time.monotonic() - self._refreshed > REFRESH_S:
+            current = await self.registry.replicas.remote(self.key)
+            if current:
+                self.actors = current
+                self._used += [actor for actor in current if actor not in self._used]
+            self._refreshed = time.monotonic()
+        return await super()._fan_out(items, call)
+
+    async def _readings(self, what: str) -> list[dict[str, float]]:
+        """Every used replica's `client_stats` / `client_usage`; a replica shut down since keeps its
+        last reading, so the job's totals never fall."""
+
+        async def one(index: int, actor: ActorHandle) -> dict[str, float]:
+            try:
+                reading: dict[str, float] = await getattr(actor, what).remote(self.client)
+            except RayActorError:
+                return self._last.get((what, index), {})
+            self._last[(what, index)] = reading
+            return reading
+
+        return list(await asyncio.gather(*(one(i, actor) for i, actor in enumerate(self._used))))
+
+    async def stats(self) -> dict[str, float]:
+        return combine(await self._readings("client_stats"))
+
+    async def usage(self) -> dict[str, float]:
+        readings = [r for r in await self._readings("client_usage") if r]
+        return {key: float(sum(r.get(key, 0.0) for r in readings)) for key in readings[0]}
 
 
 async def acquire_shared(
     registry_actor: ActorHandle, job_id: str, config: EngineConfig, holder: ActorHandle | None
 ) -> EngineGroup:
-    """The shared engines for `config`, as this job's group (its requests and metering its own)."""
-    actors, nodes = await registry_actor.acquire.remote(job_id, config, holder)
-    return EngineGroup(actors, nodes, client=job_id)
+    """The shared engines for `config`, as this job's group."""
+    key, actors, _ = await registry_actor.acquire.remote(job_id, config, holder)
+    return SharedEngineGroup(registry_actor, key, job_id, actors)

@@ -518,6 +518,15 @@ class Engine:
         `cpu_s` / `gpus` (`process_usage.actor_usage`: the actor and its vLLM core)."""
         return {**self._stats.totals, **actor_usage()}
 
+    async def load(self) -> dict[str, float]:
+        """A shared engine's load: scoring requests in flight and waiting for a slot, and how many
+        slots it has (`FairGate`); what the registry scales a shared group by."""
+        return {
+            "in_flight": self._gate.in_flight,
+            "queued": self._gate.queued,
+            "capacity": self._gate.capacity,
+        }
+
     async def client_stats(self, client: str) -> dict[str, float]:
         """`stats` as one job on a shared engine sees it: its own requests' token and request counts,
         the engine's preemptions, and the peaks since this job's last call."""

@@ -17,7 +17,8 @@ import ray
 from opd_trainer.demo.tiny_models import TinyModels
 from opd_trainer.demo.tiny_models.serving import TINY_KV_CACHE_BYTES
 from opd_trainer.driver.job_driver import JobDriver
-from opd_trainer.engine.shared_teachers import registry
+from opd_trainer.engine.shared_teachers import acquire_shared, registry
+from opd_trainer.engine.teacher_sharing import TeacherSharing
 from opd_trainer.jobspec.job_spec import JobSpec, parse_job_spec
 from opd_trainer.jsonl import write_jsonl
 from opd_trainer.storage.run_dir import RunDir
@@ -61,11 +62,12 @@ def test_two_jobs_score_on_one_teacher_engine_each_as_its_own(
         "near": _job("near", tiny_models.teacher, tiny_models.teacher, data),
         "far": _job("far", tiny_models.student, tiny_models.teacher, data),
     }
-    shared = registry(idle_s=0.0)  # created here with no idle time: unheld engines end at once
+    sharing = TeacherSharing(idle_s=0.0)  # no idle time: unheld engines end at once
+    shared = registry(sharing)  # created here, with these settings
     drivers = {
         name: ray.remote(JobDriver)
         .options(num_cpus=0)
-        .remote(spec, str(tmp_path / name), f"job-{name}", shared_teacher_idle_s=0.0)
+        .remote(spec, str(tmp_path / name), f"job-{name}", teacher_sharing=sharing)
         for name, spec in jobs.items()
     }
     try:
@@ -76,7 +78,7 @@ def test_two_jobs_score_on_one_teacher_engine_each_as_its_own(
             ray.kill(driver)
     try:
         # One engine group served both jobs, and nobody holds it now: it was shut down.
-        assert state == {"engine_groups_started": 1, "groups": []}, state
+        assert (state["engine_groups_started"], state["groups"]) == (1, []), state
     finally:
         ray.kill(shared)
 
@@ -95,3 +97,51 @@ def test_two_jobs_score_on_one_teacher_engine_each_as_its_own(
         # rescored request twice), not the shared engine's total, which holds both jobs'.
         assert forwarded[name] <= usage[name]["teacher_tokens"] < 1.5 * forwarded[name], usage[name]
         assert usage[name]["cpu_s/teacher_engines"] > 0
+
+
+def test_a_shared_group_grows_under_load_and_shrinks_when_idle(
+    ray_session: None, tiny_models: TinyModels, tokenizer: Any
+) -> None:
+    """Requests waiting for a slot on the one replica (2 slots) make the registry add a second (up to
+    `max_replicas` 2); the job's group then sends to both; idle, the added replica is given back."""
+    import asyncio
+    import time
+
+    from opd_trainer.demo.tiny_models.serving import tiny_engine_config
+
+    config = tiny_engine_config(tiny_models.teacher).model_copy(
+        update={"role": "teacher", "concurrent_sequences": 2}
+    )
+    shared = registry(TeacherSharing(idle_s=0.0, max_replicas=2, check_s=0.5))
+    prompt = tokenizer("Name three colours and three fruits, please.")["input_ids"]
+    pairs = [(prompt, [(7 * i + j) % 200 + 10 for j in range(24)]) for i in range(64)]
+
+    def replicas() -> int:
+        [group] = ray.get(shared.state.remote())["groups"] or [{"replicas": 0}]
+        return int(group["replicas"])
+
+    async def go() -> tuple[int, float]:
+        group = await acquire_shared(shared, "job-load", config, None)
+        deadline = time.monotonic() + 240
+        while replicas() < 2:  # keep requests waiting until the second replica is up
+            assert time.monotonic() < deadline, ray.get(shared.state.remote())
+            await group.score_many(pairs)
+        await asyncio.sleep(1.5)  # past REFRESH_S: the group reads the new replica list
+        await group.score_many(pairs)
+        sent_to = len(group.actors)
+        while replicas() > 1:  # nothing sent now: the added replica is given back
+            assert time.monotonic() < deadline, ray.get(shared.state.remote())
+            await asyncio.sleep(0.5)
+        usage = await group.usage()
+        await shared.release.remote("job-load")
+        return sent_to, usage["prompt_tokens"]
+
+    try:
+        sent_to, metered = asyncio.run(go())
+        state = ray.get(shared.state.remote())
+    finally:
+        ray.kill(shared)
+    assert sent_to == 2
+    assert (state["replicas_added"], state["replicas_removed"], state["groups"]) == (1, 1, []), state
+    # Every request was metered to the job, on whichever replica it ran (the removed one's too).
+    assert metered > 0 and metered % (len(prompt) + 24) == 0

@@ -10,6 +10,7 @@ import pytest
 
 from opd_trainer.engine.fair_gate import FairGate
 from opd_trainer.engine.shared_teachers import sharing_key
+from opd_trainer.engine.teacher_sharing import LoadStreak
 from opd_trainer.engine.vllm_engine import ClientShare, EngineConfig
 
 
@@ -110,3 +111,19 @@ def test_engines_are_shared_only_when_they_would_be_the_same(tmp_path: Path) -> 
     assert sharing_key(base.model_copy(update={"model": str(tmp_path / "." / "teacher")})) == key
     for change in ({"max_model_len": 1024}, {"max_logprobs": 32}, {"model": str(tmp_path)}):
         assert sharing_key(base.model_copy(update=change)) != key, change
+
+
+def _load(in_flight: float, queued: float) -> dict[str, float]:
+    return {"in_flight": in_flight, "queued": queued, "capacity": 2.0}
+
+
+def test_a_group_grows_after_two_busy_checks_and_shrinks_after_five_idle_ones() -> None:
+    streak = LoadStreak()
+    assert streak.scale([_load(2, 3)], replicas=1, low=1, high=2) == 0
+    assert streak.scale([_load(2, 1)], replicas=1, low=1, high=2) == 1  # two checks with requests waiting
+    assert streak.scale([_load(2, 5), _load(2, 5)], replicas=2, low=1, high=2) == 0  # at the most
+    # Busy but nothing waiting is not a reason to grow, nor to shrink.
+    assert [streak.scale([_load(1, 0), _load(0, 0)], replicas=2, low=1, high=3) for _ in range(6)] == [0] * 6
+    idle = [streak.scale([_load(0, 0), _load(0, 0)], replicas=2, low=1, high=2) for _ in range(5)]
+    assert idle == [0, 0, 0, 0, -1]
+    assert [streak.scale([_load(0, 0)], replicas=1, low=1, high=2) for _ in range(6)] == [0] * 6  # the floor
