@@ -263,22 +263,64 @@ def _build(
 ) -> None:
     started = time.perf_counter()
     staging.mkdir(parents=True)
+    train_samples, validation_samples = _write_data(staging / "data", seed, variant)
+    tokenizer = _train_tokenizer(train_samples)
+    data = training.encode_dataset(tokenizer, train_samples, validation_samples)
+    config = _model_config(tokenizer, data)
+
+    cpu_started = time.process_time()
+    with _torch_threads(threads):
+        pair = _train_pair(config, tokenizer, data, seed, progress, variant)
+
+    _save_model(pair.teacher, tokenizer, staging / "teacher")
+    _save_model(pair.student, tokenizer, staging / "student")
+    manifest = {
+        "cache_key": key,
+        "factory_version": FACTORY_VERSION,
+        "seed": seed,
+        "variant": variant,
+        # Where and how it was built: weights differ across CPUs and thread counts, the targets do not.
+        "build": _build_host(threads),
+        "wall_time_s": round(time.perf_counter() - started, 1),
+        # Both threads' CPU time: about 2x the wall time on an idle 2-core machine, whatever else runs.
+        "cpu_time_s": round(time.process_time() - cpu_started, 1),
+        "versions": _library_versions(),
+        **_data_sections(tokenizer, data, config, len(train_samples), len(validation_samples)),
+        **_training_sections(pair),
+    }
+    (staging / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    logger.info(
+        "tiny models built in %.0fs: teacher EM %.3f, student EM %.3f",
+        manifest["wall_time_s"],
+        manifest["teacher"]["validation"]["exact_match"],
+        manifest["student"]["validation"]["exact_match"],
+    )
+
+
+def _write_data(data_dir: Path, seed: int, variant: str) -> tuple[list[task.Sample], list[task.Sample]]:
+    """Make the variant's train and validation samples, write them (and its agent episodes) to `data_dir`."""
     categories = VARIANTS[variant]
     train_samples = task.make_samples("train", N_TRAIN, seed=seed, categories=categories)
     validation_samples = task.make_samples("validation", N_VALIDATION, seed=seed, categories=categories)
-    data_dir = staging / "data"
     data_dir.mkdir()
     write_jsonl(data_dir / "train.jsonl", [s.record for s in train_samples])
     write_jsonl(data_dir / "validation.jsonl", [s.record for s in validation_samples])
     if variant == "self_correction":
         for split, n in (("train", N_EPISODES_TRAIN), ("validation", N_EPISODES_VALIDATION)):
             write_jsonl(data_dir / f"episodes_{split}.jsonl", self_correction.make_episodes(split, n, seed))
+    return train_samples, validation_samples
 
+
+def _train_tokenizer(train_samples: list[task.Sample]) -> Tokenizer:
+    """The byte-level BPE trained on the training conversations, reference replies included."""
     corpus = [
         render_chat([*s.record["messages"], s.reference_message], s.record["tools"]) for s in train_samples
     ]
-    tokenizer = tiny_tokenizer.train_tokenizer(corpus, VOCAB_SIZE)
-    data = training.encode_dataset(tokenizer, train_samples, validation_samples)
+    return tiny_tokenizer.train_tokenizer(corpus, VOCAB_SIZE)
+
+
+def _model_config(tokenizer: Tokenizer, data: Dataset) -> Qwen2Config:
+    """The Qwen2 config teacher and student share, sized for `tokenizer` and the longest conversation."""
     pad_id, eos_id = tokenizer.token_to_id(PAD_TOKEN), tokenizer.token_to_id(IM_END)
     # Room for the longest conversation plus a generous completion, rounded up to a power of two.
     max_positions = 1 << (data.max_length + 64 - 1).bit_length()
@@ -289,60 +331,82 @@ def _build(
         len(data.prefix_ids),
         data.max_length,
     )
+    return config
 
-    cpu_started = time.process_time()
-    with _torch_threads(threads):
-        torch.manual_seed(seed)
-        teacher = Qwen2ForCausalLM(config)
-        copy_phase = training.pretrain_copying(teacher, tokenizer.get_vocab_size(), COPY, seed, progress)
-        logger.info(
-            "copy phase: %d steps, running loss %.3f, %.0fs",
-            copy_phase.steps,
-            copy_phase.last_loss,
-            copy_phase.wall_time_s,
-        )
-        search = STUDENT_SEARCH_BY_VARIANT.get(variant, STUDENT_SEARCH)
-        tails, full, checkpoint = _train_teacher(teacher, tokenizer, data, seed, progress, search)
-        student = Qwen2ForCausalLM(config)
-        student.load_state_dict(checkpoint.state)
 
-    _save_model(teacher, tokenizer, staging / "teacher")
-    _save_model(student, tokenizer, staging / "student")
-    manifest = {
-        "cache_key": key,
-        "factory_version": FACTORY_VERSION,
-        "seed": seed,
-        "variant": variant,
-        # Where and how it was built: weights differ across CPUs and thread counts, the targets do not.
-        "build": {
-            "threads": threads,
-            "cpu_kernels": torch.backends.cpu.get_cpu_capability(),
-            "machine": platform.machine(),
-            "cpu": _cpu_model(),
-        },
-        "wall_time_s": round(time.perf_counter() - started, 1),
-        # Both threads' CPU time: about 2x the wall time on an idle 2-core machine, whatever else runs.
-        "cpu_time_s": round(time.process_time() - cpu_started, 1),
-        "versions": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "tokenizers": tokenizers.__version__,
-        },
+def _train_pair(
+    config: Qwen2Config,
+    tokenizer: Tokenizer,
+    data: Dataset,
+    seed: int,
+    progress: ProgressFn | None,
+    variant: str,
+) -> _TrainedPair:
+    """Copy phase, then the teacher's training; the student is the teacher's early checkpoint."""
+    torch.manual_seed(seed)
+    teacher = Qwen2ForCausalLM(config)
+    copy_phase = training.pretrain_copying(teacher, tokenizer.get_vocab_size(), COPY, seed, progress)
+    logger.info(
+        "copy phase: %d steps, running loss %.3f, %.0fs",
+        copy_phase.steps,
+        copy_phase.last_loss,
+        copy_phase.wall_time_s,
+    )
+    search = STUDENT_SEARCH_BY_VARIANT.get(variant, STUDENT_SEARCH)
+    tails, full, checkpoint = _train_teacher(teacher, tokenizer, data, seed, progress, search)
+    student = Qwen2ForCausalLM(config)
+    student.load_state_dict(checkpoint.state)
+    return _TrainedPair(teacher, student, copy_phase, tails, full, checkpoint)
+
+
+def _build_host(threads: int) -> dict[str, Any]:
+    """The thread count, CPU kernel level, machine and CPU a build ran with."""
+    return {
+        "threads": threads,
+        "cpu_kernels": torch.backends.cpu.get_cpu_capability(),
+        "machine": platform.machine(),
+        "cpu": _cpu_model(),
+    }
+
+
+def _library_versions() -> dict[str, str]:
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "tokenizers": tokenizers.__version__,
+    }
+
+
+def _data_sections(
+    tokenizer: Tokenizer, data: Dataset, config: Qwen2Config, n_train: int, n_validation: int
+) -> dict[str, Any]:
+    """The manifest's `data`, `tokenizer` and `architecture` sections."""
+    return {
         "data": {
-            "train": len(train_samples),
-            "validation": len(validation_samples),
+            "train": n_train,
+            "validation": n_validation,
             "prefix_tokens": len(data.prefix_ids),
             "max_length": data.max_length,
         },
         "tokenizer": {
             "vocab_size": tokenizer.get_vocab_size(),
-            "pad_token_id": pad_id,
-            "eos_token_id": eos_id,
+            "pad_token_id": tokenizer.token_to_id(PAD_TOKEN),
+            "eos_token_id": tokenizer.token_to_id(IM_END),
         },
         # Teacher and student share it (see STUDENT).
         "architecture": asdict(TEACHER)
-        | {"head_dim": TEACHER.hidden // TEACHER.heads, "max_position_embeddings": max_positions},
-        "parameters": sum(p.numel() for p in teacher.parameters()),
+        | {
+            "head_dim": TEACHER.hidden // TEACHER.heads,
+            "max_position_embeddings": config.max_position_embeddings,
+        },
+    }
+
+
+def _training_sections(pair: _TrainedPair) -> dict[str, Any]:
+    """The manifest's parameter count, training configs, phases, and how teacher and student were made."""
+    copy_phase, tails, full, checkpoint = pair.copy, pair.tails, pair.full, pair.checkpoint
+    return {
+        "parameters": sum(p.numel() for p in pair.teacher.parameters()),
         "training_configs": {"copy": asdict(COPY), "tails": asdict(TAILS), "full": asdict(FULL)},
         "phases": {
             name: _phase_summary(p) for name, p in (("copy", copy_phase), ("tails", tails), ("full", full))
@@ -358,13 +422,6 @@ def _build(
             "validation": checkpoint.metrics,
         },
     }
-    (staging / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-    logger.info(
-        "tiny models built in %.0fs: teacher EM %.3f, student EM %.3f",
-        manifest["wall_time_s"],
-        manifest["teacher"]["validation"]["exact_match"],
-        manifest["student"]["validation"]["exact_match"],
-    )
 
 
 @dataclass(frozen=True)
@@ -372,6 +429,18 @@ class _Checkpoint:
     step: int
     metrics: Metrics
     state: dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class _TrainedPair:
+    """The built teacher and student, with the phases that made them."""
+
+    teacher: Qwen2ForCausalLM
+    student: Qwen2ForCausalLM
+    copy: PhaseResult
+    tails: PhaseResult
+    full: PhaseResult
+    checkpoint: _Checkpoint
 
 
 def _train_teacher(
