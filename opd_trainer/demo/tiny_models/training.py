@@ -311,11 +311,7 @@ def train_replies(
     generator = torch.Generator().manual_seed(seed)
     pad_id = tokenizer.token_to_id(PAD_TOKEN)
     prefix_ids = data.prefix_ids if config.with_system_prompt else ()
-    optimizer = _optimizer(model, config.learning_rate, config.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        _warmup_cosine(config.warmup_steps, config.schedule_steps or config.max_steps, config.min_lr_ratio),
-    )
+    optimizer, schedule = _sft_optimizer(model, config)
     lengths = [len(e.prompt_ids) + len(e.reply_ids) for e in data.train]
     result = PhaseResult(name, 0, 0.0, float("nan"))
     batches: list[list[int]] = []
@@ -331,20 +327,11 @@ def train_replies(
         event: dict[str, Any] = {"phase": name, "step": step, "loss": result.last_loss}
         validate = validate_at(step)
         if validate:
-            result.metrics = evaluate(model, tokenizer, data)
-            result.history.append({"step": float(step), "loss": result.last_loss, **result.metrics})
+            _validate(model, tokenizer, data, result)
             event |= result.metrics
             if on_validate is not None:
                 on_validate(step, result.metrics)
-            logger.info(
-                "%s step %d loss %.4f exact_match %.3f format_validity %.3f (%.0fs)",
-                name,
-                step,
-                result.last_loss,
-                result.metrics["exact_match"],
-                result.metrics["format_validity"],
-                time.perf_counter() - started,
-            )
+            _log_validation(result, time.perf_counter() - started)
         elif step % 25 == 0:
             logger.info("%s step %d loss %.4f", name, step, result.last_loss)
         if progress is not None:
@@ -353,3 +340,33 @@ def train_replies(
             break
     result.wall_time_s = time.perf_counter() - started
     return result
+
+
+def _sft_optimizer(
+    model: PreTrainedModel, config: SftConfig
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW with warm-up, cosine decay over `schedule_steps` (else `max_steps`), then the floor rate."""
+    optimizer = _optimizer(model, config.learning_rate, config.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        _warmup_cosine(config.warmup_steps, config.schedule_steps or config.max_steps, config.min_lr_ratio),
+    )
+    return optimizer, schedule
+
+
+def _validate(model: PreTrainedModel, tokenizer: Tokenizer, data: Dataset, result: PhaseResult) -> None:
+    """Greedy validation after `result.steps` steps, kept as `result.metrics` and added to its history."""
+    result.metrics = evaluate(model, tokenizer, data)
+    result.history.append({"step": float(result.steps), "loss": result.last_loss, **result.metrics})
+
+
+def _log_validation(result: PhaseResult, elapsed_s: float) -> None:
+    logger.info(
+        "%s step %d loss %.4f exact_match %.3f format_validity %.3f (%.0fs)",
+        result.name,
+        result.steps,
+        result.last_loss,
+        result.metrics["exact_match"],
+        result.metrics["format_validity"],
+        elapsed_s,
+    )
