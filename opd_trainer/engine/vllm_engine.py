@@ -642,7 +642,7 @@ class EngineGroup:
         self, actors: list[ActorHandle], node_ids: list[str] | None = None, client: str | None = None
     ) -> None:
         """`client`: the job using replicas shared with other jobs (`engine/shared_teachers.py`): its
-        requests are admitted fairly, and `stats` / `usage` are its own part of the engines'."""
+        requests name it, so they are admitted fairly and counted as its own."""
         if not actors:
             raise ValueError("an engine group needs at least one replica")
         self.actors = actors
@@ -730,21 +730,12 @@ class EngineGroup:
         return list(await asyncio.gather(*(actor.health.remote() for actor in self.actors)))
 
     async def stats(self) -> dict[str, float]:
-        """The replicas' `Engine.stats` (a client's: `Engine.client_stats`), combined
-        (`engine_stats.combine`)."""
-        reads = [
-            actor.stats.remote() if self.client is None else actor.client_stats.remote(self.client)
-            for actor in self.actors
-        ]
-        return combine(list(await asyncio.gather(*reads)))
+        """The replicas' `Engine.stats`, combined (`engine_stats.combine`)."""
+        return combine(list(await asyncio.gather(*(actor.stats.remote() for actor in self.actors))))
 
     async def usage(self) -> dict[str, float]:
-        """The replicas' `Engine.usage` (a client's: `Engine.client_usage`), added up."""
-        reads = [
-            actor.usage.remote() if self.client is None else actor.client_usage.remote(self.client)
-            for actor in self.actors
-        ]
-        replicas = await asyncio.gather(*reads)
+        """The replicas' `Engine.usage`, added up."""
+        replicas = await asyncio.gather(*(actor.usage.remote() for actor in self.actors))
         return {key: float(sum(r[key] for r in replicas)) for key in replicas[0]}
 
     async def shutdown(self) -> None:
