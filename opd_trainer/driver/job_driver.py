@@ -28,12 +28,13 @@ from opd_trainer.driver.metering import Meter, budget_reached, usage_summary
 from opd_trainer.driver.promotion import Promoter
 from opd_trainer.driver.step import Sampler, StepClock, train_step
 from opd_trainer.driver.trackers import BackgroundTracker, open_trackers
-from opd_trainer.driver.validation import drift_probe_segments, evaluate
+from opd_trainer.driver.validation import Model, drift_probe_segments, evaluate, validation_records
 from opd_trainer.engine.teacher_sharing import TeacherSharing
 from opd_trainer.errors import ConfigError, OPDError
 from opd_trainer.jobspec.dataset import EpochCursor, Sample, load_samples
 from opd_trainer.jobspec.job_spec import JobSpec
 from opd_trainer.jobspec.preflight import check_drift, check_references, check_task_records
+from opd_trainer.rollout.runner import RolloutResult
 from opd_trainer.storage.checkpoints import CheckpointStore
 from opd_trainer.storage.run_dir import RunDir
 from opd_trainer.storage.shared import check_probe
@@ -316,7 +317,14 @@ class JobDriver:
         return summary
 
     async def _evaluate(self, c: Components, label: str, *, teacher: bool = False) -> dict[str, float]:
-        return await evaluate(c, self.validation_samples, label, self.emit, teacher=teacher)
+        """A validation pass at this step; its first rollouts go to validation_trajectories.jsonl."""
+        step = self.step
+        model: Model = "teacher" if teacher else "student"
+
+        def record(results: list[RolloutResult]) -> None:
+            self.log.add_validation_trajectories(validation_records(results, step, label, model))
+
+        return await evaluate(c, self.validation_samples, label, self.emit, teacher=teacher, record=record)
 
     # -- checkpoints ----------------------------------------------------------------------------
 

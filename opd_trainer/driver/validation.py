@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Callable
+from typing import Any, Literal
 
 from opd_trainer.driver.components import Components, Emit
 from opd_trainer.driver.step import request_seed, reverse_kl_metrics
 from opd_trainer.jobspec.dataset import Sample
 from opd_trainer.records import LLMCall
 from opd_trainer.rollout.agent_eval import agent_metrics, pass_at_k, success_by_threshold
-from opd_trainer.rollout.runner import scoring_failures, validation_metrics
+from opd_trainer.rollout.runner import RolloutResult, scoring_failures, validation_metrics
 
 # Samples named in one validation's failure event (the count is always complete).
 REPORTED_FAILURES = 20
@@ -25,13 +27,50 @@ REPORTED_FAILURES = 20
 VALIDATION_SEED_STEP = -1
 PASS_AT_K_SEED_STEP = -2
 PROBE_SEED_STEP = -2
+# Rollouts of each validation pass recorded for the side-by-side view (the first, by sample order).
+VALIDATION_TRAJECTORIES_PER_PASS = 16
+
+Model = Literal["student", "teacher"]
+Recorder = Callable[[list[RolloutResult]], None]
+
+
+def validation_records(
+    results: list[RolloutResult], step: int, label: str, model: Model
+) -> list[dict[str, Any]]:
+    """The records of a validation pass's first `VALIDATION_TRAJECTORIES_PER_PASS` rollouts: each
+    `RolloutResult.trajectory` with the pass's `label` and `model` after its `step`, and the
+    evaluator's `eval_score` (None where it did not score the sample), `eval_metrics` and `eval_error`.
+    A validation rollout is greedy and not trained, so it has no per-token view (`divergence` left out)."""
+    records = []
+    for result in results[:VALIDATION_TRAJECTORIES_PER_PASS]:
+        trajectory = result.trajectory(step)
+        del trajectory["step"], trajectory["divergence"]
+        records.append(
+            {
+                "step": step,  # first: RunDir reads a line's step from its start
+                "label": label,
+                "model": model,
+                **trajectory,
+                "eval_score": result.eval_score,
+                "eval_metrics": result.eval_metrics,
+                "eval_error": result.eval_error[:2000],
+            }
+        )
+    return records
 
 
 async def evaluate(
-    c: Components, samples: list[Sample], label: str, emit: Emit, *, teacher: bool = False
+    c: Components,
+    samples: list[Sample],
+    label: str,
+    emit: Emit,
+    *,
+    teacher: bool = False,
+    record: Recorder | None = None,
 ) -> dict[str, float]:
     """One validation pass of the student (or with `teacher`, the teacher's baseline) over `samples`;
-    emits an `eval` event (and `eval_failures` naming the samples that failed) and returns the metrics."""
+    emits an `eval` event (and `eval_failures` naming the samples that failed) and returns the metrics.
+    `record` is handed the pass's greedy rollouts (not pass@k's samples) as soon as they are scored."""
     if not samples:
         return {}
     runner = c.teacher_runner if teacher else c.runner
@@ -45,6 +84,8 @@ async def evaluate(
         # The teacher's reverse KL to itself is 0 by definition.
         asyncio.sleep(0, 0.0) if teacher else validation_reverse_kl(c, samples),
     )
+    if record is not None:
+        record(results)
     spec = c.spec
     metrics = validation_metrics(results, bool(spec.reward_components), bool(spec.evaluator_components))
     if reverse_kl is not None:  # None: task records only, no prompt to sample on

@@ -4,6 +4,8 @@
     events.jsonl        the driver's events (status, progress, errors), in order
     trajectories.jsonl  rollouts as the user's agent saw them (messages, tool calls, rewards, spans) and
                         the teacher's view of each trained token (`RolloutResult.trajectory`)
+    validation_trajectories.jsonl   the first rollouts of each validation pass (`step`, `label`,
+                        `model`: student or teacher, the evaluator's score; `driver/validation.py`)
     summary.json        the final validation summary
     usage.json          what the job used so far, over all its runs (`driver/metering.py`)
     checkpoints/        `step-N/` folders and a `latest` pointer (`learner.checkpoint.CheckpointStore`)
@@ -34,6 +36,7 @@ class RunDir:
         self.metrics_path = self.root / "metrics.jsonl"
         self.events_path = self.root / "events.jsonl"
         self.trajectories_path = self.root / "trajectories.jsonl"
+        self.validation_trajectories_path = self.root / "validation_trajectories.jsonl"
         self.summary_path = self.root / "summary.json"
         self.usage_path = self.root / "usage.json"
         self.checkpoints_path = self.root / "checkpoints"
@@ -73,6 +76,19 @@ class RunDir:
                 line_step = _leading_step(line)
                 if line_step is not None:
                     yield line_step, line
+
+    def validation_passes(self) -> list[dict[str, Any]]:
+        """Each validation pass recorded, as `{step, label, model}` in the order written."""
+        passes: dict[tuple[Any, ...], dict[str, Any]] = {}
+        for record in self.validation_trajectories():
+            found = {key: record.get(key) for key in ("step", "label", "model")}
+            passes.setdefault(tuple(found.values()), found)
+        return list(passes.values())
+
+    def validation_trajectories(self, step: int | None = None) -> list[dict[str, Any]]:
+        """The recorded validation rollouts of `step` (None: every step), in the order written."""
+        records = read_jsonl(self.validation_trajectories_path)
+        return [r for r in records if step is None or r.get("step") == step]
 
     def load_summary(self) -> dict[str, Any]:
         """The final summary; empty while it is not written yet (or caught mid-write)."""
@@ -128,15 +144,20 @@ class RunDir:
     def trajectories(self, trajectories: list[dict[str, Any]]) -> None:
         write_jsonl(self.trajectories_path, trajectories, append=True)
 
+    def add_validation_trajectories(self, records: list[dict[str, Any]]) -> None:
+        """Appends one validation pass's recorded rollouts (`driver/validation.py` builds them)."""
+        write_jsonl(self.validation_trajectories_path, records, append=True)
+
     def truncate_after(self, step: int) -> list[int]:
-        """Drops the metrics and trajectories of steps past `step` (a resumed run redoes them from its
-        checkpoint) and returns the steps dropped, so the resume can say which ones it discards."""
+        """Drops the metrics, trajectories and validation trajectories of steps past `step` (a resumed
+        run redoes them from its checkpoint) and returns the training steps dropped, so the resume can
+        say which ones it discards."""
         records = self.records()
         dropped = sorted({r["step"] for r in records if r["step"] > step and r["kind"] == "train"})
         write_jsonl(self.metrics_path, [r for r in records if r["step"] <= step])
-        if self.trajectories_path.exists():
-            kept = [t for t in read_jsonl(self.trajectories_path) if t["step"] <= step]
-            write_jsonl(self.trajectories_path, kept)
+        for path in (self.trajectories_path, self.validation_trajectories_path):
+            if path.exists():
+                write_jsonl(path, [t for t in read_jsonl(path) if t["step"] <= step])
         return dropped
 
     def save_summary(self, summary: dict[str, Any]) -> None:
