@@ -41,6 +41,7 @@ from opd_trainer.wire.schemas import (
     MetricsPublic,
     TrajectoryList,
     TrajectorySort,
+    ValidationTrajectoryList,
 )
 
 router = APIRouter(prefix="/v1/opd/jobs", tags=["jobs"])
@@ -297,4 +298,45 @@ def job_trajectories(
 ) -> TrajectoryList:
     return trajectories.trajectory_page(
         session, tenant.id, job_id, step=step, sort=sort, order=order, limit=limit, offset=offset
+    )
+
+
+@router.get(
+    "/{job_id}/validation_trajectories",
+    response_model=ValidationTrajectoryList,
+    responses=errors(*TENANT, 404, 422),
+    description="A page of the job's recorded validation rollouts (the first 16 of each validation pass, by "
+    "sample order), in the order written, those matching every filter given; `passes` lists every "
+    "recorded pass (step, label, model) whatever the filters, so two can be compared sample by sample.",
+)
+def job_validation_trajectories(
+    job_id: str,
+    session: SessionDep,
+    tenant: TenantDep,
+    limit: Annotated[int, Query(ge=1, le=200)] = 16,
+    offset: Annotated[int, Query(ge=0, le=10**6, description="Skip this many (the page's start).")] = 0,
+    step: Annotated[
+        int | None, Query(ge=0, description="Only this step's passes (`steps` lists them).")
+    ] = None,
+    label: Annotated[
+        str | None,
+        Query(max_length=200, description="Only this pass label: `teacher`, `student before`, `step N`, ..."),
+    ] = None,
+    model: Annotated[
+        Literal["student", "teacher"] | None, Query(description="Only the student's or the teacher's.")
+    ] = None,
+    sample_id: Annotated[
+        str | None, Query(max_length=500, description="Only this validation sample.")
+    ] = None,
+) -> ValidationTrajectoryList:
+    return trajectories.validation_trajectory_page(
+        session,
+        tenant.id,
+        job_id,
+        step=step,
+        label=label,
+        model=model,
+        sample_id=sample_id,
+        limit=limit,
+        offset=offset,
     )

@@ -3,6 +3,9 @@ reward or by divergence (the mean sampler − teacher log-ratio over a trajector
 
 A trajectory without the value sorted on (a failed rollout: no reward, no trained tokens; a record
 from before tokens were recorded) comes after every one that has it, whatever the order.
+
+The recorded validation rollouts (validation_trajectories.jsonl) are paged in the order written,
+filtered by step, pass label, model and sample id (`validation_trajectory_page`).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from api.services.jobs import finite, get_owned
 from opd_trainer.storage.run_dir import RunDir
-from opd_trainer.wire.schemas import TrajectoryList, TrajectorySort
+from opd_trainer.wire.schemas import TrajectoryList, TrajectorySort, ValidationPass, ValidationTrajectoryList
 
 Order = Literal["desc", "asc"]
 
@@ -70,3 +73,34 @@ def trajectory_page(
         ordered = sorted_trajectories(run_dir.step_trajectories(step), sort or "recent", order)
         page, has_more = ordered[offset : offset + limit], len(ordered) > offset + limit
     return TrajectoryList(data=finite(page), has_more=has_more, steps=steps)
+
+
+def validation_trajectory_page(
+    session: Session,
+    tenant_id: str,
+    job_id: str,
+    *,
+    step: int | None,
+    label: str | None,
+    model: str | None,
+    sample_id: str | None,
+    limit: int,
+    offset: int,
+) -> ValidationTrajectoryList:
+    """A page of the job's recorded validation rollouts, in the order written, those matching every
+    filter given; with every recorded pass (and its steps and labels) whatever the filters."""
+    run_dir = RunDir(get_owned(session, tenant_id, job_id).run_dir)
+    passes = run_dir.validation_passes()
+    wanted = {"label": label, "model": model, "sample_id": sample_id}
+    chosen = [
+        r
+        for r in run_dir.validation_trajectories(step)
+        if all(value is None or r.get(key) == value for key, value in wanted.items())
+    ]
+    return ValidationTrajectoryList(
+        data=finite(chosen[offset : offset + limit]),
+        has_more=len(chosen) > offset + limit,
+        passes=[ValidationPass.model_validate(p) for p in passes],
+        steps=sorted({p["step"] for p in passes}),
+        labels=list(dict.fromkeys(p["label"] for p in passes)),
+    )

@@ -209,6 +209,22 @@ class OPDClient(ClientBase[httpx.Client]):
         """Recent rollouts. Dicts: the API types a trajectory as a free-form object."""
         return self._send(operations.trajectories(job_id, limit))
 
+    def validation_trajectories(
+        self,
+        job_id: str,
+        *,
+        step: int | None = None,
+        label: str | None = None,
+        model: str | None = None,
+        sample_id: str | None = None,
+        limit: int = 16,
+        offset: int = 0,
+    ) -> schemas.ValidationTrajectoryList:
+        """Recorded validation rollouts (the first 16 of each pass) matching every filter given; its
+        `passes` lists every recorded pass (step, label, model)."""
+        filters = {"step": step, "label": label, "model": model, "sample_id": sample_id}
+        return self._send(operations.validation_trajectories(job_id, filters, limit, offset))
+
     # -- webhooks -------------------------------------------------------------------------------
 
     def create_webhook(

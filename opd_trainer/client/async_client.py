@@ -203,6 +203,22 @@ class AsyncOPDClient(ClientBase[httpx.AsyncClient]):
         """Recent rollouts. Dicts: the API types a trajectory as a free-form object."""
         return await self._send(operations.trajectories(job_id, limit))
 
+    async def validation_trajectories(
+        self,
+        job_id: str,
+        *,
+        step: int | None = None,
+        label: str | None = None,
+        model: str | None = None,
+        sample_id: str | None = None,
+        limit: int = 16,
+        offset: int = 0,
+    ) -> schemas.ValidationTrajectoryList:
+        """Recorded validation rollouts (the first 16 of each pass) matching every filter given; its
+        `passes` lists every recorded pass (step, label, model)."""
+        filters = {"step": step, "label": label, "model": model, "sample_id": sample_id}
+        return await self._send(operations.validation_trajectories(job_id, filters, limit, offset))
+
     # -- webhooks -------------------------------------------------------------------------------
 
     async def create_webhook(

@@ -49,6 +49,7 @@ from opd_trainer.wire.schemas import (
     TenantUsage,
     TrajectoryList,
     UsageList,
+    ValidationTrajectoryList,
     WebhookDeliveryList,
     WebhookList,
     WebhookPublic,
@@ -276,6 +277,16 @@ def trajectories(job_id: str, limit: int) -> Call[list[dict[str, Any]]]:
     """The API types a trajectory as a free-form object (`TrajectoryList.data`): these stay dicts."""
     path = f"/v1/opd/jobs/{job_id}/trajectories"
     return Call("GET", path, lambda r: TrajectoryList.model_validate(r.json()).data, params={"limit": limit})
+
+
+def validation_trajectories(
+    job_id: str, filters: dict[str, Any], limit: int, offset: int
+) -> Call[ValidationTrajectoryList]:
+    """A page of the recorded validation rollouts; `filters` (step, label, model, sample_id) left out
+    where None."""
+    params = {k: v for k, v in filters.items() if v is not None} | {"limit": limit, "offset": offset}
+    path = f"/v1/opd/jobs/{job_id}/validation_trajectories"
+    return Call("GET", path, _model(ValidationTrajectoryList), params=params)
 
 
 def create_webhook(url: str, events: list[str] | None, description: str) -> Call[WebhookPublic]:

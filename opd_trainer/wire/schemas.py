@@ -262,6 +262,31 @@ class TrajectoryList(BaseModel):
     steps: list[int] = Field(default_factory=list, description="Every step that has trajectories, ascending.")
 
 
+class ValidationPass(BaseModel):
+    step: int = Field(description="The step the validation ran after (0: before training).")
+    label: str = Field(description="`teacher`, `student before`, `step N` or `student after`.")
+    model: Literal["student", "teacher"] = Field(
+        description="Whose rollouts: the student's or the teacher's."
+    )
+
+
+class ValidationTrajectoryList(BaseModel):
+    object: Literal["list"] = Field(default="list", description="Always `list`.")
+    data: list[dict[str, Any]] = Field(
+        description="Validation rollouts (the first 16 of each pass, by sample order): `step`, `label`, "
+        "`model`, `sample_id`, messages, LLM calls (`tokens` null: not trained), rewards, `eval_score` "
+        "(null where the evaluator did not score it), `eval_metrics`, `eval_error`."
+    )
+    has_more: bool = Field(default=False, description="More follow: pass `offset` + `limit` as `offset`.")
+    passes: list[ValidationPass] = Field(
+        default_factory=list, description="Every recorded validation pass, in the order run."
+    )
+    steps: list[int] = Field(default_factory=list, description="Every step with a recorded pass, ascending.")
+    labels: list[str] = Field(
+        default_factory=list, description="Every recorded pass's label, in the order run."
+    )
+
+
 # -- webhooks -------------------------------------------------------------------------------------
 
 WebhookEventType = Literal["job.running", "job.paused", "job.succeeded", "job.failed", "job.cancelled"]

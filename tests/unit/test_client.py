@@ -29,6 +29,7 @@ from opd_trainer.wire.schemas import (
     JobPublic,
     KeyPublic,
     MetricsPublic,
+    ValidationTrajectoryList,
 )
 
 FILE = FilePublic(id="file-1", filename="d.jsonl", purpose="dataset", bytes=10, created_at=1, samples=2)
@@ -75,6 +76,13 @@ def test_answers_are_the_apis_models(kind: str) -> None:
         ("GET", f"{job}/checkpoints"): {"object": "list", "data": [dumped(CHECKPOINT)]},
         ("GET", f"{job}/metrics"): {"object": "opd.job.metrics", "data": [{"kind": "train"}], "summary": {}},
         ("GET", f"{job}/trajectories"): {"object": "list", "data": [trajectory]},
+        ("GET", f"{job}/validation_trajectories"): {
+            "object": "list",
+            "data": [{"step": 0, "label": "teacher", "model": "teacher", "sample_id": "q0"}],
+            "passes": [{"step": 0, "label": "teacher", "model": "teacher"}],
+            "steps": [0],
+            "labels": ["teacher"],
+        },
         ("GET", f"{job}/logs"): "2026-01-01T00:00:00Z [status] queued\n",
     }
     with client(kind, routes(served)) as opd:
@@ -90,6 +98,8 @@ def test_answers_are_the_apis_models(kind: str) -> None:
         metrics = opd.metrics("opdjob-1")
         assert isinstance(metrics, MetricsPublic) and metrics.data == [{"kind": "train"}]
         assert opd.trajectories("opdjob-1") == [trajectory]  # free-form in the API's schema: dicts
+        validation = opd.validation_trajectories("opdjob-1", label="teacher")
+        assert isinstance(validation, ValidationTrajectoryList) and validation.passes[0].model == "teacher"
         assert opd.logs("opdjob-1").endswith("[status] queued\n")
 
 

@@ -1,0 +1,117 @@
+"""`GET /v1/opd/jobs/{id}/validation_trajectories` (api/services/trajectories.py): the recorded validation
+rollouts filtered by step, label, model and sample id, paged, with every recorded pass listed,
+tenant-scoped. The app in-process on SQLite; the job row and its validation_trajectories.jsonl are
+written the way the server and the driver write them (`RunDir.add_validation_trajectories`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import select
+
+from api.main import create_app
+from api.models import Job, Tenant
+from api.settings import Settings
+from opd_trainer.storage.run_dir import RunDir
+
+ADMIN = "opd-admin-test-key-0123456789"
+JOB = "opdjob-validation"
+ROUTE = f"/v1/opd/jobs/{JOB}/validation_trajectories"
+
+
+def _record(step: int, label: str, model: str, sample_id: str, score: float | None) -> dict[str, Any]:
+    """A record as `driver.validation.validation_records` writes it (the fields the route reads)."""
+    return {
+        "step": step,
+        "label": label,
+        "model": model,
+        "sample_id": sample_id,
+        "messages": [{"role": "assistant", "content": f"{label} on {sample_id}"}],
+        "llm_calls": [],
+        "eval_score": score,
+        "eval_metrics": {},
+    }
+
+
+PASSES = [(0, "teacher", "teacher"), (0, "student before", "student"), (2, "step 2", "student")]
+RECORDS = [_record(s, label, m, f"q{i}", 0.5 * i) for s, label, m in PASSES for i in range(3)]
+RECORDS[-1]["eval_score"] = float("nan")
+
+
+@pytest.fixture
+def clients(tmp_path: Path) -> Iterator[tuple[TestClient, dict[str, str], dict[str, str]]]:
+    app = create_app(Settings(data_dir=tmp_path, admin_key=ADMIN, max_concurrent_jobs=0))
+    with TestClient(app) as client:
+        keys = {}
+        for tenant in ("owner", "other"):
+            answer = client.post(
+                "/v1/keys", json={"tenant": tenant}, headers={"Authorization": f"Bearer {ADMIN}"}
+            )
+            keys[tenant] = {"Authorization": f"Bearer {answer.json()['key']}"}
+        run_dir = tmp_path / "runs" / JOB
+        run_dir.mkdir(parents=True)
+        RunDir(run_dir).add_validation_trajectories(RECORDS)
+        with app.state.db.session() as session:
+            owner = session.scalar(select(Tenant).where(Tenant.name == "owner"))
+            assert owner is not None
+            session.add(
+                Job(id=JOB, tenant_id=owner.id, job_name="j", status="running", spec={}, run_dir=str(run_dir))
+            )
+            session.commit()
+        yield client, keys["owner"], keys["other"]
+
+
+def _page(client: TestClient, headers: dict[str, str], **params: Any) -> dict[str, Any]:
+    answer = client.get(ROUTE, params=params, headers=headers)
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def _seen(page: dict[str, Any]) -> list[tuple[str, str]]:
+    return [(r["label"], r["sample_id"]) for r in page["data"]]
+
+
+def test_every_pass_is_listed_and_the_filters_pick_a_pass_or_a_sample(clients) -> None:
+    client, owner, _ = clients
+    page = _page(client, owner, label="step 2")
+    assert page["passes"] == [{"step": s, "label": label, "model": m} for s, label, m in PASSES]
+    assert page["steps"] == [0, 2] and page["labels"] == ["teacher", "student before", "step 2"]
+    assert _seen(page) == [("step 2", "q0"), ("step 2", "q1"), ("step 2", "q2")]
+    assert page["data"][1]["eval_score"] == 0.5 and page["data"][2]["eval_score"] is None  # NaN: null
+    assert _seen(_page(client, owner, step=0, model="teacher")) == [("teacher", f"q{i}") for i in range(3)]
+    assert _seen(_page(client, owner, sample_id="q1")) == [(label, "q1") for _, label, _ in PASSES]
+    assert _page(client, owner, step=5)["data"] == [] and _page(client, owner, step=5)["steps"] == [0, 2]
+
+
+def test_pages_follow_with_offset_until_has_more_is_false(clients) -> None:
+    client, owner, _ = clients
+    first = _page(client, owner, limit=5)
+    assert len(first["data"]) == 5 and first["has_more"]
+    last = _page(client, owner, limit=5, offset=5)
+    assert _seen(last) == [("student before", "q2")] + [("step 2", f"q{i}") for i in range(3)]
+    assert not last["has_more"]
+
+
+def test_another_tenant_gets_the_apis_404_and_bad_parameters_a_422_naming_the_field(clients) -> None:
+    client, owner, other = clients
+    answer = client.get(ROUTE, headers=other)
+    assert answer.status_code == 404 and answer.json()["error"]["param"] == "job_id"
+    for params, field in (({"model": "critic"}, "model"), ({"step": -1}, "step"), ({"limit": 0}, "limit")):
+        bad = client.get(ROUTE, params=params, headers=owner)
+        assert bad.status_code == 422 and field in bad.json()["error"]["param"], bad.text
+        assert "Traceback" not in bad.text
+
+
+def test_the_route_documents_its_parameters_and_answer_in_openapi(clients) -> None:
+    client, _, _ = clients
+    operation = client.get("/openapi.json").json()["paths"]["/v1/opd/jobs/{job_id}/validation_trajectories"][
+        "get"
+    ]
+    params = {p["name"] for p in operation["parameters"]}
+    assert {"step", "label", "model", "sample_id", "limit", "offset"} <= params
+    answer = operation["responses"]["200"]["content"]["application/json"]["schema"]["$ref"]
+    assert answer.endswith("/ValidationTrajectoryList")
