@@ -122,7 +122,7 @@ function renderHead(job) {
 async function jobPage(jobId) {
   const job = await json(`/v1/opd/jobs/${jobId}`);
   series.clear();
-  main.innerHTML = `<p><a href="#/jobs">All jobs</a> · <a href="#/job/${esc(jobId)}/trajectories">Trajectories</a></p>
+  main.innerHTML = `<p><a href="#/jobs">All jobs</a> · <a href="#/job/${esc(jobId)}/trajectories">Trajectories</a> · <a href="#/job/${esc(jobId)}/validation">Validation side by side</a></p>
     <div id="head"></div>
     <p><button data-act="cancel">Cancel</button> <button data-act="pause">Pause</button> <button data-act="resume">Resume</button></p>
     <h2>Curves</h2><div id="charts" class="charts"></div>
@@ -285,6 +285,85 @@ function followTokens(box, trajectory) {
   box.onclick = (e) => { if (e.target.classList.contains("tok")) show(Number(e.target.dataset.i)); };
 }
 
+// -- validation side by side: the same validation samples in two recorded passes ---------------------
+// A pass is one validation run (step, label, model); its first rollouts are recorded, by sample order.
+const passKey = (p) => `${p.step}:${p.label}`;
+const passName = (p) => (p.label === `step ${p.step}` ? p.label : `step ${p.step} · ${p.label}`) + (p.model === "teacher" ? " (teacher)" : "");
+
+function defaultPasses(passes) {
+  // The first and the latest student validation; with only one, the student against the teacher.
+  const students = passes.filter((p) => p.model === "student");
+  const teacher = passes.find((p) => p.model === "teacher");
+  const left = students[0] || passes[0];
+  let right = students[students.length - 1] || passes[passes.length - 1];
+  if (right === left && teacher) right = teacher;
+  return [left, right];
+}
+
+async function passRecords(jobId, p) {
+  const query = new URLSearchParams({ step: p.step, label: p.label, limit: 200 });
+  return (await json(`/v1/opd/jobs/${jobId}/validation_trajectories?${query}`)).data;
+}
+
+// A rollout's prompt (what came before the first reply) and what the model wrote after it.
+const firstReply = (t) => { const i = (t.messages || []).findIndex((m) => m.role === "assistant"); return i < 0 ? (t.messages || []).length : i; };
+const promptOf = (t) => (t.messages || []).slice(0, firstReply(t));
+const completionOf = (t) => (t.messages || []).slice(firstReply(t));
+
+function renderTurn(m) {
+  const content = typeof m.content === "string" ? m.content : JSON.stringify(m.content);
+  const label = m.role === "tool" ? `tool result${m.name ? ` (${esc(m.name)})` : ""}` : esc(m.role);
+  return `<div class="turn ${esc(m.role)}"><em>${label}</em>\n${esc(content ?? "")}${renderToolCalls(m)}</div>`;
+}
+
+function scoreLine(t) {
+  const score = typeof t.eval_score === "number" ? `score <strong>${t.eval_score.toFixed(3)}</strong>` : "score <strong>n/a</strong>";
+  const metrics = Object.entries(t.eval_metrics || {}).map(([k, v]) => `${esc(k)} ${Number(v).toFixed(3)}`).join(", ");
+  // A job without reward components has no reward: the record's 0 is not shown.
+  const rewarded = !t.failed && Object.keys(t.component_rewards || {}).length > 0;
+  const reward = rewarded ? ` · reward ${Number(t.reward).toFixed(3)}` : "";
+  const error = t.failed || t.eval_error ? ` · <span class="failed">${esc(t.error || t.eval_error || "failed")}</span>` : "";
+  return `<p class="facts">${score}${metrics ? ` (${metrics})` : ""}${reward}${error}</p>`;
+}
+
+function renderSide(p, t) {
+  const turns = completionOf(t);
+  return `<div class="side" data-pass="${esc(passKey(p))}"><h3>${esc(passName(p))}</h3>${scoreLine(t)}
+    ${turns.length ? turns.map(renderTurn).join("") : `<p class="failed">no reply recorded</p>`}</div>`;
+}
+
+function renderPair(sampleId, a, b, pa, pb) {
+  const same = JSON.stringify(completionOf(a)) === JSON.stringify(completionOf(b));
+  return `<section class="pair" tabindex="0" data-sample="${esc(sampleId)}" aria-label="sample ${esc(sampleId)}">
+    <h2>${esc(sampleId)} <small>${same ? "same reply" : "replies differ"}</small></h2>
+    <details><summary>Prompt</summary>${promptOf(a).map(renderTurn).join("")}</details>
+    <div class="sides">${renderSide(pa, a)}${renderSide(pb, b)}</div></section>`;
+}
+
+function passSelect(id, passes, chosen) {
+  return `<select id="${id}">${passes.map((p) => `<option value="${esc(passKey(p))}" ${p === chosen ? "selected" : ""}>${esc(passName(p))}</option>`).join("")}</select>`;
+}
+
+async function validationPage(jobId, query) {
+  const passes = (await json(`/v1/opd/jobs/${jobId}/validation_trajectories?limit=1`)).passes;
+  const [fallbackA, fallbackB] = defaultPasses(passes);
+  const pa = passes.find((p) => passKey(p) === query.get("a")) || fallbackA;
+  const pb = passes.find((p) => passKey(p) === query.get("b")) || fallbackB;
+  const [left, right] = pa ? await Promise.all([passRecords(jobId, pa), passRecords(jobId, pb)]) : [[], []];
+  const rightBySample = new Map(right.map((t) => [t.sample_id, t]));
+  const both = left.filter((t) => rightBySample.has(t.sample_id));
+  const go = (a, b) => { location.hash = `#/job/${jobId}/validation?${new URLSearchParams({ a, b })}`; };
+  main.innerHTML = `<p><a href="#/job/${esc(jobId)}">Back to the job</a></p><h1>Validation side by side</h1>
+    ${pa ? `<p class="controls"><label>Left ${passSelect("val-a", passes, pa)}</label> <label>Right ${passSelect("val-b", passes, pb)}</label>
+    <button id="val-swap">Swap</button> <span id="val-count">${both.length} samples in both${left.length + right.length > 2 * both.length ? `; ${left.length + right.length - 2 * both.length} in only one` : ""}</span></p>`
+    : "<p>No validation rollouts recorded yet.</p>"}` +
+    both.map((t) => renderPair(t.sample_id, t, rightBySample.get(t.sample_id), pa, pb)).join("");
+  if (!pa) return;
+  document.getElementById("val-a").onchange = (e) => go(e.target.value, passKey(pb));
+  document.getElementById("val-b").onchange = (e) => go(passKey(pa), e.target.value);
+  document.getElementById("val-swap").onclick = () => go(passKey(pb), passKey(pa));
+}
+
 async function route() {
   if (streamAbort) { streamAbort.abort(); streamAbort = null; }
   errorBox.textContent = "";
@@ -295,6 +374,7 @@ async function route() {
   const parts = path.split("/");
   try {
     if (parts[0] === "job" && parts[2] === "trajectories") return await trajectoriesPage(parts[1], new URLSearchParams(search));
+    if (parts[0] === "job" && parts[2] === "validation") return await validationPage(parts[1], new URLSearchParams(search));
     if (parts[0] === "job" && parts[1]) return await jobPage(parts[1]);
     return await jobsPage(parts[0] === "jobs" ? parts[1] : "");
   } catch (err) {

@@ -2,10 +2,12 @@
 against the real job server of tests/api. This server runs no training (its jobs stay queued), so curves
 are not covered here; the trajectory view reads trajectories.jsonl written into a queued job's run dir
 the way the driver writes it (`scored_trajectories` over rollouts and scored segments, a fixture of the
-storage format). Screenshots go to the test's tmp dir."""
+storage format), and the validation view reads validation_trajectories.jsonl written the same way
+(`validation_records`). Screenshots go to the test's tmp dir."""
 
 import dataclasses
 import shutil
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,7 @@ import numpy as np
 import pytest
 from apiserver import Server, Tenant
 
+from opd_trainer.driver.validation import validation_records
 from opd_trainer.jobspec.dataset import Sample
 from opd_trainer.records import LLMCall
 from opd_trainer.rollout.runner import RolloutResult, scored_trajectories
@@ -210,3 +213,88 @@ def test_trajectory_view_colours_trained_tokens_leaves_tool_output_plain_and_sor
     other.goto(f"{server.url}/console/#/job/{job['id']}/trajectories")
     other.wait_for_function("document.getElementById('error').textContent.length > 0")
     assert "no job with id" in other.inner_text("#error") and "weather-0" not in other.content()
+
+
+def _validation_rollout(index: int, answer: str, score: float) -> RolloutResult:
+    """A greedy validation rollout of sample `q<index>` that answered `answer`, scored `score`."""
+    prompt = [{"role": "user", "content": f"PROMPT {index}: what is {index} + 2?"}]
+    sample = Sample("valid.jsonl", index, prompt, None, {"sample_id": f"q{index}"})
+    reply = {"role": "assistant", "content": answer}
+    call = LLMCall([1], [2], [-0.1], response_message=reply)
+    return RolloutResult(
+        index, index, f"eval-r{index}", sample, calls=[call], messages=[*prompt, reply], eval_score=score
+    )
+
+
+def _write_validation(server: Server, job_id: str) -> None:
+    """Three passes as a job writes them: the teacher and the student before training at step 0 (q0..q2),
+    and step 2's student, recorded for q0 and q1 only."""
+    run_dir = RunDir(server.data_dir / "runs" / job_id)
+    run_dir.root.mkdir(parents=True, exist_ok=True)
+    passes = [
+        (0, "teacher", "teacher", [_validation_rollout(i, f"TEACHER {i + 2}", 1.0) for i in range(3)]),
+        (0, "student before", "student", [_validation_rollout(i, f"BEFORE {i}", 0.0) for i in range(3)]),
+        (
+            2,
+            "step 2",
+            "student",
+            [_validation_rollout(0, "AFTER 2", 1.0), _validation_rollout(1, "BEFORE 1", 0.0)],
+        ),
+    ]
+    for step, label, model, results in passes:
+        run_dir.add_validation_trajectories(validation_records(results, step, label, model))
+
+
+def _sides(page: "sync_api.Page", sample_id: str) -> list[str]:
+    return page.locator(f"section.pair[data-sample='{sample_id}'] .side").all_inner_texts()
+
+
+def test_validation_view_shows_two_passes_side_by_side_with_their_scores(
+    browser: "sync_api.Browser", server: Server, tenant: Tenant, other_tenant: Tenant, tmp_path: Path
+) -> None:
+    job = tenant.job(job_name="console-validation")
+    _write_validation(server, job["id"])
+    page = _open(browser, server, tenant.key)
+    asked: list[str] = []
+    page.on("request", lambda r: asked.append(r.url) if "/validation_trajectories" in r.url else None)
+    page.goto(f"{server.url}/console/#/job/{job['id']}")
+    page.click("text=Validation side by side")  # linked from the job's page
+    page.wait_for_selector("section.pair")
+    # By default the first and the latest student validation; only the samples both recorded.
+    assert page.locator("#val-a option:checked").inner_text() == "step 0 · student before"
+    assert page.locator("#val-b option:checked").inner_text() == "step 2"
+    assert page.locator("section.pair").count() == 2 and "1 in only one" in page.inner_text("#val-count")
+    left, right = _sides(page, "q0")
+    assert "BEFORE 0" in left and "score 0.000" in left and "AFTER 2" in right and "score 1.000" in right
+    assert "reward" not in left  # no reward components: no reward shown
+    assert "replies differ" in page.inner_text("section.pair[data-sample='q0'] h2")
+    assert "same reply" in page.inner_text("section.pair[data-sample='q1'] h2")
+    assert "PROMPT 0" not in left + right  # the prompt is shown once, folded, above both
+    assert "PROMPT 0" in page.locator("section.pair[data-sample='q0'] details").text_content()
+    assert page.evaluate("document.documentElement.scrollWidth") <= 1280
+    page.screenshot(path=tmp_path / "validation.png", full_page=True)
+
+    page.focus("#val-b")  # by keyboard: the right side becomes the teacher at step 0
+    page.keyboard.press("ArrowUp")
+    page.keyboard.press("ArrowUp")
+    page.wait_for_function("document.querySelectorAll('section.pair').length === 3")
+    assert page.locator("#val-b option:checked").inner_text() == "step 0 · teacher (teacher)"
+    left, right = _sides(page, "q2")
+    assert "BEFORE 2" in left and "TEACHER 4" in right and "score 1.000" in right
+    page.focus("#val-swap")
+    page.keyboard.press("Enter")
+    page.wait_for_function("document.querySelector('#val-a option:checked').textContent.includes('teacher')")
+    assert "TEACHER 4" in _sides(page, "q2")[0]
+
+    schema = tenant.http.get("/openapi.json").json()
+    declared = {
+        p["name"]
+        for p in schema["paths"]["/v1/opd/jobs/{job_id}/validation_trajectories"]["get"]["parameters"]
+    }
+    used = {name for url in asked for name in urllib.parse.parse_qs(urllib.parse.urlparse(url).query)}
+    assert used and used <= declared, (used, declared)
+
+    other = _open(browser, server, other_tenant.key)
+    other.goto(f"{server.url}/console/#/job/{job['id']}/validation")
+    other.wait_for_function("document.getElementById('error').textContent.length > 0")
+    assert "no job with id" in other.inner_text("#error") and "BEFORE 0" not in other.content()
