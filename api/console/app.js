@@ -344,24 +344,30 @@ function passSelect(id, passes, chosen) {
   return `<select id="${id}">${passes.map((p) => `<option value="${esc(passKey(p))}" ${p === chosen ? "selected" : ""}>${esc(passName(p))}</option>`).join("")}</select>`;
 }
 
+let validationFocus = null;
 async function validationPage(jobId, query) {
   const passes = (await json(`/v1/opd/jobs/${jobId}/validation_trajectories?limit=1`)).passes;
   const [fallbackA, fallbackB] = defaultPasses(passes);
   const pa = passes.find((p) => passKey(p) === query.get("a")) || fallbackA;
   const pb = passes.find((p) => passKey(p) === query.get("b")) || fallbackB;
+  const asked = location.hash;
   const [left, right] = pa ? await Promise.all([passRecords(jobId, pa), passRecords(jobId, pb)]) : [[], []];
+  if (location.hash !== asked) return; // another choice came meanwhile: its own call draws it
   const rightBySample = new Map(right.map((t) => [t.sample_id, t]));
   const both = left.filter((t) => rightBySample.has(t.sample_id));
-  const go = (a, b) => { location.hash = `#/job/${jobId}/validation?${new URLSearchParams({ a, b })}`; };
+  // The control that changed the view keeps the focus after it is redrawn (arrow keys go on choosing).
+  const go = (a, b, from) => { validationFocus = from; location.hash = `#/job/${jobId}/validation?${new URLSearchParams({ a, b })}`; };
   main.innerHTML = `<p><a href="#/job/${esc(jobId)}">Back to the job</a></p><h1>Validation side by side</h1>
     ${pa ? `<p class="controls"><label>Left ${passSelect("val-a", passes, pa)}</label> <label>Right ${passSelect("val-b", passes, pb)}</label>
     <button id="val-swap">Swap</button> <span id="val-count">${both.length} samples in both${left.length + right.length > 2 * both.length ? `; ${left.length + right.length - 2 * both.length} in only one` : ""}</span></p>`
     : "<p>No validation rollouts recorded yet.</p>"}` +
     both.map((t) => renderPair(t.sample_id, t, rightBySample.get(t.sample_id), pa, pb)).join("");
   if (!pa) return;
-  document.getElementById("val-a").onchange = (e) => go(e.target.value, passKey(pb));
-  document.getElementById("val-b").onchange = (e) => go(passKey(pa), e.target.value);
-  document.getElementById("val-swap").onclick = () => go(passKey(pb), passKey(pa));
+  document.getElementById("val-a").onchange = (e) => go(e.target.value, passKey(pb), "val-a");
+  document.getElementById("val-b").onchange = (e) => go(passKey(pa), e.target.value, "val-b");
+  document.getElementById("val-swap").onclick = () => go(passKey(pb), passKey(pa), "val-swap");
+  if (validationFocus) document.getElementById(validationFocus).focus();
+  validationFocus = null;
 }
 
 async function route() {

@@ -274,11 +274,15 @@ def test_validation_view_shows_two_passes_side_by_side_with_their_scores(
     assert page.evaluate("document.documentElement.scrollWidth") <= 1280
     page.screenshot(path=tmp_path / "validation.png", full_page=True)
 
-    page.focus("#val-b")  # by keyboard: the right side becomes the teacher at step 0
-    page.keyboard.press("ArrowUp")
-    page.keyboard.press("ArrowUp")
-    page.wait_for_function("document.querySelectorAll('section.pair').length === 3")
-    assert page.locator("#val-b option:checked").inner_text() == "step 0 · teacher (teacher)"
+    page.focus("#val-b")  # by keyboard: the right side goes up to the teacher at step 0, keeping the focus
+    for expected in ("0:student before", "0:teacher"):  # each drawn before the next key
+        page.keyboard.press("ArrowUp")
+        page.wait_for_function(
+            "e => { const s = document.querySelectorAll('section.pair .side');"
+            " return s.length > 1 && s[1].dataset.pass === e && document.activeElement.id === 'val-b'; }",
+            arg=expected,
+        )
+    assert page.locator("section.pair").count() == 3
     left, right = _sides(page, "q2")
     assert "BEFORE 2" in left and "TEACHER 4" in right and "score 1.000" in right
     page.focus("#val-swap")
