@@ -29,14 +29,17 @@ from functions.rollout import ToolRoutingRollout
 
 
 class FlakyRollout(ToolRoutingRollout):
-    """Raises, hangs past the timeout or dies on its first attempt, by rollout id; else the real agent."""
+    """Raises, hangs past the timeout (in step 1) or dies on its first attempt, by rollout id; else the
+    real agent."""
 
     async def process(self, rollout_input):
         meta = rollout_input.request_metadata
         bucket = int(hashlib.sha256(meta.rollout_id.encode()).hexdigest(), 16) % 8
         if bucket == 0:
             raise RuntimeError("user bug: KeyError in tool parsing")
-        if bucket == 1:
+        # Step 1 only (ids are local-s<step>-r<index>; its 16 hold 3 hangs, 1 raise, 1 death): a step
+        # with a hang lasts the whole timeout, so hanging in both steps cost 45 s more.
+        if bucket == 1 and "-s1-" in meta.rollout_id:
             await asyncio.sleep(120)
         if bucket == 2 and meta.attempt_id == 0:
             os._exit(3)
