@@ -52,6 +52,9 @@ class LLMCall:
     reward: float = 0.0
     hindsight: float = 0.0
     """Turn-level hindsight advantage of this call (learner/hindsight.py; 0 unless `hindsight_coef`)."""
+    preference_pairs: tuple[tuple[int, int], ...] = ()
+    """(pair id, +1 chosen / -1 rejected) of each turn-level preference pair this call is an action of
+    (learner/turn_preference.py; empty unless `turn_preference_coef`)."""
     teacher_saw_note: bool = False
     """The teacher scored this call with the reference in its context (driver/teacher_hindsight.py)."""
     teacher_name: str = ""

@@ -9,7 +9,8 @@ its metrics:
 - **score** (`teacher_segments`): every recorded LLM call of a successful rollout becomes a segment the
   teacher scores on exactly the student's tokens (its top-k too when the estimator needs it), as soon
   as the rollout ends, not when the batch ends.
-- **reward** (`shape_signal`): drops segments staler than `max_staleness`, adds the hindsight signal.
+- **reward** (`shape_signal`): drops segments staler than `max_staleness`, adds the hindsight signal
+  and the turn-level preference pairs.
   The rollout's own reward came from the user's reward workers during sampling.
 - **learn**: the learner's update on mini-batches of whole rollouts (`minibatches`).
 - **publish**: the new weights to every student replica (`Components.publish_weights`).
@@ -34,6 +35,7 @@ from opd_trainer.errors import OPDError
 from opd_trainer.jobspec.dataset import EpochCursor, Sample
 from opd_trainer.jobspec.job_spec import HyperParameters
 from opd_trainer.learner.hindsight import hindsight_advantages
+from opd_trainer.learner.turn_preference import mark_pairs, mine_preference_pairs, pairs_split_across
 from opd_trainer.records import LLMCall
 from opd_trainer.rollout.runner import (
     RolloutResult,
@@ -267,7 +269,8 @@ def shape_signal(
     segments: list[LLMCall], step: int, hp: HyperParameters
 ) -> tuple[list[LLMCall], dict[str, float]]:
     """Drops segments sampled more than `max_staleness` versions ago and adds the hindsight signal
-    (`hindsight_coef`); returns the segments to train on and the staleness/hindsight metrics."""
+    (`hindsight_coef`) and the turn-level preference pairs (`turn_preference_coef`); returns the
+    segments to train on and the staleness/hindsight/preference metrics."""
     staleness = [step - s.weight_version for s in segments]
     kept = segments
     if hp.max_staleness > 0:
@@ -284,6 +287,10 @@ def shape_signal(
         kept = [dataclasses.replace(s, hindsight=v) for s, v in zip(kept, values, strict=True)]
         metrics["hindsight/turns_up"] = float(sum(v > 0 for v in values))
         metrics["hindsight/turns_down"] = float(sum(v < 0 for v in values))
+    if hp.turn_preference_coef > 0:
+        mined = mine_preference_pairs(kept)
+        kept = mark_pairs(kept, mined.pairs)
+        metrics.update(mined.metrics())
     return kept, metrics
 
 
@@ -338,7 +345,10 @@ async def train_step(
     # whose segment was dropped have none). Each distinct id is decoded once: 16 trajectories of
     # 3 x 512 tokens took 30-100 ms with the JSON written, on a busy 2-core CPU (2026-12-04).
     log.trajectories(scored_trajectories(results[:TRAJECTORIES_PER_STEP], segments, c.tokenizer, step + 1))
-    learner_metrics = await c.learner.train_step(minibatches(segments, hp.ppo_mini_batch_size))
+    updates = minibatches(segments, hp.ppo_mini_batch_size)
+    if hp.turn_preference_coef > 0:
+        signal_metrics["preference/split_pairs"] = float(pairs_split_across(updates))
+    learner_metrics = await c.learner.train_step(updates)
     phases.done("learner")
     if sampler.ahead is not None:  # new weights only once the engines finished the next rollouts
         await asyncio.wait([sampler.ahead.rollouts])

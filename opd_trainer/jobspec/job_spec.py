@@ -309,6 +309,23 @@ class HyperParameters(_Strict):
         "context, the better turn's tokens get +hindsight_coef and the worse one's -hindsight_coef in their "
         "advantage. 0 (default): off.",
     )
+    turn_preference_coef: float = Field(
+        default=0.0,
+        ge=0,
+        description="Weight of the turn-level preference term (opd_trainer/learner/turn_preference.py): "
+        "per prompt, at the first turn where a best and a worst trajectory answered the same context "
+        "differently, a DPO loss prefers the better answer's tokens over the worse one's, against the "
+        "teacher's logprobs of the same tokens as reference (the frozen starting student with "
+        "`teacher_model: self`); actions both chosen and rejected are dropped. Per step: "
+        "`preference/pairs`, `preference/skipped_context`, `preference/conflicting`, and the learner's "
+        "`preference/loss`, `preference/accuracy`, `preference/margin`. 0 (default): off.",
+    )
+    turn_preference_beta: float = Field(
+        default=0.1,
+        gt=0,
+        description="DPO's beta of the turn-level preference term: the scale of the log-ratio margin "
+        "inside the sigmoid (larger: the preference saturates sooner).",
+    )
     teacher_hindsight: Literal["none", "reference", "outcome"] = Field(
         default="none",
         description="Hindsight for the teacher (opd_trainer/driver/teacher_hindsight.py): a system note "

@@ -23,6 +23,7 @@ from opd_trainer.learner.shared_prefix import (
     scatter_row_logits,
     shared_prefix_logits,
 )
+from opd_trainer.learner.turn_preference import pair_sides
 from opd_trainer.records import LLMCall
 
 if TYPE_CHECKING:
@@ -55,6 +56,9 @@ class LearnerBatch:
     rollout_ids_B: Tensor
     hindsight_B: Tensor
     """Each row's hindsight value (`learner/hindsight.py`)."""
+    preference_sides_B_P: Tensor
+    """[B, P] +1 / −1 on each turn-level preference pair's chosen / rejected row, for the P pairs with
+    both rows in this batch (`learner/turn_preference.py`; P = 0 when the job mines none)."""
     prompt_lengths: tuple[int, ...]
     lengths: tuple[int, ...]
     """Each row's prompt + completion length."""
@@ -120,6 +124,7 @@ def pad_segments(segments: list[LLMCall], teacher_top_k: int, device: Any) -> Le
         group_ids_B=torch.tensor([s.group_id for s in segments], device=device),
         rollout_ids_B=torch.tensor([s.rollout_id for s in segments], device=device),
         hindsight_B=torch.tensor([s.hindsight for s in segments], device=device),
+        preference_sides_B_P=pair_sides([s.preference_pairs for s in segments], device),
         prompt_lengths=tuple(len(s.prompt_token_ids) for s in segments),
         lengths=tuple(lengths),
         top_ids_B_T_K=None if top_ids is None else top_ids.to(device),

@@ -39,6 +39,7 @@ from opd_trainer.learner.estimators import distillation_loss
 from opd_trainer.learner.loss import group_reward_advantages, kl_to_reference
 from opd_trainer.learner.settings import LearnerSettings, lr_schedule
 from opd_trainer.learner.shared_prefix import PrefixPlan, causal_keys, model_calls
+from opd_trainer.learner.turn_preference import preference_loss
 from opd_trainer.records import LLMCall
 from opd_trainer.storage.shared import check_probe
 
@@ -204,6 +205,7 @@ class Learner:
         if not minibatches or not all(minibatches):
             raise ValueError("train_step needs non-empty mini-batches")
         totals: dict[str, float] = {}
+        counts: dict[str, int] = {}
         ratio_max = 0.0
         forwarded = attended = 0
         grad_norms: list[float] = []
@@ -228,7 +230,10 @@ class Learner:
             for name, value in stats.items():
                 weight = share if name in TOKEN_WEIGHTED_METRICS else 1.0
                 totals[name] = totals.get(name, 0.0) + weight * value
-        metrics = {name: value / len(minibatches) for name, value in totals.items()}
+                counts[name] = counts.get(name, 0) + 1
+        # Each metric's mean over the mini-batches that report it (the preference term's only where a
+        # mini-batch holds a whole pair).
+        metrics = {name: value / counts[name] for name, value in totals.items()}
         metrics["ratio_max"] = ratio_max
         metrics["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
         metrics["lr"] = float(self._engine.get_lr()[0])
@@ -241,8 +246,9 @@ class Learner:
     def _update(
         self, batch: LearnerBatch, plan: PrefixPlan | None, num_tokens: float | None
     ) -> dict[str, float]:
-        """One optimizer update on `batch`: forward, the estimator's loss (+ the KL to the initial
-        student), backward, step. Returns `loss`, `kl_to_initial` when used, and the estimator's stats."""
+        """One optimizer update on `batch`: forward, the estimator's loss (+ the turn-level preference
+        term, + the KL to the initial student), backward, step. Returns `loss`, `kl_to_initial` and the
+        `preference/*` stats when used, and the estimator's stats."""
         settings = self.settings
         reward_adv_B = group_reward_advantages(
             batch.rewards_B, batch.group_ids_B, batch.rollout_ids_B, settings.normalize_reward_by_std
@@ -259,6 +265,16 @@ class Learner:
         logged = {
             name: float(stats[name]) for name in (*TOKEN_WEIGHTED_METRICS, "ratio_max") if name in stats
         }
+        if settings.turn_preference_coef > 0:
+            preference, preference_stats = preference_loss(
+                learner_B_T,
+                batch.teacher_B_T,
+                batch.mask_B_T,
+                batch.preference_sides_B_P,
+                settings.turn_preference_beta,
+            )
+            total = total + settings.turn_preference_coef * preference
+            logged.update(preference_stats)
         if self._reference is not None:
             with torch.no_grad():
                 reference_logits_B_S_V = scored_logits(self._reference, batch, plan, self._device)

@@ -31,6 +31,8 @@ class LearnerSettings:
     reward_coef: float
     normalize_reward_by_std: bool
     hindsight_coef: float
+    turn_preference_coef: float
+    turn_preference_beta: float
     zero_stage: int
     seed: int
     distillation: DistillationSettings
@@ -53,6 +55,8 @@ class LearnerSettings:
             reward_coef=hp.reward_coef,
             normalize_reward_by_std=hp.normalize_reward_by_std,
             hindsight_coef=hp.hindsight_coef,
+            turn_preference_coef=hp.turn_preference_coef,
+            turn_preference_beta=hp.turn_preference_beta,
             zero_stage=spec.resources.zero_stage,
             seed=hp.seed,
             distillation=DistillationSettings(

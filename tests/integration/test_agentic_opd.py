@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import Any
@@ -118,9 +119,22 @@ def _run(spec: JobSpec, run_dir: Path) -> None:
 def test_agentic_job_with_two_rewards_reports_the_weighted_reward(
     ray_session: None, tiny_models: TinyModels, tmp_path: Path
 ) -> None:
-    _run(_spec(tiny_models, EXAMPLE_WORKSPACE, "functions.rollout.ToolRoutingRollout"), tmp_path / "run")
+    """Two weighted rewards, and the turn-level preference term beside them (the agent's turns where a
+    prompt's better and worse rollouts answered the same context differently, as DPO pairs)."""
+    spec = _spec(
+        tiny_models, EXAMPLE_WORKSPACE, "functions.rollout.ToolRoutingRollout", turn_preference_coef=0.5
+    )
+    _run(spec, tmp_path / "run")
     records = [r for r in RunDir(tmp_path / "run").records() if r["kind"] == "train"]
     assert [r["step"] for r in records] == [1, 2]
+    # 16 prompts of 2 rollouts at temperature 1 whose rewards differ in some: pairs were mined, and a
+    # mini-batch of 16 rollouts (8 prompts) keeps each whole. With 2 rollouts a prompt gives at most one
+    # pair and prompts differ, so none conflicts or repeats. The learner trained them: a finite DPO loss.
+    assert sum(r["preference/pairs"] for r in records) > 0, records
+    for record in records:
+        assert record["preference/split_pairs"] == record["preference/conflicting"] == 0
+        if record["preference/pairs"] > 0:
+            assert math.isfinite(record["preference/loss"]) and 0 <= record["preference/accuracy"] <= 1
     for record in records:
         assert {"reward_mean", "reward_std", "reward/decision", "reward/arguments"} <= set(record)
         assert "reward/arguments/destructive_penalty" in record and "rollout/turns" in record

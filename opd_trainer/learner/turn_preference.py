@@ -1,0 +1,178 @@
+"""Turn-level preference pairs (seed 003's TurnSight signal) and their DPO-style loss.
+
+Mining (`mine_preference_pairs`, the driver, per step): per prompt, every pair of a trajectory with the
+group's highest reward and one with its lowest (when they differ) is walked turn by turn; at the first
+turn where both saw the same context (identical prompt tokens) and answered differently, the better
+trajectory's action is *chosen* and the worse one's *rejected*. A pair whose contexts part before its
+answers do (a tool answered differently, say) gives no pair and is counted as skipped for context.
+Conflicts are removed: an action (context + completion) chosen in one pair and rejected in another
+keeps none of its pairs; a pair repeating a kept one's context and both answers is dropped (another
+best trajectory that acted the same). Each pair is marked on its two segments
+(`LLMCall.preference_pairs`: (pair id, +1 chosen / −1 rejected)).
+
+Loss (`preference_loss`, the learner, per mini-batch): with r = Σ over the turn's trained tokens of
+(log π_θ − log π_ref), the pair's term is −log σ(β (r_chosen − r_rejected)) (DPO, no reward model),
+weighted by `turn_preference_coef`. The reference π_ref is the job's teacher scoring of the same tokens
+(with `teacher_model: self`, the frozen starting student: DPO's own reference). Only the turn's
+completion tokens count (tool-call tokens included; tool output is the next turn's prompt, never
+trained). A pair whose two rows fall in different mini-batches is not trained (`preference/split_pairs`);
+the driver's mini-batches keep a prompt's rollouts together whenever `ppo_mini_batch_size` is a
+multiple of `n_rollouts`, and learner ranks split mini-batches by prompt, so a pair never straddles
+two ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from opd_trainer.records import LLMCall
+
+CHOSEN, REJECTED = 1, -1
+
+
+@dataclass(frozen=True)
+class MinedPairs:
+    """What one step's mining found."""
+
+    pairs: list[tuple[int, int]]
+    """(chosen segment index, rejected segment index) per kept pair, in mining order."""
+    skipped_context: int
+    """Best/worst trajectory pairs whose contexts parted before their answers did."""
+    conflicting: int
+    """Pairs removed because one of their actions (context + answer) was chosen in one pair and
+    rejected in another."""
+    duplicates: int = 0
+    """Pairs dropped as the same context, chosen answer and rejected answer as a kept one."""
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "preference/pairs": float(len(self.pairs)),
+            "preference/skipped_context": float(self.skipped_context),
+            "preference/conflicting": float(self.conflicting),
+            "preference/duplicates": float(self.duplicates),
+        }
+
+
+def _trajectories(segments: list[LLMCall]) -> dict[int, dict[int, list[int]]]:
+    """Segment indices per prompt group, per rollout, in call order."""
+    by_group: dict[int, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
+    for index, segment in enumerate(segments):
+        by_group[segment.group_id][segment.rollout_id].append(index)
+    return by_group
+
+
+def _parting_turn(segments: list[LLMCall], better: list[int], worse: list[int]) -> int | str | None:
+    """The turn where two trajectories answered the same context differently; "context" when their
+    contexts parted first; None when one ended before they parted."""
+    for turn, (good, bad) in enumerate(zip(better, worse, strict=False)):
+        if segments[good].prompt_token_ids != segments[bad].prompt_token_ids:
+            return "context"
+        if segments[good].completion_token_ids != segments[bad].completion_token_ids:
+            return turn
+    return None
+
+
+def _candidate_pairs(segments: list[LLMCall]) -> tuple[list[tuple[int, int]], int]:
+    pairs: list[tuple[int, int]] = []
+    skipped = 0
+    for rollouts in _trajectories(segments).values():
+        rewards = {rollout: segments[turns[0]].reward for rollout, turns in rollouts.items()}
+        best, worst = max(rewards.values()), min(rewards.values())
+        if best == worst:
+            continue
+        for good in (r for r, reward in rewards.items() if reward == best):
+            for bad in (r for r, reward in rewards.items() if reward == worst):
+                turn = _parting_turn(segments, rollouts[good], rollouts[bad])
+                if turn == "context":
+                    skipped += 1
+                elif isinstance(turn, int):
+                    pairs.append((rollouts[good][turn], rollouts[bad][turn]))
+    return pairs, skipped
+
+
+def _action(segment: LLMCall) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    return tuple(segment.prompt_token_ids), tuple(segment.completion_token_ids)
+
+
+def mine_preference_pairs(segments: list[LLMCall]) -> MinedPairs:
+    """The step's turn-level preference pairs over `segments` (one step's, as the driver builds them:
+    each trajectory's turns in call order, `group_id` the prompt, `reward` the trajectory's)."""
+    candidates, skipped = _candidate_pairs(segments)
+    roles: dict[tuple[tuple[int, ...], tuple[int, ...]], set[int]] = defaultdict(set)
+    for chosen, rejected in candidates:
+        roles[_action(segments[chosen])].add(CHOSEN)
+        roles[_action(segments[rejected])].add(REJECTED)
+    kept: list[tuple[int, int]] = []
+    seen: set[tuple[object, ...]] = set()
+    conflicting = duplicates = 0
+    for chosen, rejected in candidates:
+        good, bad = _action(segments[chosen]), _action(segments[rejected])
+        if len(roles[good]) > 1 or len(roles[bad]) > 1:
+            conflicting += 1
+        elif (good, bad[1]) in seen:
+            duplicates += 1
+        else:
+            seen.add((good, bad[1]))
+            kept.append((chosen, rejected))
+    return MinedPairs(kept, skipped_context=skipped, conflicting=conflicting, duplicates=duplicates)
+
+
+def mark_pairs(segments: list[LLMCall], pairs: list[tuple[int, int]]) -> list[LLMCall]:
+    """`segments` with each pair's id and side on its two segments (`LLMCall.preference_pairs`)."""
+    marks: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for pair_id, (chosen, rejected) in enumerate(pairs):
+        marks[chosen].append((pair_id, CHOSEN))
+        marks[rejected].append((pair_id, REJECTED))
+    return [
+        dataclasses.replace(s, preference_pairs=tuple(marks[i])) if i in marks else s
+        for i, s in enumerate(segments)
+    ]
+
+
+def pair_sides(rows: list[tuple[tuple[int, int], ...]], device: torch.device | str = "cpu") -> Tensor:
+    """[B, P] +1 / −1 where row b is pair p's chosen / rejected action, for the P pairs with both
+    rows among `rows` (one mini-batch's `preference_pairs`); pairs with one row here are left out."""
+    sides: dict[int, dict[int, int]] = defaultdict(dict)
+    for row, marks in enumerate(rows):
+        for pair_id, side in marks:
+            sides[pair_id][side] = row
+    complete = [pair for pair, found in sorted(sides.items()) if len(found) == 2]
+    matrix = torch.zeros((len(rows), len(complete)), device=device)
+    for column, pair in enumerate(complete):
+        matrix[sides[pair][CHOSEN], column] = 1.0
+        matrix[sides[pair][REJECTED], column] = -1.0
+    return matrix
+
+
+def pairs_split_across(minibatches: list[list[LLMCall]]) -> int:
+    """Pairs whose two actions fall in different mini-batches (neither trains on them)."""
+    where: dict[int, set[int]] = defaultdict(set)
+    for index, minibatch in enumerate(minibatches):
+        for segment in minibatch:
+            for pair_id, _ in segment.preference_pairs:
+                where[pair_id].add(index)
+    return sum(1 for batches in where.values() if len(batches) > 1)
+
+
+def preference_loss(
+    learner_B_T: Tensor, reference_B_T: Tensor, mask_B_T: Tensor, sides_B_P: Tensor, beta: float
+) -> tuple[Tensor, dict[str, float]]:
+    """Mean over the P pairs of −log σ(β (r_chosen − r_rejected)), r = Σ_t mask (learner − reference)
+    per row; with the share of pairs already ordered right (`preference/accuracy`) and the mean
+    margin r_chosen − r_rejected (`preference/margin`). Zero (with the graph kept) when P is 0."""
+    if sides_B_P.shape[1] == 0:
+        return learner_B_T.sum() * 0.0, {}
+    implicit_B = ((learner_B_T - reference_B_T) * mask_B_T).sum(dim=1)
+    margin_P = sides_B_P.transpose(0, 1) @ implicit_B
+    loss = -torch.nn.functional.logsigmoid(beta * margin_P).mean()
+    stats = {
+        "preference/loss": float(loss.detach()),
+        "preference/accuracy": float((margin_P.detach() > 0).float().mean()),
+        "preference/margin": float(margin_P.detach().mean()),
+    }
+    return loss, stats

@@ -1,0 +1,153 @@
+"""Turn-level preference pairs (learner/turn_preference.py): mining, conflict removal, the marks the
+learner reads, and the DPO-style loss; and how a step's signal phase and the job spec switch them on."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from opd_trainer.driver.step import minibatches, shape_signal
+from opd_trainer.jobspec.job_spec import HyperParameters
+from opd_trainer.learner.turn_preference import (
+    mark_pairs,
+    mine_preference_pairs,
+    pair_sides,
+    pairs_split_across,
+    preference_loss,
+)
+from opd_trainer.records import LLMCall
+
+
+def _turn(context: list[int], answer: list[int], rollout: int, reward: float, group: int = 0) -> LLMCall:
+    return LLMCall(
+        prompt_token_ids=context,
+        completion_token_ids=answer,
+        sampler_logprobs=[-1.0] * len(answer),
+        teacher_logprobs=[-1.0] * len(answer),
+        group_id=group,
+        rollout_id=rollout,
+        reward=reward,
+    )
+
+
+def test_single_turn_pairs_every_best_with_every_worst_and_drops_repeats() -> None:
+    segments = [
+        _turn([1, 2], [5], rollout=0, reward=1.0),
+        _turn([1, 2], [5], rollout=1, reward=1.0),  # the same action as rollout 0
+        _turn([1, 2], [6], rollout=2, reward=0.0),
+        _turn([1, 2], [7], rollout=3, reward=0.5),  # neither best nor worst
+        _turn([3], [5], rollout=4, reward=1.0, group=1),  # a prompt whose rollouts ended alike
+        _turn([3], [6], rollout=5, reward=1.0, group=1),
+    ]
+    mined = mine_preference_pairs(segments)
+    assert mined.pairs == [(0, 2)]
+    assert (mined.duplicates, mined.conflicting, mined.skipped_context) == (1, 0, 0)
+
+
+def test_a_multi_turn_pair_is_the_turn_where_the_runs_part() -> None:
+    good = [
+        _turn([1], [10, 11], rollout=0, reward=1.0),
+        _turn([1, 10, 11, 90], [20], rollout=0, reward=1.0),
+        _turn([1, 10, 11, 90, 20, 91], [30], rollout=0, reward=1.0),
+    ]
+    bad = [
+        _turn([1], [10, 11], rollout=1, reward=0.0),
+        _turn([1, 10, 11, 90], [21], rollout=1, reward=0.0),
+        _turn([1, 10, 11, 90, 21, 92], [31], rollout=1, reward=0.0),
+    ]
+    assert mine_preference_pairs(good + bad).pairs == [(1, 4)]
+
+
+def test_runs_whose_contexts_part_first_give_no_pair_and_are_counted() -> None:
+    tool_differs = [
+        _turn([1], [10], rollout=0, reward=1.0),
+        _turn([1, 10, 90], [20], rollout=0, reward=1.0),
+        _turn([1], [10], rollout=1, reward=0.0),
+        _turn([1, 10, 91], [21], rollout=1, reward=0.0),  # the tool answered the same call differently
+    ]
+    mined = mine_preference_pairs(tool_differs)
+    assert mined.pairs == [] and mined.skipped_context == 1
+    ended_early = [_turn([1], [10], rollout=0, reward=1.0), _turn([1], [10], rollout=1, reward=0.0)]
+    ended_early.append(_turn([1, 10, 90], [20], rollout=0, reward=1.0))
+    assert mine_preference_pairs(ended_early) == mine_preference_pairs([])
+
+
+def test_an_action_both_chosen_and_rejected_keeps_none_of_its_pairs() -> None:
+    segments = [
+        _turn([1], [5], rollout=0, reward=1.0),
+        _turn([1], [6], rollout=1, reward=0.0),
+        _turn([1], [5], rollout=2, reward=0.0),  # answer 5 also ended a worst run...
+        _turn([1], [7], rollout=3, reward=1.0),  # ...which a best run answered with 7
+    ]
+    mined = mine_preference_pairs(segments)
+    # (0,1) chooses 5 and (3,2) rejects it: both go; (3,1) stays; (0,2) never parted.
+    assert mined.pairs == [(3, 1)] and mined.conflicting == 2
+    assert mined.metrics() == {
+        "preference/pairs": 1.0,
+        "preference/skipped_context": 0.0,
+        "preference/conflicting": 2.0,
+        "preference/duplicates": 0.0,
+    }
+
+
+def test_marks_become_a_sides_matrix_of_the_pairs_whole_in_a_batch() -> None:
+    segments = [
+        _turn([1], [a], rollout=i, reward=r) for i, (a, r) in enumerate([(5, 1.0), (6, 0.0), (7, 0.0)])
+    ]
+    marked = mark_pairs(segments, [(0, 1), (0, 2)])
+    assert [s.preference_pairs for s in marked] == [((0, 1), (1, 1)), ((0, -1),), ((1, -1),)]
+    sides = pair_sides([s.preference_pairs for s in marked])
+    torch.testing.assert_close(sides, torch.tensor([[1.0, 1.0], [-1.0, 0.0], [0.0, -1.0]]))
+    # Rows 0 and 1 only: pair 1's rejected row is elsewhere, so only pair 0 is whole here.
+    torch.testing.assert_close(
+        pair_sides([s.preference_pairs for s in marked[:2]]), torch.tensor([[1.0], [-1.0]])
+    )
+    assert pairs_split_across([marked[:2], marked[2:]]) == 1
+    assert pairs_split_across([marked]) == 0
+
+
+def test_the_loss_is_dpo_on_the_turns_summed_log_ratio_and_pulls_the_chosen_action_up() -> None:
+    mask_B_T = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    reference_B_T = torch.tensor([[-1.0, -2.0, 0.0], [-1.5, 0.0, 0.0]])
+    sides_B_P = torch.tensor([[1.0], [-1.0]])
+    # Learner equal to the reference: margin 0, loss log 2.
+    loss, stats = preference_loss(reference_B_T.clone(), reference_B_T, mask_B_T, sides_B_P, beta=0.5)
+    assert float(loss) == pytest.approx(math.log(2.0))
+    assert stats["preference/margin"] == 0.0 and stats["preference/accuracy"] == 0.0
+    # Masked positions never count; the gradient raises the chosen row's tokens and lowers the other's.
+    learner_B_T = (reference_B_T + torch.tensor([[0.2, 0.1, 9.0], [0.4, 9.0, 9.0]])).requires_grad_()
+    loss, stats = preference_loss(learner_B_T, reference_B_T, mask_B_T, sides_B_P, beta=0.5)
+    margin = (0.2 + 0.1) - 0.4
+    assert stats["preference/margin"] == pytest.approx(margin)
+    assert float(loss.detach()) == pytest.approx(-math.log(1 / (1 + math.exp(-0.5 * margin))))
+    loss.backward()
+    assert learner_B_T.grad is not None
+    assert (learner_B_T.grad[0, :2] < 0).all() and (learner_B_T.grad[1, :1] > 0).all()
+    assert float(learner_B_T.grad[0, 2]) == 0.0 and float(learner_B_T.grad[1, 1:].abs().sum()) == 0.0
+    # No whole pair in the batch: zero, still part of the graph.
+    empty, none = preference_loss(learner_B_T, reference_B_T, mask_B_T, torch.zeros((2, 0)), beta=0.5)
+    assert float(empty) == 0.0 and empty.requires_grad and none == {}
+
+
+def _hp(**fields: object) -> HyperParameters:
+    return HyperParameters.model_validate(fields)
+
+
+def test_the_signal_phase_mines_and_marks_pairs_only_when_asked() -> None:
+    segments = [_turn([1], [5], rollout=0, reward=1.0), _turn([1], [6], rollout=1, reward=0.0)]
+    kept, metrics = shape_signal(segments, 0, _hp())
+    assert "preference/pairs" not in metrics and all(s.preference_pairs == () for s in kept)
+    kept, metrics = shape_signal(segments, 0, _hp(turn_preference_coef=0.5))
+    assert metrics["preference/pairs"] == 1.0 and metrics["preference/conflicting"] == 0.0
+    assert [s.preference_pairs for s in kept] == [((0, 1),), ((0, -1),)]
+    # Mini-batches of whole prompt groups keep the pair together.
+    assert pairs_split_across(minibatches(kept, 2)) == 0 and pairs_split_across(minibatches(kept, 1)) == 1
+
+
+def test_the_job_spec_names_the_preference_fields() -> None:
+    with pytest.raises(ValueError, match="turn_preference_beta"):
+        _hp(turn_preference_beta=0)
+    with pytest.raises(ValueError, match="turn_preference_coef"):
+        _hp(turn_preference_coef=-1)
