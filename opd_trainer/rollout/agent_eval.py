@@ -22,6 +22,12 @@ the rollout returned), so they hold for any task and any agent; `agent/` in the 
   calls (as a multiset; arguments compared as JSON), or the same tool names.
 - `pass@k` (with `hyper_parameters.eval_pass_k` = k > 1): share of prompts where at least one of k
   rollouts sampled at `eval_temperature` succeeded.
+- Self-correction and loops (seed 003's): `repeated_failing_call_share`, of trajectories of agents that
+  run tools, the share that made a call again (same name and arguments) after it got an error;
+  `recovery_after_error`, of the trajectories where one of the agent's own calls got an error, the
+  share that still succeeded; `self_correction_success`, of the samples whose given history already
+  holds a failed call (a tool message that is an error: a deliberately wrong history), the share the
+  agent repaired (succeeded). Each only when its subset is not empty.
 """
 
 from __future__ import annotations
@@ -143,6 +149,7 @@ def agent_metrics(results: list[RolloutResult], succeeded: Succeeded) -> dict[st
         "agent/tool_calls_per_trajectory": mean([float(len(_made_calls(r))) for r in good]),
         "agent/cut_off_share": mean([float(_cut_off(r, results_of[id(r)])) for r in good]),
     }
+    metrics.update(_correction_metrics(results, good, results_of, succeeded))
     # A failed rollout made no call the reference asks for: it counts as wrong, not as absent.
     referenced = [(r, calls) for r in results if (calls := reference_tool_calls(r)) is not None]
     if referenced:
@@ -153,6 +160,44 @@ def agent_metrics(results: list[RolloutResult], succeeded: Succeeded) -> dict[st
                     for r, ref in referenced
                 ]
             )
+    return metrics
+
+
+def _repeats_failing_call(result: RolloutResult, results: dict[str, dict[str, Any]]) -> bool:
+    """The agent made a call again (same name and arguments) after that call got an error."""
+    failed: set[str] = set()
+    for call in result.calls:
+        for tool_call in call.response_message.get("tool_calls") or []:
+            key = _canonical(tool_call)
+            if key in failed:
+                return True
+            answer = results.get(tool_call.get("id", ""))
+            if answer is not None and _is_error(answer):
+                failed.add(key)
+    return False
+
+
+def _correction_metrics(
+    results: list[RolloutResult],
+    good: list[RolloutResult],
+    results_of: dict[int, dict[str, dict[str, Any]]],
+    succeeded: Succeeded,
+) -> dict[str, float]:
+    """`repeated_failing_call_share`, `recovery_after_error`, `self_correction_success` (module
+    docstring), each over a non-empty subset only; a failed rollout counts as not succeeded."""
+    metrics: dict[str, float] = {}
+    running_tools = [r for r in good if results_of[id(r)]]
+    if running_tools:
+        repeats = [float(_repeats_failing_call(r, results_of[id(r)])) for r in running_tools]
+        metrics["agent/repeated_failing_call_share"] = mean(repeats)
+    erred = [r for r in running_tools if any(_is_error(m) for m in results_of[id(r)].values())]
+    if erred:
+        metrics["agent/recovery_after_error"] = mean([float(bool(succeeded(r))) for r in erred])
+    wrong_history = [
+        r for r in results if any(m.get("role") == "tool" and _is_error(m) for m in r.sample.messages)
+    ]
+    if wrong_history:
+        metrics["agent/self_correction_success"] = mean([float(bool(succeeded(r))) for r in wrong_history])
     return metrics
 
 

@@ -1,8 +1,8 @@
 """The self-correction example end to end: its agent plays episodes against the tool backend in a real
 worker pool, through the gateway, and its reward judges them in another; validation reports the
 agent-level metrics. Run on the demo's tiny teacher as the student (it makes the first call right, so
-moved items really answer with errors), with the turn-level hindsight term and `teacher_hindsight:
-outcome` on."""
+moved items really answer with errors), with the turn-level hindsight term, the turn-level preference
+term and `teacher_hindsight: outcome` on."""
 
 from __future__ import annotations
 
@@ -48,6 +48,7 @@ def test_self_correction_episodes_train_and_validate(
         ppo_mini_batch_size=16,
         hindsight_coef=1.0,
         teacher_hindsight="outcome",
+        turn_preference_coef=1.0,
     )
     run_dir = tmp_path / "run"
     driver = ray.remote(JobDriver).options(num_cpus=0).remote(type(spec).model_validate(data), str(run_dir))
@@ -60,13 +61,19 @@ def test_self_correction_episodes_train_and_validate(
     (step,) = [r for r in records if r["kind"] == "train"]
     assert step["failed_rollouts"] == 0 and step["rollouts"] == 16
     assert {"reward_mean", "rollout/tool_errors", "rollout/turns", "hindsight/turns_up"} <= set(step)
-    # The teacher scored every call its agent ran tools for knowing what they answered (the final
-    # answers, after which no tool ran, as sampled).
-    assert 0.0 < step["hindsight/teacher_note_share"] < 1.0
+    # Turn-level preference pairs come from the same best/worst walk as the hindsight signal: with 2
+    # rollouts a prompt has at most one pair and prompts differ, so none conflicts or repeats, and one
+    # mini-batch of 16 keeps every pair whole. (Runs that part only after their contexts did give
+    # neither; the learner's side of the term: test_agentic_opd.py.)
+    assert step["preference/pairs"] == step["hindsight/turns_up"] == step["hindsight/turns_down"], step
+    for count in ("conflicting", "duplicates", "split_pairs"):
+        assert step[f"preference/{count}"] == 0, step
     evals = [r for r in records if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == [0, 1]
     for record in evals:
-        for name in ("agent/task_success", "agent/turn_success", "agent/tool_call_accuracy"):
+        names = ("agent/task_success", "agent/turn_success", "agent/tool_call_accuracy")
+        # The agent runs tools: the loop share is always reported (self-correction metrics, agent_eval).
+        for name in (*names, "agent/repeated_failing_call_share"):
             assert 0.0 <= record[name] <= 1.0, (name, record[name])
         assert "reward/episode/calls_correct" in record
 

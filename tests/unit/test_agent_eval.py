@@ -104,3 +104,56 @@ def test_success_uses_the_evaluator_when_there_is_one_and_pass_at_k_any_of_k() -
     assert pass_at_k([[plain, low_reward_high_eval], [plain, failed]], succeeded) == 0.5
     assert reference_tool_calls(plain) is None
     assert agent_metrics([failed], succeeded)["agent/task_success"] == 0.0
+
+
+def _error(call_id: str) -> dict[str, Any]:
+    return {"role": "tool", "tool_call_id": call_id, "content": "Error: order is locked"}
+
+
+def _ok(call_id: str) -> dict[str, Any]:
+    return {"role": "tool", "tool_call_id": call_id, "content": '{"ok": true}'}
+
+
+def test_loops_recovery_after_an_error_and_repairing_a_wrong_history() -> None:
+    def refund(call_id: str, order: int = 7) -> dict[str, Any]:
+        return _tool_call(call_id, "refund", {"order": order})
+
+    done = _turn([], "stop")
+    # The same failing call again (a loop); a different call after the error that succeeded; no error;
+    # the same call twice, the first one answered fine (not a loop).
+    looping = _rollout(
+        1,
+        [_turn([refund("a")], "tool_calls"), _turn([refund("b")], "tool_calls"), done],
+        [_error("a"), _error("b")],
+        0.0,
+    )
+    recovers = _rollout(
+        2,
+        [_turn([refund("c")], "tool_calls"), _turn([refund("d", 8)], "tool_calls"), done],
+        [_error("c"), _ok("d")],
+        1.0,
+    )
+    clean = _rollout(3, [_turn([refund("e")], "tool_calls"), done], [_ok("e")], 1.0)
+    twice = _rollout(
+        4,
+        [_turn([refund("f")], "tool_calls"), _turn([refund("g")], "tool_calls"), done],
+        [_ok("f"), _ok("g")],
+        0.0,
+    )
+    no_tools = _rollout(5, [done], [], 1.0)  # an agent that runs no tools: outside the loop share
+    metrics = agent_metrics([looping, recovers, clean, twice, no_tools], success_by_threshold(1.0))
+    assert metrics["agent/repeated_failing_call_share"] == pytest.approx(1 / 4)
+    assert metrics["agent/recovery_after_error"] == pytest.approx(1 / 2)
+    assert "agent/self_correction_success" not in metrics
+    # Samples whose given history holds a failed call: repaired, not repaired, and a rollout that failed.
+    wrong = [USER, {"role": "assistant", "content": "", "tool_calls": [refund("h")]}, _error("h")]
+    repaired = _rollout(6, [_turn([refund("i", 8)], "tool_calls"), done], [_ok("i")], 1.0)
+    stuck = _rollout(7, [_turn([refund("j")], "tool_calls"), done], [_error("j")], 0.0)
+    crashed = _rollout(8, [], [], 1.0)
+    crashed.error = "agent crashed"
+    for result in (repaired, stuck, crashed):
+        result.sample = Sample("val.jsonl", result.index, wrong, None, {})
+    history = agent_metrics([repaired, stuck, crashed, clean], success_by_threshold(1.0))
+    assert history["agent/self_correction_success"] == pytest.approx(1 / 3)
+    assert "agent/self_correction_success" not in agent_metrics([clean], success_by_threshold(1.0))
+    assert "agent/repeated_failing_call_share" not in agent_metrics([no_tools], success_by_threshold(1.0))
