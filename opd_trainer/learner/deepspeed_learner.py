@@ -378,10 +378,13 @@ def trained_tokens(segments: list[LLMCall]) -> float:
 
 
 def reduce_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
-    """One step's metrics from every rank's: summed, maxed, shared, else the mean over ranks."""
+    """One step's metrics from every rank's: summed, maxed, shared, else the mean over ranks; a metric
+    only some ranks report (the preference term's, on a rank whose shard held no whole pair) is
+    reduced over those."""
     reduced: dict[str, float] = {}
-    for name in per_rank[0]:
-        values = [metrics[name] for metrics in per_rank]
+    names = list(dict.fromkeys(name for metrics in per_rank for name in metrics))
+    for name in names:
+        values = [metrics[name] for metrics in per_rank if name in metrics]
         if name in SUMMED_METRICS:
             reduced[name] = sum(values)
         elif name in MAXED_METRICS:

@@ -18,7 +18,8 @@ completion tokens count (tool-call tokens included; tool output is the next turn
 trained). A pair whose two rows fall in different mini-batches is not trained (`preference/split_pairs`);
 the driver's mini-batches keep a prompt's rollouts together whenever `ppo_mini_batch_size` is a
 multiple of `n_rollouts`, and learner ranks split mini-batches by prompt, so a pair never straddles
-two ranks.
+two ranks. With several learner ranks each rank averages the pairs of its own shard (the ranks'
+gradients are then averaged, as for the other terms).
 """
 
 from __future__ import annotations

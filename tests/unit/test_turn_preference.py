@@ -128,7 +128,7 @@ def test_the_loss_is_dpo_on_the_turns_summed_log_ratio_and_pulls_the_chosen_acti
     assert float(learner_B_T.grad[0, 2]) == 0.0 and float(learner_B_T.grad[1, 1:].abs().sum()) == 0.0
     # No whole pair in the batch: zero, still part of the graph.
     empty, none = preference_loss(learner_B_T, reference_B_T, mask_B_T, torch.zeros((2, 0)), beta=0.5)
-    assert float(empty) == 0.0 and empty.requires_grad and none == {}
+    assert float(empty.detach()) == 0.0 and empty.requires_grad and none == {}
 
 
 def _hp(**fields: object) -> HyperParameters:
@@ -151,3 +151,15 @@ def test_the_job_spec_names_the_preference_fields() -> None:
         _hp(turn_preference_beta=0)
     with pytest.raises(ValueError, match="turn_preference_coef"):
         _hp(turn_preference_coef=-1)
+
+
+def test_ranks_reduce_the_preference_metrics_over_the_ranks_that_report_them() -> None:
+    from opd_trainer.learner.deepspeed_learner import reduce_rank_metrics
+
+    with_pairs = {"loss": 1.0, "preference/loss": 0.6, "preference/accuracy": 0.5}
+    without = {"loss": 3.0}
+    assert reduce_rank_metrics([with_pairs, without]) == {
+        "loss": 2.0,
+        "preference/loss": 0.6,
+        "preference/accuracy": 0.5,
+    }
