@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from opd_trainer.driver.components import Components
-from opd_trainer.driver.teacher_hindsight import hindsight_notes, teacher_inputs
+from opd_trainer.driver.teacher_hindsight import hindsight_notes, teacher_inputs, without_leaks
 from opd_trainer.driver.teachers import TeacherEngines
 from opd_trainer.errors import OPDError
 from opd_trainer.jobspec.dataset import EpochCursor, Sample
@@ -268,7 +268,8 @@ def per_teacher_metrics(segments: list[LLMCall]) -> dict[str, float]:
 def shape_signal(
     segments: list[LLMCall], step: int, hp: HyperParameters
 ) -> tuple[list[LLMCall], dict[str, float]]:
-    """Drops segments sampled more than `max_staleness` versions ago and adds the hindsight signal
+    """Drops segments sampled more than `max_staleness` versions ago and, with `teacher_hindsight`, the
+    rollouts whose replies carry a hindsight note's wording (`without_leaks`); adds the hindsight signal
     (`hindsight_coef`) and the turn-level preference pairs (`turn_preference_coef`); returns the
     segments to train on and the staleness/hindsight/preference metrics."""
     staleness = [step - s.weight_version for s in segments]
@@ -282,6 +283,8 @@ def shape_signal(
     }
     if hp.teacher_hindsight != "none":
         metrics["hindsight/teacher_note_share"] = mean([s.teacher_saw_note for s in kept])
+        kept, leaked = without_leaks(kept)
+        metrics["hindsight/leaked_rollouts"] = float(leaked)
     if hp.hindsight_coef > 0:
         values = hindsight_advantages(kept)
         kept = [dataclasses.replace(s, hindsight=v) for s, v in zip(kept, values, strict=True)]

@@ -19,11 +19,16 @@ The note is placed by re-rendering the call's messages with the chat template. A
 cannot be rebuilt exactly from its messages (the rendering differs from the ids it was sampled on),
 one whose template refuses the note's system message, and one the note would push past
 `max_length`, are scored without it and counted.
+
+Leakage check (seed 003): a rollout whose trained reply carries a note's own wording (`LEAK_WORDS`
+words in a row of its fixed text) learned the note, not the task; the signal phase drops it from the
+step's training (`without_leaks`, `hindsight/leaked_rollouts` per step).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -38,16 +43,39 @@ if TYPE_CHECKING:
 
     from opd_trainer.rollout.runner import RolloutResult
 
-NOTE = (
-    "Hindsight for scoring (never shown to the assistant being trained): a correct final answer to "
-    "this task is: {reference}"
+NOTE_HEADER = "Hindsight for scoring (never shown to the assistant being trained):"
+NOTE = NOTE_HEADER + " a correct final answer to this task is: {reference}"
+OUTCOME_NOTE = NOTE_HEADER + " after this reply, the tools answered: {results}"
+
+
+# A trained reply that carries the notes' own wording learned the note, not the task (seed 003's leakage
+# check): any run of this many words of the notes' header, case and punctuation aside. The header only:
+# what follows it ("a correct final answer to this task is ...") is wording a reply may use by itself.
+LEAK_WORDS = 4
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9']+", text.lower())
+
+
+_HEADER_WORDS = _words(NOTE_HEADER)
+NOTE_RUNS = frozenset(
+    tuple(_HEADER_WORDS[i : i + LEAK_WORDS]) for i in range(len(_HEADER_WORDS) - LEAK_WORDS + 1)
 )
 
 
-OUTCOME_NOTE = (
-    "Hindsight for scoring (never shown to the assistant being trained): after this reply, the tools "
-    "answered: {results}"
-)
+def carries_note_wording(text: str) -> bool:
+    """`text` holds `LEAK_WORDS` consecutive words of the hindsight notes' header (not of what a note
+    reports: a reply may well state the reference answer, never "hindsight for scoring ...")."""
+    words = _words(text)
+    return any(tuple(words[i : i + LEAK_WORDS]) in NOTE_RUNS for i in range(len(words) - LEAK_WORDS + 1))
+
+
+def without_leaks(segments: list[LLMCall]) -> tuple[list[LLMCall], int]:
+    """`segments` less every rollout one of whose trained replies carries a note's wording, and how
+    many rollouts that dropped (the step's `hindsight/leaked_rollouts`)."""
+    leaked = {s.rollout_id for s in segments if carries_note_wording(s.text)}
+    return [s for s in segments if s.rollout_id not in leaked], len(leaked)
 
 
 def outcome_notes(calls: list[LLMCall], final_messages: list[dict[str, Any]]) -> list[str | None]:

@@ -208,3 +208,31 @@ def test_outcome_hindsight_needs_an_agent() -> None:
         {**job, "functions": [rollout], "hyper_parameters": {"teacher_hindsight": "outcome"}}
     )
     assert agentic.hyper_parameters.teacher_hindsight == "outcome"
+
+
+def _reply(text: str, rollout: int) -> LLMCall:
+    return LLMCall([1], [2], [-1.0], text=text, teacher_logprobs=[-1.0], rollout_id=rollout, group_id=0)
+
+
+def test_a_reply_carrying_the_notes_wording_drops_its_rollout_and_is_counted() -> None:
+    from opd_trainer.driver.step import shape_signal
+    from opd_trainer.driver.teacher_hindsight import NOTE_HEADER, carries_note_wording, without_leaks
+    from opd_trainer.jobspec.job_spec import HyperParameters
+
+    # The header's wording, whatever the case and punctuation, is a leak; what a note reports is not.
+    assert carries_note_wording("Sure. (Never shown to the ASSISTANT being trained) the id is 7")
+    assert carries_note_wording(NOTE_HEADER.upper())
+    assert not carries_note_wording("A correct final answer to this task is: refund(order=7)")
+    assert not carries_note_wording("hindsight for scoring")  # three words: too short to tell
+    segments = [
+        _reply("call refund", rollout=0),
+        _reply("hindsight for scoring never shown: refund", rollout=0),  # the rollout's second turn
+        _reply("call refund", rollout=1),
+    ]
+    kept, leaked = without_leaks(segments)
+    assert [s.rollout_id for s in kept] == [1] and leaked == 1
+    hp = HyperParameters.model_validate({"teacher_hindsight": "reference"})
+    kept, metrics = shape_signal(segments, 0, hp)
+    assert metrics["hindsight/leaked_rollouts"] == 1.0 and [s.rollout_id for s in kept] == [1]
+    _, plain = shape_signal(segments, 0, HyperParameters())
+    assert "hindsight/leaked_rollouts" not in plain
