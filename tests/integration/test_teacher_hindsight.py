@@ -43,6 +43,8 @@ def test_the_initial_student_scores_its_own_samples_knowing_the_reference(
     assert [r["step"] for r in records] == [1, 2]
     # Every call was scored with the note (the tiny template renders back each prompt exactly).
     assert all(r["hindsight/teacher_note_share"] == 1.0 for r in records), records
+    # Two steps cannot teach the note's wording: the leakage check found none to drop.
+    assert all(r["hindsight/leaked_rollouts"] == 0.0 for r in records), records
     # Same weights on both sides: without the note the first step's KL is 0 (measured: 0.0 exactly,
     # this job with `teacher_hindsight: none`); with it the teacher's view moved (measured: 0.060).
     assert records[0]["reverse_kl"] > 0.01, records[0]
