@@ -267,6 +267,11 @@ def job_metrics(job_id: str, session: SessionDep, tenant: TenantDep) -> MetricsP
     return jobs.metrics(session, tenant.id, job_id)
 
 
+# A page of run-dir records (trajectories, validation trajectories): at most 200, from an offset.
+RecordPageLimit = Annotated[int, Query(ge=1, le=200)]
+RecordPageOffset = Annotated[int, Query(ge=0, le=10**6, description="Skip this many (the page's start).")]
+
+
 @router.get(
     "/{job_id}/trajectories",
     response_model=TrajectoryList,
@@ -280,8 +285,8 @@ def job_trajectories(
     job_id: str,
     session: SessionDep,
     tenant: TenantDep,
-    limit: Annotated[int, Query(ge=1, le=200)] = 16,
-    offset: Annotated[int, Query(ge=0, le=10**6, description="Skip this many (the page's start).")] = 0,
+    limit: RecordPageLimit = 16,
+    offset: RecordPageOffset = 0,
     step: Annotated[
         int | None, Query(ge=0, description="Only this step's rollouts (`steps` lists them).")
     ] = None,
@@ -313,8 +318,8 @@ def job_validation_trajectories(
     job_id: str,
     session: SessionDep,
     tenant: TenantDep,
-    limit: Annotated[int, Query(ge=1, le=200)] = 16,
-    offset: Annotated[int, Query(ge=0, le=10**6, description="Skip this many (the page's start).")] = 0,
+    limit: RecordPageLimit = 16,
+    offset: RecordPageOffset = 0,
     step: Annotated[
         int | None, Query(ge=0, description="Only this step's passes (`steps` lists them).")
     ] = None,

@@ -6,31 +6,20 @@ import dataclasses
 
 import torch
 from learner_settings import SETTINGS
+from turns import turn
 
 from opd_trainer.learner.batch import row_advantages
 from opd_trainer.learner.hindsight import diverging_turn, hindsight_advantages
-from opd_trainer.records import LLMCall
-
-
-def _turn(context: list[int], answer: list[int], rollout: int, reward: float, group: int = 0) -> LLMCall:
-    return LLMCall(
-        prompt_token_ids=context,
-        completion_token_ids=answer,
-        sampler_logprobs=[-1.0] * len(answer),
-        group_id=group,
-        rollout_id=rollout,
-        reward=reward,
-    )
 
 
 def test_single_turn_best_up_worst_down_middle_and_ties_untouched() -> None:
     segments = [
-        _turn([1, 2], [5], rollout=0, reward=1.0),
-        _turn([1, 2], [6], rollout=1, reward=0.0),
-        _turn([1, 2], [7], rollout=2, reward=0.5),
+        turn([1, 2], [5], rollout=0, reward=1.0),
+        turn([1, 2], [6], rollout=1, reward=0.0),
+        turn([1, 2], [7], rollout=2, reward=0.5),
         # another prompt whose rollouts all ended alike: nothing to learn from hindsight
-        _turn([3], [5], rollout=3, reward=1.0, group=1),
-        _turn([3], [6], rollout=4, reward=1.0, group=1),
+        turn([3], [5], rollout=3, reward=1.0, group=1),
+        turn([3], [6], rollout=4, reward=1.0, group=1),
     ]
     assert hindsight_advantages(segments) == [1.0, -1.0, 0.0, 0.0, 0.0]
 
@@ -39,14 +28,14 @@ def test_only_the_turn_where_the_worse_trajectory_parted_is_marked() -> None:
     # Turn 0 identical (same call from the same context), turn 1 differs from the same context:
     # the wrong tool argument is the failure's cause, the last turns are not comparable.
     good = [
-        _turn([1], [10, 11], rollout=0, reward=1.0),
-        _turn([1, 10, 11, 90], [20], rollout=0, reward=1.0),
-        _turn([1, 10, 11, 90, 20, 91], [30], rollout=0, reward=1.0),
+        turn([1], [10, 11], rollout=0, reward=1.0),
+        turn([1, 10, 11, 90], [20], rollout=0, reward=1.0),
+        turn([1, 10, 11, 90, 20, 91], [30], rollout=0, reward=1.0),
     ]
     bad = [
-        _turn([1], [10, 11], rollout=1, reward=0.0),
-        _turn([1, 10, 11, 90], [21], rollout=1, reward=0.0),
-        _turn([1, 10, 11, 90, 21, 92], [31], rollout=1, reward=0.0),
+        turn([1], [10, 11], rollout=1, reward=0.0),
+        turn([1, 10, 11, 90], [21], rollout=1, reward=0.0),
+        turn([1, 10, 11, 90, 21, 92], [31], rollout=1, reward=0.0),
     ]
     assert diverging_turn(good, bad) == 1
     assert hindsight_advantages(good + bad) == [0.0, 1.0, 0.0, 0.0, -1.0, 0.0]
@@ -55,23 +44,23 @@ def test_only_the_turn_where_the_worse_trajectory_parted_is_marked() -> None:
 def test_no_signal_when_contexts_part_before_answers_or_one_trajectory_ends() -> None:
     # Same first call, but the tool answered differently: the second turns start from different contexts.
     tool_differs = [
-        _turn([1], [10], rollout=0, reward=1.0),
-        _turn([1, 10, 90], [20], rollout=0, reward=1.0),
-        _turn([1], [10], rollout=1, reward=0.0),
-        _turn([1, 10, 91], [21], rollout=1, reward=0.0),
+        turn([1], [10], rollout=0, reward=1.0),
+        turn([1, 10, 90], [20], rollout=0, reward=1.0),
+        turn([1], [10], rollout=1, reward=0.0),
+        turn([1, 10, 91], [21], rollout=1, reward=0.0),
     ]
     assert hindsight_advantages(tool_differs) == [0.0] * 4
-    ended_early = [_turn([1], [10], rollout=0, reward=1.0), _turn([1], [10], rollout=1, reward=0.0)]
-    ended_early.append(_turn([1, 10, 90], [20], rollout=0, reward=1.0))
+    ended_early = [turn([1], [10], rollout=0, reward=1.0), turn([1], [10], rollout=1, reward=0.0)]
+    ended_early.append(turn([1, 10, 90], [20], rollout=0, reward=1.0))
     assert hindsight_advantages(ended_early) == [0.0] * 3
 
 
 def test_a_turn_in_several_pairs_gets_the_mean_of_its_signs() -> None:
     segments = [
-        _turn([1], [5], rollout=0, reward=1.0),
-        _turn([1], [5], rollout=1, reward=1.0),  # same answer as rollout 0
-        _turn([1], [6], rollout=2, reward=0.0),
-        _turn([1], [5], rollout=3, reward=0.0),  # the same answer as the best, yet failed later
+        turn([1], [5], rollout=0, reward=1.0),
+        turn([1], [5], rollout=1, reward=1.0),  # same answer as rollout 0
+        turn([1], [6], rollout=2, reward=0.0),
+        turn([1], [5], rollout=3, reward=0.0),  # the same answer as the best, yet failed later
     ]
     # Pairs: (0, 2) and (1, 2) diverge at turn 0; (0, 3) and (1, 3) never diverge (same single turn).
     assert hindsight_advantages(segments) == [1.0, 1.0, -1.0, 0.0]

@@ -11,14 +11,8 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import select
+from run_dir_app import app_with_job
 
-from api.main import create_app
-from api.models import Job, Tenant
-from api.settings import Settings
-from opd_trainer.storage.run_dir import RunDir
-
-ADMIN = "opd-admin-test-key-0123456789"
 JOB = "opdjob-trajectories"
 
 
@@ -48,32 +42,8 @@ RECORDS = [
 
 @pytest.fixture
 def clients(tmp_path: Path) -> Iterator[tuple[TestClient, dict[str, str], dict[str, str]]]:
-    app = create_app(Settings(data_dir=tmp_path, admin_key=ADMIN, max_concurrent_jobs=0))
-    with TestClient(app) as client:
-        keys = {}
-        for tenant in ("owner", "other"):
-            answer = client.post(
-                "/v1/keys", json={"tenant": tenant}, headers={"Authorization": f"Bearer {ADMIN}"}
-            )
-            keys[tenant] = {"Authorization": f"Bearer {answer.json()['key']}"}
-        run_dir = tmp_path / "runs" / JOB
-        run_dir.mkdir(parents=True)
-        RunDir(run_dir).trajectories(RECORDS)
-        with app.state.db.session() as session:
-            owner = session.scalar(select(Tenant).where(Tenant.name == "owner"))
-            assert owner is not None
-            session.add(
-                Job(
-                    id=JOB,
-                    tenant_id=owner.id,
-                    job_name="j",
-                    status="succeeded",
-                    spec={},
-                    run_dir=str(run_dir),
-                )
-            )
-            session.commit()
-        yield client, keys["owner"], keys["other"]
+    with app_with_job(tmp_path, JOB, lambda run: run.trajectories(RECORDS), status="succeeded") as found:
+        yield found
 
 
 def _page(client: TestClient, headers: dict[str, str], **params: Any) -> dict[str, Any]:

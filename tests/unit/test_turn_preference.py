@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from turns import turn
 
 from opd_trainer.driver.step import minibatches, shape_signal
 from opd_trainer.jobspec.job_spec import HyperParameters
@@ -17,29 +18,16 @@ from opd_trainer.learner.turn_preference import (
     pairs_split_across,
     preference_loss,
 )
-from opd_trainer.records import LLMCall
-
-
-def _turn(context: list[int], answer: list[int], rollout: int, reward: float, group: int = 0) -> LLMCall:
-    return LLMCall(
-        prompt_token_ids=context,
-        completion_token_ids=answer,
-        sampler_logprobs=[-1.0] * len(answer),
-        teacher_logprobs=[-1.0] * len(answer),
-        group_id=group,
-        rollout_id=rollout,
-        reward=reward,
-    )
 
 
 def test_single_turn_pairs_every_best_with_every_worst_and_drops_repeats() -> None:
     segments = [
-        _turn([1, 2], [5], rollout=0, reward=1.0),
-        _turn([1, 2], [5], rollout=1, reward=1.0),  # the same action as rollout 0
-        _turn([1, 2], [6], rollout=2, reward=0.0),
-        _turn([1, 2], [7], rollout=3, reward=0.5),  # neither best nor worst
-        _turn([3], [5], rollout=4, reward=1.0, group=1),  # a prompt whose rollouts ended alike
-        _turn([3], [6], rollout=5, reward=1.0, group=1),
+        turn([1, 2], [5], rollout=0, reward=1.0),
+        turn([1, 2], [5], rollout=1, reward=1.0),  # the same action as rollout 0
+        turn([1, 2], [6], rollout=2, reward=0.0),
+        turn([1, 2], [7], rollout=3, reward=0.5),  # neither best nor worst
+        turn([3], [5], rollout=4, reward=1.0, group=1),  # a prompt whose rollouts ended alike
+        turn([3], [6], rollout=5, reward=1.0, group=1),
     ]
     mined = mine_preference_pairs(segments)
     assert mined.pairs == [(0, 2)]
@@ -48,38 +36,38 @@ def test_single_turn_pairs_every_best_with_every_worst_and_drops_repeats() -> No
 
 def test_a_multi_turn_pair_is_the_turn_where_the_runs_part() -> None:
     good = [
-        _turn([1], [10, 11], rollout=0, reward=1.0),
-        _turn([1, 10, 11, 90], [20], rollout=0, reward=1.0),
-        _turn([1, 10, 11, 90, 20, 91], [30], rollout=0, reward=1.0),
+        turn([1], [10, 11], rollout=0, reward=1.0),
+        turn([1, 10, 11, 90], [20], rollout=0, reward=1.0),
+        turn([1, 10, 11, 90, 20, 91], [30], rollout=0, reward=1.0),
     ]
     bad = [
-        _turn([1], [10, 11], rollout=1, reward=0.0),
-        _turn([1, 10, 11, 90], [21], rollout=1, reward=0.0),
-        _turn([1, 10, 11, 90, 21, 92], [31], rollout=1, reward=0.0),
+        turn([1], [10, 11], rollout=1, reward=0.0),
+        turn([1, 10, 11, 90], [21], rollout=1, reward=0.0),
+        turn([1, 10, 11, 90, 21, 92], [31], rollout=1, reward=0.0),
     ]
     assert mine_preference_pairs(good + bad).pairs == [(1, 4)]
 
 
 def test_runs_whose_contexts_part_first_give_no_pair_and_are_counted() -> None:
     tool_differs = [
-        _turn([1], [10], rollout=0, reward=1.0),
-        _turn([1, 10, 90], [20], rollout=0, reward=1.0),
-        _turn([1], [10], rollout=1, reward=0.0),
-        _turn([1, 10, 91], [21], rollout=1, reward=0.0),  # the tool answered the same call differently
+        turn([1], [10], rollout=0, reward=1.0),
+        turn([1, 10, 90], [20], rollout=0, reward=1.0),
+        turn([1], [10], rollout=1, reward=0.0),
+        turn([1, 10, 91], [21], rollout=1, reward=0.0),  # the tool answered the same call differently
     ]
     mined = mine_preference_pairs(tool_differs)
     assert mined.pairs == [] and mined.skipped_context == 1
-    ended_early = [_turn([1], [10], rollout=0, reward=1.0), _turn([1], [10], rollout=1, reward=0.0)]
-    ended_early.append(_turn([1, 10, 90], [20], rollout=0, reward=1.0))
+    ended_early = [turn([1], [10], rollout=0, reward=1.0), turn([1], [10], rollout=1, reward=0.0)]
+    ended_early.append(turn([1, 10, 90], [20], rollout=0, reward=1.0))
     assert mine_preference_pairs(ended_early) == mine_preference_pairs([])
 
 
 def test_an_action_both_chosen_and_rejected_keeps_none_of_its_pairs() -> None:
     segments = [
-        _turn([1], [5], rollout=0, reward=1.0),
-        _turn([1], [6], rollout=1, reward=0.0),
-        _turn([1], [5], rollout=2, reward=0.0),  # answer 5 also ended a worst run...
-        _turn([1], [7], rollout=3, reward=1.0),  # ...which a best run answered with 7
+        turn([1], [5], rollout=0, reward=1.0),
+        turn([1], [6], rollout=1, reward=0.0),
+        turn([1], [5], rollout=2, reward=0.0),  # answer 5 also ended a worst run...
+        turn([1], [7], rollout=3, reward=1.0),  # ...which a best run answered with 7
     ]
     mined = mine_preference_pairs(segments)
     # (0,1) chooses 5 and (3,2) rejects it: both go; (3,1) stays; (0,2) never parted.
@@ -94,7 +82,7 @@ def test_an_action_both_chosen_and_rejected_keeps_none_of_its_pairs() -> None:
 
 def test_marks_become_a_sides_matrix_of_the_pairs_whole_in_a_batch() -> None:
     segments = [
-        _turn([1], [a], rollout=i, reward=r) for i, (a, r) in enumerate([(5, 1.0), (6, 0.0), (7, 0.0)])
+        turn([1], [a], rollout=i, reward=r) for i, (a, r) in enumerate([(5, 1.0), (6, 0.0), (7, 0.0)])
     ]
     marked = mark_pairs(segments, [(0, 1), (0, 2)])
     assert [s.preference_pairs for s in marked] == [((0, 1), (1, 1)), ((0, -1),), ((1, -1),)]
@@ -136,7 +124,7 @@ def _hp(**fields: object) -> HyperParameters:
 
 
 def test_the_signal_phase_mines_and_marks_pairs_only_when_asked() -> None:
-    segments = [_turn([1], [5], rollout=0, reward=1.0), _turn([1], [6], rollout=1, reward=0.0)]
+    segments = [turn([1], [5], rollout=0, reward=1.0), turn([1], [6], rollout=1, reward=0.0)]
     kept, metrics = shape_signal(segments, 0, _hp())
     assert "preference/pairs" not in metrics and all(s.preference_pairs == () for s in kept)
     kept, metrics = shape_signal(segments, 0, _hp(turn_preference_coef=0.5))
