@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make demo`: the real service path on one machine. Starts `opd serve` (API + embedded Ray) on a free
-# port with a fresh admin key, creates a tenant key, submits the example job with
-# `opd submit --follow` (progress bar, final table, curves), then stops the server.
+# port with a fresh admin key, creates a tenant key, prints the web console's address, submits the
+# example job with `opd submit --follow` (progress bar, final table, curves), then stops the server.
 # Usage: bash scripts/demo.sh [JOB_FILE]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,5 +37,7 @@ PY
 
 export OPD_API_KEY
 OPD_API_KEY=$("$bin/opd" keys create --tenant demo | tail -1)
+# The web console watches the same job while it trains (the server stops when the job ends).
+echo "console: ${OPD_BASE_URL}/console  (sign in with the demo tenant's key: ${OPD_API_KEY})"
 "$bin/opd" submit "$job" --follow --plot-dir runs/demo
 echo "demo finished in ${SECONDS}s (server start, job, evaluation); server log: $data_dir/server.log"
