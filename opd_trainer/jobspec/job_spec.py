@@ -881,6 +881,11 @@ def parse_job_spec(data: Any) -> JobSpec:
 
 def load_job_spec(path: Path) -> JobSpec:
     """Reads a YAML or JSON job file; relative dataset/model/workspace paths resolve against its folder."""
+    return resolve_paths(parse_job_spec(read_job_document(path)), path.parent)
+
+
+def read_job_document(path: Path) -> dict[str, Any]:
+    """The fields a YAML or JSON job file holds, not yet validated (paths as written)."""
     try:
         text = path.read_text()
     except OSError as exc:
@@ -893,7 +898,7 @@ def load_job_spec(path: Path) -> JobSpec:
         ) from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a mapping of job fields", field="job_file")
-    return resolve_paths(parse_job_spec(data), path.parent)
+    return data
 
 
 def _resolve(value: str, base: Path) -> str:

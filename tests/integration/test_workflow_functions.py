@@ -13,7 +13,7 @@ from types import ModuleType
 from opd_trainer.demo.tiny_models import TinyModels
 from opd_trainer.jsonl import read_jsonl, write_jsonl
 from opd_trainer.storage.run_dir import RunDir
-from opd_trainer.tuner import DatasetConfig, tune
+from opd_trainer.tuner import AlgorithmConfig, DatasetConfig, TunerModelConfig, tune
 
 AGENT = """
 import json
@@ -76,23 +76,19 @@ def test_tune_trains_a_workflow_judged_by_a_judge_on_task_records(
     ]
     write_jsonl(data / "test.jsonl", [_task(r) for r in calls[:24]])
     assert DatasetConfig(path=data, split="train").preview(n=1)[0]["answer"]["decision"]
+    # AgentScope's configuration objects, as seed 002's main.py passes them (plus the teacher).
     summary = tune(
         workflow_func=agent.workflow,
         judge_func=agent.judge,
-        model=str(tiny_models.student),
+        model=TunerModelConfig(model_path=str(tiny_models.student), max_tokens=48),
         teacher_model=str(tiny_models.teacher),
         train_dataset=DatasetConfig(path=data, split="train"),
         eval_dataset=DatasetConfig(path=data, split="test"),
-        job_name="tune-workflow",
+        algorithm=AlgorithmConfig(group_size=2, batch_size=4, eval_interval_steps=100),
+        experiment_name="tune-workflow",
         run_dir=tmp_path / "run",
         auxiliary_models={"second_opinion": "teacher"},
-        hyper_parameters={
-            "max_steps": 2,
-            "batch_size": 4,
-            "n_rollouts": 2,
-            "max_tokens": 48,
-            "eval_steps": 100,
-        },
+        hyper_parameters={"max_steps": 2},
     )
     steps = [r for r in RunDir(tmp_path / "run").records() if r["kind"] == "train"]
     assert [r["step"] for r in steps] == [1, 2]
