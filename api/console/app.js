@@ -195,12 +195,23 @@ function renderMessage(m) {
   return `<div class="turn ${esc(m.role)} noloss"><em>${label} · ${why}</em>\n${esc(content ?? "")}${renderToolCalls(m)}</div>`;
 }
 
+// The turn's training signals besides the distillation (hindsight value, preference side, the teacher's
+// hindsight note), shown beside it; nothing when it has none.
+function renderSignal(signal) {
+  if (!signal) return "";
+  const parts = [];
+  if (signal.hindsight !== undefined) parts.push(`hindsight ${signed(signal.hindsight)}`);
+  for (const side of signal.preference || []) parts.push(`preference: ${side}`);
+  if (signal.teacher_saw_note) parts.push("teacher scored it with a hindsight note");
+  return ` <span class="signal" aria-label="training signals of this turn">${parts.map(esc).join(" · ")}</span>`;
+}
+
 function renderTrainedTurn(call, index) {
   const t = call.tokens;
   const spans = t.text.map((piece, i) =>
     `<span class="tok" data-i="${i}" style="${tokenColour(t.log_ratio[i])}" title="${esc(tokenInfo(t, i))}">${esc(piece)}</span>`).join("");
   const label = `assistant · trained, LLM call ${index + 1}, ${t.text.length} tokens`;
-  return `<div class="turn assistant trained" data-call="${index}"><em>${label}</em>` +
+  return `<div class="turn assistant trained" data-call="${index}"><em>${label}</em>${renderSignal(t.signal)}` +
     `<div class="tokens" tabindex="0" role="group" aria-label="trained tokens of LLM call ${index + 1}; left and right arrows step through them">${spans}</div>` +
     `<p class="tokinfo" aria-live="polite"></p>${renderToolCalls(call.response || {})}</div>`;
 }

@@ -167,14 +167,31 @@ class RolloutResult:
 
 # -- the teacher's view of a trajectory's trained tokens (the console's token colours) ----------------
 
-CallTokens = dict[str, list[Any]]
+CallTokens = dict[str, Any]
 """One trained call's completion tokens as parallel lists, one entry per token:
 
 - `text`: the token's text, each id decoded alone (a piece of a multi-byte character reads as U+FFFD);
 - `log_ratio`: sampler logprob − teacher logprob of the sampled token (> 0: the teacher finds it less
   likely than the student did), 4 decimals;
 - with the teacher's top-k known (`teacher_top_k` > 0): `teacher_top`, the teacher's most likely token
-  at that position (text), and `teacher_top_p`, its probability, 4 decimals."""
+  at that position (text), and `teacher_top_p`, its probability, 4 decimals;
+
+and, for the whole turn, `signal` when it carries a training signal besides the distillation (only
+the keys that apply, `turn_signal`): `hindsight` (its turn-level hindsight value), `preference` (its
+side, "chosen" / "rejected", in each preference pair it belongs to) and `teacher_saw_note` (the
+teacher scored it with a hindsight note)."""
+
+
+def turn_signal(segment: LLMCall) -> dict[str, Any]:
+    """The turn's signals besides the distillation, as the trajectory view shows them beside it."""
+    signal: dict[str, Any] = {}
+    if segment.hindsight:
+        signal["hindsight"] = round(segment.hindsight, 4)
+    if segment.preference_pairs:
+        signal["preference"] = ["chosen" if side > 0 else "rejected" for _, side in segment.preference_pairs]
+    if segment.teacher_saw_note:
+        signal["teacher_saw_note"] = True
+    return signal
 
 
 def token_texts(tokenizer: Any, token_ids: set[int]) -> dict[int, str]:
@@ -205,6 +222,9 @@ def call_tokens(segment: LLMCall, texts: dict[int, str]) -> CallTokens:
     if top1 is not None:
         view["teacher_top"] = [texts[int(token_id)] for token_id in top1[0]]
         view["teacher_top_p"] = np.round(top1[1], 4).tolist()
+    signal = turn_signal(segment)
+    if signal:
+        view["signal"] = signal
     return view
 
 

@@ -146,6 +146,8 @@ def _write_trajectories(server: Server, job_id: str) -> None:
     """Step 1: a rollout the teacher disagrees with (+1.5 at " get_weather", −1.5 at " sunny") and a
     calmer one; step 2: one more, so the step selector has two steps."""
     loud = _tool_rollout(0, [[0.1, 0.2, 0.0, 1.5, 0.3, 0.2, 0.1], [0.0, 0.2, -1.5, 0.1]], reward=0.2)
+    # Its tool call is where it parted from a better sibling: hindsight -1 and the rejected side of a pair.
+    loud[1][0] = dataclasses.replace(loud[1][0], hindsight=-1.0, preference_pairs=((0, -1),))
     calm = _tool_rollout(1, [[0.0] * 7, [0.05] * 4], reward=0.9)
     later = _tool_rollout(0, [[0.01] * 7, [0.01] * 4], reward=1.0)
     run_dir = RunDir(server.data_dir / "runs" / job_id)
@@ -182,6 +184,9 @@ def test_trajectory_view_colours_trained_tokens_leaves_tool_output_plain_and_sor
     assert red.startswith("rgba(178, 24, 43") and blue.startswith("rgba(33, 102, 172"), (red, blue)
     title = tokens.nth(3).get_attribute("title") or ""
     assert '" get_weather"' in title and "+1.500" in title and '" sunny"' in title and "p = 0.600" in title
+    signals = first.locator(".turn.trained .signal")
+    assert signals.count() == 1  # the answer turn carries the distillation only
+    assert signals.first.inner_text() == "hindsight -1.000 · preference: rejected"
     tool = first.locator(".turn.tool")
     assert tool.locator(".tok").count() == 0 and "no loss" in tool.inner_text()
     assert "TOOL_OUTPUT 21C" in tool.inner_text()

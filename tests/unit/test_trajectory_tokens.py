@@ -178,3 +178,18 @@ def test_a_step_with_too_many_failed_rollouts_still_records_them_without_tokens(
     records = log.step_trajectories(1)
     assert [r["failed"] for r in records] == [True] * 3
     assert [r["llm_calls"][0]["tokens"] for r in records] == [None] * 3
+
+
+def test_a_turn_shows_its_hindsight_preference_and_note_beside_its_tokens() -> None:
+    scored = _scored(_call([1], [7], [-0.5]), rollout=0, teacher=[-1.0])
+    texts = {7: "t7"}
+    assert "signal" not in call_tokens(scored, texts)  # distillation only: nothing beside it
+    signalled = dataclasses.replace(
+        scored, hindsight=-0.5, preference_pairs=((0, 1), (3, -1)), teacher_saw_note=True
+    )
+    assert call_tokens(signalled, texts)["signal"] == {
+        "hindsight": -0.5,
+        "preference": ["chosen", "rejected"],
+        "teacher_saw_note": True,
+    }
+    assert call_tokens(dataclasses.replace(scored, hindsight=1.0), texts)["signal"] == {"hindsight": 1.0}
