@@ -266,8 +266,8 @@ def tune(
     (`"self"`: its own initial weights; a list of {name, model, data_tags}: several teachers routed by
     data tag, as in the job spec) on `workflow_func`'s rollouts, rewarded by `judge_func` if given, as
     `algorithm` says (`AlgorithmConfig`); returns the job's summary (validation before and after when
-    `eval_dataset` is given). `experiment_name` names the job (default "tune"), `monitor_type` adds a
-    tracker beside nothing else (`report_to`), `config_path` is a job file (YAML or JSON, `opd train`'s
+    `eval_dataset` is given). `experiment_name` names the job (default "tune"), `monitor_type` is its
+    tracker (`report_to`: tensorboard or mlflow), `config_path` is a job file (YAML or JSON, `opd train`'s
     format) whose fields the other arguments complete or override; `job_fields` are further job-spec
     fields (`hyper_parameters`, `resources`, `job_name`, ...), applied last. Raises `ConfigError` naming
     a bad field, `OPDError` when the job fails."""
