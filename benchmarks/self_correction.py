@@ -1,16 +1,18 @@
-"""Self-correction study: OPD vs OPD + turn-level hindsight vs OPD + turn-level preference pairs vs
-hindsight self-distillation, 3 seeds.
+"""Self-correction study: OPD vs OPD + turn-level hindsight vs OPD + outcome- or turn-level preference
+pairs vs hindsight self-distillation, 3 seeds.
 
 The job is `examples/self_correction_agentic/job.yaml` (an agent whose tool calls sometimes hit a moved
-item and must be repeated on the new id) on the `self_correction` tiny models. Four settings, each for
+item and must be repeated on the new id) on the `self_correction` tiny models. Five settings, each for
 every seed, same steps (so about the same training time: the learner and both engines do the same
 work in each):
 
 - `opd`: reverse KL to the teacher on the student's own turns (the example as written).
 - `opd_hindsight`: the same plus the turn-level hindsight advantage (`hindsight_coef`): at the first
   turn where a failed episode parted from a successful sibling, +/- on that turn's tokens.
+- `opd_outcome_preference`: OPD plus outcome-level preference pairs (`preference_level: outcome`): the
+  whole better episode preferred over the whole worse one (DPO against the teacher's scoring).
 - `opd_turn_preference`: OPD plus the turn-level preference term (`turn_preference_coef`): the same
-  parting turns as DPO pairs, the better answer preferred over the worse against the teacher's scoring.
+  parting turns as DPO pairs, the better answer preferred over the worse.
 - `self_distill`: no larger teacher: `teacher_model: self` (the frozen initial student) scoring with the
   episode's reference calls in its context (`teacher_hindsight: reference`).
 
@@ -36,6 +38,9 @@ JOB = Path("examples/self_correction_agentic/job.yaml")
 SETTINGS: dict[str, dict[str, Any]] = {
     "opd": {},
     "opd_hindsight": {"hyper_parameters": {"hindsight_coef": 1.0}},
+    "opd_outcome_preference": {
+        "hyper_parameters": {"turn_preference_coef": 1.0, "preference_level": "outcome"}
+    },
     "opd_turn_preference": {"hyper_parameters": {"turn_preference_coef": 1.0}},
     "self_distill": {"teacher_model": "self", "hyper_parameters": {"teacher_hindsight": "reference"}},
 }

@@ -35,7 +35,12 @@ from opd_trainer.errors import OPDError
 from opd_trainer.jobspec.dataset import EpochCursor, Sample
 from opd_trainer.jobspec.job_spec import HyperParameters
 from opd_trainer.learner.hindsight import hindsight_advantages
-from opd_trainer.learner.turn_preference import mark_pairs, mine_preference_pairs, pairs_split_across
+from opd_trainer.learner.turn_preference import (
+    mark_pairs,
+    mine_outcome_pairs,
+    mine_preference_pairs,
+    pairs_split_across,
+)
 from opd_trainer.records import LLMCall
 from opd_trainer.rollout.runner import (
     RolloutResult,
@@ -291,7 +296,8 @@ def shape_signal(
         metrics["hindsight/turns_up"] = float(sum(v > 0 for v in values))
         metrics["hindsight/turns_down"] = float(sum(v < 0 for v in values))
     if hp.turn_preference_coef > 0:
-        mined = mine_preference_pairs(kept)
+        mine = mine_preference_pairs if hp.preference_level == "turn" else mine_outcome_pairs
+        mined = mine(kept)
         kept = mark_pairs(kept, mined.pairs)
         metrics.update(mined.metrics())
     return kept, metrics

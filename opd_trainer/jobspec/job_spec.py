@@ -320,6 +320,13 @@ class HyperParameters(_Strict):
         "`preference/pairs`, `preference/skipped_context`, `preference/conflicting`, and the learner's "
         "`preference/loss`, `preference/accuracy`, `preference/margin`. 0 (default): off.",
     )
+    preference_level: Literal["turn", "outcome"] = Field(
+        default="turn",
+        description="What `turn_preference_coef` prefers: 'turn' (default), the two answers at the turn "
+        "where a best and a worst trajectory parted (seed 003); 'outcome', the whole better trajectory "
+        "over the whole worse one, every trained turn of each (the ablation's baseline: turns both share "
+        "cancel in the margin).",
+    )
     turn_preference_beta: float = Field(
         default=0.1,
         gt=0,

@@ -10,7 +10,10 @@ keeps none of its pairs; a pair repeating a kept one's context and both answers 
 best trajectory that acted the same). Each pair is marked on its two segments
 (`LLMCall.preference_pairs`: (pair id, +1 chosen / −1 rejected)).
 
-Loss (`preference_loss`, the learner, per mini-batch): with r = Σ over the turn's trained tokens of
+With `preference_level: outcome` (`mine_outcome_pairs`, the ablation's baseline) a pair is the whole
+better trajectory against the whole worse one: every trained turn of each.
+
+Loss (`preference_loss`, the learner, per mini-batch): with r = Σ over the side's trained tokens of
 (log π_θ − log π_ref), the pair's term is −log σ(β (r_chosen − r_rejected)) (DPO, no reward model),
 weighted by `turn_preference_coef`. The reference π_ref is the job's teacher scoring of the same tokens
 (with `teacher_model: self`, the frozen starting student: DPO's own reference). Only the turn's
@@ -35,13 +38,17 @@ from opd_trainer.records import LLMCall
 
 CHOSEN, REJECTED = 1, -1
 
+Pair = tuple[tuple[int, ...], tuple[int, ...]]
+"""(chosen segment indices, rejected segment indices): one turn each at the turn level, every trained
+turn of the two trajectories at the outcome level."""
+
 
 @dataclass(frozen=True)
 class MinedPairs:
     """What one step's mining found."""
 
-    pairs: list[tuple[int, int]]
-    """(chosen segment index, rejected segment index) per kept pair, in mining order."""
+    pairs: list[Pair]
+    """The kept pairs, in mining order."""
     skipped_context: int
     """Best/worst trajectory pairs whose contexts parted before their answers did."""
     conflicting: int
@@ -108,7 +115,7 @@ def mine_preference_pairs(segments: list[LLMCall]) -> MinedPairs:
     for chosen, rejected in candidates:
         roles[_action(segments[chosen])].add(CHOSEN)
         roles[_action(segments[rejected])].add(REJECTED)
-    kept: list[tuple[int, int]] = []
+    kept: list[Pair] = []
     seen: set[tuple[object, ...]] = set()
     conflicting = duplicates = 0
     for chosen, rejected in candidates:
@@ -119,16 +126,35 @@ def mine_preference_pairs(segments: list[LLMCall]) -> MinedPairs:
             duplicates += 1
         else:
             seen.add((good, bad[1]))
-            kept.append((chosen, rejected))
+            kept.append(((chosen,), (rejected,)))
     return MinedPairs(kept, skipped_context=skipped, conflicting=conflicting, duplicates=duplicates)
 
 
-def mark_pairs(segments: list[LLMCall], pairs: list[tuple[int, int]]) -> list[LLMCall]:
-    """`segments` with each pair's id and side on its two segments (`LLMCall.preference_pairs`)."""
+def mine_outcome_pairs(segments: list[LLMCall]) -> MinedPairs:
+    """Outcome-level pairs (seed 003's ablation baseline): per prompt, every trajectory with the group's
+    highest reward against every one with its lowest (when they differ), each side all its trained
+    turns. Turns the two share (same context, same answer) have the same log-ratio on both sides and
+    cancel in the margin, so nothing is removed as conflicting."""
+    pairs: list[Pair] = []
+    for rollouts in _trajectories(segments).values():
+        rewards = {rollout: segments[turns[0]].reward for rollout, turns in rollouts.items()}
+        best, worst = max(rewards.values()), min(rewards.values())
+        if best == worst:
+            continue
+        for good in (r for r, reward in rewards.items() if reward == best):
+            for bad in (r for r, reward in rewards.items() if reward == worst):
+                pairs.append((tuple(rollouts[good]), tuple(rollouts[bad])))
+    return MinedPairs(pairs, skipped_context=0, conflicting=0)
+
+
+def mark_pairs(segments: list[LLMCall], pairs: list[Pair]) -> list[LLMCall]:
+    """`segments` with each pair's id and side on its segments (`LLMCall.preference_pairs`)."""
     marks: dict[int, list[tuple[int, int]]] = defaultdict(list)
     for pair_id, (chosen, rejected) in enumerate(pairs):
-        marks[chosen].append((pair_id, CHOSEN))
-        marks[rejected].append((pair_id, REJECTED))
+        for index in chosen:
+            marks[index].append((pair_id, CHOSEN))
+        for index in rejected:
+            marks[index].append((pair_id, REJECTED))
     return [
         dataclasses.replace(s, preference_pairs=tuple(marks[i])) if i in marks else s
         for i, s in enumerate(segments)
@@ -136,12 +162,13 @@ def mark_pairs(segments: list[LLMCall], pairs: list[tuple[int, int]]) -> list[LL
 
 
 def pair_sides(rows: list[tuple[tuple[int, int], ...]], device: torch.device | str = "cpu") -> Tensor:
-    """[B, P] +1 / −1 where row b is pair p's chosen / rejected action, for the P pairs with both
-    rows among `rows` (one mini-batch's `preference_pairs`); pairs with one row here are left out."""
-    sides: dict[int, dict[int, int]] = defaultdict(dict)
+    """[B, P] +1 / −1 where row b is (part of) pair p's chosen / rejected side, for the P pairs with
+    both sides among `rows` (one mini-batch's `preference_pairs`); a pair with one side here is left
+    out (a trajectory's turns are never split across mini-batches)."""
+    sides: dict[int, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
     for row, marks in enumerate(rows):
         for pair_id, side in marks:
-            sides[pair_id][side] = row
+            sides[pair_id][side].append(row)
     complete = [pair for pair, found in sorted(sides.items()) if len(found) == 2]
     matrix = torch.zeros((len(rows), len(complete)), device=device)
     for column, pair in enumerate(complete):
@@ -164,8 +191,9 @@ def preference_loss(
     learner_B_T: Tensor, reference_B_T: Tensor, mask_B_T: Tensor, sides_B_P: Tensor, beta: float
 ) -> tuple[Tensor, dict[str, float]]:
     """Mean over the P pairs of −log σ(β (r_chosen − r_rejected)), r = Σ_t mask (learner − reference)
-    per row; with the share of pairs already ordered right (`preference/accuracy`) and the mean
-    margin r_chosen − r_rejected (`preference/margin`). Zero (with the graph kept) when P is 0."""
+    summed over the side's rows (`sides_B_P`); with the share of pairs already ordered right
+    (`preference/accuracy`) and the mean margin r_chosen − r_rejected (`preference/margin`). Zero (with
+    the graph kept) when P is 0."""
     if sides_B_P.shape[1] == 0:
         return learner_B_T.sum() * 0.0, {}
     implicit_B = ((learner_B_T - reference_B_T) * mask_B_T).sum(dim=1)

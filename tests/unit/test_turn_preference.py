@@ -30,7 +30,7 @@ def test_single_turn_pairs_every_best_with_every_worst_and_drops_repeats() -> No
         turn([3], [6], rollout=5, reward=1.0, group=1),
     ]
     mined = mine_preference_pairs(segments)
-    assert mined.pairs == [(0, 2)]
+    assert mined.pairs == [((0,), (2,))]
     assert (mined.duplicates, mined.conflicting, mined.skipped_context) == (1, 0, 0)
 
 
@@ -45,7 +45,7 @@ def test_a_multi_turn_pair_is_the_turn_where_the_runs_part() -> None:
         turn([1, 10, 11, 90], [21], rollout=1, reward=0.0),
         turn([1, 10, 11, 90, 21, 92], [31], rollout=1, reward=0.0),
     ]
-    assert mine_preference_pairs(good + bad).pairs == [(1, 4)]
+    assert mine_preference_pairs(good + bad).pairs == [((1,), (4,))]
 
 
 def test_runs_whose_contexts_part_first_give_no_pair_and_are_counted() -> None:
@@ -71,7 +71,7 @@ def test_an_action_both_chosen_and_rejected_keeps_none_of_its_pairs() -> None:
     ]
     mined = mine_preference_pairs(segments)
     # (0,1) chooses 5 and (3,2) rejects it: both go; (3,1) stays; (0,2) never parted.
-    assert mined.pairs == [(3, 1)] and mined.conflicting == 2
+    assert mined.pairs == [((3,), (1,))] and mined.conflicting == 2
     assert mined.metrics() == {
         "preference/pairs": 1.0,
         "preference/skipped_context": 0.0,
@@ -84,7 +84,7 @@ def test_marks_become_a_sides_matrix_of_the_pairs_whole_in_a_batch() -> None:
     segments = [
         turn([1], [a], rollout=i, reward=r) for i, (a, r) in enumerate([(5, 1.0), (6, 0.0), (7, 0.0)])
     ]
-    marked = mark_pairs(segments, [(0, 1), (0, 2)])
+    marked = mark_pairs(segments, [((0,), (1,)), ((0,), (2,))])
     assert [s.preference_pairs for s in marked] == [((0, 1), (1, 1)), ((0, -1),), ((1, -1),)]
     sides = pair_sides([s.preference_pairs for s in marked])
     torch.testing.assert_close(sides, torch.tensor([[1.0, 1.0], [-1.0, 0.0], [0.0, -1.0]]))
@@ -151,3 +151,29 @@ def test_ranks_reduce_the_preference_metrics_over_the_ranks_that_report_them() -
         "preference/loss": 0.6,
         "preference/accuracy": 0.5,
     }
+
+
+def test_outcome_level_pairs_whole_trajectories_and_shared_turns_cancel() -> None:
+    from opd_trainer.learner.turn_preference import mine_outcome_pairs
+
+    good = [turn([1], [10], rollout=0, reward=1.0), turn([1, 10, 90], [20], rollout=0, reward=1.0)]
+    bad = [turn([1], [10], rollout=1, reward=0.0), turn([1, 10, 90], [21], rollout=1, reward=0.0)]
+    tie = [turn([2], [5], rollout=2, reward=1.0, group=1), turn([2], [6], rollout=3, reward=1.0, group=1)]
+    mined = mine_outcome_pairs(good + bad + tie)
+    assert mined.pairs == [((0, 1), (2, 3))] and mined.metrics()["preference/pairs"] == 1.0
+    marked = mark_pairs(good + bad + tie, mined.pairs)
+    sides = pair_sides([s.preference_pairs for s in marked])
+    torch.testing.assert_close(sides, torch.tensor([[1.0], [1.0], [-1.0], [-1.0], [0.0], [0.0]]))
+    # The shared first turn has the same log-ratio on both sides: only the parting turns move the margin.
+    mask_B_T = torch.ones((6, 1))
+    reference_B_T = torch.zeros((6, 1))
+    learner_B_T = torch.tensor([[0.7], [0.5], [0.7], [0.2], [9.0], [9.0]])
+    _, stats = preference_loss(learner_B_T, reference_B_T, mask_B_T, sides, beta=1.0)
+    assert stats["preference/margin"] == pytest.approx(0.5 - 0.2)
+    kept, metrics = shape_signal(good + bad, 0, _hp(turn_preference_coef=1.0, preference_level="outcome"))
+    assert metrics["preference/pairs"] == 1.0 and [s.preference_pairs for s in kept] == [
+        ((0, 1),),
+        ((0, 1),),
+        ((0, -1),),
+        ((0, -1),),
+    ]
