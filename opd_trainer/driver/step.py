@@ -42,12 +42,8 @@ from opd_trainer.learner.turn_preference import (
     pairs_split_across,
 )
 from opd_trainer.records import LLMCall
-from opd_trainer.rollout.runner import (
-    RolloutResult,
-    failure_message,
-    rollout_step_metrics,
-    scored_trajectories,
-)
+from opd_trainer.rollout.runner import RolloutResult, failure_message, rollout_step_metrics
+from opd_trainer.rollout.trajectory_view import scored_trajectories
 from opd_trainer.stats import mean
 from opd_trainer.storage.run_dir import RunDir
 from opd_trainer.workers.pool import pool_metrics

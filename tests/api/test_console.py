@@ -1,9 +1,10 @@
-"""The web console (/console) driven in headless Chromium (Debian's `chromium`, through Playwright)
-against the real job server of tests/api. This server runs no training (its jobs stay queued), so curves
-are not covered here; the trajectory view reads trajectories.jsonl written into a queued job's run dir
-the way the driver writes it (`scored_trajectories` over rollouts and scored segments, a fixture of the
-storage format), and the validation view reads validation_trajectories.jsonl written the same way
-(`validation_records`). Screenshots go to the test's tmp dir."""
+"""The web console (/console) driven in headless Chromium (Debian's `chromium`, through Playwright).
+Most tests run against a job server that runs no training (its jobs stay queued): the trajectory view
+reads trajectories.jsonl written into a queued job's run dir the way the driver writes it
+(`scored_trajectories` over rollouts and scored segments, a fixture of the storage format), and the
+validation view reads validation_trajectories.jsonl written the same way (`validation_records`). The
+last one follows a real job on the session's training server (tests/conftest.py): its curve while it
+trains, then the trajectories its driver wrote. Screenshots go to the test's tmp dir."""
 
 import dataclasses
 import shutil
@@ -19,7 +20,8 @@ from apiserver import Server, Tenant
 from opd_trainer.driver.validation import validation_records
 from opd_trainer.jobspec.dataset import Sample
 from opd_trainer.records import LLMCall
-from opd_trainer.rollout.runner import RolloutResult, scored_trajectories
+from opd_trainer.rollout.runner import RolloutResult
+from opd_trainer.rollout.trajectory_view import scored_trajectories
 from opd_trainer.storage.run_dir import RunDir
 
 sync_api = pytest.importorskip("playwright.sync_api")
@@ -307,3 +309,74 @@ def test_validation_view_shows_two_passes_side_by_side_with_their_scores(
     other.goto(f"{server.url}/console/#/job/{job['id']}/validation")
     other.wait_for_function("document.getElementById('error').textContent.length > 0")
     assert "no job with id" in other.inner_text("#error") and "BEFORE 0" not in other.content()
+
+
+def _points(page: "sync_api.Page", series: str) -> int:
+    """Points drawn on the console's curve of `series` (e.g. `train:reverse_kl`); 0 before it exists."""
+    return int(
+        page.evaluate(
+            "id => document.getElementById('chart-' + id)?.data?.[0]?.x?.length ?? 0",
+            series,
+        )
+    )
+
+
+def test_a_real_job_moves_its_curve_live_and_its_trajectories_show_coloured_tokens(
+    browser: "sync_api.Browser", training_server: Server, trained_models: Any, tmp_path: Path
+) -> None:
+    """The session's training server (real Ray, vLLM, DeepSpeed) runs a 3-step job while the console
+    follows it: the jobs list shows it, its reverse-KL curve gains points from the event stream without a
+    reload, and once it succeeded its trajectories show the student's tokens coloured by the teacher."""
+    from apiserver import cancel_unfinished, create_key
+
+    from opd_trainer.client import OPDClient
+
+    key = create_key(training_server.url, "console-live")
+    client = OPDClient(training_server.url, key)
+    engine = {"kv_cache_memory_bytes": 134217728, "dtype": "float32"}
+    job_id = client.run(
+        job_name="console-live",
+        model=str(trained_models.student),
+        teacher_model=str(trained_models.teacher),
+        training_datasets=[str(trained_models.data_dir / "train.jsonl")],
+        hyper_parameters={
+            "max_steps": 3,
+            "batch_size": 2,
+            "n_rollouts": 2,
+            "max_tokens": 32,
+            "max_length": 1024,
+            "save_steps": 100,
+        },
+        resources={"student": engine, "teacher": engine, "learner_gpus": 0},
+    )
+    try:
+        page = _open(browser, training_server, key)
+        page.locator(f"tr.job[data-id='{job_id}']").wait_for()
+        page.goto(f"{training_server.url}/console/#/job/{job_id}")
+        page.wait_for_selector("#status")
+        seen = _points(page, "train:reverse_kl")  # 0 while the job starts (or what it has so far)
+        page.wait_for_function(
+            "id => (document.getElementById('chart-' + id)?.data?.[0]?.x?.length ?? 0) >= 3",
+            arg="train:reverse_kl",
+            timeout=600_000,
+        )
+        assert _points(page, "train:reverse_kl") == 3 and seen < 3  # drawn live, from the stream
+        page.wait_for_function(
+            "document.getElementById('status').textContent === 'succeeded'", timeout=120_000
+        )
+        page.screenshot(path=tmp_path / "job_live.png", full_page=True)
+
+        page.goto(f"{training_server.url}/console/#/job/{job_id}/trajectories")
+        page.wait_for_selector("section.trajectory .turn.trained .tok")
+        colours = page.eval_on_selector_all(
+            "section.trajectory .turn.trained .tok",
+            "els => els.map(e => getComputedStyle(e).backgroundColor)",
+        )
+        # Every trained token is on the blue-white-red scale, and the tiny teacher (exact match 0.95 to the
+        # student's 0.30) disagrees clearly with some: a log-ratio of 0.45 or more is 20 % opaque.
+        scale = ("rgba(33, 102, 172, ", "rgba(178, 24, 43, ")
+        assert colours and all(c.startswith(scale) for c in colours), colours[:5]
+        assert max(float(c.rsplit(",", 1)[1].rstrip(")")) for c in colours) >= 0.2, colours[:5]
+        page.screenshot(path=tmp_path / "trajectories_live.png", full_page=True)
+    finally:
+        cancel_unfinished(client, job_id)

@@ -1,4 +1,4 @@
-"""The teacher's view of each trained token in the trajectory log (`rollout/runner.py`:
+"""The teacher's view of each trained token in the trajectory log (`rollout/trajectory_view.py`:
 `scored_trajectories`, `call_tokens`; `driver/step.py`: `train_step` records the first trajectories
 once the step's segments are scored). A fake tokenizer and hand-made segments; no Ray, no engines."""
 
@@ -20,7 +20,8 @@ from opd_trainer.errors import OPDError
 from opd_trainer.jobspec.dataset import Sample
 from opd_trainer.jobspec.job_spec import parse_job_spec
 from opd_trainer.records import LLMCall
-from opd_trainer.rollout.runner import RolloutResult, call_tokens, scored_trajectories
+from opd_trainer.rollout.runner import RolloutResult
+from opd_trainer.rollout.trajectory_view import call_tokens, scored_trajectories
 from opd_trainer.storage.run_dir import RunDir
 
 
