@@ -68,12 +68,13 @@ bench: setup
 bench-gpu: setup
 	bash benchmarks/gpu_check.sh
 
-# OPD (the default estimator) vs reward-only RL vs OPD with topk_reverse and with sampled, 3 seeds x 40
-# steps: 12 runs of 4-8 minutes each on 2 cores (about 35 minutes for 9 runs on 2026-11-29, 7.5 minutes a
+# OPD (the default estimator) vs reward-only RL (at OPD's learning rate and at 3 of its own, the best
+# compared) vs OPD with topk_reverse and with sampled, 3 seeds x 40 steps: 21 runs of 4-8 minutes each on
+# 2 cores (about 35 minutes for 9 runs on 2026-11-29, 7.5 minutes a
 # run on the slower 2026-12-01); its rows join `benchmarks/report.py`.
 bench-efficacy: setup
 	$(BIN)/opd make-tiny-models $(TINY_MODELS_DIR)
-	$(BIN)/python benchmarks/efficacy.py --arms opd rl --distill-losses topk_reverse sampled
+	$(BIN)/python benchmarks/efficacy.py --arms opd rl --distill-losses topk_reverse sampled --rl-learning-rates 1e-5 5e-5 1e-4
 	$(BIN)/python benchmarks/report.py
 
 clean:

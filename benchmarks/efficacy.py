@@ -5,7 +5,10 @@ Same tiny teacher and student, same data, steps and seeds for every arm:
 - `rl`: kl_coef 0, reward_coef 1 with the example's rewards (decision + arguments, group baseline);
 - `opd+rl`: kl_coef 1, reward_coef 1 with the same rewards;
 - `opd:<estimator>` (one per `--distill-losses`): the `opd` arm with `hyper_parameters.distill_loss`
-  set to that estimator (and `teacher_top_k` to `--teacher-top-k` if it reads the teacher's top-k).
+  set to that estimator (and `teacher_top_k` to `--teacher-top-k` if it reads the teacher's top-k);
+- `rl@<lr>` (one per `--rl-learning-rates`): the `rl` arm at that learning rate, so the baseline is
+  compared at its best setting (the RL arm with the highest mean final exact match, `best_rl_arm`),
+  not at OPD's learning rate.
 
 Per arm: validation exact match and reverse KL against step, and exact match against training seconds
 (mean and spread over seeds, plotted), and a
@@ -41,6 +44,18 @@ GAP_LEVELS = (0.5, 0.9)
 
 
 ESTIMATOR_ARM = "opd:"
+RL_LR_ARM = "rl@"
+
+
+def rl_lr_arm(learning_rate: float) -> str:
+    return f"{RL_LR_ARM}{learning_rate:g}"
+
+
+def best_rl_arm(arms: dict[str, dict[str, Any]]) -> str | None:
+    """The reward-only arm (`rl`, `rl@<lr>`) with the highest mean final exact match: the baseline at
+    its best learning rate."""
+    candidates = [name for name in arms if name == "rl" or name.startswith(RL_LR_ARM)]
+    return max(candidates, key=lambda name: arms[name]["end"], default=None)
 
 
 def estimator_arm(distill_loss: str) -> str:
@@ -57,7 +72,10 @@ def headline_opd_arm(arms: dict[str, Any]) -> str | None:
 
 def arm_spec(arm: str, seed: int, steps: int, eval_steps: int, teacher_top_k: int = 8) -> Any:
     estimator: dict[str, Any] = {}
-    if arm.startswith(ESTIMATOR_ARM):
+    if arm.startswith(RL_LR_ARM):
+        estimator = {"learning_rate": float(arm.removeprefix(RL_LR_ARM))}
+        arm = "rl"
+    elif arm.startswith(ESTIMATOR_ARM):
         distill_loss = arm.removeprefix(ESTIMATOR_ARM)
         top_k = teacher_top_k if ESTIMATORS[distill_loss].needs_top_k else 0
         estimator = {"distill_loss": distill_loss, "teacher_top_k": top_k}
@@ -152,10 +170,12 @@ def format_table(arms: dict[str, dict[str, Any]], steps: int) -> str:
 
 
 def step_ratio(arms: dict[str, dict[str, Any]], steps: int, level: float) -> str:
-    """How many times fewer steps OPD needs than reward-only RL to close `level` of the gap."""
+    """How many times fewer steps OPD needs than reward-only RL (its best learning rate's arm) to close
+    `level` of the gap."""
     tag = f"{level:.0%}".rstrip("%")
-    headline = headline_opd_arm(arms)
-    opd, rl = arms.get(headline) if headline else None, arms.get("rl")
+    headline, baseline = headline_opd_arm(arms), best_rl_arm(arms)
+    opd = arms.get(headline) if headline else None
+    rl = arms.get(baseline) if baseline else None
     if not opd or not rl or opd[f"steps_to_{tag}"] is None:
         return f"{level:.0%} of the gap: OPD did not reach it, no step ratio"
     if rl[f"steps_to_{tag}"] is None:
@@ -163,7 +183,7 @@ def step_ratio(arms: dict[str, dict[str, Any]], steps: int, level: float) -> str
         return f"{level:.0%} of the gap: RL did not reach it in {steps} steps, OPD needs > {ratio:.1f}x fewer"
     ratio = rl[f"steps_to_{tag}"] / opd[f"steps_to_{tag}"]
     seeds = f"seeds reaching it: OPD {opd[f'seeds_reaching_{tag}']}, RL {rl[f'seeds_reaching_{tag}']}"
-    return f"{level:.0%} of the gap: OPD needs {ratio:.1f}x fewer steps than RL ({seeds})"
+    return f"{level:.0%} of the gap: OPD needs {ratio:.1f}x fewer steps than RL ({baseline}; {seeds})"
 
 
 def plot(per_arm: dict[str, list[dict[str, Any]]], path: Path) -> None:
@@ -221,6 +241,13 @@ def main() -> None:
         default=DEFAULT_TEACHER_TOP_K,
         help="teacher_top_k of every estimator arm that reads the teacher's top-k",
     )
+    parser.add_argument(
+        "--rl-learning-rates",
+        nargs="*",
+        type=float,
+        default=[],
+        help="add one `rl@<lr>` arm per learning rate (the RL baseline swept; the best is compared)",
+    )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--eval-steps", type=int, default=5)
@@ -241,7 +268,11 @@ def main() -> None:
             "seeds": args.seeds,
             "job": "examples/model_opd_tiny",
         }
-        arm_names = [*args.arms, *(estimator_arm(name) for name in args.distill_losses)]
+        arm_names = [
+            *args.arms,
+            *(estimator_arm(name) for name in args.distill_losses),
+            *(rl_lr_arm(lr) for lr in args.rl_learning_rates),
+        ]
         per_arm = train_arms(
             arm_names,
             args.seeds,

@@ -1,0 +1,36 @@
+"""benchmarks/efficacy.py's RL learning-rate sweep (issue 31: the baseline at its best setting): the
+`rl@<lr>` arms' specs, and the step ratio taken against the best RL arm, not the one at OPD's rate."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import efficacy
+
+
+def _arm(end: float, steps_90: float | None) -> dict[str, object]:
+    return {"end": end, "steps_to_90": steps_90, "seeds_reaching_90": "3/3" if steps_90 else "0/3"}
+
+
+def test_the_rl_baseline_is_compared_at_its_best_learning_rate() -> None:
+    arms = {
+        "opd": _arm(0.80, 10.0),
+        "rl": _arm(0.30, None),  # at OPD's learning rate it diverges
+        efficacy.rl_lr_arm(5e-5): _arm(0.55, 30.0),
+        efficacy.rl_lr_arm(1e-5): _arm(0.40, None),
+    }
+    assert efficacy.rl_lr_arm(5e-5) == "rl@5e-05" and efficacy.best_rl_arm(arms) == "rl@5e-05"
+    line = efficacy.step_ratio(arms, 40, 0.9)
+    assert "3.0x fewer steps than RL (rl@5e-05" in line
+    assert efficacy.best_rl_arm({"opd": _arm(0.8, 10.0)}) is None
+
+
+def test_an_rl_lr_arm_is_the_rl_arm_at_that_learning_rate() -> None:
+    spec = efficacy.arm_spec(efficacy.rl_lr_arm(2e-5), seed=1, steps=4, eval_steps=2)
+    plain = efficacy.arm_spec("rl", seed=1, steps=4, eval_steps=2)
+    assert spec.hyper_parameters.learning_rate == 2e-5
+    assert spec.hyper_parameters.kl_coef == plain.hyper_parameters.kl_coef == 0.0
+    assert [f.name for f in spec.functions] == [f.name for f in plain.functions]
