@@ -290,7 +290,13 @@ def main() -> None:
     plot(per_arm, args.plot)
     write_json(
         args.out,
-        {"settings": settings, "headline_opd_arm": headline_opd_arm(arms), "arms": arms, "runs": per_arm},
+        {
+            "settings": settings,
+            "headline_opd_arm": headline_opd_arm(arms),
+            "best_rl_arm": best_rl_arm(arms),
+            "arms": arms,
+            "runs": per_arm,
+        },
     )
 
 

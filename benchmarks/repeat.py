@@ -47,13 +47,15 @@ def _first(seed: dict[str, Any], level: float, key: str) -> float | None:
 
 
 def _steps_ratio(level: float) -> Extract:
-    """RL's steps to `level` of the gap over OPD's, per seed; RL not reaching it counts as the budget."""
+    """RL's steps to `level` of the gap over OPD's, per seed, RL at its best learning rate
+    (`best_rl_arm`, where the run swept it); RL not reaching it counts as the budget."""
 
     def extract(r: dict[str, Any]) -> list[float | None]:
-        if "rl" not in r["runs"]:
+        rl_arm = r.get("best_rl_arm") or "rl"
+        if rl_arm not in r["runs"]:
             return []
         out: list[float | None] = []
-        for opd, rl in zip(r["runs"][_opd_arm(r)], r["runs"]["rl"], strict=True):
+        for opd, rl in zip(r["runs"][_opd_arm(r)], r["runs"][rl_arm], strict=True):
             opd_steps = _first(opd, level, "step")
             rl_steps = _first(rl, level, "step")
             rl_steps = rl_steps if rl_steps is not None else r["settings"]["steps"]

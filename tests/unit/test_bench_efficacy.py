@@ -34,3 +34,27 @@ def test_an_rl_lr_arm_is_the_rl_arm_at_that_learning_rate() -> None:
     assert spec.hyper_parameters.learning_rate == 2e-5
     assert spec.hyper_parameters.kl_coef == plain.hyper_parameters.kl_coef == 0.0
     assert [f.name for f in spec.functions] == [f.name for f in plain.functions]
+
+
+def test_the_published_step_ratio_reads_the_best_rl_arm() -> None:
+    import repeat
+
+    def seed(curve: list[tuple[int, float]]) -> dict[str, object]:
+        return {
+            "start": 0.3,
+            "end": curve[-1][1],
+            "teacher": 0.9,
+            "curve": [{"step": s, "exact_match": em, "train_s": 10.0 * s} for s, em in curve],
+        }
+
+    record = {
+        "settings": {"steps": 40},
+        "headline_opd_arm": "opd",
+        "best_rl_arm": "rl@5e-05",
+        "runs": {
+            "opd": [seed([(0, 0.3), (4, 0.65)])],
+            "rl": [seed([(0, 0.3)])],  # at OPD's rate: never (the budget, 40)
+            "rl@5e-05": [seed([(0, 0.3), (20, 0.65)])],
+        },
+    }
+    assert repeat.figures_of("efficacy", [record])["steps_to_50_ratio"] == [20 / 4]
