@@ -346,6 +346,10 @@ async def train_step(
     segments = await batch.scored  # scoring started as each rollout ended: this is the teacher's tail
     phases.done("teacher")
     segments, signal_metrics = shape_signal(segments, step, hp)
+    if not segments:  # every segment stale, or every rollout leaking a hindsight note's wording
+        named = ("staleness/dropped_segments", "hindsight/leaked_rollouts")
+        dropped = {name: signal_metrics[name] for name in named if name in signal_metrics}
+        raise OPDError(f"step {step + 1}: no segment left to train; the signal phase dropped {dropped}")
     # The first trajectories with the teacher's view of each trained token (failed rollouts and calls
     # whose segment was dropped have none). Each distinct id is decoded once: 16 trajectories of
     # 3 x 512 tokens took 30-100 ms with the JSON written, on a busy 2-core CPU (2026-12-04).

@@ -194,3 +194,19 @@ def test_a_turn_shows_its_hindsight_preference_and_note_beside_its_tokens() -> N
         "teacher_saw_note": True,
     }
     assert call_tokens(dataclasses.replace(scored, hindsight=1.0), texts)["signal"] == {"hindsight": 1.0}
+
+
+def test_a_step_left_with_nothing_to_train_fails_saying_what_was_dropped(tmp_path: Path) -> None:
+    stale = _call([1], [6], [-1.0], version=1)
+    results = [_result(i, [stale]) for i in range(2)]
+
+    async def run() -> None:
+        batch = Batch({}, _done(results), _done([_scored(stale, i, [-1.0]) for i in range(2)]))  # type: ignore[arg-type]
+        sampler = SimpleNamespace(take=lambda step: batch, ahead=None)
+        c = _components(_hp_spec(max_staleness=1, batch_size=1, n_rollouts=2), FakeTokenizer())
+        await train_step(c, sampler, 5, sample_next=False, clock=StepClock(), log=RunDir(tmp_path))  # type: ignore[arg-type]
+
+    with pytest.raises(
+        OPDError, match=r"step 6: no segment left to train.*'staleness/dropped_segments': 2.0"
+    ):
+        asyncio.run(run())
