@@ -266,8 +266,12 @@ class Learner:
             name: float(stats[name]) for name in (*TOKEN_WEIGHTED_METRICS, "ratio_max") if name in stats
         }
         if settings.turn_preference_coef > 0:
+            # Both sides at temperature 1, as the teacher's scores are (vLLM's prompt logprobs).
+            plain_B_T = (
+                learner_B_T if settings.temperature == 1.0 else logprobs_of_targets(logits_B_S_V, batch, 1.0)
+            )
             preference, preference_stats = preference_loss(
-                learner_B_T,
+                plain_B_T,
                 batch.teacher_B_T,
                 batch.mask_B_T,
                 batch.preference_sides_B_P,
