@@ -60,13 +60,13 @@ function addPoint(kind, step, values) {
     if (!series.has(id)) series.set(id, { kind, name, x: [], y: [] });
     const s = series.get(id);
     s.x.push(step); s.y.push(value);
-    const div = document.getElementById(`chart-${CSS.escape(id)}`);
   }
 }
 function drawCharts() {
   const box = document.getElementById("charts");
   for (const [id, s] of series) {
-    let div = document.getElementById(`chart-${CSS.escape(id)}`);
+    // getElementById takes the id as it is (a CSS-escaped one never matches: each redraw added a copy).
+    let div = document.getElementById(`chart-${id}`);
     if (!div) { div = document.createElement("div"); div.id = `chart-${id}`; div.className = "chart"; box.append(div); }
     Plotly.newPlot(div, [{ x: s.x.slice(), y: s.y.slice(), mode: "lines+markers", name: s.name }],
       { title: { text: `${s.kind === "eval" ? "validation" : "step"}: ${s.name}` }, margin: { t: 36, l: 48, r: 12, b: 32 },
