@@ -18,6 +18,7 @@ prompt are pushed up and the worst down.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
 
 from opd_trainer.records import LLMCall
 
@@ -33,15 +34,13 @@ def diverging_turn(better: list[LLMCall], worse: list[LLMCall]) -> int | None:
     return None
 
 
-def hindsight_advantages(segments: list[LLMCall]) -> list[float]:
-    """One value per segment (input order): the mean of its ±1s over the best/worst pairs of its
-    prompt that diverge at it, else 0. Segments are one prompt group's (`group_id`) trajectories
-    (`rollout_id`), each trajectory's turns in call order, as the driver builds them."""
+def best_worst_pairs(segments: list[LLMCall]) -> Iterator[tuple[list[int], list[int]]]:
+    """Per prompt (`group_id`) whose trajectories' rewards differ, each (best, worst) pair of its
+    trajectories (`rollout_id`) as their segment indices in call order: the walk every turn-level
+    signal starts from (this module's advantages, `learner/turn_preference.py`'s pairs)."""
     trajectories: dict[int, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
     for index, segment in enumerate(segments):
         trajectories[segment.group_id][segment.rollout_id].append(index)
-    totals: dict[int, float] = defaultdict(float)
-    counts: dict[int, int] = defaultdict(int)
     for rollouts in trajectories.values():
         rewards = {rollout: segments[turns[0]].reward for rollout, turns in rollouts.items()}
         best, worst = max(rewards.values()), min(rewards.values())
@@ -49,12 +48,20 @@ def hindsight_advantages(segments: list[LLMCall]) -> list[float]:
             continue
         for good in (r for r, reward in rewards.items() if reward == best):
             for bad in (r for r, reward in rewards.items() if reward == worst):
-                better = [segments[i] for i in rollouts[good]]
-                worse = [segments[i] for i in rollouts[bad]]
-                turn = diverging_turn(better, worse)
-                if turn is None:
-                    continue
-                for index, sign in ((rollouts[good][turn], 1.0), (rollouts[bad][turn], -1.0)):
-                    totals[index] += sign
-                    counts[index] += 1
+                yield rollouts[good], rollouts[bad]
+
+
+def hindsight_advantages(segments: list[LLMCall]) -> list[float]:
+    """One value per segment (input order): the mean of its ±1s over the best/worst pairs of its
+    prompt that diverge at it, else 0. Segments are one prompt group's (`group_id`) trajectories
+    (`rollout_id`), each trajectory's turns in call order, as the driver builds them."""
+    totals: dict[int, float] = defaultdict(float)
+    counts: dict[int, int] = defaultdict(int)
+    for good, bad in best_worst_pairs(segments):
+        turn = diverging_turn([segments[i] for i in good], [segments[i] for i in bad])
+        if turn is None:
+            continue
+        for index, sign in ((good[turn], 1.0), (bad[turn], -1.0)):
+            totals[index] += sign
+            counts[index] += 1
     return [totals[i] / counts[i] if counts[i] else 0.0 for i in range(len(segments))]

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from opd_trainer.learner.hindsight import best_worst_pairs
 from opd_trainer.records import LLMCall
 
 CHOSEN, REJECTED = 1, -1
@@ -66,14 +67,6 @@ class MinedPairs:
         }
 
 
-def _trajectories(segments: list[LLMCall]) -> dict[int, dict[int, list[int]]]:
-    """Segment indices per prompt group, per rollout, in call order."""
-    by_group: dict[int, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
-    for index, segment in enumerate(segments):
-        by_group[segment.group_id][segment.rollout_id].append(index)
-    return by_group
-
-
 def _parting_turn(segments: list[LLMCall], better: list[int], worse: list[int]) -> int | str | None:
     """The turn where two trajectories answered the same context differently; "context" when their
     contexts parted first; None when one ended before they parted."""
@@ -88,18 +81,12 @@ def _parting_turn(segments: list[LLMCall], better: list[int], worse: list[int]) 
 def _candidate_pairs(segments: list[LLMCall]) -> tuple[list[tuple[int, int]], int]:
     pairs: list[tuple[int, int]] = []
     skipped = 0
-    for rollouts in _trajectories(segments).values():
-        rewards = {rollout: segments[turns[0]].reward for rollout, turns in rollouts.items()}
-        best, worst = max(rewards.values()), min(rewards.values())
-        if best == worst:
-            continue
-        for good in (r for r, reward in rewards.items() if reward == best):
-            for bad in (r for r, reward in rewards.items() if reward == worst):
-                turn = _parting_turn(segments, rollouts[good], rollouts[bad])
-                if turn == "context":
-                    skipped += 1
-                elif isinstance(turn, int):
-                    pairs.append((rollouts[good][turn], rollouts[bad][turn]))
+    for good, bad in best_worst_pairs(segments):
+        turn = _parting_turn(segments, good, bad)
+        if turn == "context":
+            skipped += 1
+        elif isinstance(turn, int):
+            pairs.append((good[turn], bad[turn]))
     return pairs, skipped
 
 
@@ -135,15 +122,7 @@ def mine_outcome_pairs(segments: list[LLMCall]) -> MinedPairs:
     highest reward against every one with its lowest (when they differ), each side all its trained
     turns. Turns the two share (same context, same answer) have the same log-ratio on both sides and
     cancel in the margin, so nothing is removed as conflicting."""
-    pairs: list[Pair] = []
-    for rollouts in _trajectories(segments).values():
-        rewards = {rollout: segments[turns[0]].reward for rollout, turns in rollouts.items()}
-        best, worst = max(rewards.values()), min(rewards.values())
-        if best == worst:
-            continue
-        for good in (r for r, reward in rewards.items() if reward == best):
-            for bad in (r for r, reward in rewards.items() if reward == worst):
-                pairs.append((tuple(rollouts[good]), tuple(rollouts[bad])))
+    pairs: list[Pair] = [(tuple(good), tuple(bad)) for good, bad in best_worst_pairs(segments)]
     return MinedPairs(pairs, skipped_context=0, conflicting=0)
 
 
