@@ -16,7 +16,7 @@ from typing import Any, Literal
 from sqlalchemy.orm import Session
 
 from api.services.jobs import finite, get_owned
-from opd_trainer.storage.run_dir import RunDir
+from opd_trainer.storage.run_dir import RunDir, validation_passes_of
 from opd_trainer.wire.schemas import TrajectoryList, TrajectorySort, ValidationPass, ValidationTrajectoryList
 
 Order = Literal["desc", "asc"]
@@ -89,14 +89,11 @@ def validation_trajectory_page(
 ) -> ValidationTrajectoryList:
     """A page of the job's recorded validation rollouts, in the order written, those matching every
     filter given; with every recorded pass (and its steps and labels) whatever the filters."""
-    run_dir = RunDir(get_owned(session, tenant_id, job_id).run_dir)
-    passes = run_dir.validation_passes()
-    wanted = {"label": label, "model": model, "sample_id": sample_id}
-    chosen = [
-        r
-        for r in run_dir.validation_trajectories(step)
-        if all(value is None or r.get(key) == value for key, value in wanted.items())
-    ]
+    records = RunDir(get_owned(session, tenant_id, job_id).run_dir).validation_trajectories()
+    passes = validation_passes_of(records)  # the file read once for both
+    wanted = {"step": step, "label": label, "model": model, "sample_id": sample_id}
+    given = {key: value for key, value in wanted.items() if value is not None}
+    chosen = [r for r in records if all(r.get(key) == value for key, value in given.items())]
     return ValidationTrajectoryList(
         data=finite(chosen[offset : offset + limit]),
         has_more=len(chosen) > offset + limit,

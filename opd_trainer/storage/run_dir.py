@@ -79,11 +79,7 @@ class RunDir:
 
     def validation_passes(self) -> list[dict[str, Any]]:
         """Each validation pass recorded, as `{step, label, model}` in the order written."""
-        passes: dict[tuple[Any, ...], dict[str, Any]] = {}
-        for record in self.validation_trajectories():
-            found = {key: record.get(key) for key in ("step", "label", "model")}
-            passes.setdefault(tuple(found.values()), found)
-        return list(passes.values())
+        return validation_passes_of(self.validation_trajectories())
 
     def validation_trajectories(self, step: int | None = None) -> list[dict[str, Any]]:
         """The recorded validation rollouts of `step` (None: every step), in the order written."""
@@ -171,6 +167,15 @@ class RunDir:
 
 
 _LEADING_STEP = re.compile(r'^\{"step": (-?\d+)[,}]')
+
+
+def validation_passes_of(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The passes (`{step, label, model}`, in the order written) that validation records belong to."""
+    passes: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for record in records:
+        found = {key: record.get(key) for key in ("step", "label", "model")}
+        passes.setdefault(tuple(found.values()), found)
+    return list(passes.values())
 
 
 def _json_object(line: str) -> dict[str, Any] | None:
