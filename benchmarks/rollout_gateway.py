@@ -63,7 +63,8 @@ class OneCall(AbstractRolloutProcessor):
 
 
 # The processes on a rollout's path, by the title Ray / vLLM give them (None: this process, the runner
-# as the job driver runs it).
+# as the job driver runs it). On a CPU node the engine core runs inside the engine actor
+# (`engine/inproc_llm.py`): no "engine core" process is found, and the actor's figure holds both.
 PROCESS_TITLES = {
     "driver": None,
     "rollout worker": "ray::ProcessorWorker",

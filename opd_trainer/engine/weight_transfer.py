@@ -45,6 +45,7 @@ from opd_trainer.errors import WeightSyncError
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from opd_trainer.engine.inproc_llm import InprocAsyncLLM
     from opd_trainer.engine.vllm_engine import EngineGroup
     from opd_trainer.learner.deepspeed_learner import LearnerGroup
 
@@ -92,7 +93,7 @@ class WeightTransfer(ABC):
         """Learner side: frees what `export` made, once every engine has applied it."""
 
     @abstractmethod
-    async def apply(self, handoff: WeightHandoff, llm: AsyncLLM, name: str) -> None:
+    async def apply(self, handoff: WeightHandoff, llm: AsyncLLM | InprocAsyncLLM, name: str) -> None:
         """Engine side: loads `handoff` into the running engine `llm` (replica `name`, for errors).
         Raises `WeightSyncError` when a worker refuses the weights; the engine keeps its old ones."""
 
@@ -146,7 +147,7 @@ class ShmTransfer(WeightTransfer):
         assert isinstance(handoff, ShmHandoff)
         Path(handoff.path).unlink(missing_ok=True)
 
-    async def apply(self, handoff: WeightHandoff, llm: AsyncLLM, name: str) -> None:
+    async def apply(self, handoff: WeightHandoff, llm: AsyncLLM | InprocAsyncLLM, name: str) -> None:
         assert isinstance(handoff, ShmHandoff)
         results = await llm.collective_rpc(RELOAD_FROM_FILE, args=(handoff.path,))
         failed = [r["error"] for r in results if not r["ok"]]
@@ -168,7 +169,7 @@ class RayTransfer(WeightTransfer):
 
     # release: nothing to do; the object-store copy goes with its last reference.
 
-    async def apply(self, handoff: WeightHandoff, llm: AsyncLLM, name: str) -> None:
+    async def apply(self, handoff: WeightHandoff, llm: AsyncLLM | InprocAsyncLLM, name: str) -> None:
         assert isinstance(handoff, RayHandoff)
         tensors = await handoff.refs[0]
         with self.staging.exported(tensors.items()) as local:
@@ -217,7 +218,7 @@ def release_weights(handoffs: Iterable[WeightHandoff]) -> None:
         transfer(handoff.kind).release(handoff)
 
 
-async def apply_weights(handoff: WeightHandoff, llm: AsyncLLM, name: str) -> None:
+async def apply_weights(handoff: WeightHandoff, llm: AsyncLLM | InprocAsyncLLM, name: str) -> None:
     """Engine side: loads `handoff` into `llm` by its own transport."""
     await transfer(handoff.kind).apply(handoff, llm, name)
 
