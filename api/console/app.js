@@ -96,6 +96,7 @@ async function follow(jobId, after) {
     // sse-starlette ends lines in CRLF; joined first, so a CRLF split across two chunks still matches.
     buffer = (buffer + value).replace(/\r\n/g, "\n");
     let cut;
+    let curvesBehind = false;
     while ((cut = buffer.indexOf("\n\n")) >= 0) {
       const block = buffer.slice(0, cut); buffer = buffer.slice(cut + 2);
       const data = block.split("\n").filter((l) => l.startsWith("data:")).map((l) => l.slice(5)).join("\n");
@@ -104,8 +105,11 @@ async function follow(jobId, after) {
       if (event.object === "opd.job") { renderHead(event); continue; }
       logEvent(event);
       // A step event names a few metrics; metrics.jsonl has them all, so every curve follows it.
-      if (event.type === "step" || event.type === "eval" || event.type === "checkpoint") await loadCurves(jobId);
+      if (event.type === "step" || event.type === "eval" || event.type === "checkpoint") curvesBehind = true;
     }
+    // Once per chunk read, not per event: a page opened on a running job is sent every past event at
+    // once, and a redraw for each kept the status line minutes behind on a busy machine.
+    if (curvesBehind) await loadCurves(jobId);
   }
 }
 
@@ -176,7 +180,8 @@ function legend() {
     <span>teacher likes it more (log-ratio −${SCALE} or less)</span>
     <span class="scale" role="img" aria-label="blue for negative log-ratio, white at 0, red for positive"></span>
     <span>teacher disagrees (+${SCALE} or more)</span>
-    <p>Trained tokens of the student are coloured by sampler − teacher logprob; hover a token (or focus a reply and
+    <p>Trained tokens of the student (and a student's validation replies, scored but not trained) are coloured by
+    sampler − teacher logprob; hover a token (or focus a reply and
     use ← →) for the teacher's preferred token. <span class="noloss-sample">Grey, uncoloured text</span> carries no loss:
     prompt, tool output, and replies that were not trained.</p></div>`;
 }
@@ -206,13 +211,16 @@ function renderSignal(signal) {
   return ` <span class="signal" aria-label="training signals of this turn">${parts.map(esc).join(" · ")}</span>`;
 }
 
-function renderTrainedTurn(call, index) {
+// A reply whose every token the teacher scored, coloured by its log-ratio: trained (a step's rollouts), or
+// only scored (a student's validation rollout: nothing of it is trained).
+function renderTrainedTurn(call, index, trained = true) {
   const t = call.tokens;
   const spans = t.text.map((piece, i) =>
     `<span class="tok" data-i="${i}" style="${tokenColour(t.log_ratio[i])}" title="${esc(tokenInfo(t, i))}">${esc(piece)}</span>`).join("");
-  const label = `assistant · trained, LLM call ${index + 1}, ${t.text.length} tokens`;
+  const how = trained ? "trained" : "scored by the teacher, not trained";
+  const label = `assistant · ${how}, LLM call ${index + 1}, ${t.text.length} tokens`;
   return `<div class="turn assistant trained" data-call="${index}"><em>${label}</em>${renderSignal(t.signal)}` +
-    `<div class="tokens" tabindex="0" role="group" aria-label="trained tokens of LLM call ${index + 1}; left and right arrows step through them">${spans}</div>` +
+    `<div class="tokens" tabindex="0" role="group" aria-label="${trained ? "trained" : "scored"} tokens of LLM call ${index + 1}; left and right arrows step through them">${spans}</div>` +
     `<p class="tokinfo" aria-live="polite"></p>${renderToolCalls(call.response || {})}</div>`;
 }
 
@@ -223,19 +231,19 @@ const replyOf = (m) => JSON.stringify([m.content || "", (m.tool_calls || []).map
 })]);
 const sameReply = (m, call) => Boolean(call && call.response) && replyOf(m) === replyOf(call.response);
 
-function renderConversation(t) {
-  // Assistant replies are matched to the LLM calls that wrote them, in order; trained ones show their tokens,
-  // and a trained call whose reply the conversation does not hold is shown after it.
+function renderConversation(t, messages = t.messages || [], render = renderMessage, trained = true) {
+  // Assistant replies are matched to the LLM calls that wrote them, in order; scored ones show their tokens,
+  // and a scored call whose reply the conversation does not hold is shown after it.
   const calls = t.llm_calls || [];
   let next = 0;
-  const turns = (t.messages || []).map((m) => {
+  const turns = messages.map((m) => {
     if (m.role === "assistant" && sameReply(m, calls[next])) {
       const index = next++;
-      return calls[index].tokens ? renderTrainedTurn(calls[index], index) : renderMessage(m);
+      return calls[index].tokens ? renderTrainedTurn(calls[index], index, trained) : render(m);
     }
-    return renderMessage(m);
+    return render(m);
   });
-  for (let i = next; i < calls.length; i++) if (calls[i].tokens) turns.push(renderTrainedTurn(calls[i], i));
+  for (let i = next; i < calls.length; i++) if (calls[i].tokens) turns.push(renderTrainedTurn(calls[i], i, trained));
   return turns.join("");
 }
 
@@ -316,8 +324,14 @@ async function passRecords(jobId, p) {
   return (await json(`/v1/opd/jobs/${jobId}/validation_trajectories?${query}`)).data;
 }
 
-// A rollout's prompt (what came before the first reply) and what the model wrote after it.
-const firstReply = (t) => { const i = (t.messages || []).findIndex((m) => m.role === "assistant"); return i < 0 ? (t.messages || []).length : i; };
+// A rollout's prompt (what came before the first reply) and what the model wrote after it. The first reply is
+// the one its first LLM call wrote: a multi-turn prompt may hold assistant turns of its own.
+const firstReply = (t) => {
+  const messages = t.messages || [];
+  const written = messages.findIndex((m) => m.role === "assistant" && sameReply(m, (t.llm_calls || [])[0]));
+  const i = written >= 0 ? written : messages.findIndex((m) => m.role === "assistant");
+  return i < 0 ? messages.length : i;
+};
 const promptOf = (t) => (t.messages || []).slice(0, firstReply(t));
 const completionOf = (t) => (t.messages || []).slice(firstReply(t));
 
@@ -338,9 +352,23 @@ function scoreLine(t) {
 }
 
 function renderSide(p, t) {
+  // A student's replies show the teacher's view of every token (its validation rollouts are scored, not trained).
   const turns = completionOf(t);
-  return `<div class="side" data-pass="${esc(passKey(p))}"><h3>${esc(passName(p))}</h3>${scoreLine(t)}
-    ${turns.length ? turns.map(renderTurn).join("") : `<p class="failed">no reply recorded</p>`}</div>`;
+  const divergence = typeof t.divergence === "number" ? ` · divergence <strong>${signed(t.divergence)}</strong>` : "";
+  return `<div class="side" data-pass="${esc(passKey(p))}"><h3>${esc(passName(p))}${divergence}</h3>${scoreLine(t)}
+    ${turns.length ? renderConversation(t, turns, renderTurn, false) : `<p class="failed">no reply recorded</p>`}</div>`;
+}
+
+// The order pairs are shown in: by sample, or by a value of the right-hand pass's rollout (those without it last).
+const PAIR_SORTS = { sample: "sample order", "divergence-desc": "right's divergence, highest first",
+  "score-asc": "right's score, lowest first", "score-desc": "right's score, highest first" };
+function sortPairs(pairs, sortKey) {
+  if (!PAIR_SORTS[sortKey] || sortKey === "sample") return pairs;
+  const [field, order] = sortKey.split("-");
+  const value = ([, b]) => (field === "score" ? b.eval_score : b.divergence);
+  const valued = pairs.filter((pair) => typeof value(pair) === "number");
+  valued.sort((x, y) => (order === "desc" ? value(y) - value(x) : value(x) - value(y)));
+  return [...valued, ...pairs.filter((pair) => typeof value(pair) !== "number")];
 }
 
 function renderPair(sampleId, a, b, pa, pb) {
@@ -366,17 +394,29 @@ async function validationPage(jobId, query) {
   if (location.hash !== asked) return; // another choice came meanwhile: its own call draws it
   const rightBySample = new Map(right.map((t) => [t.sample_id, t]));
   const both = left.filter((t) => rightBySample.has(t.sample_id));
+  const sortKey = PAIR_SORTS[query.get("sort")] ? query.get("sort") : "sample";
+  const pairs = sortPairs(both.map((t) => [t, rightBySample.get(t.sample_id)]), sortKey);
+  const scored = pairs.some(([a, b]) => typeof a.divergence === "number" || typeof b.divergence === "number");
   // The control that changed the view keeps the focus after it is redrawn (arrow keys go on choosing).
-  const go = (a, b, from) => { validationFocus = from; location.hash = `#/job/${jobId}/validation?${new URLSearchParams({ a, b })}`; };
+  const go = (a, b, from, sort = sortKey) => {
+    validationFocus = from;
+    location.hash = `#/job/${jobId}/validation?${new URLSearchParams({ a, b, sort })}`;
+  };
   main.innerHTML = `<p><a href="#/job/${esc(jobId)}">Back to the job</a></p><h1>Validation side by side</h1>
     ${pa ? `<p class="controls"><label>Left ${passSelect("val-a", passes, pa)}</label> <label>Right ${passSelect("val-b", passes, pb)}</label>
-    <button id="val-swap">Swap</button> <span id="val-count">${both.length} samples in both${left.length + right.length > 2 * both.length ? `; ${left.length + right.length - 2 * both.length} in only one` : ""}</span></p>`
+    <button id="val-swap">Swap</button> <label>Sort <select id="val-sort">${Object.entries(PAIR_SORTS).map(([k, v]) => `<option value="${k}" ${k === sortKey ? "selected" : ""}>${v}</option>`).join("")}</select></label>
+    <span id="val-count">${both.length} samples in both${left.length + right.length > 2 * both.length ? `; ${left.length + right.length - 2 * both.length} in only one` : ""}</span></p>${scored ? legend() : ""}`
     : "<p>No validation rollouts recorded yet.</p>"}` +
-    both.map((t) => renderPair(t.sample_id, t, rightBySample.get(t.sample_id), pa, pb)).join("");
+    pairs.map(([a, b]) => renderPair(a.sample_id, a, b, pa, pb)).join("");
   if (!pa) return;
   document.getElementById("val-a").onchange = (e) => go(e.target.value, passKey(pb), "val-a");
   document.getElementById("val-b").onchange = (e) => go(passKey(pa), e.target.value, "val-b");
   document.getElementById("val-swap").onclick = () => go(passKey(pb), passKey(pa), "val-swap");
+  document.getElementById("val-sort").onchange = (e) => go(passKey(pa), passKey(pb), "val-sort", e.target.value);
+  main.querySelectorAll(".side").forEach((side, i) => {
+    const [a, b] = pairs[Math.floor(i / 2)];
+    for (const box of side.querySelectorAll(".tokens")) followTokens(box, i % 2 ? b : a);
+  });
   if (validationFocus) document.getElementById(validationFocus).focus();
   validationFocus = null;
 }

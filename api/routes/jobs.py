@@ -42,6 +42,7 @@ from opd_trainer.wire.schemas import (
     TrajectoryList,
     TrajectorySort,
     ValidationTrajectoryList,
+    ValidationTrajectorySort,
 )
 
 router = APIRouter(prefix="/v1/opd/jobs", tags=["jobs"])
@@ -311,8 +312,8 @@ def job_trajectories(
     response_model=ValidationTrajectoryList,
     responses=errors(*TENANT, 404, 422),
     description="A page of the job's recorded validation rollouts (the first 16 of each validation pass, by "
-    "sample order), in the order written, those matching every filter given; `passes` lists every "
-    "recorded pass (step, label, model) whatever the filters, so two can be compared sample by sample.",
+    "sample order) matching every filter given, as written or sorted; `passes` lists every recorded "
+    "pass (step, label, model) whatever the filters, so two can be compared sample by sample.",
 )
 def job_validation_trajectories(
     job_id: str,
@@ -333,6 +334,15 @@ def job_validation_trajectories(
     sample_id: Annotated[
         str | None, Query(max_length=500, description="Only this validation sample.")
     ] = None,
+    sort: Annotated[
+        ValidationTrajectorySort,
+        Query(
+            description="`recent`: as written; `score`: the evaluator's; `reward`; `divergence`: the "
+            "student's mean logprob − the teacher's over the tokens it wrote (the teacher's own rollouts "
+            "have none). Rollouts without the value come last."
+        ),
+    ] = "recent",
+    order: Annotated[Literal["desc", "asc"], Query(description="`desc`: highest (or newest) first.")] = "asc",
 ) -> ValidationTrajectoryList:
     return trajectories.validation_trajectory_page(
         session,
@@ -342,6 +352,8 @@ def job_validation_trajectories(
         label=label,
         model=model,
         sample_id=sample_id,
+        sort=sort,
+        order=order,
         limit=limit,
         offset=offset,
     )

@@ -4,8 +4,9 @@ reward or by divergence (the mean sampler − teacher log-ratio over a trajector
 A trajectory without the value sorted on (a failed rollout: no reward, no trained tokens; a record
 from before tokens were recorded) comes after every one that has it, whatever the order.
 
-The recorded validation rollouts (validation_trajectories.jsonl) are paged in the order written,
-filtered by step, pass label, model and sample id (`validation_trajectory_page`).
+The recorded validation rollouts (validation_trajectories.jsonl) are filtered by step, pass label, model
+and sample id, and paged in the order written or sorted as above or by their evaluator's score
+(`validation_trajectory_page`).
 """
 
 from __future__ import annotations
@@ -17,22 +18,30 @@ from sqlalchemy.orm import Session
 
 from api.services.jobs import finite, get_owned
 from opd_trainer.storage.run_dir import RunDir, validation_passes_of
-from opd_trainer.wire.schemas import TrajectoryList, TrajectorySort, ValidationPass, ValidationTrajectoryList
+from opd_trainer.wire.schemas import (
+    TrajectoryList,
+    TrajectorySort,
+    ValidationPass,
+    ValidationTrajectoryList,
+    ValidationTrajectorySort,
+)
 
 Order = Literal["desc", "asc"]
 
 
-def sort_key(trajectory: dict[str, Any], sort: TrajectorySort) -> float | None:
+def sort_key(trajectory: dict[str, Any], sort: ValidationTrajectorySort) -> float | None:
     """The value `sort` orders by; None where the trajectory has none."""
     if sort == "reward":
         value = None if trajectory.get("failed") else trajectory.get("reward")
+    elif sort == "score":
+        value = trajectory.get("eval_score")
     else:
         value = trajectory.get("divergence")
     return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
 
 
 def sorted_trajectories(
-    trajectories: list[dict[str, Any]], sort: TrajectorySort, order: Order
+    trajectories: list[dict[str, Any]], sort: ValidationTrajectorySort, order: Order
 ) -> list[dict[str, Any]]:
     """`trajectories` by `sort` (`recent`: as written), highest first for `desc`; those without the
     value last, in the order written (the sort is stable)."""
@@ -84,16 +93,20 @@ def validation_trajectory_page(
     label: str | None,
     model: str | None,
     sample_id: str | None,
+    sort: ValidationTrajectorySort = "recent",
+    order: Order = "asc",
     limit: int,
     offset: int,
 ) -> ValidationTrajectoryList:
-    """A page of the job's recorded validation rollouts, in the order written, those matching every
-    filter given; with every recorded pass (and its steps and labels) whatever the filters."""
+    """A page of the job's recorded validation rollouts matching every filter given, ordered by `sort`
+    and `order` (default: as written); with every recorded pass (and its steps and labels) whatever
+    the filters."""
     records = RunDir(get_owned(session, tenant_id, job_id).run_dir).validation_trajectories()
     passes = validation_passes_of(records)  # the file read once for both
     wanted = {"step": step, "label": label, "model": model, "sample_id": sample_id}
     given = {key: value for key, value in wanted.items() if value is not None}
     chosen = [r for r in records if all(r.get(key) == value for key, value in given.items())]
+    chosen = sorted_trajectories(chosen, sort, order)
     return ValidationTrajectoryList(
         data=finite(chosen[offset : offset + limit]),
         has_more=len(chosen) > offset + limit,

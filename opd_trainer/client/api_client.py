@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Unpack
+from typing import Any, Literal, Unpack
 
 import httpx
 from httpx_sse import connect_sse
@@ -217,13 +217,17 @@ class OPDClient(ClientBase[httpx.Client]):
         label: str | None = None,
         model: str | None = None,
         sample_id: str | None = None,
+        sort: schemas.ValidationTrajectorySort | None = None,
+        order: Literal["desc", "asc"] | None = None,
         limit: int = 16,
         offset: int = 0,
     ) -> schemas.ValidationTrajectoryList:
-        """Recorded validation rollouts (the first 16 of each pass) matching every filter given; its
-        `passes` lists every recorded pass (step, label, model)."""
-        filters = {"step": step, "label": label, "model": model, "sample_id": sample_id}
-        return self._send(operations.validation_trajectories(job_id, filters, limit, offset))
+        """Recorded validation rollouts (the first 16 of each pass) matching every filter given, as
+        written or by `sort` (`score`, `reward`, `divergence`) and `order`; its `passes` lists every
+        recorded pass (step, label, model)."""
+        query = {"step": step, "label": label, "model": model, "sample_id": sample_id}
+        query |= {"sort": sort, "order": order}
+        return self._send(operations.validation_trajectories(job_id, query, limit, offset))
 
     # -- webhooks -------------------------------------------------------------------------------
 

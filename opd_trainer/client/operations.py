@@ -280,11 +280,11 @@ def trajectories(job_id: str, limit: int) -> Call[list[dict[str, Any]]]:
 
 
 def validation_trajectories(
-    job_id: str, filters: dict[str, Any], limit: int, offset: int
+    job_id: str, query: dict[str, Any], limit: int, offset: int
 ) -> Call[ValidationTrajectoryList]:
-    """A page of the recorded validation rollouts; `filters` (step, label, model, sample_id) left out
-    where None."""
-    params = {k: v for k, v in filters.items() if v is not None} | {"limit": limit, "offset": offset}
+    """A page of the recorded validation rollouts; `query` (the filters step, label, model, sample_id;
+    sort, order) left out where None."""
+    params = {k: v for k, v in query.items() if v is not None} | {"limit": limit, "offset": offset}
     path = f"/v1/opd/jobs/{job_id}/validation_trajectories"
     return Call("GET", path, _model(ValidationTrajectoryList), params=params)
 

@@ -34,6 +34,7 @@ from opd_trainer.errors import ConfigError, OPDError
 from opd_trainer.jobspec.dataset import EpochCursor, Sample, load_samples
 from opd_trainer.jobspec.job_spec import JobSpec
 from opd_trainer.jobspec.preflight import check_drift, check_references, check_task_records
+from opd_trainer.records import LLMCall
 from opd_trainer.rollout.runner import RolloutResult
 from opd_trainer.storage.checkpoints import CheckpointStore
 from opd_trainer.storage.run_dir import RunDir
@@ -321,8 +322,9 @@ class JobDriver:
         step = self.step
         model: Model = "teacher" if teacher else "student"
 
-        def record(results: list[RolloutResult]) -> None:
-            self.log.add_validation_trajectories(validation_records(results, step, label, model))
+        def record(results: list[RolloutResult], scored: list[LLMCall]) -> None:
+            records = validation_records(results, step, label, model, scored, c.tokenizer)
+            self.log.add_validation_trajectories(records)
 
         return await evaluate(c, self.validation_samples, label, self.emit, teacher=teacher, record=record)
 

@@ -5,6 +5,8 @@ validation prompts (seeded student samples, scored by the teacher), and the job'
 and evaluator components run on one greedy rollout per validation sample, for the student and, as the
 baseline, for the teacher (through a gateway of its own). A sample that fails, is cut off or cannot be
 scored counts as wrong (`rollout.runner.validation_metrics`) and is named in an event; the job goes on.
+The first rollouts of each pass are recorded for the console; the student's with the teacher's view of
+every token it wrote (`validation_records`).
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from opd_trainer.driver.components import Components, Emit
-from opd_trainer.driver.step import request_seed, reverse_kl_metrics
+from opd_trainer.driver.step import request_seed, reverse_kl_metrics, teacher_segments
 from opd_trainer.jobspec.dataset import Sample
 from opd_trainer.records import LLMCall
 from opd_trainer.rollout.agent_eval import agent_metrics, pass_at_k, success_by_threshold
 from opd_trainer.rollout.runner import RolloutResult, scoring_failures, validation_metrics
+from opd_trainer.rollout.trajectory_view import scored_trajectories
 
 # Samples named in one validation's failure event (the count is always complete).
 REPORTED_FAILURES = 20
@@ -31,20 +34,34 @@ PROBE_SEED_STEP = -2
 VALIDATION_TRAJECTORIES_PER_PASS = 16
 
 Model = Literal["student", "teacher"]
-Recorder = Callable[[list[RolloutResult]], None]
+# Handed a pass's recorded rollouts and, for the student's, their calls as the teacher scored them.
+Recorder = Callable[[list[RolloutResult], list[LLMCall]], None]
 
 
 def validation_records(
-    results: list[RolloutResult], step: int, label: str, model: Model
+    results: list[RolloutResult],
+    step: int,
+    label: str,
+    model: Model,
+    scored: list[LLMCall] | None = None,
+    tokenizer: Any = None,
 ) -> list[dict[str, Any]]:
     """The records of a validation pass's first `VALIDATION_TRAJECTORIES_PER_PASS` rollouts: each
     `RolloutResult.trajectory` with the pass's `label` and `model` after its `step`, and the
     evaluator's `eval_score` (None where it did not score the sample), `eval_metrics` and `eval_error`.
-    A validation rollout is greedy and not trained, so it has no per-token view (`divergence` left out)."""
+
+    `scored`: the student's calls as the teacher scored them (`teacher_segments`); each call then has
+    its per-token view (`trajectory_view.CallTokens`: the student's greedy logprob − the teacher's of
+    every token it wrote) and the record its `divergence`, as a step's trajectories do, though nothing
+    of a validation rollout is trained. Without them (the teacher's own pass) both are None."""
+    first = results[:VALIDATION_TRAJECTORIES_PER_PASS]
+    if scored:
+        trajectories = scored_trajectories(first, scored, tokenizer, step)
+    else:
+        trajectories = [result.trajectory(step) for result in first]
     records = []
-    for result in results[:VALIDATION_TRAJECTORIES_PER_PASS]:
-        trajectory = result.trajectory(step)
-        del trajectory["step"], trajectory["divergence"]
+    for result, trajectory in zip(first, trajectories, strict=True):
+        del trajectory["step"]
         records.append(
             {
                 "step": step,  # first: RunDir reads a line's step from its start
@@ -59,6 +76,15 @@ def validation_records(
     return records
 
 
+async def teacher_view(c: Components, results: list[RolloutResult]) -> list[LLMCall]:
+    """The calls of the student's recorded validation rollouts scored by the teacher each sample is
+    routed to (its top-k where the job asks for it), on the exact tokens, without hindsight notes."""
+    plain = c.spec.hyper_parameters.model_copy(update={"teacher_hindsight": "none"})
+    return await teacher_segments(
+        c.teachers, c.tokenizer, c.max_length, plain, results[:VALIDATION_TRAJECTORIES_PER_PASS]
+    )
+
+
 async def evaluate(
     c: Components,
     samples: list[Sample],
@@ -70,7 +96,8 @@ async def evaluate(
 ) -> dict[str, float]:
     """One validation pass of the student (or with `teacher`, the teacher's baseline) over `samples`;
     emits an `eval` event (and `eval_failures` naming the samples that failed) and returns the metrics.
-    `record` is handed the pass's greedy rollouts (not pass@k's samples) as soon as they are scored."""
+    `record` is handed the pass's greedy rollouts (not pass@k's samples) as soon as they are scored,
+    with, for the student's pass, its first rollouts' calls as the teacher scored them."""
     if not samples:
         return {}
     runner = c.teacher_runner if teacher else c.runner
@@ -85,7 +112,7 @@ async def evaluate(
         asyncio.sleep(0, 0.0) if teacher else validation_reverse_kl(c, samples),
     )
     if record is not None:
-        record(results)
+        record(results, [] if teacher else await teacher_view(c, results))
     spec = c.spec
     metrics = validation_metrics(results, bool(spec.reward_components), bool(spec.evaluator_components))
     if reverse_kl is not None:  # None: task records only, no prompt to sample on

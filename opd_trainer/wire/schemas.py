@@ -249,6 +249,8 @@ class MetricsPublic(BaseModel):
 
 
 TrajectorySort = Literal["recent", "reward", "divergence"]
+# A validation rollout is also sorted by its evaluator's score.
+ValidationTrajectorySort = Literal["recent", "score", "reward", "divergence"]
 
 
 class TrajectoryList(BaseModel):
@@ -274,8 +276,11 @@ class ValidationTrajectoryList(BaseModel):
     object: Literal["list"] = Field(default="list", description="Always `list`.")
     data: list[dict[str, Any]] = Field(
         description="Validation rollouts (the first 16 of each pass, by sample order): `step`, `label`, "
-        "`model`, `sample_id`, messages, LLM calls (`tokens` null: not trained), rewards, `eval_score` "
-        "(null where the evaluator did not score it), `eval_metrics`, `eval_error`."
+        "`model`, `sample_id`, messages, LLM calls, rewards, `eval_score` (null where the evaluator did "
+        "not score it), `eval_metrics`, `eval_error`. A student's rollout has per LLM call `tokens` (text, "
+        "log_ratio: the student's logprob of each token it wrote − the teacher's, teacher_top and "
+        "teacher_top_p where the job asks for the teacher's top-k) and `divergence`, their mean; nothing of "
+        "it is trained. The teacher's own have `tokens` and `divergence` null."
     )
     has_more: bool = Field(default=False, description="More follow: pass `offset` + `limit` as `offset`.")
     passes: list[ValidationPass] = Field(

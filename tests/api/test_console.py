@@ -222,20 +222,47 @@ def test_trajectory_view_colours_trained_tokens_leaves_tool_output_plain_and_sor
     assert "no job with id" in other.inner_text("#error") and "weather-0" not in other.content()
 
 
+class _OneTokenReplies:
+    """A tokenizer for `_validation_rollout`'s replies: each reply is one token, decoded as written."""
+
+    def __init__(self) -> None:
+        self.texts: dict[int, str] = {}
+
+    def token(self, text: str) -> int:
+        self.texts[len(self.texts) + 100] = text
+        return len(self.texts) + 99
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.texts[i] for i in ids)
+
+
+REPLIES = _OneTokenReplies()
+
+
 def _validation_rollout(index: int, answer: str, score: float) -> RolloutResult:
-    """A greedy validation rollout of sample `q<index>` that answered `answer`, scored `score`."""
+    """A greedy validation rollout of sample `q<index>` that answered `answer` (one token, logprob -0.1),
+    scored `score`."""
     prompt = [{"role": "user", "content": f"PROMPT {index}: what is {index} + 2?"}]
     sample = Sample("valid.jsonl", index, prompt, None, {"sample_id": f"q{index}"})
     reply = {"role": "assistant", "content": answer}
-    call = LLMCall([1], [2], [-0.1], response_message=reply)
+    call = LLMCall([1], [REPLIES.token(answer)], [-0.1], response_message=reply)
     return RolloutResult(
         index, index, f"eval-r{index}", sample, calls=[call], messages=[*prompt, reply], eval_score=score
     )
 
 
+def _scored(results: list[RolloutResult], divergences: list[float]) -> list[LLMCall]:
+    """The rollouts' calls as the teacher scored them, each reply's one token at the given log-ratio."""
+    return [
+        dataclasses.replace(r.calls[0], teacher_logprobs=[-0.1 - d], rollout_id=r.index)
+        for r, d in zip(results, divergences, strict=True)
+    ]
+
+
 def _write_validation(server: Server, job_id: str) -> None:
     """Three passes as a job writes them: the teacher and the student before training at step 0 (q0..q2),
-    and step 2's student, recorded for q0 and q1 only."""
+    and step 2's student, recorded for q0 and q1 only; the students' replies scored by the teacher
+    (step 2: q0 at log-ratio +0.5, q1 at +2.0)."""
     run_dir = RunDir(server.data_dir / "runs" / job_id)
     run_dir.root.mkdir(parents=True, exist_ok=True)
     passes = [
@@ -248,8 +275,11 @@ def _write_validation(server: Server, job_id: str) -> None:
             [_validation_rollout(0, "AFTER 2", 1.0), _validation_rollout(1, "BEFORE 1", 0.0)],
         ),
     ]
+    divergences = {"teacher": None, "student before": [1.0, 1.0, 1.0], "step 2": [0.5, 2.0]}
     for step, label, model, results in passes:
-        run_dir.add_validation_trajectories(validation_records(results, step, label, model))
+        given = divergences[label]
+        scored = None if given is None else _scored(results, given)
+        run_dir.add_validation_trajectories(validation_records(results, step, label, model, scored, REPLIES))
 
 
 def _sides(page: "sync_api.Page", sample_id: str) -> list[str]:
@@ -279,7 +309,20 @@ def test_validation_view_shows_two_passes_side_by_side_with_their_scores(
     assert "PROMPT 0" not in left + right  # the prompt is shown once, folded, above both
     assert "PROMPT 0" in page.locator("section.pair[data-sample='q0'] details").text_content()
     assert page.evaluate("document.documentElement.scrollWidth") <= 1280
+    # The student's replies show the teacher's view of each token (scored, not trained), with the legend.
+    token = page.locator("section.pair[data-sample='q0'] .side").nth(1).locator(".tok")
+    assert token.inner_text() == "AFTER 2" and "log-ratio +0.500" in token.get_attribute("title")
+    assert token.evaluate("e => getComputedStyle(e).backgroundColor").startswith("rgba(178, 24, 43, ")
+    assert "divergence +0.500" in right and "not trained" in right
+    assert page.locator("#legend").is_visible()
     page.screenshot(path=tmp_path / "validation.png", full_page=True)
+
+    # Browsed by divergence: the pair whose right-hand reply the teacher disagrees with most comes first.
+    page.select_option("#val-sort", "divergence-desc")
+    page.wait_for_function("document.querySelector('section.pair').dataset.sample === 'q1'")
+    assert page.locator("#val-sort option:checked").inner_text() == "right's divergence, highest first"
+    page.select_option("#val-sort", "sample")
+    page.wait_for_function("document.querySelector('section.pair').dataset.sample === 'q0'")
 
     page.focus("#val-b")  # by keyboard: the right side goes up to the teacher at step 0, keeping the focus
     for expected in ("0:student before", "0:teacher"):  # each drawn before the next key
@@ -292,6 +335,7 @@ def test_validation_view_shows_two_passes_side_by_side_with_their_scores(
     assert page.locator("section.pair").count() == 3
     left, right = _sides(page, "q2")
     assert "BEFORE 2" in left and "TEACHER 4" in right and "score 1.000" in right
+    assert page.locator("section.pair[data-sample='q2'] .side").nth(1).locator(".tok").count() == 0
     page.focus("#val-swap")
     page.keyboard.press("Enter")
     page.wait_for_function("document.querySelector('#val-a option:checked').textContent.includes('teacher')")
@@ -327,13 +371,17 @@ def test_a_real_agentic_job_moves_its_curve_live_shows_its_tokens_and_is_cancell
     """The session's training server (real Ray, vLLM, DeepSpeed) runs the example tool-routing agent
     while the console follows it: the jobs list shows the job, its reverse-KL curve gains points from
     the event stream without a reload, a step's trajectories show the student's tokens coloured by the
-    teacher and the tools' answers uncoloured, and Cancel on its page stops it."""
+    teacher and the tools' answers uncoloured, so does the student's validation before training, and
+    Cancel on its page stops it."""
     from apiserver import cancel_unfinished, create_key
 
     from opd_trainer.client import OPDClient
 
     key = create_key(training_server.url, "console-live")
     client = OPDClient(training_server.url, key)
+    validation = tmp_path / "validation.jsonl"  # 8 samples: the teacher's and the student's pass at start
+    lines = (trained_models.data_dir / "validation.jsonl").read_text().splitlines()[:8]
+    validation.write_text("\n".join(lines) + "\n")
     engine = {"kv_cache_memory_bytes": 134217728, "dtype": "float32"}
     agent = Path(__file__).resolve().parents[2] / "examples" / "tool_routing_agentic" / "workspace"
     job = client.submit(
@@ -342,6 +390,7 @@ def test_a_real_agentic_job_moves_its_curve_live_shows_its_tokens_and_is_cancell
             "model": str(trained_models.student),
             "teacher_model": str(trained_models.teacher),
             "training_datasets": [str(trained_models.data_dir / "train.jsonl")],
+            "validation_datasets": [str(validation)],
             "functions": [
                 {
                     "name": "agent",
@@ -350,7 +399,14 @@ def test_a_real_agentic_job_moves_its_curve_live_shows_its_tokens_and_is_cancell
                 }
             ],
             # Long enough to be running when the page cancels it.
-            "hyper_parameters": {"max_steps": 50, "batch_size": 4, "n_rollouts": 2, "max_tokens": 48},
+            # Validated before training only (eval_steps beyond max_steps).
+            "hyper_parameters": {
+                "max_steps": 50,
+                "batch_size": 4,
+                "n_rollouts": 2,
+                "max_tokens": 48,
+                "eval_steps": 100,
+            },
             "resources": {"student": engine, "teacher": engine, "learner_gpus": 0},
         }
     )
@@ -388,6 +444,24 @@ def test_a_real_agentic_job_moves_its_curve_live_shows_its_tokens_and_is_cancell
         assert tools.count() >= 1 and tools.locator(".tok").count() == 0
         assert all("no loss" in text for text in tools.all_inner_texts())
         page.screenshot(path=tmp_path / "trajectories_live.png", full_page=True)
+
+        # The validation before training: the student's replies (greedy, not trained) scored by the teacher
+        # token by token, beside the teacher's own (nothing to score).
+        passes = urllib.parse.urlencode({"a": "0:student before", "b": "0:teacher"})
+        page.goto(f"{training_server.url}/console/#/job/{job.id}/validation?{passes}")
+        page.wait_for_selector("section.pair .side .tok")
+        assert page.locator("#val-a option:checked").inner_text() == "step 0 · student before"
+        assert page.locator("#val-b option:checked").inner_text() == "step 0 · teacher (teacher)"
+        student_side, teacher_side = (
+            page.locator("section.pair .side").nth(0),
+            page.locator("section.pair .side").nth(1),
+        )
+        shades = student_side.locator(".tok").evaluate_all(
+            "els => els.map(e => getComputedStyle(e).backgroundColor)"
+        )
+        assert shades and all(c.startswith(scale) for c in shades), shades[:5]
+        assert "divergence" in student_side.inner_text() and teacher_side.locator(".tok").count() == 0
+        page.screenshot(path=tmp_path / "validation_live.png", full_page=True)
 
         page.goto(f"{training_server.url}/console/#/job/{job.id}")
         page.wait_for_selector("button[data-act='cancel']")

@@ -1,16 +1,23 @@
 """Validation rollouts recorded for the side-by-side view (`driver/validation.py`: `validation_records`,
-`evaluate`'s `record`; `storage/run_dir.py`: validation_trajectories.jsonl). Hand-made rollout results
-and a fake runner; no Ray, no engines."""
+`evaluate`'s `record`, the teacher's view of the student's tokens; `storage/run_dir.py`:
+validation_trajectories.jsonl). Hand-made rollout results, a fake runner and fake teachers; no Ray,
+no engines."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
+import pytest
+
+from opd_trainer.driver.teachers import Scored
 from opd_trainer.driver.validation import VALIDATION_TRAJECTORIES_PER_PASS, evaluate, validation_records
+from opd_trainer.engine.vllm_engine import TeacherScores
 from opd_trainer.jobspec.dataset import Sample
 from opd_trainer.jobspec.job_spec import parse_job_spec
 from opd_trainer.records import LLMCall
@@ -44,8 +51,30 @@ def test_a_record_is_the_rollouts_trajectory_with_the_pass_and_the_evaluators_sc
     assert first["llm_calls"][0]["response"]["content"] == "4" and first["llm_calls"][0]["tokens"] is None
     assert [first[k] for k in ("eval_score", "eval_metrics", "eval_error")] == [1.0, {"exact_match": 1.0}, ""]
     assert (second["eval_score"], second["eval_error"]) == (None, "evaluator raised")
-    assert "divergence" not in first  # greedy and untrained: no per-token view
+    assert first["divergence"] is None  # not scored by the teacher: no per-token view
     json.dumps(first)  # JSON-able as written
+
+
+def _no_event(*_: Any, **__: Any) -> None:
+    pass
+
+
+class _Tokenizer:
+    def decode(self, ids: list[int]) -> str:
+        return "".join(f"<{i}>" for i in ids)
+
+
+def test_a_student_record_shows_the_teachers_view_of_every_token_it_wrote() -> None:
+    """With the calls as the teacher scored them, each call has its tokens' log-ratios and the record
+    the mean of them as its divergence, as a step's trajectory does; a failed rollout has neither."""
+    results = [_result(0, "4", 1.0), _result(1, "5", 0.0, error="")]
+    results[1].error = "timed out"
+    scored = [dataclasses.replace(results[0].calls[0], teacher_logprobs=[-2.0], rollout_id=0)]
+    first, second = validation_records(results, 2, "step 2", "student", scored, _Tokenizer())
+    assert first["llm_calls"][0]["tokens"] == {"text": ["<3>"], "log_ratio": [1.5]}  # -0.5 - (-2.0)
+    assert first["divergence"] == 1.5
+    assert second["llm_calls"][0]["tokens"] is None and second["divergence"] is None
+    json.dumps(first)
 
 
 def test_only_the_first_rollouts_of_a_pass_are_recorded_in_sample_order() -> None:
@@ -66,10 +95,73 @@ def test_evaluate_hands_its_greedy_rollouts_to_record_and_asks_no_more_of_the_ru
         return results
 
     c: Any = SimpleNamespace(spec=spec, teacher_runner=SimpleNamespace(validate=validate))
-    recorded: list[list[RolloutResult]] = []
+    recorded: list[tuple[list[RolloutResult], list[LLMCall]]] = []
     samples = [r.sample for r in results]
-    asyncio.run(evaluate(c, samples, "teacher", lambda *a, **k: None, teacher=True, record=recorded.append))
-    assert recorded == [results] and validations == ["eval-teacher"]  # one pass, no extra call
+
+    def record(rollouts: list[RolloutResult], scored: list[LLMCall]) -> None:
+        recorded.append((rollouts, scored))
+
+    asyncio.run(evaluate(c, samples, "teacher", lambda *a, **k: None, teacher=True, record=record))
+    # One pass, no extra call; the teacher's own pass is not scored by the teacher.
+    assert recorded == [(results, [])] and validations == ["eval-teacher"]
+
+
+def test_the_students_recorded_rollouts_are_scored_by_the_teacher_without_hindsight_notes() -> None:
+    spec = parse_job_spec(
+        {
+            "job_name": "j",
+            "model": "s",
+            "teacher_model": "t",
+            "training_datasets": ["t.jsonl"],
+            "hyper_parameters": {
+                "teacher_hindsight": "reference",
+                "distill_loss": "sampled",
+                "teacher_top_k": 0,
+            },
+        }
+    )
+    results = [_result(i, str(i), 1.0) for i in range(VALIDATION_TRAJECTORIES_PER_PASS + 3)]
+    asked: list[list[tuple[list[int], list[int]]]] = []
+
+    async def validate(samples: list[Sample], tag: str, seeds: list[int], **_: Any) -> list[RolloutResult]:
+        return results
+
+    async def score_top_k(names: list[str], pairs: list[Any], top_k: int) -> list[Scored]:
+        asked.append(pairs)
+        scores = TeacherScores(
+            np.array([-1.0], dtype=np.float32), np.zeros((1, 0), np.int32), np.zeros((1, 0))
+        )
+        return [Scored(scores, "t", 0.01) for _ in pairs]
+
+    teachers = SimpleNamespace(score_top_k=score_top_k, name_for=lambda sample: "t")
+    c: Any = SimpleNamespace(
+        spec=spec,
+        runner=SimpleNamespace(validate=validate),
+        teachers=teachers,
+        tokenizer=_Tokenizer(),
+        max_length=64,
+    )
+    recorded: list[list[LLMCall]] = []
+
+    async def no_kl(*_: Any) -> None:
+        return None
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("opd_trainer.driver.validation.validation_reverse_kl", no_kl)
+        asyncio.run(
+            evaluate(
+                c,
+                [r.sample for r in results],
+                "step 1",
+                lambda *a, **k: None,
+                record=lambda r, s: recorded.append(s),
+            )
+        )
+    (scored,) = recorded
+    # Only the recorded rollouts, on the exact tokens the student wrote (no note in the prompt).
+    assert asked == [[([1, 2], [3])] * VALIDATION_TRAJECTORIES_PER_PASS]
+    assert [s.rollout_id for s in scored] == list(range(VALIDATION_TRAJECTORIES_PER_PASS))
+    assert all(s.teacher_logprobs == [-1.0] and not s.teacher_saw_note for s in scored)
 
 
 def test_run_dir_reads_the_passes_and_a_steps_records_and_truncates_them_on_resume(tmp_path: Path) -> None:

@@ -18,7 +18,8 @@ ROUTE = f"/v1/opd/jobs/{JOB}/validation_trajectories"
 
 
 def _record(step: int, label: str, model: str, sample_id: str, score: float | None) -> dict[str, Any]:
-    """A record as `driver.validation.validation_records` writes it (the fields the route reads)."""
+    """A record as `driver.validation.validation_records` writes it (the fields the route reads); a
+    student's has a divergence (the teacher scored its tokens), the teacher's none."""
     return {
         "step": step,
         "label": label,
@@ -26,6 +27,7 @@ def _record(step: int, label: str, model: str, sample_id: str, score: float | No
         "sample_id": sample_id,
         "messages": [{"role": "assistant", "content": f"{label} on {sample_id}"}],
         "llm_calls": [],
+        "divergence": None if model == "teacher" else 0.1 * (3 - int(sample_id[1:])),
         "eval_score": score,
         "eval_metrics": {},
     }
@@ -75,6 +77,23 @@ def test_pages_follow_with_offset_until_has_more_is_false(clients) -> None:
     assert not last["has_more"]
 
 
+def test_a_pass_sorts_by_score_or_by_divergence_and_rollouts_without_the_value_come_last(clients) -> None:
+    client, owner, _ = clients
+    by_score = _page(client, owner, label="step 2", sort="score", order="desc")
+    assert _seen(by_score) == [("step 2", "q1"), ("step 2", "q0"), ("step 2", "q2")]  # q2's score is NaN
+    assert _seen(_page(client, owner, label="step 2", sort="divergence", order="asc")) == [
+        ("step 2", "q2"),
+        ("step 2", "q1"),
+        ("step 2", "q0"),
+    ]
+    # Across passes: the students' by divergence, highest first; the teacher's (none) last, as written.
+    everything = _seen(_page(client, owner, sort="divergence", order="desc", limit=20))
+    assert everything[:2] == [("student before", "q0"), ("step 2", "q0")]
+    assert everything[-3:] == [("teacher", f"q{i}") for i in range(3)]
+    bad = client.get(ROUTE, params={"sort": "loudest"}, headers=owner)
+    assert bad.status_code == 422 and "sort" in bad.json()["error"]["param"]
+
+
 def test_another_tenant_gets_the_apis_404_and_bad_parameters_a_422_naming_the_field(clients) -> None:
     client, owner, other = clients
     answer = client.get(ROUTE, headers=other)
@@ -91,6 +110,6 @@ def test_the_route_documents_its_parameters_and_answer_in_openapi(clients) -> No
         "get"
     ]
     params = {p["name"] for p in operation["parameters"]}
-    assert {"step", "label", "model", "sample_id", "limit", "offset"} <= params
+    assert {"step", "label", "model", "sample_id", "sort", "order", "limit", "offset"} <= params
     answer = operation["responses"]["200"]["content"]["application/json"]["schema"]["$ref"]
     assert answer.endswith("/ValidationTrajectoryList")
