@@ -66,7 +66,11 @@ class InprocAsyncLLM:
         built: concurrent.futures.Future[None] = concurrent.futures.Future()
         llm._thread.start()
         llm._commands.put((lambda: llm._build(args, stat_loggers), built))
-        await asyncio.wrap_future(built)
+        try:
+            await asyncio.wrap_future(built)
+        except BaseException:
+            llm._commands.put(_STOP)  # nothing to step: the thread ends
+            raise
         return llm
 
     def _build(self, args: EngineArgs, stat_loggers: list[Any]) -> None:
@@ -132,12 +136,10 @@ class InprocAsyncLLM:
             stream.put_nowait(EngineDeadError(f"vLLM engine core failed: {exc}"))
 
     def _fail_commands(self, exc: BaseException) -> None:
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if command is not _STOP and command[1] is not None:
+        """Fails every command queued or still to come (a caller may have checked `_failure` just
+        before it was set) until `shutdown`."""
+        while (command := self._commands.get()) is not _STOP:
+            if command[1] is not None:
                 command[1].set_exception(EngineDeadError(f"vLLM engine core failed: {exc}"))
 
     # The event loop's side.

@@ -1,7 +1,7 @@
 """`InprocAsyncLLM`'s own logic over a fake engine: outputs reach their request's reader in order, a
 reader that stops early aborts its request, a pause waits for requests in flight and holds new ones,
-and a failing step fails every reader instead of hanging it. (The real engine under it: the
-integration tests' engines all run this way on CPU.)"""
+a failing step fails every reader instead of hanging it, and a failed build leaves no thread behind.
+(The real engine under it: the integration tests' engines all run this way on CPU.)"""
 
 from __future__ import annotations
 
@@ -154,5 +154,25 @@ def test_a_failing_step_fails_every_reader_and_later_calls() -> None:
         assert llm.errored
         with pytest.raises(EngineDeadError):
             await llm.collective_rpc("reload")
+        llm.shutdown()
+        assert not llm._thread.is_alive()
+
+    asyncio.run(scenario())
+
+
+def test_an_engine_that_fails_to_build_raises_and_leaves_no_thread() -> None:
+    class Unbuildable(InprocAsyncLLM):
+        def _build(self, args: Any, stat_loggers: list[Any]) -> None:
+            raise ValueError("max_model_len too large")
+
+    async def scenario() -> None:
+        threads = threading.active_count()
+        with pytest.raises(ValueError, match="max_model_len"):
+            await Unbuildable.start(None, [])  # type: ignore[arg-type]
+        for _ in range(100):
+            if threading.active_count() == threads:
+                break
+            await asyncio.sleep(0.01)
+        assert threading.active_count() == threads
 
     asyncio.run(scenario())
