@@ -319,8 +319,10 @@ function defaultPasses(passes) {
   return [left, right];
 }
 
-async function passRecords(jobId, p) {
-  const query = new URLSearchParams({ step: p.step, label: p.label, limit: 200 });
+async function passRecords(jobId, p, sortKey = "recent-asc") {
+  // The route orders them (`sort`, `order`: those without the value last).
+  const [sort, order] = sortKey.split("-");
+  const query = new URLSearchParams({ step: p.step, label: p.label, sort, order, limit: 200 });
   return (await json(`/v1/opd/jobs/${jobId}/validation_trajectories?${query}`)).data;
 }
 
@@ -359,17 +361,9 @@ function renderSide(p, t) {
     ${turns.length ? renderConversation(t, turns, renderTurn, false) : `<p class="failed">no reply recorded</p>`}</div>`;
 }
 
-// The order pairs are shown in: by sample, or by a value of the right-hand pass's rollout (those without it last).
-const PAIR_SORTS = { sample: "sample order", "divergence-desc": "right's divergence, highest first",
+// The order pairs are shown in: by sample (as recorded), or by a value of the right-hand pass's rollout.
+const PAIR_SORTS = { "recent-asc": "sample order", "divergence-desc": "right's divergence, highest first",
   "score-asc": "right's score, lowest first", "score-desc": "right's score, highest first" };
-function sortPairs(pairs, sortKey) {
-  if (!PAIR_SORTS[sortKey] || sortKey === "sample") return pairs;
-  const [field, order] = sortKey.split("-");
-  const value = ([, b]) => (field === "score" ? b.eval_score : b.divergence);
-  const valued = pairs.filter((pair) => typeof value(pair) === "number");
-  valued.sort((x, y) => (order === "desc" ? value(y) - value(x) : value(x) - value(y)));
-  return [...valued, ...pairs.filter((pair) => typeof value(pair) !== "number")];
-}
 
 function renderPair(sampleId, a, b, pa, pb) {
   const same = JSON.stringify(completionOf(a)) === JSON.stringify(completionOf(b));
@@ -390,12 +384,13 @@ async function validationPage(jobId, query) {
   const pa = passes.find((p) => passKey(p) === query.get("a")) || fallbackA;
   const pb = passes.find((p) => passKey(p) === query.get("b")) || fallbackB;
   const asked = location.hash;
-  const [left, right] = pa ? await Promise.all([passRecords(jobId, pa), passRecords(jobId, pb)]) : [[], []];
+  const sortKey = PAIR_SORTS[query.get("sort")] ? query.get("sort") : "recent-asc";
+  const [left, right] = pa ? await Promise.all([passRecords(jobId, pa), passRecords(jobId, pb, sortKey)]) : [[], []];
   if (location.hash !== asked) return; // another choice came meanwhile: its own call draws it
-  const rightBySample = new Map(right.map((t) => [t.sample_id, t]));
-  const both = left.filter((t) => rightBySample.has(t.sample_id));
-  const sortKey = PAIR_SORTS[query.get("sort")] ? query.get("sort") : "sample";
-  const pairs = sortPairs(both.map((t) => [t, rightBySample.get(t.sample_id)]), sortKey);
+  // Pairs in the right-hand pass's order (the route sorted it), each with the left's record of its sample.
+  const leftBySample = new Map(left.map((t) => [t.sample_id, t]));
+  const pairs = right.filter((t) => leftBySample.has(t.sample_id)).map((t) => [leftBySample.get(t.sample_id), t]);
+  const both = pairs.map(([a]) => a);
   const scored = pairs.some(([a, b]) => typeof a.divergence === "number" || typeof b.divergence === "number");
   // The control that changed the view keeps the focus after it is redrawn (arrow keys go on choosing).
   const go = (a, b, from, sort = sortKey) => {

@@ -321,7 +321,7 @@ def test_validation_view_shows_two_passes_side_by_side_with_their_scores(
     page.select_option("#val-sort", "divergence-desc")
     page.wait_for_function("document.querySelector('section.pair').dataset.sample === 'q1'")
     assert page.locator("#val-sort option:checked").inner_text() == "right's divergence, highest first"
-    page.select_option("#val-sort", "sample")
+    page.select_option("#val-sort", "recent-asc")
     page.wait_for_function("document.querySelector('section.pair').dataset.sample === 'q0'")
 
     page.focus("#val-b")  # by keyboard: the right side goes up to the teacher at step 0, keeping the focus
