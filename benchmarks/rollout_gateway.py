@@ -41,7 +41,8 @@ from opd_trainer.jobspec.dataset import Sample
 from opd_trainer.jobspec.job_spec import FunctionComponent
 from opd_trainer.jsonl import read_jsonl
 from opd_trainer.rollout.chat import prompt_token_ids
-from opd_trainer.rollout.gateway import GatewayActor
+from opd_trainer.rollout.gateway import RolloutKeyRequest
+from opd_trainer.rollout.gateway_host import GatewayHostActor, GatewayRef
 from opd_trainer.rollout.runner import RolloutRunner
 from rollout_workers.pool import RolloutPool
 
@@ -68,7 +69,7 @@ class OneCall(AbstractRolloutProcessor):
 PROCESS_TITLES = {
     "driver": None,
     "rollout worker": "ray::ProcessorWorker",
-    "gateway": "ray::Gateway",
+    "gateway": "ray::GatewayHost",
     "engine actor": "ray::Engine",
     "engine core": "VLLM::EngineCore",
 }
@@ -121,10 +122,13 @@ async def run(
     config = engine_config(models.student, device)
     [engine] = await start_engines(config, "bench")
     max_len = 1024 if device == "cpu" else config.max_model_len
-    gateway = GatewayActor.remote(  # type: ignore[attr-defined]
-        "student", str(models.student), [engine], max_tokens=max_tokens, temperature=1.0, max_length=max_len
+    # The job's gateway host, with the student's gateway only (as a job that does not validate).
+    host = GatewayHostActor.remote(  # type: ignore[attr-defined]
+        {"student": str(models.student)}, max_tokens=max_tokens, temperature=1.0, max_length=max_len
     )
-    base_url = await gateway.serve.remote()
+    gateway = GatewayRef(host, "student")
+    await host.set_engines.remote("student", [engine])
+    base_url = await host.serve.remote("student")
     workspace = Path(tempfile.mkdtemp(prefix="opd-bench-ws-"))
     (workspace / "functions").mkdir()
     (workspace / "functions" / "__init__.py").write_text("")
@@ -195,7 +199,7 @@ async def run(
             cpu[path].append(processes.per_call_ms(before, num_rollouts))
 
     # Per-call overhead: the same 1-token request via HTTP gateway vs straight to the engine actor.
-    key = await gateway.open_rollout.remote("overhead")
+    [key] = await gateway.open_rollouts([RolloutKeyRequest("overhead")])
     overhead_prompt = prompt_token_ids(tokenizer, records[0]["messages"], records[0]["tools"])
     body = {
         "model": "student",
@@ -215,11 +219,11 @@ async def run(
             started = time.perf_counter()
             await engine.generate.remote(overhead_prompt, max_tokens=1, temperature=1.0)
             engine_ms.append(1000 * (time.perf_counter() - started))
-    await gateway.close_rollout.remote(key)
+    await gateway.close_rollout(key)
     await agentic.close()
     await builtin.close()
     await pool.shutdown()
-    await gateway.shutdown.remote()
+    await host.shutdown.remote()
     await engine.shutdown.remote()
     ray.kill(engine)
 

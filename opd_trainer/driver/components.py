@@ -1,6 +1,7 @@
 """A job's running parts: started once, handed to every phase as one frozen `Components`.
 
-`start_components` starts the engines (student, teacher), the learner, the recording gateways and the
+`start_components` starts the engines (student, teacher), the learner, the recording gateways (one
+process: `rollout/gateway_host.py`) and the
 user's worker pools, and returns them only when all are up. Everything it starts is registered in a
 `Started` as soon as it exists, so `Started.stop()` stops what a start-up that failed half-way left
 running as well as a finished job's parts.
@@ -31,7 +32,7 @@ from opd_trainer.jobspec.preflight import preflight_models
 from opd_trainer.learner.deepspeed_learner import LearnerGroup
 from opd_trainer.learner.settings import LearnerSettings
 from opd_trainer.rollout.chat import prompt_token_ids
-from opd_trainer.rollout.gateway import GatewayActor
+from opd_trainer.rollout.gateway_host import GatewayHostActor, GatewayRef
 from opd_trainer.rollout.runner import STUDENT_MODEL_NAME, TEACHER_MODEL_NAME, AuxiliaryModel, RolloutRunner
 from opd_trainer.workers.pool import user_code_resources
 from opd_trainer.workers.sandbox import (
@@ -64,7 +65,7 @@ class Components:
     runner: RolloutRunner
     teacher_runner: RolloutRunner | None
     pools: tuple[Any, ...]
-    gateways: tuple[Any, ...]  # the recording gateways' actors (student's, teacher's)
+    gateways: tuple[Any, ...]  # the gateway host's actor (the student's and the teacher's gateways)
 
     def prompt(self, sample: Sample) -> list[int]:
         return prompt_token_ids(self.tokenizer, sample.messages, sample.tools, self.spec.chat_template_kwargs)
@@ -147,29 +148,27 @@ async def start_components(
     world_size = max(1, spec.resources.learner_gpus)
     _check_rank_split(spec, world_size)
     emit("status", "starting engines and learner")
-    # The gateways (vLLM's request validation and tool-call parser: a vLLM import of their own)
-    # start beside the engines and learner; they get their engines once those are up.
-    gateway = _new_gateway(spec, max_length, spec.model, STUDENT_MODEL_NAME)
-    started.gateways.append(gateway)
-    teacher_gateway = None
-    if validates or spec.auxiliary_models:
-        teacher_gateway = _new_gateway(spec, max_length, spec.default_teacher_model, TEACHER_MODEL_NAME)
-        started.gateways.append(teacher_gateway)
-    gateways_ready = [g.ready.remote() for g in started.gateways]
+    # The gateways (vLLM's request validation and tool-call parser: a vLLM import of their own, in one
+    # process for the job) start beside the engines and learner; they get their engines once those are up.
+    serves_teacher = validates or bool(spec.auxiliary_models)
+    host = _new_gateway_host(spec, max_length, serves_teacher)
+    started.gateways.append(host)
+    gateways_ready = host.ready.remote()
     student, teachers, learner = await _start_engines_and_learner(
         spec, job_id, (max_length, total_updates, world_size), started, teacher_sharing
     )
     transfers = await _learner_handoffs(spec, student, learner, (run_dir, storage_token), emit)
+    gateway = GatewayRef(host, STUDENT_MODEL_NAME)
     base_url = await _serve_gateway(gateway, student)
     pools = await _start_pools(spec, job_id, validates, sandbox, started, emit)
-    teacher_url = None
-    if teacher_gateway is not None:
-        teacher_url = await _serve_gateway(teacher_gateway, teachers.default)
-    teacher_side = (teacher_gateway, teacher_url)
+    teacher_side: tuple[GatewayRef | None, str | None] = (None, None)
+    if serves_teacher:
+        teacher_gateway = GatewayRef(host, TEACHER_MODEL_NAME)
+        teacher_side = (teacher_gateway, await _serve_gateway(teacher_gateway, teachers.default))
     runner, teacher_runner = _runners(spec, job_id, (gateway, base_url), teacher_side, pools, validates)
     started.runners.extend(r for r in (runner, teacher_runner) if r is not None)
     # vLLM's tool-call parsers loaded in the gateways meanwhile; a bad parser name fails here.
-    await asyncio.gather(*gateways_ready)
+    await gateways_ready
     return Components(
         spec=spec,
         job_id=job_id,
@@ -253,8 +252,8 @@ async def _start_engines_and_learner(
 def _runners(
     spec: JobSpec,
     job_id: str,
-    student: tuple[Any, str],
-    teacher: tuple[Any, str | None],
+    student: tuple[GatewayRef, str],
+    teacher: tuple[GatewayRef | None, str | None],
     pools: _Pools,
     validates: bool,
 ) -> tuple[RolloutRunner, RolloutRunner | None]:
@@ -263,20 +262,22 @@ def _runners(
     auxiliary model the job names."""
     hp = spec.hyper_parameters
     teacher_gateway, teacher_url = teacher
+    auxiliary = {}
+    if teacher_gateway is not None and teacher_url is not None:
+        teacher_model = AuxiliaryModel(teacher_gateway, teacher_url, TEACHER_MODEL_NAME)
+        # every value of auxiliary_models is "teacher", the only model served
+        auxiliary = dict.fromkeys(spec.auxiliary_models, teacher_model)
     options: dict[str, Any] = {
         "max_tokens": hp.max_tokens,
         "temperature": hp.temperature,
         "rollout_pool": pools.rollout,
         "reward_pools": pools.rewards,
         "evaluator_pool": pools.evaluator,
-        "auxiliary_models": {
-            name: AuxiliaryModel(teacher_gateway, teacher_url, TEACHER_MODEL_NAME)
-            for name in spec.auxiliary_models  # every value is "teacher", the only model served
-        },
+        "auxiliary_models": auxiliary,
     }
     runner = RolloutRunner(job_id, *student, **options)
     teacher_runner = None
-    if teacher_url is not None and validates:
+    if teacher_gateway is not None and teacher_url is not None and validates:
         teacher_runner = RolloutRunner(job_id, teacher_gateway, teacher_url, **options)
     return runner, teacher_runner
 
@@ -326,19 +327,21 @@ def _engine_config(
     )
 
 
-def _new_gateway(spec: JobSpec, max_length: int, model: str, served_name: str) -> Any:
-    """A recording gateway for `model`'s engines (given later, `_serve_gateway`), on this driver's
-    node: a zero-CPU actor fits anywhere, and one Ray put on a worker node would take the job down
-    with that node (seen in CI: the gateway landed on the processor pools' node, killed)."""
+def _new_gateway_host(spec: JobSpec, max_length: int, serves_teacher: bool) -> Any:
+    """The job's gateway host with the student's recording gateway and, with `serves_teacher`, the
+    teacher's (engines given later, `_serve_gateway`), on this driver's node: a zero-CPU actor fits
+    anywhere, and one Ray put on a worker node would take the job down with that node (seen in CI: a
+    gateway landed on the processor pools' node, killed)."""
     hp = spec.hyper_parameters
     this_node = ray.get_runtime_context().get_node_id()
     beside_the_driver = NodeAffinitySchedulingStrategy(this_node, soft=False)
-    return GatewayActor.options(  # type: ignore[attr-defined]
+    models = {STUDENT_MODEL_NAME: spec.model}
+    if serves_teacher:
+        models[TEACHER_MODEL_NAME] = spec.default_teacher_model
+    return GatewayHostActor.options(  # type: ignore[attr-defined]
         num_cpus=0, scheduling_strategy=beside_the_driver
     ).remote(
-        served_name,
-        model,
-        [],
+        models,
         max_tokens=hp.max_tokens,
         temperature=hp.temperature,
         max_length=max_length,
@@ -347,12 +350,13 @@ def _new_gateway(spec: JobSpec, max_length: int, model: str, served_name: str) -
     )
 
 
-async def _serve_gateway(gateway: Any, engines: EngineGroup) -> str:
+async def _serve_gateway(gateway: GatewayRef, engines: EngineGroup) -> str:
     """Hands `gateway` its engines and starts its HTTP server; returns the base URL."""
-    await gateway.set_engines.remote(engines.actors)
+    await gateway.host.set_engines.remote(gateway.model_name, engines.actors)
     # On a cluster the rollout workers may sit on other nodes: listen on every interface there.
     single_node = sum(1 for node in ray.nodes() if node.get("Alive")) <= 1
-    return await gateway.serve.remote("127.0.0.1" if single_node else "0.0.0.0")  # type: ignore[no-any-return]
+    url: str = await gateway.host.serve.remote(gateway.model_name, "127.0.0.1" if single_node else "0.0.0.0")
+    return url
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,14 +31,13 @@ from opd_trainer.jobspec.dataset import Sample, ground_truth_of
 from opd_trainer.jobspec.job_spec import FunctionComponent
 from opd_trainer.records import LLMCall
 from opd_trainer.rollout.gateway import RolloutKeyRequest
+from opd_trainer.rollout.gateway_host import GatewayRef
 from opd_trainer.rollout.trajectory_view import CallTokens, mean_log_ratio
 from opd_trainer.sdk import PROMPT_MESSAGES_KEY, AgentOutput, ModelResource, TaskStatus, is_rollout_failure
 from opd_trainer.stats import mean
 
 if TYPE_CHECKING:
     from collections.abc import Callable
-
-    from ray.actor import ActorHandle
 
     from reward_workers.pool import RewardPool
     from rollout_workers.pool import RolloutPool
@@ -96,9 +95,10 @@ async def post_json(
 @dataclass(frozen=True)
 class AuxiliaryModel:
     """A model served to processors besides the student (job field `auxiliary_models`): a gateway of its
-    own, whose recorded calls are dropped when the rollout ends (never trained, never scored)."""
+    own (in the job's gateway host), whose recorded calls are dropped when the rollout ends (never
+    trained, never scored)."""
 
-    gateway: ActorHandle
+    gateway: GatewayRef
     base_url: str
     model_name: str
 
@@ -177,7 +177,7 @@ class RolloutRunner:
     def __init__(
         self,
         job_id: str,
-        gateway: ActorHandle,
+        gateway: GatewayRef,
         base_url: str,
         *,
         max_tokens: int,
@@ -271,12 +271,12 @@ class RolloutRunner:
     ) -> list[RolloutKeys]:
         """For each rollout, its student key (sampling at `temperature`, None: the job's) and a greedy key
         per auxiliary model, opened in one Ray call per gateway rather than one per rollout."""
-        student = await self.gateway.open_rollouts.remote(
+        student = await self.gateway.open_rollouts(
             [RolloutKeyRequest(r, temperature, seed) for r, seed in zip(rollout_ids, seeds, strict=True)]
         )
         auxiliary: list[dict[str, ModelResource]] = [{} for _ in rollout_ids]
         for name, model in self.auxiliary_models.items():
-            keys = await model.gateway.open_rollouts.remote(
+            keys = await model.gateway.open_rollouts(
                 [RolloutKeyRequest(r, 0.0, seed) for r, seed in zip(rollout_ids, seeds, strict=True)]
             )
             for resources, key in zip(auxiliary, keys, strict=True):
@@ -318,7 +318,7 @@ class RolloutRunner:
         except Exception as exc:  # one broken rollout must not fail the step
             result.error = f"{type(exc).__name__}: {exc}"
         finally:
-            result.calls = await self.gateway.close_rollout.remote(key)
+            result.calls = await self.gateway.close_rollout(key)
         if result.failed:
             return
         # The evaluator first: a reward that fails must not hide the sample from the evaluator.
@@ -331,7 +331,7 @@ class RolloutRunner:
         calls = 0
         for name, resource in resources.items():
             gateway = self.auxiliary_models[name].gateway
-            calls += len(await gateway.close_rollout.remote(resource.api_key.get_secret_value()))
+            calls += len(await gateway.close_rollout(resource.api_key.get_secret_value()))
         return calls
 
     async def _evaluate(self, result: RolloutResult, auxiliary: dict[str, ModelResource]) -> None:

@@ -20,6 +20,7 @@ from opd_trainer.jobspec.dataset import Sample
 from opd_trainer.jsonl import read_jsonl
 from opd_trainer.rollout import runner as rollout_runner
 from opd_trainer.rollout.gateway import GatewayActor
+from opd_trainer.rollout.gateway_host import GatewayHostActor, GatewayRef
 from opd_trainer.rollout.runner import RolloutRunner
 
 pytestmark = pytest.mark.integration
@@ -409,8 +410,17 @@ def test_builtin_rollouts_survive_a_pause_longer_than_the_gateways_keep_alive(
     in which the driver's loop is busy (3 s, e.g. starved of cores after a validation), so each pooled
     connection's FIN is not read before the next step's rollouts write into it. Every rollout of the
     next step succeeds, with exactly one recorded call: the retried requests had never been sent."""
-    actor, base_url = _student_gateway(student_engine, tiny_models, keep_alive_s=1.0)
-    runner = RolloutRunner("keep-alive", actor, base_url, max_tokens=8, temperature=1.0)
+    # As a job's driver has it: the student's gateway in a gateway host.
+    host = GatewayHostActor.remote(  # type: ignore[attr-defined]
+        {"student": str(tiny_models.student)},
+        max_tokens=MAX_TOKENS,
+        temperature=1.0,
+        max_length=1024,
+        keep_alive_s=1.0,
+    )
+    ray.get(host.set_engines.remote("student", [student_engine]))
+    base_url = ray.get(host.serve.remote("student"))
+    runner = RolloutRunner("keep-alive", GatewayRef(host, "student"), base_url, max_tokens=8, temperature=1.0)
     samples = [Sample("keep-alive.jsonl", i, tool_call_record["messages"], None) for i in range(2)]
     open_keys = runner._open_keys
 
@@ -434,8 +444,8 @@ def test_builtin_rollouts_survive_a_pause_longer_than_the_gateways_keep_alive(
     try:
         second = asyncio.run(two_steps())
     finally:
-        ray.get(actor.shutdown.remote())
-        ray.kill(actor)
+        ray.get(host.shutdown.remote())
+        ray.kill(host)
     assert [r.error for r in second] == [""] * 4
     assert [len(r.calls) for r in second] == [1] * 4
     # Not vacuous: the pooled connections were closed under the rollouts, and their requests retried.

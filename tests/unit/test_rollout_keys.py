@@ -1,8 +1,8 @@
 """A step's rollout keys: opened in one gateway call per model (`Gateway.open_rollouts`), each with its
 rollout's seed and temperature, handed to that rollout only, and closed when it ends.
 
-The gateways are real `Gateway` objects called in-process; a fake rollout pool stands in for the Ray
-workers (the real path: tests/integration).
+The gateways are real `Gateway` objects in real `GatewayHost`s, called in-process; a fake rollout pool
+stands in for the Ray workers (the real path: tests/integration).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import pytest
 from opd_trainer.jobspec.dataset import Sample
 from opd_trainer.records import LLMCall
 from opd_trainer.rollout.gateway import Gateway, RolloutKeyRequest
+from opd_trainer.rollout.gateway_host import GatewayHost, GatewayRef
 from opd_trainer.rollout.runner import AuxiliaryModel, RolloutRunner
 from opd_trainer.sdk import AgentOutput, ModelResource, RolloutOutput
 
@@ -78,6 +79,13 @@ def gateway(name: str) -> Gateway:
     return Gateway(name, "unused-tokenizer", [], max_tokens=8, temperature=1.0, max_length=64)
 
 
+def hosted(name: str) -> tuple[Gateway, InProcessActor, GatewayRef]:
+    """A host with one gateway answering as `name`: the gateway, the host as an actor, the runner's ref."""
+    host = GatewayHost({name: "unused-tokenizer"}, max_tokens=8, temperature=1.0, max_length=64)
+    actor = InProcessActor(host)
+    return host._gateway(name), actor, GatewayRef(actor, name)
+
+
 def test_open_rollouts_opens_one_key_per_request_in_order() -> None:
     student = gateway("student")
     keys = student.open_rollouts(
@@ -93,17 +101,19 @@ def test_open_rollouts_opens_one_key_per_request_in_order() -> None:
 
 @pytest.mark.parametrize("validating", [False, True])
 def test_a_step_opens_its_keys_in_one_call_per_gateway_and_closes_each(validating: bool) -> None:
-    student, judge = gateway("student"), gateway("teacher")
-    student_actor, judge_actor = InProcessActor(student), InProcessActor(judge)
+    (student, student_actor, student_ref), (judge, judge_actor, judge_ref) = (
+        hosted("student"),
+        hosted("teacher"),
+    )
     pool = RecordingPool(student)
     runner = RolloutRunner(
         "job",
-        student_actor,
+        student_ref,
         "http://student/v1",
         max_tokens=8,
         temperature=1.0,
         rollout_pool=pool,  # type: ignore[arg-type]
-        auxiliary_models={"judge": AuxiliaryModel(judge_actor, "http://teacher/v1", "teacher")},
+        auxiliary_models={"judge": AuxiliaryModel(judge_ref, "http://teacher/v1", "teacher")},
     )
     samples = [Sample("train.jsonl", i, [{"role": "user", "content": f"q{i}"}], None) for i in range(3)]
     seeds = [10, 11, 12, 13, 14, 15, 99]  # longer than needed: the extra seed is not used
