@@ -55,6 +55,9 @@ class LLMCall:
     preference_pairs: tuple[tuple[int, int], ...] = ()
     """(pair id, +1 chosen / -1 rejected) of each turn-level preference pair this call is an action of
     (learner/turn_preference.py; empty unless `turn_preference_coef`)."""
+    distilled: bool = True
+    """The distillation loss trains on this call's tokens. False for a beacon's rewrite of a turn
+    (driver/beacons.py): not the student's own sample, trained only as its pair's chosen action."""
     teacher_saw_note: bool = False
     """The teacher scored this call with the reference in its context (driver/teacher_hindsight.py)."""
     teacher_name: str = ""

@@ -10,7 +10,8 @@ its metrics:
   teacher scores on exactly the student's tokens (its top-k too when the estimator needs it), as soon
   as the rollout ends, not when the batch ends.
 - **reward** (`shape_signal`): drops segments staler than `max_staleness`, adds the hindsight signal
-  and the turn-level preference pairs.
+  and the turn-level preference pairs; with `beacon_rewrite`, the turns that got a tool error are
+  written again with a hindsight beacon and paired against themselves (`driver/beacons.py`).
   The rollout's own reward came from the user's reward workers during sampling.
 - **learn**: the learner's update on mini-batches of whole rollouts (`minibatches`).
 - **publish**: the new weights to every student replica (`Components.publish_weights`).
@@ -28,7 +29,9 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
+from opd_trainer.driver.beacons import rewrite_with_beacons
 from opd_trainer.driver.components import Components
+from opd_trainer.driver.seeds import request_seed
 from opd_trainer.driver.teacher_hindsight import hindsight_notes, teacher_inputs, without_leaks
 from opd_trainer.driver.teachers import TeacherEngines
 from opd_trainer.errors import OPDError
@@ -51,11 +54,6 @@ from opd_trainer.workers.pool import pool_metrics
 TRAJECTORIES_PER_STEP = 16
 
 Scorer = Callable[[list[RolloutResult]], Awaitable[list[LLMCall]]]
-
-
-def request_seed(job_seed: int, step: int, index: int) -> int:
-    """A distinct, reproducible sampler seed per (step, request): resumed runs resample identically."""
-    return (job_seed * 1_000_003 + step * 10_007 + index) % (2**31 - 1)
 
 
 def reverse_kl_metrics(
@@ -350,12 +348,17 @@ async def train_step(
         named = ("staleness/dropped_segments", "hindsight/leaked_rollouts")
         dropped = {name: signal_metrics[name] for name in named if name in signal_metrics}
         raise OPDError(f"step {step + 1}: no segment left to train; the signal phase dropped {dropped}")
+    rewrites: list[LLMCall] = []  # chosen actions the preference term trains, never distilled
+    if hp.beacon_rewrite != "off":
+        segments, rewrites, beacon_metrics = await rewrite_with_beacons(c, results, segments, step)
+        signal_metrics.update(beacon_metrics)
+        phases.done("beacons")
     # The first trajectories with the teacher's view of each trained token (failed rollouts and calls
     # whose segment was dropped have none). Each distinct id is decoded once: 16 trajectories of
     # 3 x 512 tokens took 30-100 ms with the JSON written, on a busy 2-core CPU (2026-12-04).
     log.trajectories(scored_trajectories(results[:TRAJECTORIES_PER_STEP], segments, c.tokenizer, step + 1))
     phases.done("record")  # the signal phase and the recorded trajectories, apart from the learner's time
-    updates = minibatches(segments, hp.ppo_mini_batch_size)
+    updates = minibatches(segments + rewrites, hp.ppo_mini_batch_size)
     if hp.turn_preference_coef > 0:
         signal_metrics["preference/split_pairs"] = float(pairs_split_across(updates))
     learner_metrics = await c.learner.train_step(updates)

@@ -46,6 +46,8 @@ if TYPE_CHECKING:
 NOTE_HEADER = "Hindsight for scoring (never shown to the assistant being trained):"
 NOTE = NOTE_HEADER + " a correct final answer to this task is: {reference}"
 OUTCOME_NOTE = NOTE_HEADER + " after this reply, the tools answered: {results}"
+BEACON_HEADER = "Hindsight beacon (what followed this point in an earlier attempt; never shown in training):"
+"""The header of a hindsight beacon (`driver/beacons.py`): the model that rewrites a turn reads it."""
 
 
 # A trained reply that carries the notes' own wording learned the note, not the task (seed 003's leakage
@@ -58,15 +60,16 @@ def _words(text: str) -> list[str]:
     return re.findall(r"[a-z0-9']+", text.lower())
 
 
-_HEADER_WORDS = _words(NOTE_HEADER)
 NOTE_RUNS = frozenset(
-    tuple(_HEADER_WORDS[i : i + LEAK_WORDS]) for i in range(len(_HEADER_WORDS) - LEAK_WORDS + 1)
+    tuple(words[i : i + LEAK_WORDS])
+    for words in (_words(NOTE_HEADER), _words(BEACON_HEADER))
+    for i in range(len(words) - LEAK_WORDS + 1)
 )
 
 
 def carries_note_wording(text: str) -> bool:
-    """`text` holds `LEAK_WORDS` consecutive words of the hindsight notes' header (not of what a note
-    reports: a reply may well state the reference answer, never "hindsight for scoring ...")."""
+    """`text` holds `LEAK_WORDS` consecutive words of the hindsight notes' or beacons' header (not of
+    what a note reports: a reply may well state the reference answer, never "hindsight for scoring ...")."""
     words = _words(text)
     return any(tuple(words[i : i + LEAK_WORDS]) in NOTE_RUNS for i in range(len(words) - LEAK_WORDS + 1))
 
@@ -78,11 +81,11 @@ def without_leaks(segments: list[LLMCall]) -> tuple[list[LLMCall], int]:
     return [s for s in segments if s.rollout_id not in leaked], len(leaked)
 
 
-def outcome_notes(calls: list[LLMCall], final_messages: list[dict[str, Any]]) -> list[str | None]:
-    """Per call of one rollout (call order), the note on what the tools answered after it: the tool
-    messages between its conversation plus its reply and the next call's conversation (the rollout's
-    final messages after the last call); None where no tool answered it."""
-    notes: list[str | None] = []
+def tool_answers(calls: list[LLMCall], final_messages: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Per call of one rollout (call order), the tool messages that answered it: those between its
+    conversation plus its reply and the next call's conversation (the rollout's final messages after the
+    last call); [] where no tool answered it, or the call recorded no messages."""
+    answers: list[list[dict[str, Any]]] = []
     for index, call in enumerate(calls):
         after = calls[index + 1].messages if index + 1 < len(calls) else final_messages
         start = len(call.messages) + 1  # the call's conversation, then its reply
@@ -90,8 +93,18 @@ def outcome_notes(calls: list[LLMCall], final_messages: list[dict[str, Any]]) ->
         for message in after[start:] if call.messages else []:
             if message.get("role") != "tool":
                 break
-            following.append(str(message.get("content") or ""))
-        notes.append(OUTCOME_NOTE.format(results=" | ".join(following)) if following else None)
+            following.append(message)
+        answers.append(following)
+    return answers
+
+
+def outcome_notes(calls: list[LLMCall], final_messages: list[dict[str, Any]]) -> list[str | None]:
+    """Per call of one rollout (call order), the note on what the tools answered after it
+    (`tool_answers`); None where no tool answered it."""
+    notes: list[str | None] = []
+    for answers in tool_answers(calls, final_messages):
+        results = " | ".join(str(m.get("content") or "") for m in answers)
+        notes.append(OUTCOME_NOTE.format(results=results) if answers else None)
     return notes
 
 
@@ -142,7 +155,7 @@ def teacher_inputs(
     for call, note in calls:
         prompt = call.prompt_token_ids
         if note is not None:
-            with_note_ids = _noted_prompt(tokenizer, call, note)
+            with_note_ids = noted_prompt(tokenizer, call, note)
             if with_note_ids and len(with_note_ids) + len(call.completion_token_ids) <= max_length:
                 prompt = with_note_ids
         pairs.append((prompt, call.completion_token_ids))
@@ -150,8 +163,9 @@ def teacher_inputs(
     return TeacherInputs(pairs, noted)
 
 
-def _noted_prompt(tokenizer: PreTrainedTokenizerBase, call: LLMCall, note: str) -> list[int]:
-    """The call's prompt re-rendered with `note`; [] when its messages do not rebuild its prompt."""
+def noted_prompt(tokenizer: PreTrainedTokenizerBase, call: LLMCall, note: str) -> list[int]:
+    """The call's prompt re-rendered with `note` (`with_note`); [] when its messages do not rebuild its
+    prompt, or its template refuses the note."""
     if not call.messages:
         return []
     rebuilt = prompt_token_ids(tokenizer, call.messages, call.tools, call.template_kwargs)

@@ -17,7 +17,8 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from opd_trainer.driver.components import Components, Emit
-from opd_trainer.driver.step import request_seed, reverse_kl_metrics, teacher_segments
+from opd_trainer.driver.seeds import request_seed
+from opd_trainer.driver.step import reverse_kl_metrics, teacher_segments
 from opd_trainer.jobspec.dataset import Sample
 from opd_trainer.records import LLMCall
 from opd_trainer.rollout.agent_eval import agent_metrics, pass_at_k, success_by_threshold

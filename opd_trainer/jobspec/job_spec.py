@@ -333,6 +333,36 @@ class HyperParameters(_Strict):
         description="DPO's beta of the turn-level preference term: the scale of the log-ratio margin "
         "inside the sigmoid (larger: the preference saturates sooner).",
     )
+    beacon_rewrite: Literal["off", "teacher", "student"] = Field(
+        default="off",
+        description="Hindsight beacons (opd_trainer/driver/beacons.py, seed 003): each trained turn whose "
+        "tool calls got an error answer is written again, greedily, by the teacher ('teacher') or the "
+        "student's engines ('student'), with a beacon saying what the turn did and what the tools answered "
+        "in its context; the rewrite becomes the chosen action of a preference pair against the original "
+        "turn, for the turn's own context (the beacon is never in what is trained), weighted by "
+        "`turn_preference_coef`, which must be above 0. A rewrite that repeats the turn, is cut off or "
+        "carries the beacon's wording is dropped. Per step: `beacons/turns`, `beacons/pairs`, "
+        "`beacons/unchanged`, `beacons/cut_off`, `beacons/leaked`, `beacons/skipped`. 'off' (default).",
+    )
+
+    beacon_temperature: float = Field(
+        default=0.0,
+        ge=0,
+        description="Sampling temperature of a beacon's rewrite (`beacon_rewrite`): 0 (default) is greedy, "
+        "the rewriting model's most likely reply given the beacon; above 0 samples, seeded per step and "
+        "turn (a model that does not act on the beacon greedily repeats the turn: `beacons/unchanged`).",
+    )
+
+    @field_validator("beacon_rewrite")
+    @classmethod
+    def _beacons_train_as_pairs(cls, value: str, info: ValidationInfo) -> str:
+        if value != "off" and info.data.get("turn_preference_coef", 0.0) <= 0:
+            raise ValueError(
+                "each rewrite trains as a preference pair's chosen action: set "
+                "hyper_parameters.turn_preference_coef above 0"
+            )
+        return value
+
     teacher_hindsight: Literal["none", "reference", "outcome"] = Field(
         default="none",
         description="Hindsight for the teacher (opd_trainer/driver/teacher_hindsight.py): a system note "
@@ -776,6 +806,11 @@ class JobSpec(_Strict):
         names = [f.name for f in self.functions]
         if len(names) != len(set(names)):
             raise ValueError("component names must be unique")
+        if self.hyper_parameters.beacon_rewrite != "off" and not self.rollout_components:
+            raise ValueError(
+                "hyper_parameters.beacon_rewrite rewrites turns whose tool calls got an error: it needs a "
+                "rollout component whose agent runs tools"
+            )
         if self.hyper_parameters.teacher_hindsight == "outcome" and not self.rollout_components:
             raise ValueError(
                 "hyper_parameters.teacher_hindsight 'outcome' notes what the tools answered after each call: "

@@ -48,6 +48,10 @@ class LearnerBatch:
     targets_B_T: Tensor
     """[B, W − 1] the token predicted at each position (`input_ids_B_T[:, 1:]`)."""
     mask_B_T: Tensor
+    """[B, W − 1] 1 on the completion tokens the distillation loss trains on (rows of distilled calls)."""
+    completion_mask_B_T: Tensor
+    """[B, W − 1] 1 on every row's completion tokens: what the preference term sums over (a beacon's
+    rewrite is a chosen action there, not a distilled row: `LLMCall.distilled`)."""
     sampler_B_T: Tensor
     teacher_B_T: Tensor
     rewards_B: Tensor
@@ -117,7 +121,8 @@ def pad_segments(segments: list[LLMCall], teacher_top_k: int, device: Any) -> Le
         input_ids_B_T=ids.to(device),
         attention_B_T=attention.to(device),
         targets_B_T=ids[:, 1:].to(device),
-        mask_B_T=mask.to(device),
+        mask_B_T=(mask * torch.tensor([[float(s.distilled)] for s in segments])).to(device),
+        completion_mask_B_T=mask.to(device),
         sampler_B_T=sampler.to(device),
         teacher_B_T=teacher.to(device),
         rewards_B=torch.tensor([s.reward for s in segments], device=device),

@@ -273,7 +273,7 @@ class Learner:
             preference, preference_stats = preference_loss(
                 plain_B_T,
                 batch.teacher_B_T,
-                batch.mask_B_T,
+                batch.completion_mask_B_T,
                 batch.preference_sides_B_P,
                 settings.turn_preference_beta,
             )
@@ -378,7 +378,8 @@ SHARED_METRICS = frozenset({"grad_norm", "lr", "optimizer_updates"})  # equal on
 
 
 def trained_tokens(segments: list[LLMCall]) -> float:
-    return float(sum(len(s.completion_token_ids) for s in segments))
+    """The tokens the distillation loss trains on (a beacon's rewrite is not distilled)."""
+    return float(sum(len(s.completion_token_ids) for s in segments if s.distilled))
 
 
 def reduce_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:

@@ -73,7 +73,8 @@ def _canonical(call: dict[str, Any]) -> str:
     return json.dumps(_function(call), sort_keys=True, ensure_ascii=False)
 
 
-def _is_error(message: dict[str, Any]) -> bool:
+def is_tool_error(message: dict[str, Any]) -> bool:
+    """A tool message that reports an error (this module's docstring says how that is told)."""
     if message.get("status") == "error":
         return True
     content = message.get("content")
@@ -108,7 +109,7 @@ def _turn_succeeded(call: LLMCall, results: dict[str, dict[str, Any]]) -> bool:
         return True
     for tool_call in call.response_message.get("tool_calls") or []:
         answer = results.get(tool_call.get("id", ""))
-        if answer is None or _is_error(answer):
+        if answer is None or is_tool_error(answer):
             return False
     return True
 
@@ -172,7 +173,7 @@ def _repeats_failing_call(result: RolloutResult, results: dict[str, dict[str, An
             if key in failed:
                 return True
             answer = results.get(tool_call.get("id", ""))
-            if answer is not None and _is_error(answer):
+            if answer is not None and is_tool_error(answer):
                 failed.add(key)
     return False
 
@@ -190,11 +191,11 @@ def _correction_metrics(
     if running_tools:
         repeats = [float(_repeats_failing_call(r, results_of[id(r)])) for r in running_tools]
         metrics["agent/repeated_failing_call_share"] = mean(repeats)
-    erred = [r for r in running_tools if any(_is_error(m) for m in results_of[id(r)].values())]
+    erred = [r for r in running_tools if any(is_tool_error(m) for m in results_of[id(r)].values())]
     if erred:
         metrics["agent/recovery_after_error"] = mean([float(bool(succeeded(r))) for r in erred])
     wrong_history = [
-        r for r in results if any(m.get("role") == "tool" and _is_error(m) for m in r.sample.messages)
+        r for r in results if any(m.get("role") == "tool" and is_tool_error(m) for m in r.sample.messages)
     ]
     if wrong_history:
         metrics["agent/self_correction_success"] = mean([float(bool(succeeded(r))) for r in wrong_history])

@@ -2,7 +2,8 @@
 worker pool, through the gateway, and its reward judges them in another; validation reports the
 agent-level metrics. Run on the demo's tiny teacher as the student (it makes the first call right, so
 moved items really answer with errors), with the turn-level hindsight term, the turn-level preference
-term and `teacher_hindsight: outcome` on."""
+term, hindsight beacons (the teacher rewrites each turn that got an error: the pipeline, not a method for
+this task, whose errors the agent cannot foresee) and `teacher_hindsight: outcome` on."""
 
 from __future__ import annotations
 
@@ -49,6 +50,10 @@ def test_self_correction_episodes_train_and_validate(
         hindsight_coef=1.0,
         teacher_hindsight="outcome",
         turn_preference_coef=1.0,
+        beacon_rewrite="teacher",
+        # Sampled: the tiny teacher does not read a system note, and greedily repeats the turn (at 1.0,
+        # 9 of 10 rewrites repeated it; at 2.0, 9 of 10 differed).
+        beacon_temperature=2.0,
     )
     run_dir = tmp_path / "run"
     driver = ray.remote(JobDriver).options(num_cpus=0).remote(type(spec).model_validate(data), str(run_dir))
@@ -68,6 +73,17 @@ def test_self_correction_episodes_train_and_validate(
     assert step["preference/pairs"] == step["hindsight/turns_up"] == step["hindsight/turns_down"], step
     for count in ("conflicting", "duplicates", "split_pairs"):
         assert step[f"preference/{count}"] == 0, step
+    # Beacons: every turn that got a tool error was rewritten by the real teacher engine, and each
+    # rewrite was either paired (and trained by the preference term) or dropped for a counted reason.
+    beacons = {
+        name: step[f"beacons/{name}"]
+        for name in ("turns", "pairs", "unchanged", "cut_off", "leaked", "skipped")
+    }
+    assert beacons["turns"] == sum(v for k, v in beacons.items() if k != "turns"), beacons
+    assert step["rollout/tool_errors"] > 0 and beacons["turns"] >= 1, (step["rollout/tool_errors"], beacons)
+    assert beacons["pairs"] >= 1 and step["time/beacons_s"] > 0, beacons
+    # The learner trained them: DPO's loss on whole pairs (one mini-batch of 16 holds every one).
+    assert 0 < step["preference/loss"] < 10 and 0 <= step["preference/accuracy"] <= 1, step
     evals = [r for r in records if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == [0, 1]
     for record in evals:

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from chatml_tokenizer import TEMPLATE, chatml_tokenizer
 
 from opd_trainer.driver.teacher_hindsight import (
     hindsight_notes,
@@ -28,10 +29,6 @@ from opd_trainer.jobspec.job_spec import parse_job_spec
 from opd_trainer.records import LLMCall
 from opd_trainer.rollout.chat import prompt_token_ids
 
-TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 NO_SYSTEM_TEMPLATE = (
     "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
     "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
@@ -40,27 +37,9 @@ NO_SYSTEM_TEMPLATE = (
 MESSAGES = [{"role": "user", "content": "what is 2 + 3"}]
 
 
-def _tokenizer(folder: Path, template: str) -> Any:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    words = ["[UNK]", "<|im_start|>", "<|im_end|>", "user", "assistant", "system", "what", "is", "5"]
-    words += ["2", "3", "+", ":", "a", "correct", "final", "answer", "to", "this", "task", "be", "brief"]
-    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        unk_token="[UNK]",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
-    )
-    fast.chat_template = template
-    fast.save_pretrained(str(folder))
-    return AutoTokenizer.from_pretrained(str(folder))
-
-
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    return _tokenizer(tmp_path_factory.mktemp("chatml"), TEMPLATE)
+    return chatml_tokenizer(tmp_path_factory.mktemp("chatml"), TEMPLATE)
 
 
 def _call(tokenizer: Any, messages: list[dict[str, Any]], completion: list[int]) -> LLMCall:
@@ -100,7 +79,7 @@ def test_calls_the_note_cannot_reach_are_scored_as_sampled_and_counted(
     )
     assert [prompt for prompt, _ in inputs.pairs] == [[1, 2, 3], [1, 2, 3], fits.prompt_token_ids]
     assert inputs.noted == [False, False, False]
-    no_system = _tokenizer(tmp_path, NO_SYSTEM_TEMPLATE)
+    no_system = chatml_tokenizer(tmp_path, NO_SYSTEM_TEMPLATE)
     refused = _call(no_system, MESSAGES, [8])
     inputs = teacher_inputs(no_system, [(refused, note)], max_length=512)
     assert inputs.pairs == [(refused.prompt_token_ids, [8])] and inputs.noted == [False]

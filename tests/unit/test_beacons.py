@@ -1,0 +1,253 @@
+"""Hindsight beacons (`driver/beacons.py`, seed 003): a turn whose tool calls got an error is written again
+by a model that reads what followed it, and the rewrite is trained as the chosen action for the turn's
+own context, never distilled, with the beacon nowhere in what is trained.
+
+The engines are fakes that record what they were asked (the real ones: tests/integration); the tokenizer
+is a word-level one with a ChatML-like template.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from chatml_tokenizer import chatml_tokenizer
+
+from opd_trainer.driver.beacons import REWRITE_SEED_OFFSET, beacon_for, rewrite_with_beacons
+from opd_trainer.driver.seeds import request_seed
+from opd_trainer.driver.teacher_hindsight import BEACON_HEADER, with_note
+from opd_trainer.driver.teachers import Scored
+from opd_trainer.engine.vllm_engine import TeacherScores
+from opd_trainer.errors import ConfigError
+from opd_trainer.jobspec.dataset import Sample
+from opd_trainer.jobspec.job_spec import parse_job_spec
+from opd_trainer.learner.batch import pad_segments
+from opd_trainer.learner.deepspeed_learner import trained_tokens
+from opd_trainer.learner.turn_preference import CHOSEN, REJECTED
+from opd_trainer.records import LLMCall
+from opd_trainer.rollout.chat import prompt_token_ids
+from opd_trainer.rollout.runner import RolloutResult
+
+QUESTION = [{"role": "user", "content": "what is 2 + 3"}]
+CALL = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+REPLY = {"role": "assistant", "content": "", "tool_calls": [CALL]}
+ERROR = {"role": "tool", "tool_call_id": "c1", "content": json.dumps({"error": "add takes x and y"})}
+GOOD = {"role": "tool", "tool_call_id": "c1", "content": "5"}
+FINAL = {"role": "assistant", "content": "5"}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return chatml_tokenizer(tmp_path_factory.mktemp("chatml"))
+
+
+def test_a_beacon_says_what_the_turn_did_and_what_the_tools_answered_only_after_an_error() -> None:
+    call = LLMCall([1], [2], [-1.0], response_message=REPLY)
+    beacon = beacon_for(call, [ERROR])
+    assert beacon is not None and beacon.startswith(BEACON_HEADER)
+    assert 'add({"a": 2, "b": 3})' in beacon and "add takes x and y" in beacon
+    assert beacon_for(call, [GOOD]) is None and beacon_for(call, []) is None
+    text_reply = LLMCall([1], [2], [-1.0], text="it is 6")
+    assert '"it is 6"' in (beacon_for(text_reply, [{"role": "tool", "content": "Error: no such tool"}]) or "")
+
+
+class FakeGroup:
+    """An engine group that answers `generate_many` with the completions it is given, in turn."""
+
+    def __init__(self, completions: list[tuple[list[int], str, str]]) -> None:
+        self.completions = list(completions)
+        self.prompts: list[list[int]] = []
+        self.sampling: dict[str, Any] = {}
+        self.seeds: list[int] = []
+
+    async def generate_many(
+        self, prompts: list[list[int]], seeds: list[int], **sampling: Any
+    ) -> list[LLMCall]:
+        self.prompts += prompts
+        self.seeds = seeds
+        self.sampling = sampling
+        out = []
+        for prompt in prompts:
+            ids, text, finish = self.completions.pop(0)
+            out.append(LLMCall(prompt, ids, [-0.5] * len(ids), text=text, finish_reason=finish))
+        return out
+
+
+@dataclasses.dataclass
+class FakeTeachers:
+    groups: dict[str, FakeGroup]
+    scored: list[tuple[list[int], list[int]]] = dataclasses.field(default_factory=list)
+
+    def name_for(self, sample: Sample) -> str:
+        return "teacher"
+
+    async def score_top_k(self, names: list[str], pairs: list[Any], top_k: int) -> list[Scored]:
+        self.scored += pairs
+        return [
+            Scored(
+                TeacherScores(
+                    np.full(len(c), -0.25, dtype=np.float32),
+                    np.zeros((len(c), 0), np.int32),
+                    np.zeros((len(c), 0)),
+                ),
+                "teacher",
+                0.01,
+            )
+            for _, c in pairs
+        ]
+
+
+@dataclasses.dataclass
+class FakeComponents:
+    spec: Any
+    tokenizer: Any
+    teachers: FakeTeachers
+    student: FakeGroup
+    max_length: int = 512
+
+
+AGENT = {"name": "agent", "type": "rollout", "fcmodel": {"zipdir": "/w", "classpath": "a.B"}}
+
+
+def _job(hyper_parameters: dict[str, Any], functions: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "job_name": "beacons",
+        "model": "/m",
+        "teacher_model": "/t",
+        "training_datasets": ["/d.jsonl"],
+        "functions": functions,
+        "hyper_parameters": hyper_parameters,
+    }
+
+
+def _spec(rewriter: str, **hyper_parameters: Any) -> Any:
+    hp = {"turn_preference_coef": 0.5, "beacon_rewrite": rewriter, "max_tokens": 16, **hyper_parameters}
+    return parse_job_spec(_job(hp, [AGENT]))
+
+
+def _rollout(tokenizer: Any, index: int, answer: dict[str, Any], completion: list[int]) -> RolloutResult:
+    """A two-turn rollout: a tool call answered by `answer`, then a final reply."""
+    first = LLMCall(
+        prompt_token_ids(tokenizer, QUESTION), completion, [-1.0] * len(completion),
+        messages=QUESTION, response_message=REPLY, text="add",
+    )  # fmt: skip
+    second_messages = [*QUESTION, REPLY, answer]
+    second = LLMCall(
+        prompt_token_ids(tokenizer, second_messages), [9], [-1.0], messages=second_messages, text="5"
+    )
+    sample = Sample("train.jsonl", 0, QUESTION, None)
+    return RolloutResult(
+        0, index, f"r{index}", sample, [first, second], [*second_messages, FINAL], reward=index
+    )
+
+
+def _segments(results: list[RolloutResult]) -> list[LLMCall]:
+    """As the score phase makes them: copies of the calls with the rollout, reward and teacher scores."""
+    return [
+        dataclasses.replace(
+            c, rollout_id=r.index, group_id=r.group_id, reward=r.reward, teacher_logprobs=[-1.0]
+        )
+        for r in results
+        for c in r.calls
+    ]
+
+
+def test_the_rewrite_is_chosen_for_the_turns_own_prompt_and_never_distilled(tokenizer: Any) -> None:
+    erred, fine = _rollout(tokenizer, 0, ERROR, [7]), _rollout(tokenizer, 1, GOOD, [8])
+    segments = _segments([erred, fine])
+    segments[3] = dataclasses.replace(segments[3], preference_pairs=((0, CHOSEN),))  # a mined pair's
+    teacher = FakeGroup([([6, 6], "add(x=2, y=3)", "stop")])
+    c = FakeComponents(_spec("teacher"), tokenizer, FakeTeachers({"teacher": teacher}), FakeGroup([]))
+
+    marked, rewrites, metrics = asyncio.run(rewrite_with_beacons(c, [erred, fine], segments, 3))  # type: ignore[arg-type]
+
+    assert metrics == {
+        "beacons/turns": 1.0, "beacons/pairs": 1.0, "beacons/unchanged": 0.0,
+        "beacons/cut_off": 0.0, "beacons/leaked": 0.0, "beacons/skipped": 0.0,
+    }  # fmt: skip
+    # The rewriting model read the turn's conversation with the beacon, greedily.
+    [asked] = teacher.prompts
+    beacon = beacon_for(erred.calls[0], [ERROR])
+    assert beacon is not None and asked == prompt_token_ids(tokenizer, with_note(QUESTION, beacon))
+    assert teacher.sampling == {"max_tokens": 16, "temperature": 0.0}
+    assert teacher.seeds == [request_seed(c.spec.hyper_parameters.seed, 3, REWRITE_SEED_OFFSET + 0)]
+    # What is trained: the turn's own prompt (no beacon) and the rewrite's tokens, scored there.
+    [row] = rewrites
+    assert row.prompt_token_ids == segments[0].prompt_token_ids and row.completion_token_ids == [6, 6]
+    assert c.teachers.scored == [(segments[0].prompt_token_ids, [6, 6])]
+    assert row.teacher_logprobs == [-0.25, -0.25] and not row.distilled and row.rollout_id == 0
+    # The pair: a fresh id after the mined pairs', the rewrite chosen, the turn rejected; nothing else marked.
+    assert row.preference_pairs == ((1, CHOSEN),)
+    assert marked[0].preference_pairs == ((1, REJECTED),)
+    assert [s.preference_pairs for s in marked[1:]] == [(), (), ((0, CHOSEN),)]
+    assert all(s.distilled for s in marked)
+
+
+@pytest.mark.parametrize(
+    ("completion", "counted"),
+    [
+        (([7], "add", "stop"), "beacons/unchanged"),  # the turn again
+        (([6, 6], "add(x=2", "length"), "beacons/cut_off"),
+        (([6, 6], "Hindsight beacon (what followed this point ...", "stop"), "beacons/leaked"),
+    ],
+)
+def test_a_rewrite_that_repeats_is_cut_off_or_leaks_the_beacon_is_dropped(
+    tokenizer: Any, completion: tuple[list[int], str, str], counted: str
+) -> None:
+    erred = _rollout(tokenizer, 0, ERROR, [7])
+    student = FakeGroup([completion])
+    c = FakeComponents(_spec("student"), tokenizer, FakeTeachers({"teacher": FakeGroup([])}), student)
+    marked, rewrites, metrics = asyncio.run(rewrite_with_beacons(c, [erred], _segments([erred]), 0))  # type: ignore[arg-type]
+    assert len(student.prompts) == 1  # the student's engines rewrote it
+    assert rewrites == [] and metrics[counted] == 1.0 and metrics["beacons/pairs"] == 0.0
+    assert all(s.preference_pairs == () for s in marked)
+
+
+def test_a_turn_already_chosen_or_whose_prompt_cannot_be_rebuilt_is_skipped(tokenizer: Any) -> None:
+    erred, other = _rollout(tokenizer, 0, ERROR, [7]), _rollout(tokenizer, 1, ERROR, [8])
+    segments = _segments([erred, other])
+    segments[0] = dataclasses.replace(segments[0], preference_pairs=((0, CHOSEN),))
+    segments[2] = dataclasses.replace(segments[2], prompt_token_ids=[1, *segments[2].prompt_token_ids])
+    erred.calls[0] = segments[0]  # the same ids the segment has, so it is found
+    other.calls[0] = dataclasses.replace(other.calls[0], prompt_token_ids=segments[2].prompt_token_ids)
+    c = FakeComponents(_spec("teacher"), tokenizer, FakeTeachers({"teacher": FakeGroup([])}), FakeGroup([]))
+    _, rewrites, metrics = asyncio.run(rewrite_with_beacons(c, [erred, other], segments, 0))  # type: ignore[arg-type]
+    assert rewrites == [] and metrics["beacons/turns"] == 2.0 and metrics["beacons/skipped"] == 2.0
+
+
+def test_a_rewrite_row_carries_the_preference_term_only() -> None:
+    turn = LLMCall([1, 2], [3, 4], [-1.0, -1.0], teacher_logprobs=[-1.0, -1.0])
+    rewrite = dataclasses.replace(
+        turn, completion_token_ids=[5], sampler_logprobs=[-0.5], teacher_logprobs=[-0.5]
+    )
+    rewrite = dataclasses.replace(rewrite, distilled=False)
+    batch = pad_segments([turn, rewrite], 0, "cpu")
+    assert batch.mask_B_T.tolist() == [[0.0, 1.0, 1.0], [0.0, 0.0, 0.0]]
+    assert batch.completion_mask_B_T.tolist() == [[0.0, 1.0, 1.0], [0.0, 1.0, 0.0]]
+    assert trained_tokens([turn, rewrite]) == 2.0
+    assert torch.equal(batch.mask_B_T[0], batch.completion_mask_B_T[0])
+
+
+def test_beacon_rewrite_needs_the_preference_term_and_an_agent() -> None:
+    with pytest.raises(ConfigError, match="turn_preference_coef") as no_term:
+        parse_job_spec(_job({"beacon_rewrite": "teacher"}, [AGENT]))
+    assert no_term.value.field == "hyper_parameters.beacon_rewrite"
+    with pytest.raises(ConfigError, match="rollout component"):
+        parse_job_spec(_job({"beacon_rewrite": "student", "turn_preference_coef": 1.0}, []))
+    assert _spec("teacher").hyper_parameters.beacon_rewrite == "teacher"
+
+
+def test_sampled_rewrites_have_a_seed_per_step_and_turn(tokenizer: Any) -> None:
+    erred, other = _rollout(tokenizer, 0, ERROR, [7]), _rollout(tokenizer, 1, ERROR, [8])
+    student = FakeGroup([([6], "x", "stop"), ([5], "y", "stop")])
+    c = FakeComponents(_spec("student", beacon_temperature=0.7, seed=4), tokenizer, FakeTeachers({}), student)
+    _, rewrites, _ = asyncio.run(rewrite_with_beacons(c, [erred, other], _segments([erred, other]), 2))  # type: ignore[arg-type]
+    assert student.sampling == {"max_tokens": 16, "temperature": 0.7}
+    # Segments 0 and 2 are the two turns that got the error.
+    assert student.seeds == [request_seed(4, 2, REWRITE_SEED_OFFSET + i) for i in (0, 2)]
+    assert [r.completion_token_ids for r in rewrites] == [[6], [5]]
