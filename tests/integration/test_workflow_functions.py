@@ -1,7 +1,8 @@
-"""`tune(...)` with AgentScope-style workflow and judge functions on task records, end to end: the
-workflow's `model` is the gateway-bound chat model (no agentscope installed here), the judge scores the
-workflow's response and asks the teacher for a second opinion (`auxiliary_models`), and validation
-reports the judge's reward and the agent-level layers."""
+"""Workflow and judge functions end to end. `tune(...)` with AgentScope-style functions on task records:
+the workflow's `model` is the gateway-bound chat model (no agentscope in the test environment), the
+judge scores the workflow's response and asks the teacher for a second opinion (`auxiliary_models`),
+and validation reports the judge's reward and the agent-level layers. And AgentScope's own example
+(seed 002) with the real `agentscope`, installed by its workers from the workspace's requirements."""
 
 from __future__ import annotations
 
@@ -10,7 +11,11 @@ import json
 from pathlib import Path
 from types import ModuleType
 
+import ray
+
 from opd_trainer.demo.tiny_models import TinyModels
+from opd_trainer.driver.job_driver import JobDriver
+from opd_trainer.jobspec.job_spec import load_job_spec
 from opd_trainer.jsonl import read_jsonl, write_jsonl
 from opd_trainer.storage.run_dir import RunDir
 from opd_trainer.tuner import AlgorithmConfig, DatasetConfig, TunerModelConfig, tune
@@ -115,3 +120,44 @@ def test_tune_trains_a_workflow_judged_by_a_judge_on_task_records(
     # (teacher 0.625 vs student 0.208 there).
     assert teacher["reward/judge"] >= before["reward/judge"], summary
     assert teacher["agent/tool_call_accuracy"] >= before["agent/tool_call_accuracy"] + 0.2, summary
+
+
+AGENTSCOPE_EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "agentscope_react" / "job.yaml"
+
+
+def test_the_agentscope_example_trains_with_the_real_agentscope_in_its_workers(
+    ray_session: None, tiny_models: TinyModels, tmp_path: Path
+) -> None:
+    """Seed 002's workflow and judge as AgentScope wrote them (`examples/agentscope_react`: a
+    `ReActAgent` on the bound `OpenAIChatModel`, a judge reading `Msg.get_text_content()`). The test
+    environment has no agentscope (AgentScope 1.x, the one with the tuner, needs mcp < 2; vLLM 0.32 needs
+    mcp >= 2): each worker installs the workspace's pinned requirements into its own sandbox, as a
+    user's job would, and runs the real package from there."""
+    spec = load_job_spec(AGENTSCOPE_EXAMPLE)
+    data = spec.model_dump()
+    data.update(model=str(tiny_models.student), teacher_model=str(tiny_models.teacher))
+    run_dir = tmp_path / "run"
+    driver = ray.remote(JobDriver).options(num_cpus=0).remote(type(spec).model_validate(data), str(run_dir))
+    try:
+        ray.get(driver.run.remote())
+    finally:
+        ray.kill(driver)
+
+    records = RunDir(run_dir).records()
+    steps = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["failed_rollouts"] == 0 and r["trained_tokens"] > 0 for r in steps), steps
+    trajectories = [json.loads(line) for line in (run_dir / "trajectories.jsonl").read_text().splitlines()]
+    assert trajectories
+    for trajectory in trajectories:
+        # The ReActAgent called the student through its OpenAIChatModel (recorded by the gateway), and
+        # the judge scored an AgentScope Msg: with anything else, get_text_content() would have raised.
+        assert trajectory["llm_calls"] and not trajectory["failed"], trajectory["error"]
+        assert set(trajectory["component_rewards"]) == {"judge"}, trajectory
+        statuses = {span["name"]: span["status"] for span in trajectory["spans"]}
+        assert statuses == {
+            "Workflow[example_workflow_function]": "OK",
+            "Judge[example_judge_function]": "OK",
+        }, statuses
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert evals and all(r["failed_samples"] == 0 and "reward/judge" in r for r in evals), evals
