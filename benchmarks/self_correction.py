@@ -1,5 +1,5 @@
 """Self-correction study: OPD vs OPD + turn-level hindsight vs OPD + outcome- or turn-level preference
-pairs vs hindsight self-distillation, 3 seeds.
+pairs (with or without hindsight beacons) vs hindsight self-distillation, 3 seeds.
 
 The job is `examples/self_correction_agentic/job.yaml` (an agent whose tool calls sometimes hit a moved
 item and must be repeated on the new id) on the `self_correction` tiny models. Five settings, each for
@@ -13,12 +13,19 @@ work in each):
   whole better episode preferred over the whole worse one (DPO against the teacher's scoring).
 - `opd_turn_preference`: OPD plus the turn-level preference term (`turn_preference_coef`): the same
   parting turns as DPO pairs, the better answer preferred over the worse.
+- `opd_turn_preference_beacons`: the turn-level preference term plus hindsight beacons
+  (`beacon_rewrite: teacher`, `beacon_temperature: 1.0`): each turn whose call got an error is written
+  again by the teacher reading what the tool answered, and the rewrite is preferred over the turn.
+  Seed 003's four-arm ablation is `opd`, `opd_outcome_preference`, `opd_turn_preference` and this one
+  (`--settings`).
 - `self_distill`: no larger teacher: `teacher_model: self` (the frozen initial student) scoring with the
   episode's reference calls in its context (`teacher_hindsight: reference`).
 
-Validation (64 held-out episodes, greedy) reports agent-level task success, turn success and the share
-of episodes that hit a moved item's error and corrected themselves in the next turn. The result is
-compared at the same training seconds (the shortest run's), start-up and evaluation excluded.
+Validation (64 held-out episodes, greedy; with `--pass-k K` also K samples per episode at temperature 1)
+reports agent-level task success, pass@K, turn success, the share of episodes that hit a moved item's
+error and corrected themselves in the next turn, and the loop share (a failing call made again). The
+result is compared at the same training seconds (the shortest run's), start-up and evaluation excluded,
+as the median over seeds with its range.
 
 Launch: `.venv/bin/python benchmarks/self_correction.py --steps 20 --seeds 0 1 2`
 (after `opd make-tiny-models .cache/tiny-models-self-correction --variant self_correction`).
@@ -42,6 +49,13 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "hyper_parameters": {"turn_preference_coef": 1.0, "preference_level": "outcome"}
     },
     "opd_turn_preference": {"hyper_parameters": {"turn_preference_coef": 1.0}},
+    "opd_turn_preference_beacons": {
+        "hyper_parameters": {
+            "turn_preference_coef": 1.0,
+            "beacon_rewrite": "teacher",
+            "beacon_temperature": 1.0,
+        }
+    },
     "self_distill": {"teacher_model": "self", "hyper_parameters": {"teacher_hindsight": "reference"}},
 }
 METRICS = {
@@ -52,29 +66,35 @@ METRICS = {
     "repeated_failing_call_share": "agent/repeated_failing_call_share",
     "recovery_after_error": "agent/recovery_after_error",
 }
+PASS_K_METRIC = "pass_at_k"
 
 
-def spec_for(setting: str, steps: int, eval_every: int, seed: int) -> Any:
+def spec_for(setting: str, steps: int, eval_every: int, seed: int, pass_k: int = 1) -> Any:
     base = job_spec(JOB, max_steps=steps, eval_steps=eval_every, seed=seed)
     data = base.model_dump()
     overrides = SETTINGS[setting]
     data["hyper_parameters"].update(overrides.get("hyper_parameters", {}))
+    data["hyper_parameters"]["eval_pass_k"] = pass_k
     if "teacher_model" in overrides:
         data["teacher_model"] = overrides["teacher_model"]
     return type(base).model_validate(data)
 
 
-def measure(setting: str, steps: int, eval_every: int, seed: int) -> dict[str, Any]:
-    run = run_job(spec_for(setting, steps, eval_every, seed))
+def measure(setting: str, steps: int, eval_every: int, seed: int, pass_k: int = 1) -> dict[str, Any]:
+    run = run_job(spec_for(setting, steps, eval_every, seed, pass_k))
     curve = [
         {"step": r["step"], "train_s": run.train_s_until(r["step"])}
         | {name: r.get(key) for name, key in METRICS.items()}
+        | {PASS_K_METRIC: r.get(f"agent/pass_at_{pass_k}")}
         for r in run.evals
     ]
     return {
         "setting": setting,
         "seed": seed,
         "train_s": run.train_s,
+        "wall_s": run.wall_s,
+        "beacon_pairs": sum(r.get("beacons/pairs", 0.0) for r in run.train),
+        "preference_pairs": sum(r.get("preference/pairs", 0.0) for r in run.train),
         "step_s": statistics.median(r["time/step_s"] for r in run.train),
         "final_reverse_kl": run.train[-1]["reverse_kl"],
         "train_reward": [r.get("reward_mean") for r in run.train],
@@ -93,6 +113,14 @@ def _mean(values: list[float | None]) -> float | None:
     return statistics.mean(present) if present else None
 
 
+def _spread(values: list[float | None]) -> dict[str, float] | None:
+    """Median and range over seeds (None when no seed has the value)."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return None
+    return {"median": statistics.median(present), "min": min(present), "max": max(present)}
+
+
 def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     common_s = min(r["train_s"] for r in runs)
     table: dict[str, Any] = {"common_train_s": common_s}
@@ -103,15 +131,22 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
         row: dict[str, Any] = {
             "seeds": [r["seed"] for r in mine],
             "step_s": statistics.median(r["step_s"] for r in mine),
+            "wall_s": _spread([r.get("wall_s") for r in mine]),
+            "beacon_pairs": [r.get("beacon_pairs") for r in mine],
+            "preference_pairs": [r.get("preference_pairs") for r in mine],
         }
-        for name in METRICS:
+        for name in (*METRICS, PASS_K_METRIC):
             start = [r["curve"][0][name] if r["curve"] else None for r in mine]
             end = [at_seconds(r["curve"], common_s, name) for r in mine]
+            final = [r["curve"][-1][name] if r["curve"] else None for r in mine]  # equal steps and samples
             row[name] = {
                 "start": start,
                 "at_common_s": end,
                 "mean_start": _mean(start),
                 "mean_at_common_s": _mean(end),
+                "at_common_s_spread": _spread(end),
+                "final": final,
+                "final_spread": _spread(final),
             }
         # Sampled episodes (temperature 1) of the last 3 training steps: greedy validation saturates first.
         row["train_reward_last3"] = {
@@ -128,7 +163,8 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colours = {"opd": "tab:blue", "opd_hindsight": "tab:orange", "self_distill": "tab:green"}
+    palette = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")
+    colours = dict(zip(SETTINGS, palette, strict=True))
     fig, axes = plt.subplots(1, 4, figsize=(18, 4.2))
     for run in runs:
         axes[3].plot(
@@ -160,13 +196,14 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
+    parser.add_argument("--pass-k", type=int, default=1, help="validation pass@k samples (1: greedy only)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/self_correction.json"))
     parser.add_argument("--plot", type=Path, default=Path("docs/images/self_correction.png"))
     args = parser.parse_args()
     runs: list[dict[str, Any]] = []
     for seed in args.seeds:
         for setting in args.settings:
-            runs.append(measure(setting, args.steps, args.eval_every, seed))
+            runs.append(measure(setting, args.steps, args.eval_every, seed, args.pass_k))
             last = runs[-1]["curve"][-1] if runs[-1]["curve"] else {}
             print(
                 json.dumps({"setting": setting, "seed": seed, "train_s": runs[-1]["train_s"], **last}),
