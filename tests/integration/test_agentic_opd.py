@@ -9,11 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import ray
+from driver_runs import run_driver
 
 from opd_trainer.demo.tiny_models import TinyModels
 from opd_trainer.demo.tiny_models.serving import TINY_KV_CACHE_BYTES
-from opd_trainer.driver.job_driver import JobDriver
 from opd_trainer.jobspec.job_spec import JobSpec, parse_job_spec
 from opd_trainer.storage.run_dir import RunDir
 
@@ -109,11 +108,7 @@ def _spec(tiny_models: TinyModels, workspace: Path, rollout_classpath: str, **hy
 
 
 def _run(spec: JobSpec, run_dir: Path) -> None:
-    driver = ray.remote(JobDriver).options(num_cpus=0).remote(spec, str(run_dir))
-    try:
-        ray.get(driver.run.remote())
-    finally:
-        ray.kill(driver)
+    run_driver(spec, run_dir)
 
 
 def test_agentic_job_with_two_rewards_reports_the_weighted_reward(

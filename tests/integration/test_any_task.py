@@ -10,13 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import ray
 import yaml
+from driver_runs import run_driver
 from mlflow import MlflowClient
 
 from opd_trainer.cli.main import main
 from opd_trainer.demo.tiny_models import TinyModels
-from opd_trainer.driver.job_driver import JobDriver
 from opd_trainer.jobspec.job_spec import parse_job_spec
 from opd_trainer.jsonl import read_jsonl, write_jsonl
 from opd_trainer.storage.run_dir import RunDir
@@ -38,11 +37,8 @@ SMALL_POOL = {
 
 
 def _run(spec: dict[str, Any], run_dir: Path) -> dict[str, Any]:
-    driver = ray.remote(JobDriver).options(num_cpus=0).remote(parse_job_spec(spec), str(run_dir))
-    try:
-        return ray.get(driver.run.remote())
-    finally:
-        ray.kill(driver)
+    summary: dict[str, Any] = run_driver(parse_job_spec(spec), run_dir)
+    return summary
 
 
 def _events(run_dir: Path) -> list[dict[str, Any]]:

@@ -12,11 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import ray
+from driver_runs import run_driver
 
 from opd_trainer.demo.tiny_models import TinyModels
 from opd_trainer.demo.tiny_models.serving import TINY_KV_CACHE_BYTES
-from opd_trainer.driver.job_driver import JobDriver
 from opd_trainer.jobspec.job_spec import JobSpec, parse_job_spec
 from opd_trainer.jsonl import read_jsonl, write_jsonl
 
@@ -87,11 +86,7 @@ def test_the_default_estimator_lowers_the_kl_and_raises_exact_match(
     48-sample mean) and a KL at most 0.8x the start."""
     spec = _default_job(tiny_models, tmp_path)
     assert spec.hyper_parameters.distill_loss == "topk_forward"  # the default is what is tested
-    driver = ray.remote(JobDriver).options(num_cpus=0).remote(spec, str(tmp_path / "run"))
-    try:
-        summary: dict[str, Any] = ray.get(driver.run.remote())
-    finally:
-        ray.kill(driver)
+    summary: dict[str, Any] = run_driver(spec, tmp_path / "run")
     before, after = summary["student_before"], summary["student_after"]
     measured = (
         f"exact match {before['exact_match']:.3f} -> {after['exact_match']:.3f}, "

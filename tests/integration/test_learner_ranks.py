@@ -21,11 +21,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-import ray
+from driver_runs import run_driver
 
 from opd_trainer.demo.tiny_models import TinyModels
 from opd_trainer.demo.tiny_models.serving import TINY_KV_CACHE_BYTES
-from opd_trainer.driver.job_driver import JobDriver
 from opd_trainer.jobspec.job_spec import JobSpec, parse_job_spec
 from opd_trainer.learner.deepspeed_learner import LearnerGroup
 from opd_trainer.learner.settings import LearnerSettings
@@ -171,11 +170,7 @@ def _zero3_job(tiny_models: TinyModels) -> JobSpec:
 
 
 def _run(spec: JobSpec, run_dir: Path, stop_after: int | None = None) -> None:
-    driver = ray.remote(JobDriver).options(num_cpus=0).remote(spec, str(run_dir))
-    try:
-        ray.get(driver.run.remote(stop_after), timeout=HANG_S)
-    finally:
-        ray.kill(driver)  # and with it the learner ranks and engines it owns
+    run_driver(spec, run_dir, stop_after, timeout=HANG_S)  # killed after: its learner ranks and engines too
 
 
 def _student_weights(run_dir: Path) -> dict[str, Any]:

@@ -9,11 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import ray
+from driver_runs import run_driver
 
 from opd_trainer.demo.tiny_models import TinyModels
 from opd_trainer.demo.tiny_models.serving import TINY_KV_CACHE_BYTES
-from opd_trainer.driver.job_driver import JobDriver
 from opd_trainer.errors import ConfigError
 from opd_trainer.jobspec.job_spec import JobSpec, parse_job_spec
 from opd_trainer.jobspec.preflight import check_same_tokenizer
@@ -56,11 +55,8 @@ def _job(tiny_models: TinyModels, tmp_path: Path, **hyper: Any) -> JobSpec:
 
 
 def _run(spec: JobSpec, run_dir: Path, stop_after: int | None = None) -> dict[str, Any]:
-    driver = ray.remote(JobDriver).options(num_cpus=0).remote(spec, str(run_dir))
-    try:
-        return ray.get(driver.run.remote(stop_after))
-    finally:
-        ray.kill(driver)
+    summary: dict[str, Any] = run_driver(spec, run_dir, stop_after)
+    return summary
 
 
 def _train_records(run_dir: Path) -> list[dict[str, Any]]:

@@ -13,11 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import ray
+from driver_runs import run_driver
 
 from opd_trainer.demo.tiny_models import TinyModels
 from opd_trainer.demo.tiny_models.serving import TINY_KV_CACHE_BYTES
-from opd_trainer.driver.job_driver import JobDriver
 from opd_trainer.jobspec.job_spec import parse_job_spec
 from opd_trainer.jsonl import write_jsonl
 from opd_trainer.storage.run_dir import RunDir
@@ -72,11 +71,7 @@ def test_each_sample_is_scored_by_the_teacher_its_tag_names(
         }
     )
     run_dir = tmp_path / "run"
-    driver = ray.remote(JobDriver).options(num_cpus=0).remote(spec, str(run_dir))
-    try:
-        summary: dict[str, Any] = ray.get(driver.run.remote())
-    finally:
-        ray.kill(driver)
+    summary: dict[str, Any] = run_driver(spec, run_dir)
 
     train = [r for r in RunDir(run_dir).records() if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2]

@@ -13,11 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import ray
+from driver_runs import run_driver
 
 from opd_trainer.demo.tiny_models import TinyModels
 from opd_trainer.demo.tiny_models.serving import TINY_KV_CACHE_BYTES
-from opd_trainer.driver.job_driver import JobDriver
 from opd_trainer.jobspec.job_spec import parse_job_spec
 from opd_trainer.jsonl import read_jsonl, write_jsonl
 from opd_trainer.storage.run_dir import RunDir
@@ -90,11 +89,7 @@ def _job(
 
 
 def _run(spec: Any, run_dir: Path) -> RunDir:
-    driver = ray.remote(JobDriver).options(num_cpus=0).remote(spec, str(run_dir))
-    try:
-        ray.get(driver.run.remote())
-    finally:
-        ray.kill(driver)
+    run_driver(spec, run_dir)
     return RunDir(run_dir)
 
 

@@ -12,11 +12,10 @@ import json
 from pathlib import Path
 
 import pytest
-import ray
+from driver_runs import run_driver
 
 from opd_trainer.demo.tiny_models import TinyModels
 from opd_trainer.demo.tool_routing.self_correction import make_episodes, score_episode
-from opd_trainer.driver.job_driver import JobDriver
 from opd_trainer.jobspec.job_spec import load_job_spec
 from opd_trainer.jsonl import write_jsonl
 from opd_trainer.storage.run_dir import RunDir
@@ -56,11 +55,7 @@ def test_self_correction_episodes_train_and_validate(
         beacon_temperature=2.0,
     )
     run_dir = tmp_path / "run"
-    driver = ray.remote(JobDriver).options(num_cpus=0).remote(type(spec).model_validate(data), str(run_dir))
-    try:
-        ray.get(driver.run.remote())
-    finally:
-        ray.kill(driver)
+    run_driver(type(spec).model_validate(data), run_dir)
 
     records = RunDir(run_dir).records()
     (step,) = [r for r in records if r["kind"] == "train"]

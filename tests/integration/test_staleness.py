@@ -10,10 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import ray
+from driver_runs import run_driver
 
 from opd_trainer.demo.tiny_models import TinyModels
-from opd_trainer.driver.job_driver import JobDriver
 from opd_trainer.jobspec.job_spec import parse_job_spec
 from opd_trainer.jsonl import read_jsonl, write_jsonl
 from opd_trainer.storage.run_dir import RunDir
@@ -47,11 +46,7 @@ def _spec(tiny_models: TinyModels, train: Path, name: str) -> dict[str, Any]:
 
 
 def _run(spec: dict[str, Any], run_dir: Path, stop_after: int | None = None) -> None:
-    driver = ray.remote(JobDriver).options(num_cpus=0).remote(parse_job_spec(spec), str(run_dir))
-    try:
-        ray.get(driver.run.remote(stop_after=stop_after))
-    finally:
-        ray.kill(driver)
+    run_driver(parse_job_spec(spec), run_dir, stop_after)
 
 
 def _batches(run_dir: Path) -> dict[int, list[str]]:

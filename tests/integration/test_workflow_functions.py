@@ -11,10 +11,9 @@ import json
 from pathlib import Path
 from types import ModuleType
 
-import ray
+from driver_runs import run_driver
 
 from opd_trainer.demo.tiny_models import TinyModels
-from opd_trainer.driver.job_driver import JobDriver
 from opd_trainer.jobspec.job_spec import load_job_spec
 from opd_trainer.jsonl import read_jsonl, write_jsonl
 from opd_trainer.storage.run_dir import RunDir
@@ -137,11 +136,7 @@ def test_the_agentscope_example_trains_with_the_real_agentscope_in_its_workers(
     data = spec.model_dump()
     data.update(model=str(tiny_models.student), teacher_model=str(tiny_models.teacher))
     run_dir = tmp_path / "run"
-    driver = ray.remote(JobDriver).options(num_cpus=0).remote(type(spec).model_validate(data), str(run_dir))
-    try:
-        ray.get(driver.run.remote())
-    finally:
-        ray.kill(driver)
+    run_driver(type(spec).model_validate(data), run_dir)
 
     records = RunDir(run_dir).records()
     steps = [r for r in records if r["kind"] == "train"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from chatml_tokenizer import save_chatml_tokenizer
 from fastapi.testclient import TestClient
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
@@ -45,19 +46,7 @@ SERVED = {
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Gateway:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        unk_token="[UNK]",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
-    )
-    fast.chat_template = TEMPLATE
-    folder = tmp_path_factory.mktemp("sampling-tokenizer")
-    fast.save_pretrained(str(folder))
+    folder = save_chatml_tokenizer(tmp_path_factory.mktemp("sampling-tokenizer"), TEMPLATE, WORDS)
     return Gateway("student", str(folder), [], max_tokens=JOB_MAX_TOKENS, temperature=0.7, max_length=512)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 
 import pytest
+from chatml_tokenizer import save_chatml_tokenizer
 from fastapi.testclient import TestClient
 
 from opd_trainer.rollout.chat import RESERVED_TEMPLATE_KWARGS
@@ -23,9 +24,6 @@ MESSAGES = [{"role": "user", "content": "hello world"}]
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Gateway:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     words = [
         "[UNK]",
         "<|im_start|>",
@@ -37,16 +35,9 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Gateway:
         "hello",
         "world",
     ]
-    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        unk_token="[UNK]",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>", "<think>", "</think>"],
-    )
-    fast.chat_template = THINKING_TEMPLATE
+    special = ("<|im_start|>", "<|im_end|>", "<think>", "</think>")
     folder = tmp_path_factory.mktemp("thinking-tokenizer")
-    fast.save_pretrained(str(folder))
+    save_chatml_tokenizer(folder, THINKING_TEMPLATE, words, special)
     # No engine: these tests stop at the rendered prompt, before anything is generated.
     return Gateway("student", str(folder), [], max_tokens=16, temperature=1.0, max_length=512)
 
