@@ -15,7 +15,7 @@ export OPD_TINY_MODELS_DIR := $(abspath $(TINY_MODELS_DIR))
 TINY_THREADS ?= 2
 export OPD_TINY_MODELS_THREADS := $(TINY_THREADS)
 
-.PHONY: setup demo demo-local test unit lint bench bench-gpu bench-efficacy clean
+.PHONY: setup demo demo-local test unit lint bench bench-gpu bench-efficacy bench-agentic clean
 
 # Re-installs only when pyproject.toml changes, so `make test` twice costs nothing extra.
 $(STAMP): pyproject.toml scripts/setup_venv.sh
@@ -76,6 +76,14 @@ bench-efficacy: setup
 	$(BIN)/opd make-tiny-models $(TINY_MODELS_DIR)
 	$(BIN)/python benchmarks/efficacy.py --arms opd rl --distill-losses topk_reverse sampled --rl-learning-rates 1e-5 5e-5 1e-4
 	$(BIN)/python benchmarks/report.py
+
+# Seed 003's four-arm ablation on the self-correction episodes: agentic OPD alone, + outcome-level
+# preference, + turn-level preference, + turn-level preference and hindsight beacons; 3 seeds x 10 steps,
+# 12 runs of ~3.7 minutes each on 2 cores (45 minutes, 2026-12-05); publishes its record.
+bench-agentic: setup
+	$(BIN)/opd make-tiny-models .cache/tiny-models-self-correction --variant self_correction
+	$(BIN)/python benchmarks/self_correction.py --steps 10 --eval-every 5 --seeds 0 1 2 --pass-k 2 --settings opd opd_outcome_preference opd_turn_preference opd_turn_preference_beacons --out benchmarks/results/agentic_study.json --plot docs/images/agentic_study.png --publish
+	$(BIN)/python benchmarks/report.py --write
 
 clean:
 	rm -rf $(VENV) .cache runs

@@ -36,10 +36,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
 from harness import job_spec, run_job, save_figure, write_json
+from records import add_publish_arguments, new_record, write_record
 
 JOB = Path("examples/self_correction_agentic/job.yaml")
 SETTINGS: dict[str, dict[str, Any]] = {
@@ -190,6 +192,60 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
     save_figure(fig, path)
 
 
+def _final(runs: list[dict[str, Any]], setting: str, seed: int, name: str) -> float | None:
+    mine = [r for r in runs if r["setting"] == setting and r["seed"] == seed and r["curve"]]
+    return mine[0]["curve"][-1][name] if mine else None
+
+
+def _gain(runs: list[dict[str, Any]], setting: str, seeds: list[int]) -> list[float | None]:
+    """Per seed, `setting`'s final task success over `opd`'s (same seed, equal steps and samples)."""
+    gains: list[float | None] = []
+    for seed in seeds:
+        arm, base = _final(runs, setting, seed, "task_success"), _final(runs, "opd", seed, "task_success")
+        gains.append(arm / base if arm is not None and base else None)
+    return gains
+
+
+def write_study_record(args: argparse.Namespace, runs: list[dict[str, Any]], argv: list[str]) -> None:
+    """The record: per setting its final (equal steps) task success, pass@k, turn success, self-correction
+    and loop shares, wall seconds, and its task success over `opd`'s per seed (the headline)."""
+    figures: dict[str, list[float | None]] = {}
+    settings = [s for s in SETTINGS if any(r["setting"] == s for r in runs)]
+    for setting in settings:
+        for name in (
+            "task_success",
+            PASS_K_METRIC,
+            "turn_success",
+            "self_corrected",
+            "repeated_failing_call_share",
+        ):
+            figures[f"{name}/{setting}"] = [_final(runs, setting, seed, name) for seed in args.seeds]
+        figures[f"wall_s/{setting}"] = [r["wall_s"] for r in runs if r["setting"] == setting]
+        if setting != "opd":
+            figures[f"task_success_over_opd/{setting}"] = _gain(runs, setting, args.seeds)
+    record = new_record(
+        "self_correction",
+        {k: v for k, v in vars(args).items() if k not in {"from_results"}},
+        seeds=args.seeds,
+        runs=runs,
+        figures=figures,
+        headline=[f for f in figures if f.startswith("task_success_over_opd/")],
+        models_dir=Path(".cache/tiny-models-self-correction"),
+        notes=[
+            "settings interleaved per seed (every setting of seed 0, then seed 1, ...), each a fresh job",
+            "figures at the last validation (equal steps and samples); the JSON results also compare them "
+            "at the shortest run's training seconds",
+            *(
+                [f"runs re-read from {args.from_results}, written by the command above"]
+                if args.from_results
+                else []
+            ),
+        ],
+        argv=argv,
+    )
+    write_record(record, publish=args.publish, results_dir=args.results_dir, published_dir=args.published_dir)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
@@ -199,8 +255,22 @@ def main() -> None:
     parser.add_argument("--pass-k", type=int, default=1, help="validation pass@k samples (1: greedy only)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/self_correction.json"))
     parser.add_argument("--plot", type=Path, default=Path("docs/images/self_correction.png"))
+    parser.add_argument(
+        "--from-results",
+        type=Path,
+        help="run nothing: record the runs of an earlier run's --out file (given the same arguments)",
+    )
+    add_publish_arguments(parser)
     args = parser.parse_args()
-    runs: list[dict[str, Any]] = []
+    argv = list(sys.argv)
+    if args.from_results is not None:
+        at = argv.index("--from-results")
+        argv = argv[:at] + argv[at + 2 :]  # the command that made the runs
+        runs = json.loads(args.from_results.read_text())["runs"]
+        write_study_record(args, runs, argv)
+        plot(runs, args.plot)
+        return
+    runs = []
     for seed in args.seeds:
         for setting in args.settings:
             runs.append(measure(setting, args.steps, args.eval_every, seed, args.pass_k))
@@ -212,6 +282,7 @@ def main() -> None:
             write_json(args.out, {"runs": runs, "summary": summarise(runs)})
     plot(runs, args.plot)
     print(json.dumps(summarise(runs), indent=2))
+    write_study_record(args, runs, argv)
 
 
 if __name__ == "__main__":
