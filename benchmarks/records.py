@@ -95,8 +95,8 @@ TARGETS: dict[tuple[str, str], Target] = {
     ("estimate_error", "teacher_tokens_abs_error"): Target("<=", 0.1, "frac"),
     ("estimate_error", "wall_s_abs_error"): Target("<=", 0.25, "frac"),
     # Issue 34 (seed 003): turn-level hindsight at least 10 % more task success than agentic OPD alone.
-    ("self_correction", "task_success_over_opd/opd_turn_preference"): Target(">=", 1.1),
-    ("self_correction", "task_success_over_opd/opd_turn_preference_beacons"): Target(">=", 1.1),
+    ("self_correction", "task_success_ratio/opd_turn_preference"): Target(">=", 1.1),
+    ("self_correction", "task_success_ratio/opd_turn_preference_beacons"): Target(">=", 1.1),
 }
 
 

@@ -222,14 +222,14 @@ def write_study_record(args: argparse.Namespace, runs: list[dict[str, Any]], arg
             figures[f"{name}/{setting}"] = [_final(runs, setting, seed, name) for seed in args.seeds]
         figures[f"wall_s/{setting}"] = [r["wall_s"] for r in runs if r["setting"] == setting]
         if setting != "opd":
-            figures[f"task_success_over_opd/{setting}"] = _gain(runs, setting, args.seeds)
+            figures[f"task_success_ratio/{setting}"] = _gain(runs, setting, args.seeds)
     record = new_record(
         "self_correction",
         {k: v for k, v in vars(args).items() if k not in {"from_results"}},
         seeds=args.seeds,
         runs=runs,
         figures=figures,
-        headline=[f for f in figures if f.startswith("task_success_over_opd/")],
+        headline=[f for f in figures if f.startswith("task_success_ratio/")],
         models_dir=Path(".cache/tiny-models-self-correction"),
         notes=[
             "settings interleaved per seed (every setting of seed 0, then seed 1, ...), each a fresh job",
