@@ -75,7 +75,7 @@ def test_an_agentic_job_runs_across_five_nodes(results: dict[str, Any]) -> None:
     assert result["weight_transfers"] == [["ray"]]
     placed = result["placed"]
     assert placed["JobDriver"] == ["head"]
-    assert placed["Gateway"] == ["head"]  # beside the driver, never on a node the job may lose
+    assert placed["GatewayHost"] == ["head"]  # beside the driver, never on a node the job may lose
     assert placed["Learner"] == ["learner"]
     assert placed["Engine"] == ["student", "teacher"]
     workers = [name for name in placed if "Worker" in name and name != "WorkerPool"]
@@ -95,7 +95,7 @@ def test_a_model_opd_job_survives_losing_its_pool_node(results: dict[str, Any]) 
     assert result["weight_transfers"] == [["ray"]]
     assert result["placed"]["ProcessorWorker"] == ["pools", "spare"], result["placed"]
     # CI once lost the job with the pool node: Ray had put the (zero-CPU) gateway there.
-    assert result["placed"]["Gateway"] == ["head"], result["placed"]
+    assert result["placed"]["GatewayHost"] == ["head"], result["placed"]
     # A replacement started just as the node went may never be placed (seen once: one such worker,
     # dead, beside the replacement that served); none may be left alive.
     assert all(entry == "ProcessorWorker:DEAD" for entry in result["never_placed"]), result
