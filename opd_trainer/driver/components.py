@@ -1,10 +1,9 @@
 """A job's running parts: started once, handed to every phase as one frozen `Components`.
 
 `start_components` starts the engines (student, teacher), the learner, the recording gateways (one
-process: `rollout/gateway_host.py`) and the
-user's worker pools, and returns them only when all are up. Everything it starts is registered in a
-`Started` as soon as it exists, so `Started.stop()` stops what a start-up that failed half-way left
-running as well as a finished job's parts.
+process: `rollout/gateway_host.py`) and the user's worker pools, and returns them only when all are up.
+Everything it starts is registered in a `Started` as soon as it exists, so `Started.stop()` stops what a
+start-up that failed half-way left running as well as a finished job's parts.
 """
 
 from __future__ import annotations
@@ -262,7 +261,7 @@ def _runners(
     auxiliary model the job names."""
     hp = spec.hyper_parameters
     teacher_gateway, teacher_url = teacher
-    auxiliary = {}
+    auxiliary: dict[str, AuxiliaryModel] = {}
     if teacher_gateway is not None and teacher_url is not None:
         teacher_model = AuxiliaryModel(teacher_gateway, teacher_url, TEACHER_MODEL_NAME)
         # every value of auxiliary_models is "teacher", the only model served
