@@ -43,7 +43,7 @@ from opd_trainer.driver.teacher_hindsight import (
 )
 from opd_trainer.learner.turn_preference import CHOSEN, REJECTED
 from opd_trainer.records import LLMCall
-from opd_trainer.rollout.agent_eval import is_tool_error
+from opd_trainer.rollout.agent_eval import is_tool_error, message_text, tool_call_function
 
 if TYPE_CHECKING:
     from opd_trainer.driver.components import Components
@@ -59,27 +59,18 @@ REWRITE_SEED_OFFSET = 1_000_000  # rewrite seeds past any step's rollout indices
 
 def _reply_summary(call: LLMCall) -> str:
     """What the turn did: its tool calls as name(arguments), else its text."""
-    calls = call.response_message.get("tool_calls") or []
     named = []
-    for tool_call in calls:
-        function = tool_call.get("function", tool_call) if isinstance(tool_call, dict) else {}
-        arguments = function.get("arguments", "")
+    for tool_call in call.response_message.get("tool_calls") or []:
+        name, arguments = tool_call_function(tool_call)
         if not isinstance(arguments, str):
             arguments = json.dumps(arguments, ensure_ascii=False, sort_keys=True)
-        named.append(f"{function.get('name', '?')}({arguments})")
+        named.append(f"{name}({arguments})")
     return ", ".join(named) if named else json.dumps(call.text, ensure_ascii=False)
-
-
-def _text(message: dict[str, Any]) -> str:
-    content = message.get("content")
-    if isinstance(content, list):  # content parts
-        content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
-    return str(content or "")
 
 
 def beacon_for(call: LLMCall, answers: list[dict[str, Any]]) -> str | None:
     """The beacon for one turn given the tool messages that answered it; None when none is an error."""
-    errors = [_text(m) for m in answers if is_tool_error(m)]
+    errors = [message_text(m) for m in answers if is_tool_error(m)]
     if not errors:
         return None
     return BEACON.format(reply=_reply_summary(call), errors=" | ".join(errors))

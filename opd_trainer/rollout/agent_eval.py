@@ -59,7 +59,7 @@ def success_by_threshold(threshold: float) -> Succeeded:
     return succeeded
 
 
-def _function(call: dict[str, Any]) -> tuple[str, Any]:
+def tool_call_function(call: dict[str, Any]) -> tuple[str, Any]:
     """(name, arguments decoded) of a tool call in OpenAI's shape or the flat `{name, arguments}`."""
     function = call.get("function", call)
     arguments = function.get("arguments", {})
@@ -70,17 +70,22 @@ def _function(call: dict[str, Any]) -> tuple[str, Any]:
 
 
 def _canonical(call: dict[str, Any]) -> str:
-    return json.dumps(_function(call), sort_keys=True, ensure_ascii=False)
+    return json.dumps(tool_call_function(call), sort_keys=True, ensure_ascii=False)
+
+
+def message_text(message: dict[str, Any]) -> str:
+    """A message's content as text (content parts joined)."""
+    content = message.get("content")
+    if isinstance(content, list):  # content parts
+        content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return str(content or "")
 
 
 def is_tool_error(message: dict[str, Any]) -> bool:
     """A tool message that reports an error (this module's docstring says how that is told)."""
     if message.get("status") == "error":
         return True
-    content = message.get("content")
-    if isinstance(content, list):  # content parts
-        content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
-    text = str(content or "").strip()
+    text = message_text(message).strip()
     try:
         decoded = json.loads(text)
     except ValueError:
@@ -203,7 +208,7 @@ def _correction_metrics(
 
 
 def _name(call: dict[str, Any]) -> str:
-    return _function(call)[0]
+    return tool_call_function(call)[0]
 
 
 def _multiset(calls: Iterable[dict[str, Any]], key: Callable[[dict[str, Any]], str]) -> Counter[str]:
