@@ -128,10 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tiny.add_argument(
         "--variant",
-        choices=["tool_routing", "self_correction"],
+        choices=["tool_routing", "self_correction", "lookup"],
         default="tool_routing",
-        help="task mix: the demo's tool routing, or that plus tool errors the agent corrects in its next "
-        "turn; adds the episodes of examples/self_correction_agentic to data/",
+        help="task mix: the demo's tool routing; or that plus tool errors the agent corrects in its next "
+        "turn (adds the episodes of examples/self_correction_agentic to data/); or lookup chains, find_item "
+        "then the call on the returned id (adds the episodes of examples/lookup_agentic)",
     )
     tiny.set_defaults(handler=_make_tiny_models)
 

@@ -60,7 +60,7 @@ from opd_trainer.demo.tiny_models.training import (
     ProgressFn,
     SftConfig,
 )
-from opd_trainer.demo.tool_routing import evaluator, self_correction, task
+from opd_trainer.demo.tool_routing import evaluator, lookup, self_correction, task
 from opd_trainer.jsonl import write_jsonl
 
 logger = logging.getLogger(__name__)
@@ -75,17 +75,24 @@ _HASHED_SOURCES = (
     Path(task.__file__),
     Path(evaluator.__file__),
     Path(self_correction.__file__),
+    Path(lookup.__file__),
 )
 N_TRAIN = 4000
 N_VALIDATION = 200
 # The task mix the models are trained on: the demo's tool routing, or that plus the self-correction turn
-# of `demo/tool_routing/self_correction.py` (a call on a moved item, then the same call on its new id).
+# of `demo/tool_routing/self_correction.py` (a call on a moved item, then the same call on its new id), or
+# every turn of the lookup chains of `demo/tool_routing/lookup.py` (find_item, the call on the returned id,
+# the repair after an error, the summary; its own tools and system prompt).
 VARIANTS: dict[str, tuple[str, ...]] = {
     "tool_routing": task.CATEGORIES,
     "self_correction": task.SELF_CORRECTION_CATEGORIES,
+    "lookup": lookup.LOOKUP_CATEGORIES,
 }
+# Variants whose data directory also holds agent episodes, with the module that writes them.
+EPISODES_BY_VARIANT = {"self_correction": self_correction.make_episodes, "lookup": lookup.make_episodes}
 DEFAULT_VARIANT = "tool_routing"
-# Agent episodes of the self-correction variant (openings only; the agent plays them against the tools).
+# Agent episodes of the self-correction and lookup variants (openings only; the agent plays them against
+# the tools).
 N_EPISODES_TRAIN = 2000
 N_EPISODES_VALIDATION = 64
 VOCAB_SIZE = 1536
@@ -140,7 +147,8 @@ THREADS_ENV = "OPD_TINY_MODELS_THREADS"
 # step there), then every 40 until the teacher reaches its target; one validation costs ~20 steps.
 STUDENT_SEARCH = range(10, 45, 5)
 # The self-correction mix climbs faster early on (its retry turns are mostly copying): search from step 2.
-STUDENT_SEARCH_BY_VARIANT = {"self_correction": range(2, 45, 2)}
+# The lookup chains too (half their turns copy a name or an id from the context).
+STUDENT_SEARCH_BY_VARIANT = {"self_correction": range(2, 45, 2), "lookup": range(2, 45, 2)}
 TEACHER_EVAL_FIRST, TEACHER_EVAL_EVERY = 60, 40
 
 
@@ -299,15 +307,20 @@ def _build(
 
 def _write_data(data_dir: Path, seed: int, variant: str) -> tuple[list[task.Sample], list[task.Sample]]:
     """Make the variant's train and validation samples, write them (and its agent episodes) to `data_dir`."""
-    categories = VARIANTS[variant]
-    train_samples = task.make_samples("train", N_TRAIN, seed=seed, categories=categories)
-    validation_samples = task.make_samples("validation", N_VALIDATION, seed=seed, categories=categories)
+    if variant == "lookup":
+        train_samples = lookup.make_samples("train", N_TRAIN, seed=seed)
+        validation_samples = lookup.make_samples("validation", N_VALIDATION, seed=seed)
+    else:
+        categories = VARIANTS[variant]
+        train_samples = task.make_samples("train", N_TRAIN, seed=seed, categories=categories)
+        validation_samples = task.make_samples("validation", N_VALIDATION, seed=seed, categories=categories)
     data_dir.mkdir()
     write_jsonl(data_dir / "train.jsonl", [s.record for s in train_samples])
     write_jsonl(data_dir / "validation.jsonl", [s.record for s in validation_samples])
-    if variant == "self_correction":
+    if variant in EPISODES_BY_VARIANT:
+        make_episodes = EPISODES_BY_VARIANT[variant]
         for split, n in (("train", N_EPISODES_TRAIN), ("validation", N_EPISODES_VALIDATION)):
-            write_jsonl(data_dir / f"episodes_{split}.jsonl", self_correction.make_episodes(split, n, seed))
+            write_jsonl(data_dir / f"episodes_{split}.jsonl", make_episodes(split, n, seed))
     return train_samples, validation_samples
 
 

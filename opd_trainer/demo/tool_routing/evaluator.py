@@ -164,6 +164,13 @@ def aggregate(scores: Sequence[ReplyScore]) -> dict[str, float]:
 
 
 def evaluate_texts(texts: Sequence[str], records: Sequence[dict[str, Any]]) -> dict[str, float]:
-    """Aggregate metrics of raw completions against the records they answer, in the same order."""
+    """Aggregate metrics of raw completions against the records they answer, in the same order; a call
+    is well formed when it names one of its record's tools."""
     pairs = zip(texts, records, strict=True)
-    return aggregate([score_reply(parse_reply(t), r["rollout_extra"]["solution"]) for t, r in pairs])
+    return aggregate(
+        [score_reply(parse_reply(t, _tool_names(r)), r["rollout_extra"]["solution"]) for t, r in pairs]
+    )
+
+
+def _tool_names(record: dict[str, Any]) -> frozenset[str]:
+    return frozenset(t["function"]["name"] for t in record.get("tools") or []) or TOOL_NAMES

@@ -1,0 +1,208 @@
+"""The lookup variant: its training turns, its episodes, the tool backend and the episode judge."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from opd_trainer.demo.tiny_models.factory import EPISODES_BY_VARIANT, VARIANTS
+from opd_trainer.demo.tool_routing import lookup
+from opd_trainer.demo.tool_routing.evaluator import (
+    evaluate_texts,
+    format_reply,
+    message_to_parsed,
+    score_reply,
+)
+from opd_trainer.demo.tool_routing.task import canonical, split_of
+
+ITEMS = {"Alice's blue lamp": "B-1000"}
+
+
+def _call(name: str, arguments: dict[str, str]) -> dict[str, Any]:
+    fn = {"name": name, "arguments": json.dumps(arguments)}
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"id": "c", "type": "function", "function": fn}],
+    }
+
+
+def _tool(name: str, arguments: dict[str, str]) -> dict[str, Any]:
+    """The backend's real answer to the call."""
+    return {"role": "tool", "tool_call_id": "c", "content": lookup.run_tool(name, arguments, ITEMS)}
+
+
+def _text(content: str) -> dict[str, Any]:
+    return {"role": "assistant", "content": content}
+
+
+def _exchange(name: str, arguments: dict[str, str]) -> list[dict[str, Any]]:
+    return [_call(name, arguments), _tool(name, arguments)]
+
+
+def test_the_variant_trains_every_turn_of_the_chain() -> None:
+    assert VARIANTS["lookup"] == lookup.LOOKUP_CATEGORIES == ("lookup", "call", "repair", "summary")
+    assert EPISODES_BY_VARIANT["lookup"] is lookup.make_episodes
+    samples = lookup.make_samples("train", 400)
+    assert Counter(s.record["rollout_extra"]["category"] for s in samples) == dict.fromkeys(
+        lookup.LOOKUP_CATEGORIES, 100
+    )
+    for sample in samples:
+        messages, reference = sample.record["messages"], sample.reference_message
+        category = sample.record["rollout_extra"]["category"]
+        # One system prompt and tool list for all (the tiny models' prefix sharing needs them).
+        assert messages[0]["content"] == lookup.SYSTEM_PROMPT and sample.record["tools"] == lookup.TOOLS
+        # The reference is what the backend's answers so far call for.
+        results = [json.loads(m["content"]) for m in messages if m["role"] == "tool"]
+        if category == "repair":
+            assert "error" in results[-1]
+        if category == "lookup":
+            assert messages[-1]["role"] == "user"
+            assert reference["tool_calls"][0]["function"]["name"] == lookup.LOOKUP_TOOL
+        if category == "call":
+            arguments = json.loads(reference["tool_calls"][0]["function"]["arguments"])
+            assert arguments["item_id"] == results[-1]["item_id"]  # exactly the id find_item returned
+        if category == "summary":
+            assert results[-1].get("item_id", "") in reference["content"] and "error" not in results[-1]
+        parsed = message_to_parsed(reference, lookup.TOOL_NAMES)
+        assert score_reply(parsed, sample.record["rollout_extra"]["solution"]).exact_match
+    # Validation reads a find_item call as well formed (the record's own tools), and scores it.
+    lookups = [s for s in samples if s.record["rollout_extra"]["category"] == "lookup"][:5]
+    texts = [format_reply(s.reference_message) for s in lookups]
+    assert evaluate_texts(texts, [s.record for s in lookups])["exact_match"] == 1.0
+
+
+def test_repairs_follow_each_kind_of_mistake_and_no_mistake_is_a_reference() -> None:
+    samples = lookup.make_samples("train", 800, seed=1)
+    repairs = [s for s in samples if s.record["rollout_extra"]["category"] == "repair"]
+    errors = Counter(json.loads(s.record["messages"][-1]["content"])["error"].split()[2] for s in repairs)
+    assert errors["named"] > 30 and sum(errors.values()) - errors["named"] > 60, errors  # names and ids
+    for sample in samples:
+        messages, reference = sample.record["messages"], sample.reference_message
+        results = [json.loads(m["content"]) for m in messages if m["role"] == "tool"]
+        found = [r for r in results if "name" in r]
+        for call in reference.get("tool_calls") or []:
+            arguments = json.loads(call["function"]["arguments"])
+            if call["function"]["name"] == lookup.LOOKUP_TOOL:  # the name the user gave, never another
+                assert not found and arguments["name"] in messages[1]["content"]
+            else:  # the id find_item returned, never a guess
+                assert arguments["item_id"] == found[-1]["item_id"]
+
+
+def test_samples_and_episodes_are_distinct_and_split_by_their_opening() -> None:
+    train, validation = lookup.make_samples("train", 300), lookup.make_samples("validation", 100)
+    for split, samples in (("train", train), ("validation", validation)):
+        assert len({canonical(s.record["messages"]) for s in samples}) == len(samples)
+        assert all(split_of(s.record["messages"][:2]) == split for s in samples)
+    episodes = {
+        "train": lookup.make_episodes("train", 400),
+        "validation": lookup.make_episodes("validation", 64),
+    }
+    openings = {s: {canonical(r["messages"]) for r in records} for s, records in episodes.items()}
+    assert len(openings["train"]) == 400 and len(openings["validation"]) == 64
+    assert not openings["train"] & openings["validation"]
+    assert not {canonical(s.record["messages"][:2]) for s in train} & openings["validation"]
+    for split, records in episodes.items():
+        for record in records:
+            assert split_of(record["messages"]) == split and record["tools"] == lookup.TOOLS
+            extra = record["rollout_extra"]
+            ((name, item_id),) = extra["items"].items()
+            find, action = json.loads(extra["solution"])["tool_calls"]
+            assert find == {"name": "find_item", "arguments": {"name": name}}
+            assert action["name"] == extra["category"] and action["arguments"]["item_id"] == item_id
+            assert (
+                name in record["messages"][-1]["content"] and item_id not in record["messages"][-1]["content"]
+            )
+    assert lookup.make_episodes("validation", 20, seed=3) == lookup.make_episodes("validation", 20, seed=3)
+
+
+def test_the_backend_answers_the_named_item_and_says_what_was_wrong() -> None:
+    assert json.loads(lookup.run_tool("find_item", {"name": "Alice's blue lamp"}, ITEMS)) == {
+        "name": "Alice's blue lamp",
+        "item_id": "B-1000",
+    }
+    assert json.loads(lookup.run_tool("find_item", {"name": "Bob's blue lamp"}, ITEMS)) == {
+        "error": "no item named Bob's blue lamp"
+    }
+    assert json.loads(lookup.run_tool("query_status", {"item_id": "K-2000"}, ITEMS)) == {
+        "error": "no item K-2000"
+    }
+    result = json.loads(lookup.run_tool("query_status", {"item_id": "B-1000"}, ITEMS))
+    assert result["item_id"] == "B-1000" and result["status"] in ("open", "in_progress", "shipped", "closed")
+    assert json.loads(
+        lookup.run_tool("update_priority", {"item_id": "B-1000", "priority": "low"}, ITEMS)
+    ) == {"ok": True}
+    assert "error" in json.loads(lookup.run_tool("delete_item", {"item_id": "B-1000"}, ITEMS))
+
+
+OPENING = [{"role": "system", "content": "s"}, {"role": "user", "content": "Set Alice's blue lamp to high."}]
+FIND = {"name": "Alice's blue lamp"}
+ACTION = {"item_id": "B-1000", "priority": "high"}
+SOLUTION = json.dumps(
+    {
+        "decision": "tool_call",
+        "tool_calls": [
+            {"name": "find_item", "arguments": FIND},
+            {"name": "update_priority", "arguments": ACTION},
+        ],
+    }
+)
+DONE = _text("Done: B-1000 now has high priority.")
+
+
+def _score(*turns: dict[str, Any]) -> lookup.EpisodeScore:
+    return lookup.score_episode([*OPENING, *turns], len(OPENING), SOLUTION)
+
+
+def test_a_clean_run_scores_one() -> None:
+    score = _score(*_exchange("find_item", FIND), *_exchange("update_priority", ACTION), DONE)
+    assert score == lookup.EpisodeScore(calls_correct=True, answered=True, errors=0, clean=True)
+    assert score.success and score.reward == 1.0
+
+
+@pytest.mark.parametrize(
+    "mistake",
+    [
+        [("update_priority", {"item_id": "K-2000", "priority": "high"})],  # skipped the lookup, guessed
+        [("find_item", {"name": "Bob's blue lamp"})],  # looked up another name
+    ],
+)
+def test_a_repaired_early_mistake_succeeds_below_a_clean_run(
+    mistake: list[tuple[str, dict[str, str]]],
+) -> None:
+    wrong = [m for name, arguments in mistake for m in _exchange(name, arguments)]
+    assert "error" in json.loads(wrong[-1]["content"])
+    score = _score(*wrong, *_exchange("find_item", FIND), *_exchange("update_priority", ACTION), DONE)
+    assert score.success and not score.clean and score.errors == 1 and score.reward == 0.75
+
+
+def test_using_another_id_than_the_one_returned_is_repaired_by_the_right_call() -> None:
+    wrong = {"item_id": "B-1001", "priority": "high"}
+    turns = [*_exchange("find_item", FIND), *_exchange("update_priority", wrong)]
+    assert json.loads(turns[-1]["content"]) == {"error": "no item B-1001"}
+    assert _score(*turns, DONE).reward == 0.0  # the item never changed: a claim of success is not one
+    repaired = _score(*turns, *_exchange("update_priority", ACTION), DONE)
+    assert repaired.success and repaired.errors == 1 and repaired.reward == 0.75
+
+
+def test_wrong_runs_fail() -> None:
+    # The right call without the lookup (an id the agent could not have known) is not the task.
+    assert not _score(*_exchange("update_priority", ACTION), DONE).calls_correct
+    # A wrong change of the right item stays: the final state is wrong even after the right call.
+    low = {"item_id": "B-1000", "priority": "low"}
+    turns = [
+        *_exchange("find_item", FIND),
+        *_exchange("update_priority", low),
+        *_exchange("update_priority", ACTION),
+    ]
+    assert _score(*turns, DONE).reward == 0.0
+    # The right state without an answer naming the result, or with a wrong one.
+    state = [*_exchange("find_item", FIND), *_exchange("update_priority", ACTION)]
+    assert _score(*state).reward == 0.25
+    assert _score(*state, _text("Done: B-1000 now has low priority.")).reward == 0.25
+    # A repeated failing lookup never reaches the item.
+    failing = _exchange("find_item", {"name": "Bob's blue lamp"})
+    assert _score(*failing, *failing, DONE) == lookup.EpisodeScore(False, True, 2, False)
