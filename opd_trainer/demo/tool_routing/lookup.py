@@ -9,7 +9,8 @@ wrong early turn is the agent's fault and answered with an error saying what was
 - skipping the lookup and guessing an id, or using an id other than the one returned: `no item K-1234`;
 - looking up another name: `no item named Bob's red lamp`.
 
-The agent can repair either (look up the right name, then call again on the returned id).
+The agent repairs either by looking the named item up again and calling on the id that returned; the
+variant's training turns show that repair after an id error (`TRAINED_MISTAKES`).
 
 Scoring (`score_episode`, the example's reward): the episode succeeds when the final state is right,
 the exact expected call on the looked-up id was accepted and no other call changed that item, and the
@@ -52,6 +53,10 @@ SYSTEM_PROMPT = (
 # error (the repair), the summary of the result.
 LOOKUP_CATEGORIES: tuple[str, ...] = ("lookup", "call", "repair", "summary")
 MISTAKES: tuple[str, ...] = ("skipped_lookup", "wrong_name", "wrong_id")
+# The mistakes the training turns repair. A wrong name is left out: a 2-layer model tends to copy the
+# last `"arguments": {"name": "...` it saw, the wrong one (the first build with it had not reached the
+# teacher's target after 620 full-phase steps). The backend and the judge still punish it.
+TRAINED_MISTAKES: tuple[str, ...] = ("skipped_lookup", "wrong_id")
 # Share of training conversations of the other categories whose history holds a repaired mistake.
 MISTAKE_SHARE = 0.3
 
@@ -212,7 +217,9 @@ def _turns(
     rng: random.Random, episode: _Episode, mistake: str | None
 ) -> tuple[list[dict[str, Any]], int | None]:
     """The whole conversation after the opening (assistant turns and tool results, ending with the
-    summary) with `mistake` (one of `MISTAKES`) made and repaired on the way, and the mistake's index."""
+    summary) with `mistake` (one of `MISTAKES`) made and repaired on the way, and the mistake's index.
+    The repair is always to look the item up again, then call on the id that lookup returned (the latest
+    id in the context)."""
     lookup, action = episode.calls
     wrong_id = task.new_item_id(rng, episode.lang, episode.args["item_id"])
     wrong_call = {"name": episode.tool, "arguments": {**episode.args, "item_id": wrong_id}}
@@ -224,7 +231,7 @@ def _turns(
             lookup,
             action,
         ],
-        "wrong_id": [lookup, wrong_call, action],
+        "wrong_id": [lookup, wrong_call, lookup, action],
     }[mistake]
     turns: list[dict[str, Any]] = []
     for call in chain:
@@ -251,7 +258,7 @@ def _sample(
     or None when this conversation has no such turn."""
     episode = _episode(rng)
     repairing = category == "repair" or rng.random() < MISTAKE_SHARE
-    mistake = rng.choice(MISTAKES) if repairing else None
+    mistake = rng.choice(TRAINED_MISTAKES) if repairing else None
     turns, wrong = _turns(rng, episode, mistake)
     messages = [*episode.opening, *turns]
     offset = len(episode.opening)
