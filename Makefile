@@ -15,7 +15,7 @@ export OPD_TINY_MODELS_DIR := $(abspath $(TINY_MODELS_DIR))
 TINY_THREADS ?= 2
 export OPD_TINY_MODELS_THREADS := $(TINY_THREADS)
 
-.PHONY: setup demo demo-local test unit lint bench bench-gpu bench-efficacy bench-agentic clean
+.PHONY: setup demo demo-local test unit lint bench bench-gpu bench-efficacy bench-agentic bench-agentic-lookup clean
 
 # Re-installs only when pyproject.toml changes, so `make test` twice costs nothing extra.
 $(STAMP): pyproject.toml scripts/setup_venv.sh
@@ -83,6 +83,13 @@ bench-efficacy: setup
 bench-agentic: setup
 	$(BIN)/opd make-tiny-models .cache/tiny-models-self-correction --variant self_correction
 	$(BIN)/python benchmarks/self_correction.py --steps 10 --eval-every 5 --seeds 0 1 2 --pass-k 2 --settings opd opd_outcome_preference opd_turn_preference opd_turn_preference_beacons --out benchmarks/results/agentic_study.json --plot docs/images/agentic_study.png --publish
+	$(BIN)/python benchmarks/report.py --write
+
+# The same four arms on the lookup chains (find_item, then the call on the returned id; wrong early turns
+# are the agent's own and must be repaired): its own models and its own record, `lookup_chain`.
+bench-agentic-lookup: setup
+	$(BIN)/opd make-tiny-models .cache/tiny-models-lookup --variant lookup
+	$(BIN)/python benchmarks/self_correction.py --task lookup --steps 10 --eval-every 5 --seeds 0 1 2 --pass-k 2 --settings opd opd_outcome_preference opd_turn_preference opd_turn_preference_beacons --publish
 	$(BIN)/python benchmarks/report.py --write
 
 clean:

@@ -97,6 +97,9 @@ TARGETS: dict[tuple[str, str], Target] = {
     # Issue 34 (seed 003): turn-level hindsight at least 10 % more task success than agentic OPD alone.
     ("self_correction", "task_success_ratio/opd_turn_preference"): Target(">=", 1.1),
     ("self_correction", "task_success_ratio/opd_turn_preference_beacons"): Target(">=", 1.1),
+    # The same on the lookup chains, whose wrong early turns are the agent's own (`--task lookup`).
+    ("lookup_chain", "task_success_ratio/opd_turn_preference"): Target(">=", 1.1),
+    ("lookup_chain", "task_success_ratio/opd_turn_preference_beacons"): Target(">=", 1.1),
 }
 
 

@@ -27,8 +27,14 @@ error and corrected themselves in the next turn, and the loop share (a failing c
 result is compared at the same training seconds (the shortest run's), start-up and evaluation excluded,
 as the median over seeds with its range.
 
+`--task lookup` runs the same settings on the lookup episodes instead (`examples/lookup_agentic/job.yaml`
+on the `lookup` tiny models: the agent must call find_item, then the tool on the id it returned, and
+repair its own wrong early turns); its record is `lookup_chain`, its repair share `repaired` (episodes
+that hit an error and still succeeded) in place of `self_corrected`.
+
 Launch: `.venv/bin/python benchmarks/self_correction.py --steps 20 --seeds 0 1 2`
-(after `opd make-tiny-models .cache/tiny-models-self-correction --variant self_correction`).
+(after `opd make-tiny-models .cache/tiny-models-self-correction --variant self_correction`), or with
+`--task lookup` (after `opd make-tiny-models .cache/tiny-models-lookup --variant lookup`).
 """
 
 from __future__ import annotations
@@ -37,13 +43,38 @@ import argparse
 import json
 import statistics
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from harness import job_spec, run_job, save_figure, write_json
 from records import add_publish_arguments, new_record, write_record
 
-JOB = Path("examples/self_correction_agentic/job.yaml")
+
+@dataclass(frozen=True)
+class Task:
+    """One task the study runs on: its job, models, record name and its repair share's metric."""
+
+    job: Path
+    models_dir: Path
+    benchmark: str  # the record's name: each task its own, so neither overwrites the other
+    repair: tuple[str, str]  # (figure name, validation metric) of the share that repaired an error
+
+
+TASKS = {
+    "self_correction": Task(
+        Path("examples/self_correction_agentic/job.yaml"),
+        Path(".cache/tiny-models-self-correction"),
+        "self_correction",
+        ("self_corrected", "reward/episode/self_corrected"),
+    ),
+    "lookup": Task(
+        Path("examples/lookup_agentic/job.yaml"),
+        Path(".cache/tiny-models-lookup"),
+        "lookup_chain",
+        ("repaired", "reward/episode/repaired"),
+    ),
+}
 SETTINGS: dict[str, dict[str, Any]] = {
     "opd": {},
     "opd_hindsight": {"hyper_parameters": {"hindsight_coef": 1.0}},
@@ -60,19 +91,23 @@ SETTINGS: dict[str, dict[str, Any]] = {
     },
     "self_distill": {"teacher_model": "self", "hyper_parameters": {"teacher_hindsight": "reference"}},
 }
-METRICS = {
-    "task_success": "agent/task_success",
-    "turn_success": "agent/turn_success",
-    "self_corrected": "reward/episode/self_corrected",
-    "tool_call_accuracy": "agent/tool_call_accuracy",
-    "repeated_failing_call_share": "agent/repeated_failing_call_share",
-    "recovery_after_error": "agent/recovery_after_error",
-}
 PASS_K_METRIC = "pass_at_k"
 
 
-def spec_for(setting: str, steps: int, eval_every: int, seed: int, pass_k: int = 1) -> Any:
-    base = job_spec(JOB, max_steps=steps, eval_steps=eval_every, seed=seed)
+def metrics_of(task: Task) -> dict[str, str]:
+    """Figure name -> validation metric of the study on `task`."""
+    return {
+        "task_success": "agent/task_success",
+        "turn_success": "agent/turn_success",
+        task.repair[0]: task.repair[1],
+        "tool_call_accuracy": "agent/tool_call_accuracy",
+        "repeated_failing_call_share": "agent/repeated_failing_call_share",
+        "recovery_after_error": "agent/recovery_after_error",
+    }
+
+
+def spec_for(task: Task, setting: str, steps: int, eval_every: int, seed: int, pass_k: int = 1) -> Any:
+    base = job_spec(task.job, max_steps=steps, eval_steps=eval_every, seed=seed)
     data = base.model_dump()
     overrides = SETTINGS[setting]
     data["hyper_parameters"].update(overrides.get("hyper_parameters", {}))
@@ -82,11 +117,13 @@ def spec_for(setting: str, steps: int, eval_every: int, seed: int, pass_k: int =
     return type(base).model_validate(data)
 
 
-def measure(setting: str, steps: int, eval_every: int, seed: int, pass_k: int = 1) -> dict[str, Any]:
-    run = run_job(spec_for(setting, steps, eval_every, seed, pass_k))
+def measure(
+    task: Task, setting: str, steps: int, eval_every: int, seed: int, pass_k: int = 1
+) -> dict[str, Any]:
+    run = run_job(spec_for(task, setting, steps, eval_every, seed, pass_k))
     curve = [
         {"step": r["step"], "train_s": run.train_s_until(r["step"])}
-        | {name: r.get(key) for name, key in METRICS.items()}
+        | {name: r.get(key) for name, key in metrics_of(task).items()}
         | {PASS_K_METRIC: r.get(f"agent/pass_at_{pass_k}")}
         for r in run.evals
     ]
@@ -123,7 +160,7 @@ def _spread(values: list[float | None]) -> dict[str, float] | None:
     return {"median": statistics.median(present), "min": min(present), "max": max(present)}
 
 
-def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
+def summarise(task: Task, runs: list[dict[str, Any]]) -> dict[str, Any]:
     common_s = min(r["train_s"] for r in runs)
     table: dict[str, Any] = {"common_train_s": common_s}
     for setting in SETTINGS:
@@ -137,7 +174,7 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "beacon_pairs": [r.get("beacon_pairs") for r in mine],
             "preference_pairs": [r.get("preference_pairs") for r in mine],
         }
-        for name in (*METRICS, PASS_K_METRIC):
+        for name in (*metrics_of(task), PASS_K_METRIC):
             start = [r["curve"][0][name] if r["curve"] else None for r in mine]
             end = [at_seconds(r["curve"], common_s, name) for r in mine]
             final = [r["curve"][-1][name] if r["curve"] else None for r in mine]  # equal steps and samples
@@ -159,7 +196,7 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return table
 
 
-def plot(runs: list[dict[str, Any]], path: Path) -> None:
+def plot(task: Task, runs: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -177,7 +214,7 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
             label=f"{run['setting']} seed {run['seed']}",
         )
     axes[3].set(xlabel="step", ylabel="mean episode reward", title="training episodes (temperature 1)")
-    for ax, name in zip(axes[:3], ("task_success", "turn_success", "self_corrected"), strict=True):
+    for ax, name in zip(axes[:3], ("task_success", "turn_success", task.repair[0]), strict=True):
         for run in runs:
             points = [p for p in run["curve"] if p[name] is not None]
             ax.plot(
@@ -206,9 +243,12 @@ def _gain(runs: list[dict[str, Any]], setting: str, seeds: list[int]) -> list[fl
     return gains
 
 
-def write_study_record(args: argparse.Namespace, runs: list[dict[str, Any]], argv: list[str]) -> None:
-    """The record: per setting its final (equal steps) task success, pass@k, turn success, self-correction
-    and loop shares, wall seconds, and its task success over `opd`'s per seed (the headline)."""
+def write_study_record(
+    task: Task, args: argparse.Namespace, runs: list[dict[str, Any]], argv: list[str]
+) -> None:
+    """The record: per setting its final (equal steps) task success, pass@k, turn success, repair
+    (self-correction) and loop shares, wall seconds, and its task success over `opd`'s per seed (the
+    headline)."""
     figures: dict[str, list[float | None]] = {}
     settings = [s for s in SETTINGS if any(r["setting"] == s for r in runs)]
     for setting in settings:
@@ -216,7 +256,7 @@ def write_study_record(args: argparse.Namespace, runs: list[dict[str, Any]], arg
             "task_success",
             PASS_K_METRIC,
             "turn_success",
-            "self_corrected",
+            task.repair[0],
             "repeated_failing_call_share",
         ):
             figures[f"{name}/{setting}"] = [_final(runs, setting, seed, name) for seed in args.seeds]
@@ -224,13 +264,13 @@ def write_study_record(args: argparse.Namespace, runs: list[dict[str, Any]], arg
         if setting != "opd":
             figures[f"task_success_ratio/{setting}"] = _gain(runs, setting, args.seeds)
     record = new_record(
-        "self_correction",
+        task.benchmark,
         {k: v for k, v in vars(args).items() if k not in {"from_results"}},
         seeds=args.seeds,
         runs=runs,
         figures=figures,
         headline=[f for f in figures if f.startswith("task_success_ratio/")],
-        models_dir=Path(".cache/tiny-models-self-correction"),
+        models_dir=task.models_dir,
         notes=[
             "settings interleaved per seed (every setting of seed 0, then seed 1, ...), each a fresh job",
             "figures at the last validation (equal steps and samples); the JSON results also compare them "
@@ -253,8 +293,9 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
     parser.add_argument("--pass-k", type=int, default=1, help="validation pass@k samples (1: greedy only)")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/self_correction.json"))
-    parser.add_argument("--plot", type=Path, default=Path("docs/images/self_correction.png"))
+    parser.add_argument("--task", choices=list(TASKS), default="self_correction", help="episodes and models")
+    parser.add_argument("--out", type=Path, help="default: benchmarks/results/<record name>.json")
+    parser.add_argument("--plot", type=Path, help="default: docs/images/<record name>.png")
     parser.add_argument(
         "--from-results",
         type=Path,
@@ -262,27 +303,30 @@ def main() -> None:
     )
     add_publish_arguments(parser)
     args = parser.parse_args()
+    task = TASKS[args.task]
+    args.out = args.out or Path(f"benchmarks/results/{task.benchmark}.json")
+    args.plot = args.plot or Path(f"docs/images/{task.benchmark}.png")
     argv = list(sys.argv)
     if args.from_results is not None:
         at = argv.index("--from-results")
         argv = argv[:at] + argv[at + 2 :]  # the command that made the runs
         runs = json.loads(args.from_results.read_text())["runs"]
-        write_study_record(args, runs, argv)
-        plot(runs, args.plot)
+        write_study_record(task, args, runs, argv)
+        plot(task, runs, args.plot)
         return
     runs = []
     for seed in args.seeds:
         for setting in args.settings:
-            runs.append(measure(setting, args.steps, args.eval_every, seed, args.pass_k))
+            runs.append(measure(task, setting, args.steps, args.eval_every, seed, args.pass_k))
             last = runs[-1]["curve"][-1] if runs[-1]["curve"] else {}
             print(
                 json.dumps({"setting": setting, "seed": seed, "train_s": runs[-1]["train_s"], **last}),
                 flush=True,
             )
-            write_json(args.out, {"runs": runs, "summary": summarise(runs)})
-    plot(runs, args.plot)
-    print(json.dumps(summarise(runs), indent=2))
-    write_study_record(args, runs, argv)
+            write_json(args.out, {"runs": runs, "summary": summarise(task, runs)})
+    plot(task, runs, args.plot)
+    print(json.dumps(summarise(task, runs), indent=2))
+    write_study_record(task, args, runs, argv)
 
 
 if __name__ == "__main__":
