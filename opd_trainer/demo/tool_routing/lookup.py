@@ -55,7 +55,8 @@ LOOKUP_CATEGORIES: tuple[str, ...] = ("lookup", "call", "repair", "summary")
 MISTAKES: tuple[str, ...] = ("skipped_lookup", "wrong_name", "wrong_id")
 # The mistakes the training turns repair. A wrong name is left out: a 2-layer model tends to copy the
 # last `"arguments": {"name": "...` it saw, the wrong one (the first build with it had not reached the
-# teacher's target after 620 full-phase steps). The backend and the judge still punish it.
+# teacher's target after 620 full-phase steps; nor had the build without it after 540). The backend and
+# the judge still punish it.
 TRAINED_MISTAKES: tuple[str, ...] = ("skipped_lookup", "wrong_id")
 # Share of training conversations of the other categories whose history holds a repaired mistake.
 MISTAKE_SHARE = 0.3
