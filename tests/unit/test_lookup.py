@@ -212,3 +212,22 @@ def test_wrong_runs_fail() -> None:
     # A repeated failing lookup never reaches the item.
     failing = _exchange("find_item", {"name": "Bob's blue lamp"})
     assert _score(*failing, *failing, DONE) == lookup.EpisodeScore(False, True, 2, False)
+
+
+def test_a_requests_item_name_is_the_same_tokens_as_in_the_lookup_call() -> None:
+    """The model can copy the name only if the request holds the very tokens the call's `"name": "..."`
+    does: a Chinese request quotes it, or its words merge with the text around it (no spaces to split)."""
+    from opd_trainer.demo.tiny_models.factory import VOCAB_SIZE, _train_tokenizer
+
+    samples = lookup.make_samples("train", 800)
+    tokenizer = _train_tokenizer(samples)
+    for sample in samples[:: len(lookup.LOOKUP_CATEGORIES)][:40]:  # the lookup turns
+        request = sample.record["messages"][1]["content"]
+        name = json.loads(sample.reference_message["tool_calls"][0]["function"]["arguments"])["name"]
+        in_call = tokenizer.encode(json.dumps({"name": name}, ensure_ascii=False)).ids
+        name_ids = in_call[in_call.index(tokenizer.token_to_id('Ġ"')) + 1 : -1]  # between Ġ" and "}
+        request_ids = tokenizer.encode(request).ids
+        assert any(
+            request_ids[i : i + len(name_ids)] == name_ids for i in range(len(request_ids))
+        ), (request, name)
+    assert tokenizer.get_vocab_size() <= VOCAB_SIZE

@@ -13,7 +13,8 @@ Another CPU gives other weights: torch picks vectorised kernels by the CPU's ins
 differently. `ATEN_CPU_CAPABILITY=default` reproduces that on one machine. (The thread count, measured
 on a 2-core AMD EPYC, left every weight bit-identical between 1 and 2 threads.) What holds everywhere is
 the contract: every phase trains to a target, not to a step count, so the teacher reaches
-`TEACHER_TARGET_EM` and the student lands at most half of it on any x86-64 CPU; the manifest records
+`TEACHER_TARGET_EM` (a variant may set its own, `TEACHER_TARGET_BY_VARIANT`) and the student lands at
+most half of it on any x86-64 CPU; the manifest records
 what this build reached, where and how.
 
 Recipe, in order (see `training` for why each phase exists):
@@ -97,6 +98,10 @@ N_EPISODES_TRAIN = 2000
 N_EPISODES_VALIDATION = 64
 VOCAB_SIZE = 1536
 TEACHER_TARGET_EM = 0.95
+# The lookup chains' call turn must carry the priority over two turns back from the user's request: the
+# 2-layer teacher levels off near 0.90 there (call turns ~0.72, the other three categories >= 0.94;
+# measured 2026-12-05), so its build stops at 0.88, a margin below that plateau for other CPUs.
+TEACHER_TARGET_BY_VARIANT = {"lookup": 0.88}
 STUDENT_EM_BAND = (0.3, 0.45)
 STUDENT_MIN_FORMAT = 0.7
 
@@ -160,6 +165,11 @@ class TinyModels:
     student: Path
     data_dir: Path
     manifest: dict[str, Any]
+
+
+def teacher_target(variant: str = DEFAULT_VARIANT) -> float:
+    """The validation exact match the variant's teacher trains to."""
+    return TEACHER_TARGET_BY_VARIANT.get(variant, TEACHER_TARGET_EM)
 
 
 def default_threads() -> int:
@@ -366,10 +376,11 @@ def _train_pair(
         copy_phase.wall_time_s,
     )
     search = STUDENT_SEARCH_BY_VARIANT.get(variant, STUDENT_SEARCH)
-    tails, full, checkpoint = _train_teacher(teacher, tokenizer, data, seed, progress, search)
+    target = teacher_target(variant)
+    tails, full, checkpoint = _train_teacher(teacher, tokenizer, data, seed, progress, search, target)
     student = Qwen2ForCausalLM(config)
     student.load_state_dict(checkpoint.state)
-    return _TrainedPair(teacher, student, copy_phase, tails, full, checkpoint)
+    return _TrainedPair(teacher, student, copy_phase, tails, full, checkpoint, target)
 
 
 def _build_host(threads: int) -> dict[str, Any]:
@@ -425,7 +436,7 @@ def _training_sections(pair: _TrainedPair) -> dict[str, Any]:
             name: _phase_summary(p) for name, p in (("copy", copy_phase), ("tails", tails), ("full", full))
         },
         "teacher": {
-            "target_exact_match": TEACHER_TARGET_EM,
+            "target_exact_match": pair.target,
             "training_steps": {"copy": copy_phase.steps, "tails": tails.steps, "full": full.steps},
             "validation": full.metrics,
         },
@@ -454,6 +465,7 @@ class _TrainedPair:
     tails: PhaseResult
     full: PhaseResult
     checkpoint: _Checkpoint
+    target: float  # the teacher's validation exact match target (`teacher_target`)
 
 
 def _train_teacher(
@@ -463,6 +475,7 @@ def _train_teacher(
     seed: int,
     progress: ProgressFn | None,
     student_search: range = STUDENT_SEARCH,
+    target: float = TEACHER_TARGET_EM,
 ) -> tuple[PhaseResult, PhaseResult, _Checkpoint]:
     """Train the teacher; return its two phases and the early checkpoint that becomes the student.
 
@@ -496,15 +509,15 @@ def _train_teacher(
         seed + 1,
         validate_at=validate_at,
         on_validate=on_validate,
-        done=lambda m: m["exact_match"] >= TEACHER_TARGET_EM,
+        done=lambda m: m["exact_match"] >= target,
         progress=progress,
     )
-    if full.metrics["exact_match"] < TEACHER_TARGET_EM:
+    if full.metrics["exact_match"] < target:
         # The cap is 3x the steps the phase has ever needed: reaching it means the recipe broke, and a
         # teacher below its target would make every test and demo downstream measure the wrong thing.
         raise RuntimeError(
             f"teacher stopped at the step cap ({full.steps}) with validation exact match "
-            f"{full.metrics['exact_match']:.3f} < target {TEACHER_TARGET_EM}"
+            f"{full.metrics['exact_match']:.3f} < target {target}"
         )
     return tails, full, _pick_student(candidates, full.metrics["exact_match"])
 

@@ -53,10 +53,8 @@ SYSTEM_PROMPT = (
 # error (the repair), the summary of the result.
 LOOKUP_CATEGORIES: tuple[str, ...] = ("lookup", "call", "repair", "summary")
 MISTAKES: tuple[str, ...] = ("skipped_lookup", "wrong_name", "wrong_id")
-# The mistakes the training turns repair. A wrong name is left out: a 2-layer model tends to copy the
-# last `"arguments": {"name": "...` it saw, the wrong one (the first build with it had not reached the
-# teacher's target after 620 full-phase steps; nor had the build without it after 540). The backend and
-# the judge still punish it.
+# The mistakes the training turns repair. A wrong name's repair is left out (its turn would copy the name
+# from the request past a wrong one just used); the backend and the judge still punish a wrong name.
 TRAINED_MISTAKES: tuple[str, ...] = ("skipped_lookup", "wrong_id")
 # Share of training conversations of the other categories whose history holds a repaired mistake.
 MISTAKE_SHARE = 0.3
@@ -74,6 +72,9 @@ _OWNERS = {
     "zh": ("小王", "小李", "张伟", "李娜", "王芳", "刘洋", "陈静", "赵磊"),
 }
 _NAME = {"en": "{owner}'s {colour} {thing}", "zh": "{owner}的{colour}{thing}"}
+# A Chinese request quotes the name (「...」): the tiny tokenizer's pre-tokenizer splits only at spaces and
+# punctuation, so an unquoted name merges with the words around it into tokens that never appear in the
+# call's `"name": "..."`, and the model cannot copy it (the first builds: every Chinese lookup wrong).
 _REQUESTS: dict[str, dict[str, tuple[str, ...]]] = {
     "query_status": {
         "en": (
@@ -81,11 +82,11 @@ _REQUESTS: dict[str, dict[str, tuple[str, ...]]] = {
             "Check the status of {name}.",
             "Can you look up {name} for me?",
         ),
-        "zh": ("查询{name}的状态。", "{name}现在是什么状态？", "帮我看看{name}的进度。"),
+        "zh": ("查询「{name}」的状态。", "「{name}」现在是什么状态？", "帮我看看「{name}」的进度。"),
     },
     "update_priority": {
         "en": ("Set the priority of {name} to {priority}.", "Change {name} to {priority} priority."),
-        "zh": ("把{name}的优先级设为{priority}。", "{name}的优先级改成{priority}。"),
+        "zh": ("把「{name}」的优先级设为{priority}。", "「{name}」的优先级改成{priority}。"),
     },
 }
 
