@@ -10,8 +10,9 @@ its metrics:
   teacher scores on exactly the student's tokens (its top-k too when the estimator needs it), as soon
   as the rollout ends, not when the batch ends.
 - **reward** (`shape_signal`): drops segments staler than `max_staleness`, adds the hindsight signal
-  and the turn-level preference pairs; with `beacon_rewrite`, the turns that got a tool error are
-  written again with a hindsight beacon and paired against themselves (`driver/beacons.py`).
+  and the turn-level preference pairs; with `beacon_rewrite`, the turns that got a tool error (or the
+  beacon component's feedback) are written again with a hindsight beacon and paired against themselves
+  (`driver/beacons.py`).
   The rollout's own reward came from the user's reward workers during sampling.
 - **learn**: the learner's update on mini-batches of whole rollouts (`minibatches`).
 - **publish**: the new weights to every student replica (`Components.publish_weights`).
