@@ -162,6 +162,7 @@ async def _beacons(c: Components, results: list[RolloutResult], counts: dict[str
 class _Turn:
     index: int  # in the step's segments
     beaconed_prompt: list[int]
+    beacon: str
 
 
 def _turns_to_rewrite(
@@ -178,7 +179,7 @@ def _turns_to_rewrite(
         if not prompt or len(prompt) >= max_length or chosen_already:
             counts["skipped"] += 1
             continue
-        turns.append(_Turn(index, prompt))
+        turns.append(_Turn(index, prompt, beacon))
     return turns
 
 
@@ -267,6 +268,7 @@ async def rewrite_with_beacons(
                 hindsight=0.0,
                 preference_pairs=((pair_id, CHOSEN),),
                 distilled=False,
+                beacon=turn.beacon,
             )
         )
     counts["pairs"] = len(chosen_rows)

@@ -357,7 +357,8 @@ async def train_step(
     # The first trajectories with the teacher's view of each trained token (failed rollouts and calls
     # whose segment was dropped have none). Each distinct id is decoded once: 16 trajectories of
     # 3 x 512 tokens took 30-100 ms with the JSON written, on a busy 2-core CPU (2026-12-04).
-    log.trajectories(scored_trajectories(results[:TRAJECTORIES_PER_STEP], segments, c.tokenizer, step + 1))
+    shown = results[:TRAJECTORIES_PER_STEP]
+    log.trajectories(scored_trajectories(shown, segments, c.tokenizer, step + 1, rewrites))
     phases.done("record")  # the signal phase and the recorded trajectories, apart from the learner's time
     updates = minibatches(segments + rewrites, hp.ppo_mini_batch_size)
     if hp.turn_preference_coef > 0:

@@ -143,3 +143,13 @@ def test_self_correction_episodes_train_and_validate(
         assert trajectory["rollout_metrics"]["turns"] >= 1
     # Half the episodes move their item and the teacher makes the first call right nearly always.
     assert errors_seen >= 2
+    # Every paired rewrite is shown beside the turn it is preferred over (all 16 rollouts are recorded),
+    # with the component's feedback under the beacon header.
+    shown = [
+        call["tokens"]["signal"]["rewrite"]
+        for trajectory in trajectories
+        for call in trajectory["llm_calls"]
+        if call.get("tokens") and "rewrite" in call["tokens"].get("signal", {})
+    ]
+    assert len(shown) == beacons["pairs"], (len(shown), beacons)
+    assert all(r["text"] and "That item moved to " in r["beacon"] for r in shown), shown

@@ -188,6 +188,7 @@ def test_the_rewrite_is_chosen_for_the_turns_own_prompt_and_never_distilled(toke
     assert row.prompt_token_ids == segments[0].prompt_token_ids and row.completion_token_ids == [6, 6]
     assert c.teachers.scored == [(segments[0].prompt_token_ids, [6, 6])]
     assert row.teacher_logprobs == [-0.25, -0.25] and not row.distilled and row.rollout_id == 0
+    assert row.beacon == beacon  # for the trajectory view, beside the turn; never trained
     # The pair: a fresh id after the mined pairs', the rewrite chosen, the turn rejected; nothing else marked.
     assert row.preference_pairs == ((1, CHOSEN),)
     assert marked[0].preference_pairs == ((1, REJECTED),)
