@@ -4,21 +4,14 @@ that went wrong (`driver/beacons.py` has each rewritten with it)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
-
 from pydantic import JsonValue
 
-from opd_trainer.jobspec.job_spec import FunctionComponent
 from opd_trainer.sdk import AgentOutput, BeaconInput, BeaconOutput, BeaconTurn, RequestMetadata
 from opd_trainer.workers.pool import WorkerPool
 
 
 class BeaconPool(WorkerPool):
-    def __init__(self, job_id: str, component: FunctionComponent, workspace: Path, **options: Any) -> None:
-        if component.type != "beacon":
-            raise ValueError(f"{component.name} is a {component.type} component, not a beacon component")
-        super().__init__(job_id, component, workspace, **options)
+    component_types = ("beacon",)
 
     async def beacons(
         self,

@@ -168,7 +168,10 @@ ProcessorWorkerActor = ray.remote(ProcessorWorker)
 
 
 class WorkerPool:
-    """The workers of one component, scaled by the shared autoscaler."""
+    """The workers of one component, scaled by the shared autoscaler. A subclass names the component
+    types it runs (`component_types`)."""
+
+    component_types: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -186,6 +189,9 @@ class WorkerPool:
         """`sandbox_mode` (`OPD_PROCESSOR_SANDBOX`: auto, bwrap, none) and `sandbox_network`
         (`OPD_SANDBOX_NETWORK`) are read where the driver runs; `server`: the job comes from the job
         server, whose tenants' code runs only sandboxed. Each worker applies them on its own node."""
+        if component.type not in self.component_types:
+            wanted = " or ".join(self.component_types)
+            raise ValueError(f"{component.name} is a {component.type} component, not a {wanted} component")
         self.job_id = job_id
         self.component = component
         self.kind: Kind = KIND_OF_COMPONENT[component.type]
