@@ -8,6 +8,9 @@ record whose figures are the per-run values (median, range, runs). A figure a ru
 
     .venv/bin/python benchmarks/repeat.py step_breakdown --runs 3 --publish -- --steps 6
 
+`--refigure PUBLISHED_RECORD` runs nothing: it recomputes an earlier record's figures from that record's
+own runs (a figure added since), keeping its runs, machine, versions and command, and notes it.
+
 The side-by-side benchmarks (vs_trl_gkd, staleness) interleave their own sides instead
 (interleave.py) and are not run through this.
 """
@@ -23,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from records import add_publish_arguments, new_record, write_record
+from records import add_publish_arguments, load_record, new_record, summarize, write_record
 
 HERE = Path(__file__).resolve().parent
 Extract = Callable[[dict[str, Any]], "float | list[float | None] | None"]
@@ -87,6 +90,9 @@ FIGURES: dict[str, dict[str, Extract]] = {
         "other_percent": lambda r: r["parts_percent"]["other"],
         "teacher_percent": lambda r: r["parts_percent"]["teacher"],
         "rollout_percent": lambda r: r["parts_percent"]["rollout"],
+        # The signal phase with the recorded trajectories' per-token view (the console's), timed inside
+        # the step: the step's cost of recording them.
+        "record_percent": lambda r: r["parts_percent"]["record"],
         "step_s": lambda r: r["step_s"],
         "samples_per_s": lambda r: r["samples_per_s"],
         "tokens_per_s": lambda r: r["tokens_per_s"],
@@ -110,7 +116,7 @@ FIGURES: dict[str, dict[str, Extract]] = {
 HEADLINE = {
     "engine_throughput": ["generate_ratio", "score_ratio"],
     "rollout_gateway": ["throughput_ratio"],
-    "step_breakdown": ["other_percent", "teacher_percent"],
+    "step_breakdown": ["other_percent", "teacher_percent", "record_percent"],
     "api_load": ["read_p99_ms"],
     "efficacy": ["gap_closed"],
     "estimate_error": ["teacher_tokens_abs_error", "wall_s_abs_error"],
@@ -140,7 +146,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.epilog = "Arguments after `--` go to the benchmark's script."
     argv = list(sys.argv[1:] if argv is None else argv)
     cut = argv.index("--") if "--" in argv else len(argv)
+    parser.add_argument(
+        "--refigure",
+        type=Path,
+        default=None,
+        help="recompute this record's figures from its own runs (no new run) and write it again",
+    )
     args = parser.parse_args(argv[:cut])
+    if args.refigure is not None:
+        refigure(args, argv)
+        return
     script_args = argv[cut + 1 :]
     results, runs = [], []
     for i in range(args.runs):
@@ -168,6 +183,19 @@ def main(argv: list[str] | None = None) -> None:
     write_record(record, publish=args.publish, results_dir=args.results_dir, published_dir=args.published_dir)
     for name, s in record.figures.items():
         print(f"{name:<36} median {s['median']}  range {s['min']}–{s['max']}  runs {s['runs']}")
+
+
+def refigure(args: argparse.Namespace, argv: list[str]) -> None:
+    """An earlier record with its figures recomputed from its runs by today's `FIGURES`."""
+    record = load_record(args.refigure)
+    if record.benchmark != args.benchmark:
+        raise SystemExit(f"--refigure: {args.refigure} is a {record.benchmark} record, not {args.benchmark}")
+    results = [run["result"] for run in record.runs]
+    record.figures = {name: summarize(values) for name, values in figures_of(args.benchmark, results).items()}
+    record.headline = {f"{name}_median": record.figures[name]["median"] for name in HEADLINE[args.benchmark]}
+    command = " ".join(["benchmarks/repeat.py", *argv])
+    record.notes.append(f"figures recomputed from these runs by: {command}")
+    write_record(record, publish=args.publish, results_dir=args.results_dir, published_dir=args.published_dir)
 
 
 if __name__ == "__main__":

@@ -60,6 +60,9 @@ class LLMCall:
     (driver/beacons.py): not the student's own sample, trained only as its pair's chosen action."""
     teacher_saw_note: bool = False
     """The teacher scored this call with the reference in its context (driver/teacher_hindsight.py)."""
+    beacon: str = ""
+    """A beacon's rewrite (driver/beacons.py): the beacon it was written with. Never trained; the
+    trajectory view shows it beside the turn the rewrite is preferred over."""
     teacher_name: str = ""
     """The teacher that scored this call (`teacher_model`'s names; `teacher` for a job's only one)."""
     teacher_latency_s: float = 0.0

@@ -6,21 +6,16 @@ reward pool too.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from pydantic import JsonValue
 
-from opd_trainer.jobspec.job_spec import FunctionComponent
 from opd_trainer.sdk import AgentOutput, ModelResource, RequestMetadata, RewardInput, RewardOutput
 from opd_trainer.workers.pool import WorkerPool
 
 
 class RewardPool(WorkerPool):
-    def __init__(self, job_id: str, component: FunctionComponent, workspace: Path, **options: Any) -> None:
-        if component.type not in ("reward", "evaluator"):
-            raise ValueError(f"{component.name} is a {component.type} component, not a reward or evaluator")
-        super().__init__(job_id, component, workspace, **options)
+    component_types = ("reward", "evaluator")
 
     async def score(
         self,

@@ -6,21 +6,16 @@ a per-rollout API key, so the student tokens the agent produced are recorded for
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from pydantic import JsonValue
 
-from opd_trainer.jobspec.job_spec import FunctionComponent
 from opd_trainer.sdk import ModelResource, RequestMetadata, RolloutInput, RolloutOutput
 from opd_trainer.workers.pool import WorkerPool
 
 
 class RolloutPool(WorkerPool):
-    def __init__(self, job_id: str, component: FunctionComponent, workspace: Path, **options: Any) -> None:
-        if component.type != "rollout":
-            raise ValueError(f"{component.name} is a {component.type} component, not a rollout")
-        super().__init__(job_id, component, workspace, **options)
+    component_types = ("rollout",)
 
     async def rollout(
         self,

@@ -211,6 +211,15 @@ function renderSignal(signal) {
   return ` <span class="signal" aria-label="training signals of this turn">${parts.map(esc).join(" · ")}</span>`;
 }
 
+// A beacon's rewrite preferred over this turn (the preference pair's chosen side, never distilled): its
+// text and the beacon it was written with, folded under the turn.
+function renderRewrite(signal) {
+  const rewrite = signal && signal.rewrite;
+  if (!rewrite) return "";
+  return `<details class="rewrite"><summary>preferred rewrite (hindsight beacon)</summary>` +
+    `<p><em>rewrite</em> ${esc(rewrite.text)}</p><p><em>beacon</em> ${esc(rewrite.beacon)}</p></details>`;
+}
+
 // A reply whose every token the teacher scored, coloured by its log-ratio: trained (a step's rollouts), or
 // only scored (a student's validation rollout: nothing of it is trained).
 function renderTrainedTurn(call, index, trained = true) {
@@ -221,7 +230,7 @@ function renderTrainedTurn(call, index, trained = true) {
   const label = `assistant · ${how}, LLM call ${index + 1}, ${t.text.length} tokens`;
   return `<div class="turn assistant trained" data-call="${index}"><em>${label}</em>${renderSignal(t.signal)}` +
     `<div class="tokens" tabindex="0" role="group" aria-label="${trained ? "trained" : "scored"} tokens of LLM call ${index + 1}; left and right arrows step through them">${spans}</div>` +
-    `<p class="tokinfo" aria-live="polite"></p>${renderToolCalls(call.response || {})}</div>`;
+    `<p class="tokinfo" aria-live="polite"></p>${renderToolCalls(call.response || {})}${renderRewrite(t.signal)}</div>`;
 }
 
 // A reply's text and tool calls (name, arguments), whatever else a client added to the message it kept.

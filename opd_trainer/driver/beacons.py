@@ -3,7 +3,11 @@ trained as the preferred action for the turn's own context.
 
 With `hyper_parameters.beacon_rewrite` ('teacher' or 'student'), after the signal phase of a step:
 
-1. **Beacons** (`beacon_for`, a built-in rule): a trained turn whose tool calls got an error answer
+1. **Beacons**: with a `beacon` component (the user's `AbstractBeaconProcessor`, in its sandboxed pool),
+   each finished rollout and its trained turns go to it, and the feedback it returns for a turn
+   becomes that turn's beacon (`USER_BEACON`); a rollout whose call failed counts in `beacons/failed`,
+   feedback for a turn that is not one of those given (or a second for one) in `beacons/unknown_turn`.
+   Without one, `beacon_for`, a built-in rule: a trained turn whose tool calls got an error answer
    (`agent_eval.is_tool_error`) gets a beacon: structured, verifiable feedback from what happened after
    it ("at this point the assistant replied <its calls>; the tools answered: <the errors>"), under
    `BEACON_HEADER`. Nothing a tool did not say goes in. The rule takes the error for the turn's own
@@ -25,11 +29,12 @@ With `hyper_parameters.beacon_rewrite` ('teacher' or 'student'), after the signa
 Per step: `beacons/turns` (turns with a beacon), `beacons/pairs`, `beacons/unchanged`,
 `beacons/cut_off`, `beacons/leaked`, `beacons/skipped` (the turn's prompt cannot be rebuilt from its
 messages, its template refuses the note, or the note leaves no room under `max_length`; or the turn is
-already chosen in a pair).
+already chosen in a pair); with a beacon component also `beacons/failed` and `beacons/unknown_turn`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 from typing import TYPE_CHECKING, Any
@@ -41,19 +46,24 @@ from opd_trainer.driver.teacher_hindsight import (
     noted_prompt,
     tool_answers,
 )
+from opd_trainer.jobspec.dataset import ground_truth_of
 from opd_trainer.learner.turn_preference import CHOSEN, REJECTED
 from opd_trainer.records import LLMCall
 from opd_trainer.rollout.agent_eval import is_tool_error, message_text, tool_call_function
+from opd_trainer.sdk import AgentOutput, BeaconTurn, TaskStatus
 
 if TYPE_CHECKING:
     from opd_trainer.driver.components import Components
     from opd_trainer.rollout.runner import RolloutResult
+    from reward_workers.beacon_pool import BeaconPool
 
 BEACON = (
     BEACON_HEADER + " at this point the assistant replied {reply}; the tools answered: {errors}. "
     "Write a better reply for this point of the conversation."
 )
+USER_BEACON = BEACON_HEADER + " {feedback} Write a better reply for this point of the conversation."
 COUNTS = ("turns", "pairs", "unchanged", "cut_off", "leaked", "skipped")
+USER_COUNTS = ("failed", "unknown_turn")  # a beacon component's calls
 REWRITE_SEED_OFFSET = 1_000_000  # rewrite seeds past any step's rollout indices (batch x n_rollouts)
 
 
@@ -76,32 +86,87 @@ def beacon_for(call: LLMCall, answers: list[dict[str, Any]]) -> str | None:
     return BEACON.format(reply=_reply_summary(call), errors=" | ".join(errors))
 
 
-def _key(segment: LLMCall) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+Key = tuple[int, tuple[int, ...], tuple[int, ...]]
+
+
+def _key(segment: LLMCall) -> Key:
     return segment.rollout_id, tuple(segment.prompt_token_ids), tuple(segment.completion_token_ids)
 
 
-def beacons_by_turn(results: list[RolloutResult]) -> dict[tuple[int, tuple[int, ...], tuple[int, ...]], str]:
-    """Each beaconed turn of the step's successful rollouts, by (rollout, prompt ids, completion ids): the
-    key its segment has (segments are copies of the calls, `step.teacher_segments`)."""
-    found: dict[tuple[int, tuple[int, ...], tuple[int, ...]], str] = {}
+def _call_key(result: RolloutResult, call: LLMCall) -> Key:
+    """The key of `call`'s segment (segments are copies of the calls, `step.teacher_segments`, with the
+    rollout's index as their `rollout_id`)."""
+    return result.index, tuple(call.prompt_token_ids), tuple(call.completion_token_ids)
+
+
+def beacons_by_turn(results: list[RolloutResult]) -> dict[Key, str]:
+    """Each beaconed turn of the step's successful rollouts by the built-in rule, by its segment's key."""
+    found: dict[Key, str] = {}
     for result in results:
         if result.failed:
             continue
         for call, answers in zip(result.calls, tool_answers(result.calls, result.messages), strict=True):
             beacon = beacon_for(call, answers) if call.completion_token_ids else None
             if beacon is not None:
-                found[(result.index, tuple(call.prompt_token_ids), tuple(call.completion_token_ids))] = beacon
+                found[_call_key(result, call)] = beacon
     return found
+
+
+async def user_beacons(pool: BeaconPool, result: RolloutResult, counts: dict[str, int]) -> dict[Key, str]:
+    """The beacons the job's beacon component writes for one finished rollout's trained turns, by their
+    segments' keys; its failures and stray turns counted in `counts`."""
+    calls = result.calls
+    trained = {
+        index: (call, answers)
+        for index, (call, answers) in enumerate(zip(calls, tool_answers(calls, result.messages), strict=True))
+        if call.completion_token_ids
+    }
+    if not trained:
+        return {}
+    turns = [
+        BeaconTurn(turn=index, messages=call.messages, reply=call.response_message, tool_answers=answers)
+        for index, (call, answers) in trained.items()
+    ]
+    output = await pool.beacons(
+        sample_id=result.sample.sample_id,
+        rollout_id=result.rollout_id,
+        ground_truth=ground_truth_of(result.sample),
+        agent_output=result.agent_output or AgentOutput(messages=result.messages),
+        reward=result.reward,
+        component_rewards=result.component_rewards,
+        turns=turns,
+    )
+    if output.status == TaskStatus.FAILED:
+        counts["failed"] += 1
+        return {}
+    found: dict[Key, str] = {}
+    for beacon in output.beacons:
+        call = trained[beacon.turn][0] if beacon.turn in trained else None
+        if call is None or _call_key(result, call) in found:
+            counts["unknown_turn"] += 1
+            continue
+        found[_call_key(result, call)] = USER_BEACON.format(feedback=beacon.feedback)
+    return found
+
+
+async def _beacons(c: Components, results: list[RolloutResult], counts: dict[str, int]) -> dict[Key, str]:
+    """The step's beacons: the beacon component's, else the built-in rule's."""
+    if c.beacon_pool is None:
+        return beacons_by_turn(results)
+    pool = c.beacon_pool
+    written = await asyncio.gather(*(user_beacons(pool, r, counts) for r in results if not r.failed))
+    return {key: beacon for one in written for key, beacon in one.items()}
 
 
 @dataclasses.dataclass(frozen=True)
 class _Turn:
     index: int  # in the step's segments
     beaconed_prompt: list[int]
+    beacon: str
 
 
 def _turns_to_rewrite(
-    segments: list[LLMCall], beacons: dict[Any, str], tokenizer: Any, max_length: int, counts: dict[str, int]
+    segments: list[LLMCall], beacons: dict[Key, str], tokenizer: Any, max_length: int, counts: dict[str, int]
 ) -> list[_Turn]:
     turns = []
     for index, segment in enumerate(segments):
@@ -114,7 +179,7 @@ def _turns_to_rewrite(
         if not prompt or len(prompt) >= max_length or chosen_already:
             counts["skipped"] += 1
             continue
-        turns.append(_Turn(index, prompt))
+        turns.append(_Turn(index, prompt, beacon))
     return turns
 
 
@@ -159,8 +224,9 @@ async def rewrite_with_beacons(
     rejected, the rewrites (chosen, not distilled; each in its turn's rollout, so a pair never spans
     two mini-batches) and the `beacons/*` counts."""
     hp = c.spec.hyper_parameters
-    counts = dict.fromkeys(COUNTS, 0)
-    turns = _turns_to_rewrite(segments, beacons_by_turn(results), c.tokenizer, c.max_length, counts)
+    counts = dict.fromkeys(COUNTS + (USER_COUNTS if c.beacon_pool is not None else ()), 0)
+    beacons = await _beacons(c, results, counts)
+    turns = _turns_to_rewrite(segments, beacons, c.tokenizer, c.max_length, counts)
     if not turns:
         return segments, [], {f"beacons/{name}": float(value) for name, value in counts.items()}
     samples = {r.index: r.sample for r in results}
@@ -202,6 +268,7 @@ async def rewrite_with_beacons(
                 hindsight=0.0,
                 preference_pairs=((pair_id, CHOSEN),),
                 distilled=False,
+                beacon=turn.beacon,
             )
         )
     counts["pairs"] = len(chosen_rows)

@@ -41,6 +41,7 @@ from opd_trainer.workers.sandbox import (
     effective_mode,
     unconfined_reason,
 )
+from reward_workers.beacon_pool import BeaconPool
 from reward_workers.pool import RewardPool
 from rollout_workers.pool import RolloutPool
 
@@ -65,6 +66,7 @@ class Components:
     teacher_runner: RolloutRunner | None
     pools: tuple[Any, ...]
     gateways: tuple[Any, ...]  # the gateway host's actor (the student's and the teacher's gateways)
+    beacon_pool: BeaconPool | None  # the user's beacon writer (`driver/beacons.py`), if the job has one
 
     def prompt(self, sample: Sample) -> list[int]:
         return prompt_token_ids(self.tokenizer, sample.messages, sample.tools, self.spec.chat_template_kwargs)
@@ -181,6 +183,7 @@ async def start_components(
         teacher_runner=teacher_runner,
         pools=tuple(started.pools),
         gateways=tuple(started.gateways),
+        beacon_pool=pools.beacon,
     )
 
 
@@ -363,12 +366,14 @@ class _Pools:
     rollout: Any
     rewards: list[Any]
     evaluator: Any
+    beacon: BeaconPool | None
 
 
 async def _start_pools(
     spec: JobSpec, job_id: str, validates: bool, sandbox: dict[str, Any], started: Started, emit: Emit
 ) -> _Pools:
-    """The user's worker pools (rollout, rewards, and the evaluator when the job validates)."""
+    """The user's worker pools (rollout, rewards, the evaluator when the job validates, the beacon
+    writer)."""
 
     def on_event(event: dict[str, Any]) -> None:
         message = f"{event['pool']}: {event['from']} -> {event['to']} workers ({event['reason']})"
@@ -383,7 +388,10 @@ async def _start_pools(
     if validates:
         for component in spec.evaluator_components:
             evaluator = RewardPool(job_id, component, _workspace(component), **options)
-    pools = [p for p in (rollout, *rewards, evaluator) if p is not None]
+    beacon = None
+    for component in spec.beacon_components:
+        beacon = BeaconPool(job_id, component, _workspace(component), **options)
+    pools = [p for p in (rollout, *rewards, evaluator, beacon) if p is not None]
     started.pools.extend(pools)
     if pools:
         emit("status", "loading user processors: " + ", ".join(p.component.name for p in pools))
@@ -393,7 +401,7 @@ async def _start_pools(
         if (pool.confinement or "").startswith("no sandbox"):
             message = f"{pool.component.name}: user processors run without a sandbox: {unconfined_reason()}"
             emit("warning", message, sandbox="none")
-    return _Pools(rollout, rewards, evaluator)
+    return _Pools(rollout, rewards, evaluator, beacon)
 
 
 def _workspace(component: FunctionComponent) -> Path:

@@ -10,8 +10,9 @@ its metrics:
   teacher scores on exactly the student's tokens (its top-k too when the estimator needs it), as soon
   as the rollout ends, not when the batch ends.
 - **reward** (`shape_signal`): drops segments staler than `max_staleness`, adds the hindsight signal
-  and the turn-level preference pairs; with `beacon_rewrite`, the turns that got a tool error are
-  written again with a hindsight beacon and paired against themselves (`driver/beacons.py`).
+  and the turn-level preference pairs; with `beacon_rewrite`, the turns that got a tool error (or the
+  beacon component's feedback) are written again with a hindsight beacon and paired against themselves
+  (`driver/beacons.py`).
   The rollout's own reward came from the user's reward workers during sampling.
 - **learn**: the learner's update on mini-batches of whole rollouts (`minibatches`).
 - **publish**: the new weights to every student replica (`Components.publish_weights`).
@@ -356,7 +357,8 @@ async def train_step(
     # The first trajectories with the teacher's view of each trained token (failed rollouts and calls
     # whose segment was dropped have none). Each distinct id is decoded once: 16 trajectories of
     # 3 x 512 tokens took 30-100 ms with the JSON written, on a busy 2-core CPU (2026-12-04).
-    log.trajectories(scored_trajectories(results[:TRAJECTORIES_PER_STEP], segments, c.tokenizer, step + 1))
+    shown = results[:TRAJECTORIES_PER_STEP]
+    log.trajectories(scored_trajectories(shown, segments, c.tokenizer, step + 1, rewrites))
     phases.done("record")  # the signal phase and the recorded trajectories, apart from the learner's time
     updates = minibatches(segments + rewrites, hp.ppo_mini_batch_size)
     if hp.turn_preference_coef > 0:

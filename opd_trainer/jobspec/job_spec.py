@@ -202,13 +202,17 @@ class FunctionRuntime(_Strict):
 
 
 class FunctionComponent(_Strict):
-    """A user processor: the rollout (at most one), a reward (any number) or an evaluator (at most one)."""
+    """A user processor: the rollout (at most one), a reward (any number), an evaluator (at most one) or a
+    beacon writer (at most one)."""
 
     name: str = Field(min_length=1, description="Component name, unique in the job.")
-    type: Literal["rollout", "reward", "evaluator"] = Field(
+    type: Literal["rollout", "reward", "evaluator", "beacon"] = Field(
         description="rollout: drives the student (AbstractRolloutProcessor). reward: scores every rollout "
         "(AbstractRewardProcessor). evaluator: scores validation rollouts only, with the reward interface; "
-        "the means of its reward_metrics are reported under their own names, its reward_score as eval_score."
+        "the means of its reward_metrics are reported under their own names, its reward_score as eval_score. "
+        "beacon: writes the hindsight beacons of `hyper_parameters.beacon_rewrite` (AbstractBeaconProcessor: "
+        "given each finished, scored rollout and its trained turns, feedback for the turns that went wrong) "
+        "instead of the built-in rule for tool errors."
     )
     fcmodel: FcModel = Field(description="Code location and classpath.")
     timeout: float = Field(
@@ -336,13 +340,16 @@ class HyperParameters(_Strict):
     beacon_rewrite: Literal["off", "teacher", "student"] = Field(
         default="off",
         description="Hindsight beacons (opd_trainer/driver/beacons.py, seed 003): each trained turn whose "
-        "tool calls got an error answer is written again, greedily, by the teacher ('teacher') or the "
-        "student's engines ('student'), with a beacon saying what the turn did and what the tools answered "
-        "in its context; the rewrite becomes the chosen action of a preference pair against the original "
+        "tool calls got an error answer (or, with a `beacon` component, each turn it writes feedback for) "
+        "is written again by the teacher ('teacher') or the student's engines ('student'), with a beacon "
+        "saying what the turn did and what the tools answered (or the component's feedback) in its "
+        "context; the rewrite becomes the chosen action of a preference pair against the original "
         "turn, for the turn's own context (the beacon is never in what is trained), weighted by "
         "`turn_preference_coef`, which must be above 0. A rewrite that repeats the turn, is cut off or "
         "carries the beacon's wording is dropped. Per step: `beacons/turns`, `beacons/pairs`, "
-        "`beacons/unchanged`, `beacons/cut_off`, `beacons/leaked`, `beacons/skipped`. 'off' (default).",
+        "`beacons/unchanged`, `beacons/cut_off`, `beacons/leaked`, `beacons/skipped`, and with a beacon "
+        "component `beacons/failed` (rollouts whose call failed) and `beacons/unknown_turn` (feedback "
+        "naming no trained turn, or a second one for a turn). 'off' (default).",
     )
 
     beacon_temperature: float = Field(
@@ -669,8 +676,8 @@ class JobSpec(_Strict):
     )
     functions: list[FunctionComponent] = Field(
         default_factory=list,
-        description="At most one rollout component, any number of reward components and at most one "
-        "evaluator component (validation only).",
+        description="At most one rollout component, any number of reward components, at most one "
+        "evaluator component (validation only) and at most one beacon component (with beacon_rewrite).",
     )
     hyper_parameters: HyperParameters = Field(
         default_factory=HyperParameters, description="Training settings."
@@ -798,6 +805,13 @@ class JobSpec(_Strict):
             raise ValueError("at most one rollout component")
         if len(self.evaluator_components) > 1:
             raise ValueError("at most one evaluator component")
+        if len(self.beacon_components) > 1:
+            raise ValueError("at most one beacon component")
+        if self.beacon_components and self.hyper_parameters.beacon_rewrite == "off":
+            raise ValueError(
+                f"functions.{self.beacon_components[0].name}: a beacon component writes the beacons of "
+                "hyper_parameters.beacon_rewrite: set it to 'teacher' or 'student'"
+            )
         if self.evaluator_components and not self.validation_datasets:
             raise ValueError("an evaluator component scores validation rollouts: give validation_datasets")
         gates = (self.promotion.metric, self.promotion.min_gain_over_start, self.promotion.threshold)
@@ -806,10 +820,12 @@ class JobSpec(_Strict):
         names = [f.name for f in self.functions]
         if len(names) != len(set(names)):
             raise ValueError("component names must be unique")
-        if self.hyper_parameters.beacon_rewrite != "off" and not self.rollout_components:
+        if self.hyper_parameters.beacon_rewrite != "off" and not (
+            self.rollout_components or self.beacon_components
+        ):
             raise ValueError(
                 "hyper_parameters.beacon_rewrite rewrites turns whose tool calls got an error: it needs a "
-                "rollout component whose agent runs tools"
+                "rollout component whose agent runs tools (or a beacon component that writes the beacons)"
             )
         if self.hyper_parameters.teacher_hindsight == "outcome" and not self.rollout_components:
             raise ValueError(
@@ -884,6 +900,10 @@ class JobSpec(_Strict):
     @property
     def evaluator_components(self) -> list[FunctionComponent]:
         return [f for f in self.functions if f.type == "evaluator"]
+
+    @property
+    def beacon_components(self) -> list[FunctionComponent]:
+        return [f for f in self.functions if f.type == "beacon"]
 
     @property
     def promotion_metric(self) -> str:

@@ -28,17 +28,23 @@ CallTokens = dict[str, Any]
 
 and, for the whole turn, `signal` when it carries a training signal besides the distillation (only
 the keys that apply, `turn_signal`): `hindsight` (its turn-level hindsight value), `preference` (its
-side, "chosen" / "rejected", in each preference pair it belongs to) and `teacher_saw_note` (the
-teacher scored it with a hindsight note)."""
+side, "chosen" / "rejected", in each preference pair it belongs to), `rewrite` (where a beacon's
+rewrite is preferred over it: `{"text": the rewrite, "beacon": the beacon it was written with}`) and
+`teacher_saw_note` (the teacher scored it with a hindsight note)."""
 
 
-def turn_signal(segment: LLMCall) -> dict[str, Any]:
-    """The turn's signals besides the distillation, as the trajectory view shows them beside it."""
+def turn_signal(segment: LLMCall, rewrites: dict[int, LLMCall] | None = None) -> dict[str, Any]:
+    """The turn's signals besides the distillation, as the trajectory view shows them beside it;
+    `rewrites`: the step's beacon rewrites by the pair they are the chosen side of."""
     signal: dict[str, Any] = {}
     if segment.hindsight:
         signal["hindsight"] = round(segment.hindsight, 4)
     if segment.preference_pairs:
         signal["preference"] = ["chosen" if side > 0 else "rejected" for _, side in segment.preference_pairs]
+        for pair_id, side in segment.preference_pairs:
+            rewrite = (rewrites or {}).get(pair_id)
+            if side < 0 and rewrite is not None:
+                signal["rewrite"] = {"text": rewrite.text, "beacon": rewrite.beacon}
     if segment.teacher_saw_note:
         signal["teacher_saw_note"] = True
     return signal
@@ -60,8 +66,11 @@ def _teacher_top1(segment: LLMCall) -> tuple[np.ndarray, np.ndarray] | None:
     return top_ids[rows, best], np.exp(top_logprobs[rows, best].astype(np.float64))
 
 
-def call_tokens(segment: LLMCall, texts: dict[int, str]) -> CallTokens:
-    """A scored segment's per-token view (`CallTokens`); `texts` holds every id it names."""
+def call_tokens(
+    segment: LLMCall, texts: dict[int, str], rewrites: dict[int, LLMCall] | None = None
+) -> CallTokens:
+    """A scored segment's per-token view (`CallTokens`); `texts` holds every id it names, `rewrites` the
+    step's beacon rewrites by pair id (`turn_signal`)."""
     sampler = np.asarray(segment.sampler_logprobs, dtype=np.float64)
     teacher = np.asarray(segment.teacher_logprobs, dtype=np.float64)
     view: CallTokens = {
@@ -72,7 +81,7 @@ def call_tokens(segment: LLMCall, texts: dict[int, str]) -> CallTokens:
     if top1 is not None:
         view["teacher_top"] = [texts[int(token_id)] for token_id in top1[0]]
         view["teacher_top_p"] = np.round(top1[1], 4).tolist()
-    signal = turn_signal(segment)
+    signal = turn_signal(segment, rewrites)
     if signal:
         view["signal"] = signal
     return view
@@ -102,11 +111,17 @@ def segments_by_call(result: RolloutResult, segments: list[LLMCall]) -> list[LLM
 
 
 def scored_trajectories(
-    results: list[RolloutResult], segments: list[LLMCall], tokenizer: Any, step: int
+    results: list[RolloutResult],
+    segments: list[LLMCall],
+    tokenizer: Any,
+    step: int,
+    rewrites: list[LLMCall] | None = None,
 ) -> list[dict[str, Any]]:
     """The trajectory records of `results` with the trained tokens of each call (`CallTokens`), from the
     step's trained `segments` joined by rollout index (`LLMCall.rollout_id` = `RolloutResult.index`)
-    and call order. Ids are decoded once per distinct id over all of them."""
+    and call order; `rewrites`, the step's beacon rewrites, shown beside the turns they are preferred
+    over. Ids are decoded once per distinct id over all of them."""
+    by_pair = {pair_id: r for r in rewrites or [] for pair_id, side in r.preference_pairs if side > 0}
     wanted = {r.index for r in results}
     own: dict[int, list[LLMCall]] = {index: [] for index in wanted}
     for segment in segments:
@@ -116,7 +131,7 @@ def scored_trajectories(
     trained = [s for calls in matched.values() for s in calls if s is not None]
     texts = token_texts(tokenizer, _named_ids(trained))
     return [
-        r.trajectory(step, [None if s is None else call_tokens(s, texts) for s in matched[r.index]])
+        r.trajectory(step, [None if s is None else call_tokens(s, texts, by_pair) for s in matched[r.index]])
         for r in results
     ]
 

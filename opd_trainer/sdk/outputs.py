@@ -74,6 +74,27 @@ class RewardOutput(_Output):
     error: str | None = Field(default=None, description="Why it failed.")
 
 
+class Beacon(_Output):
+    """Feedback on one turn of a finished rollout, written from what happened after it."""
+
+    turn: int = Field(ge=0, description="The turn it is about: `BeaconTurn.turn` of the input.")
+    feedback: str = Field(
+        min_length=1,
+        max_length=4000,
+        description="What the turn should have known or done, from what followed it (e.g. 'the id it used "
+        "does not exist; find_item returns the right one'). The rewriting model reads it under the "
+        "beacon's header; it is never trained on.",
+    )
+
+
+class BeaconOutput(_Output):
+    """What a beacon processor returns: feedback for any of the turns it was given (none: no beacon)."""
+
+    beacons: list[Beacon] = Field(default_factory=list, description="At most one per turn.")
+    status: TaskStatus = Field(default=TaskStatus.SUCCESS, description="SUCCESS or FAILED.")
+    error: str | None = Field(default=None, description="Why it failed.")
+
+
 def _text_parts(content: Any) -> list[str]:
     if isinstance(content, str):
         return [content]

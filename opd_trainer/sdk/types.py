@@ -41,6 +41,8 @@ from opd_trainer.sdk.outputs import (
     PROMPT_MESSAGES_KEY,
     ROLLOUT_ERROR_PREFIX,
     AgentOutput,
+    Beacon,
+    BeaconOutput,
     Reward,
     RewardOutput,
     RolloutOutput,
@@ -51,9 +53,14 @@ from opd_trainer.sdk.outputs import (
 __all__ = [
     "PROMPT_MESSAGES_KEY",
     "ROLLOUT_ERROR_PREFIX",
+    "AbstractBeaconProcessor",
     "AbstractRewardProcessor",
     "AbstractRolloutProcessor",
     "AgentOutput",
+    "Beacon",
+    "BeaconInput",
+    "BeaconOutput",
+    "BeaconTurn",
     "ModelResource",
     "RequestMetadata",
     "Reward",
@@ -170,6 +177,38 @@ class RewardInput(_Input):
     )
 
 
+class BeaconTurn(_Input):
+    """One trained turn of a finished rollout: the student's reply at that point and what answered it."""
+
+    turn: int = Field(
+        description="Its index among the rollout's LLM calls (0: the first); a Beacon names it."
+    )
+    messages: list[dict[str, Any]] = Field(description="The conversation the turn replied to.")
+    reply: dict[str, Any] = Field(
+        description="The student's reply (an assistant message, tool calls included)."
+    )
+    tool_answers: list[dict[str, Any]] = Field(
+        default_factory=list, description="The tool messages that answered the reply (none: no tool ran)."
+    )
+
+
+class BeaconInput(_Input):
+    """What a beacon processor receives: one finished, scored rollout and its trained turns."""
+
+    ground_truth: JsonValue = Field(
+        default=None, description="The sample's reference answer as stored (string, number, object, ...)."
+    )
+    request_metadata: RequestMetadata | None = Field(default=None, description="Ids of the rollout.")
+    agent_output: AgentOutput = Field(description="The rollout's conversation.")
+    reward: float = Field(
+        description="The rollout's task reward (the weighted sum of its reward components)."
+    )
+    component_rewards: dict[str, float] = Field(
+        default_factory=dict, description="Each reward component's score, by component name."
+    )
+    turns: list[BeaconTurn] = Field(description="The rollout's trained turns, in order.")
+
+
 class AbstractRolloutProcessor(abc.ABC):
     """Base of user rollout code: one instance per worker, `process` called concurrently."""
 
@@ -192,11 +231,30 @@ class AbstractRewardProcessor(abc.ABC):
         """Scores one rollout. May be overridden as `async def` or plain `def`."""
 
 
+class AbstractBeaconProcessor(abc.ABC):
+    """Base of user beacon code (a `beacon` component, seed 003's hindsight beacons): one instance per
+    worker, `process` called concurrently, once per finished rollout of a step."""
+
+    def setup(self) -> None:  # noqa: B027 -- an optional hook, deliberately a no-op
+        """Runs once per worker before the first `process` call."""
+
+    @abc.abstractmethod
+    async def process(self, beacon_input: BeaconInput) -> BeaconOutput:
+        """Feedback for the turns that went wrong. May be overridden as `async def` or plain `def`."""
+
+
+# Each processor kind's input, output and base class: the one table the workers and the loader read.
+PROCESSOR_KINDS: dict[str, tuple[type[BaseModel], type[BaseModel], type[abc.ABC]]] = {
+    "rollout": (RolloutInput, RolloutOutput, AbstractRolloutProcessor),
+    "reward": (RewardInput, RewardOutput, AbstractRewardProcessor),
+    "beacon": (BeaconInput, BeaconOutput, AbstractBeaconProcessor),
+}
+
+
 def _expected_output(payload: object) -> type[BaseModel] | None:
-    if isinstance(payload, RolloutInput):
-        return RolloutOutput
-    if isinstance(payload, RewardInput):
-        return RewardOutput
+    for input_type, output_type, _ in PROCESSOR_KINDS.values():
+        if isinstance(payload, input_type):
+            return output_type
     return None
 
 
@@ -205,8 +263,8 @@ async def call_processor(processor: Any, payload: Any) -> Any:
 
     A plain-`def` processor runs via `asyncio.to_thread` (which copies the context, so tracing spans
     still nest) and so cannot block the event loop the worker uses for its other calls. For a
-    `RolloutInput`/`RewardInput` payload a returned dict is validated into the output model, and any
-    other return type raises `TypeError` naming the processor class.
+    `RolloutInput`/`RewardInput`/`BeaconInput` payload a returned dict is validated into the output model,
+    and any other return type raises `TypeError` naming the processor class.
     """
     process = processor.process
     if inspect.iscoroutinefunction(process):

@@ -53,13 +53,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from opd_trainer.errors import ProcessorLoadError
-from opd_trainer.sdk import AbstractRewardProcessor, AbstractRolloutProcessor
+from opd_trainer.sdk.types import PROCESSOR_KINDS
 from opd_trainer.sdk.workflow import judge_processor, workflow_processor
 
 __all__ = ["instantiate_processor", "load_processor_class", "validate_workspace"]
 
-Kind = Literal["rollout", "reward"]
-BASES: dict[str, type] = {"rollout": AbstractRolloutProcessor, "reward": AbstractRewardProcessor}
+Kind = Literal["rollout", "reward", "beacon"]
+BASES: dict[str, type] = {kind: base for kind, (_, _, base) in PROCESSOR_KINDS.items()}
 
 _SKIPPED = frozenset({"__pycache__", "site-packages", "venv", "node_modules"})
 _import_lock = threading.RLock()  # sys.path and sys.modules are process-global
@@ -289,7 +289,14 @@ def _check_class(
 
 
 def _function_processor(function: Any, target: _Target, where: str, kind: Kind, field: str) -> type:
-    """A workflow (rollout) or judge (reward) function wrapped as a processor class (sdk/workflow.py)."""
+    """A workflow (rollout) or judge (reward) function wrapped as a processor class (sdk/workflow.py).
+    A beacon component is a class only."""
+    if kind == "beacon":
+        raise ProcessorLoadError(
+            f"{where}: {target.class_name} is a function, not a class: name a subclass of "
+            f"{_qualified(BASES[kind])}",
+            field=field,
+        )
     shape = "(task, model, auxiliary_models)" if kind == "rollout" else "(task, response, auxiliary_models)"
     if not inspect.iscoroutinefunction(function):
         raise ProcessorLoadError(

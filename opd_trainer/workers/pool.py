@@ -36,7 +36,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import ray
 from ray.exceptions import RayActorError
@@ -44,16 +44,25 @@ from ray.exceptions import RayActorError
 from opd_trainer.cluster.process_usage import process_tree_cpu_seconds
 from opd_trainer.errors import ProcessorLoadError
 from opd_trainer.jobspec.job_spec import FunctionComponent
-from opd_trainer.sdk import RewardOutput, RolloutOutput, TaskStatus
+from opd_trainer.sdk import TaskStatus
+from opd_trainer.sdk.types import PROCESSOR_KINDS
 from opd_trainer.storage.zips import pack_workspace
 from opd_trainer.workers.autoscaler import Autoscaler, AutoscalerSettings, PoolSnapshot
+from opd_trainer.workers.classpath import Kind
 from opd_trainer.workers.processor_channel import SandboxedProcessor
 from opd_trainer.workers.requirements import requirements_of
 from opd_trainer.workers.sandbox import SandboxUnavailable, effective_mode
 
 logger = logging.getLogger(__name__)
 
-Kind = Literal["rollout", "reward"]
+# The processor interface each component type implements: an evaluator the reward's (RewardInput ->
+# RewardOutput; it scores validation rollouts only).
+KIND_OF_COMPONENT: dict[str, Kind] = {
+    "rollout": "rollout",
+    "reward": "reward",
+    "evaluator": "reward",
+    "beacon": "beacon",
+}
 MAX_ATTEMPTS = 3
 MB = 1024 * 1024
 # A call's answer may come this long after the worker's own `timeout` before the pool gives up on it
@@ -134,7 +143,7 @@ class ProcessorWorker:
         """One `process` call; returns {"output", "spans", "seconds"} (+ "lost", "retry" when the
         sandbox is gone), never raises for user faults."""
 
-        output_type = RolloutOutput if self.kind == "rollout" else RewardOutput
+        _, output_type, _ = PROCESSOR_KINDS[self.kind]
         return await self.sandboxed.call(payload, rollout_id, output_type)
 
     async def confinement(self) -> str:
@@ -159,7 +168,10 @@ ProcessorWorkerActor = ray.remote(ProcessorWorker)
 
 
 class WorkerPool:
-    """The workers of one component, scaled by the shared autoscaler."""
+    """The workers of one component, scaled by the shared autoscaler. A subclass names the component
+    types it runs (`component_types`)."""
+
+    component_types: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -177,10 +189,12 @@ class WorkerPool:
         """`sandbox_mode` (`OPD_PROCESSOR_SANDBOX`: auto, bwrap, none) and `sandbox_network`
         (`OPD_SANDBOX_NETWORK`) are read where the driver runs; `server`: the job comes from the job
         server, whose tenants' code runs only sandboxed. Each worker applies them on its own node."""
+        if component.type not in self.component_types:
+            wanted = " or ".join(self.component_types)
+            raise ValueError(f"{component.name} is a {component.type} component, not a {wanted} component")
         self.job_id = job_id
         self.component = component
-        # An evaluator implements the reward interface (RewardInput -> RewardOutput).
-        self.kind: Kind = "rollout" if component.type == "rollout" else "reward"
+        self.kind: Kind = KIND_OF_COMPONENT[component.type]
         self.workspace = workspace
         self.autoscale_interval_s = autoscale_interval_s
         self.autoscaler = Autoscaler(
@@ -368,7 +382,7 @@ class WorkerPool:
         self.calls += 1
         self.call_seconds += seconds
         self.failures += 1
-        output_type = RolloutOutput if self.kind == "rollout" else RewardOutput
+        _, output_type, _ = PROCESSOR_KINDS[self.kind]
         return {
             "output": output_type(status=TaskStatus.FAILED, error=f"{self.component.name}: {reason}"),
             "spans": [],

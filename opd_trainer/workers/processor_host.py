@@ -7,7 +7,7 @@ classpath, runs `setup()`, and then serves calls, up to `concurrency` at once, e
 component's `timeout`.
 
 Standard input carries the worker's requests, one JSON object a line:
-`{"type": "call", "id": N, "rollout_id": ..., "payload": {RolloutInput or RewardInput}}` and
+`{"type": "call", "id": N, "rollout_id": ..., "payload": {RolloutInput, RewardInput or BeaconInput}}` and
 `{"type": "forward", "port": P, "socket": PATH}` (listen on 127.0.0.1:P, relay to the gateway socket).
 Standard output carries the answers: `{"type": "ready", "class_name": ...}` or
 `{"type": "load_error", "message": ...}` once, then `{"type": "result", "id": N, "output": {...},
@@ -79,9 +79,10 @@ class ProcessorHost:
 
     def _payload(self, data: dict[str, Any]) -> Any:
         # Lazy: sandbox child: its import set stays minimal until the host is told what to load.
-        from opd_trainer.sdk import RewardInput, RolloutInput
+        from opd_trainer.sdk.types import PROCESSOR_KINDS
 
-        return (RolloutInput if self.kind == "rollout" else RewardInput).model_validate(data)
+        input_type, _, _ = PROCESSOR_KINDS[self.kind]
+        return input_type.model_validate(data)
 
     def _failed(self, message: str) -> dict[str, Any]:
         return {"status": "FAILED", "error": message}
@@ -147,7 +148,7 @@ class ProcessorHost:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kind", choices=["rollout", "reward"], required=True)
+    parser.add_argument("--kind", choices=["rollout", "reward", "beacon"], required=True)
     parser.add_argument("--classpath", required=True)
     parser.add_argument("--component", required=True)
     parser.add_argument("--concurrency", type=int, required=True)

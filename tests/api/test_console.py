@@ -150,11 +150,22 @@ def _write_trajectories(server: Server, job_id: str) -> None:
     loud = _tool_rollout(0, [[0.1, 0.2, 0.0, 1.5, 0.3, 0.2, 0.1], [0.0, 0.2, -1.5, 0.1]], reward=0.2)
     # Its tool call is where it parted from a better sibling: hindsight -1 and the rejected side of a pair.
     loud[1][0] = dataclasses.replace(loud[1][0], hindsight=-1.0, preference_pairs=((0, -1),))
+    # ... of a pair whose chosen side is a beacon's rewrite of it (trained by the preference term only).
+    rewrite = dataclasses.replace(
+        loud[1][0],
+        completion_token_ids=[1, 2],
+        text="get_weather(city=Paris, unit=C)",
+        preference_pairs=((0, 1),),
+        distilled=False,
+        beacon="Hindsight beacon (...): the tool answered that it needs a unit.",
+    )
     calm = _tool_rollout(1, [[0.0] * 7, [0.05] * 4], reward=0.9)
     later = _tool_rollout(0, [[0.01] * 7, [0.01] * 4], reward=1.0)
     run_dir = RunDir(server.data_dir / "runs" / job_id)
     run_dir.root.mkdir(parents=True, exist_ok=True)
-    step1: list[Any] = scored_trajectories([loud[0], calm[0]], loud[1] + calm[1], WordTokenizer(), step=1)
+    step1: list[Any] = scored_trajectories(
+        [loud[0], calm[0]], loud[1] + calm[1], WordTokenizer(), step=1, rewrites=[rewrite]
+    )
     run_dir.trajectories(step1 + scored_trajectories([later[0]], later[1], WordTokenizer(), step=2))
 
 
@@ -189,6 +200,11 @@ def test_trajectory_view_colours_trained_tokens_leaves_tool_output_plain_and_sor
     signals = first.locator(".turn.trained .signal")
     assert signals.count() == 1  # the answer turn carries the distillation only
     assert signals.first.inner_text() == "hindsight -1.000 · preference: rejected"
+    rewrites = first.locator(".turn.trained .rewrite")
+    assert rewrites.count() == 1 and "preferred rewrite" in rewrites.first.inner_text()
+    rewrites.first.locator("summary").click()  # folded until opened
+    opened = rewrites.first.inner_text()
+    assert "get_weather(city=Paris, unit=C)" in opened and "needs a unit" in opened
     tool = first.locator(".turn.tool")
     assert tool.locator(".tok").count() == 0 and "no loss" in tool.inner_text()
     assert "TOOL_OUTPUT 21C" in tool.inner_text()

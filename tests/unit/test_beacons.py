@@ -18,7 +18,12 @@ import pytest
 import torch
 from chatml_tokenizer import chatml_tokenizer
 
-from opd_trainer.driver.beacons import REWRITE_SEED_OFFSET, beacon_for, rewrite_with_beacons
+from opd_trainer.driver.beacons import (
+    REWRITE_SEED_OFFSET,
+    USER_BEACON,
+    beacon_for,
+    rewrite_with_beacons,
+)
 from opd_trainer.driver.seeds import request_seed
 from opd_trainer.driver.teacher_hindsight import BEACON_HEADER, with_note
 from opd_trainer.driver.teachers import Scored
@@ -32,6 +37,7 @@ from opd_trainer.learner.turn_preference import CHOSEN, REJECTED
 from opd_trainer.records import LLMCall
 from opd_trainer.rollout.chat import prompt_token_ids
 from opd_trainer.rollout.runner import RolloutResult
+from opd_trainer.sdk import Beacon, BeaconOutput, BeaconTurn, TaskStatus
 
 QUESTION = [{"role": "user", "content": "what is 2 + 3"}]
 CALL = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
@@ -109,6 +115,7 @@ class FakeComponents:
     teachers: FakeTeachers
     student: FakeGroup
     max_length: int = 512
+    beacon_pool: Any = None
 
 
 AGENT = {"name": "agent", "type": "rollout", "fcmodel": {"zipdir": "/w", "classpath": "a.B"}}
@@ -181,6 +188,7 @@ def test_the_rewrite_is_chosen_for_the_turns_own_prompt_and_never_distilled(toke
     assert row.prompt_token_ids == segments[0].prompt_token_ids and row.completion_token_ids == [6, 6]
     assert c.teachers.scored == [(segments[0].prompt_token_ids, [6, 6])]
     assert row.teacher_logprobs == [-0.25, -0.25] and not row.distilled and row.rollout_id == 0
+    assert row.beacon == beacon  # for the trajectory view, beside the turn; never trained
     # The pair: a fresh id after the mined pairs', the rewrite chosen, the turn rejected; nothing else marked.
     assert row.preference_pairs == ((1, CHOSEN),)
     assert marked[0].preference_pairs == ((1, REJECTED),)
@@ -251,3 +259,97 @@ def test_sampled_rewrites_have_a_seed_per_step_and_turn(tokenizer: Any) -> None:
     # Segments 0 and 2 are the two turns that got the error.
     assert student.seeds == [request_seed(4, 2, REWRITE_SEED_OFFSET + i) for i in (0, 2)]
     assert [r.completion_token_ids for r in rewrites] == [[6], [5]]
+
+
+class FakeBeaconPool:
+    """A beacon component's pool: answers each rollout with `answer(turns)`, recording what it was given."""
+
+    def __init__(self, answer: Any) -> None:
+        self.answer = answer
+        self.calls: list[dict[str, Any]] = []
+
+    async def beacons(self, **call: Any) -> BeaconOutput:
+        self.calls.append(call)
+        result: BeaconOutput = self.answer(call["rollout_id"], call["turns"])
+        return result
+
+
+def _with_pool(tokenizer: Any, pool: FakeBeaconPool) -> FakeComponents:
+    spec = parse_job_spec(
+        _job(
+            {"turn_preference_coef": 0.5, "beacon_rewrite": "student", "max_tokens": 16},
+            [AGENT, {"name": "coach", "type": "beacon", "fcmodel": {"zipdir": "/w", "classpath": "b.C"}}],
+        )
+    )
+    student = FakeGroup([([6], "add(x=2, y=3)", "stop")] * 4)
+    return FakeComponents(spec, tokenizer, FakeTeachers({}), student, beacon_pool=pool)
+
+
+def test_a_beacon_component_writes_the_beacons_instead_of_the_rule(tokenizer: Any) -> None:
+    """The component gets each rollout's trained turns (its reply, what answered it, the rollout's reward
+    and reference) and its feedback, under the beacon header, is what the rewriting model reads; a turn
+    the rule would beacon (a tool error) gets none unless the component writes one."""
+
+    def answer(rollout_id: str, turns: list[BeaconTurn]) -> BeaconOutput:
+        # Feedback on the final reply of r1 only (no tool error there: the rule would say nothing).
+        return BeaconOutput(beacons=[Beacon(turn=1, feedback="5 is right but say it as a sentence.")])
+
+    pool = FakeBeaconPool(answer)
+    c = _with_pool(tokenizer, pool)
+    erred, fine = _rollout(tokenizer, 0, ERROR, [7]), _rollout(tokenizer, 1, GOOD, [8])
+    erred.sample.rollout_extra["solution"] = {"sum": 5}
+    segments = _segments([erred, fine])
+    marked, rewrites, metrics = asyncio.run(rewrite_with_beacons(c, [erred, fine], segments, 0))  # type: ignore[arg-type]
+
+    assert [call["rollout_id"] for call in pool.calls] == ["r0", "r1"]
+    first = pool.calls[0]
+    assert first["ground_truth"] == {"sum": 5} and first["reward"] == 0 and first["sample_id"]
+    assert [t.turn for t in first["turns"]] == [0, 1]
+    assert first["turns"][0].reply == REPLY and first["turns"][0].tool_answers == [ERROR]
+    assert first["turns"][1].messages == [*QUESTION, REPLY, ERROR]
+    assert first["agent_output"].messages == [*QUESTION, REPLY, ERROR, FINAL]
+    # Both rollouts got the same feedback for their turn 1: two rewrites, no rule beacon for r0's error.
+    feedback = USER_BEACON.format(feedback="5 is right but say it as a sentence.")
+    assert c.student.prompts == [
+        prompt_token_ids(tokenizer, with_note(segments[i].messages, feedback)) for i in (1, 3)
+    ]
+    assert metrics["beacons/turns"] == 2.0 and metrics["beacons/pairs"] == 2.0
+    assert metrics["beacons/failed"] == 0.0 and metrics["beacons/unknown_turn"] == 0.0
+    assert [r.prompt_token_ids for r in rewrites] == [segments[i].prompt_token_ids for i in (1, 3)]
+    assert marked[0].preference_pairs == ()
+
+
+def test_a_failing_or_stray_beacon_component_is_counted_and_the_step_goes_on(tokenizer: Any) -> None:
+    def answer(rollout_id: str, turns: list[BeaconTurn]) -> BeaconOutput:
+        if rollout_id == "r0":
+            return BeaconOutput(status=TaskStatus.FAILED, error="coach: raised ValueError")
+        # A turn it was not given, and a second beacon for turn 0: neither is used.
+        return BeaconOutput(
+            beacons=[
+                Beacon(turn=0, feedback="use x and y."),
+                Beacon(turn=0, feedback="again."),
+                Beacon(turn=7, feedback="no such turn."),
+            ]
+        )
+
+    c = _with_pool(tokenizer, FakeBeaconPool(answer))
+    erred, other = _rollout(tokenizer, 0, ERROR, [7]), _rollout(tokenizer, 1, ERROR, [8])
+    segments = _segments([erred, other])
+    _, rewrites, metrics = asyncio.run(rewrite_with_beacons(c, [erred, other], segments, 0))  # type: ignore[arg-type]
+    assert metrics["beacons/failed"] == 1.0 and metrics["beacons/unknown_turn"] == 2.0
+    assert metrics["beacons/turns"] == 1.0 and len(rewrites) == 1
+    # Only r1's first turn was rewritten, with the component's first feedback for it.
+    feedback = USER_BEACON.format(feedback="use x and y.")
+    assert c.student.prompts == [prompt_token_ids(tokenizer, with_note(segments[2].messages, feedback))]
+
+
+def test_a_beacon_component_needs_beacon_rewrite_and_is_the_only_one() -> None:
+    coach = {"name": "coach", "type": "beacon", "fcmodel": {"zipdir": "/w", "classpath": "b.C"}}
+    with pytest.raises(ConfigError, match=r"functions\.coach: a beacon component writes the beacons of "):
+        parse_job_spec(_job({}, [AGENT, coach]))
+    second = {**coach, "name": "coach2"}
+    hp = {"beacon_rewrite": "teacher", "turn_preference_coef": 1.0}
+    with pytest.raises(ConfigError, match="at most one beacon component"):
+        parse_job_spec(_job(hp, [AGENT, coach, second]))
+    # With a beacon component, no agent is needed: the component decides which turns get feedback.
+    assert parse_job_spec(_job(hp, [coach])).beacon_components[0].name == "coach"

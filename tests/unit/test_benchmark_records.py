@@ -166,3 +166,33 @@ def test_target_verdict_in_row(values: list[float]) -> None:
     record.figures["time_to_target_ratio"] = records.summarize(values)
     row = report.figure_row(record, "time_to_target_ratio")
     assert row[5] == ">= 1.50x" and row[6] == "yes"
+
+
+def test_refigure_recomputes_a_records_figures_from_its_own_runs(tmp_path: Path) -> None:
+    """`repeat.py --refigure` adds a figure defined since to an earlier record, from that record's runs,
+    and keeps what it measured (runs, machine, command)."""
+    import repeat
+
+    parts = [{"record": 0.003, "other": 0.02, "teacher": 0.1, "rollout": 0.5}, {"record": 0.005}]
+    runs = [
+        {"run": i, "result": {"parts_percent": {**parts[0], **parts[i % 2]}, "step_s": 1.0 + i}}
+        for i in range(3)
+    ]
+    figures = {"step_s": [1.0, 2.0, 3.0]}
+    old = records.new_record("step_breakdown", {"runs": 3}, seeds=[], runs=runs, figures=figures)
+    old.machine = {"cores": 2, "cpu": "then"}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old.to_json()))
+    repeat.main(
+        ["step_breakdown", "--refigure", str(path), "--results-dir", str(tmp_path / "results"),
+         "--published-dir", str(tmp_path / "published"), "--publish"]
+    )  # fmt: skip
+    (new,) = records.load_published(tmp_path / "published")
+    assert new.figures["record_percent"]["values"] == [0.003, 0.005, 0.003]
+    assert new.headline["record_percent_median"] == 0.003
+    assert new.runs == old.runs and new.machine == old.machine and new.inputs == old.inputs
+    dirs = f"--results-dir {tmp_path / 'results'} --published-dir {tmp_path / 'published'}"
+    command = f"benchmarks/repeat.py step_breakdown --refigure {path} {dirs} --publish"
+    assert new.notes[-1] == f"figures recomputed from these runs by: {command}"
+    with pytest.raises(SystemExit, match="step_breakdown record, not api_load"):
+        repeat.main(["api_load", "--refigure", str(path)])

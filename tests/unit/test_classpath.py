@@ -364,3 +364,38 @@ def test_a_missing_package_is_named_on_the_first_line(tmp_path: Path) -> None:
         and "'not_a_real_package_xyz', which is not installed" in first_line
     )
     assert "requirements.txt" in first_line
+
+
+BEACON = """
+from opd_trainer.sdk import AbstractBeaconProcessor, Beacon, BeaconOutput
+
+class MyBeacon(AbstractBeaconProcessor):
+    def process(self, beacon_input):
+        return {"beacons": [{"turn": t.turn, "feedback": "look it up"} for t in beacon_input.turns]}
+
+async def beacons(task, response, auxiliary_models):
+    return None
+"""
+
+
+def test_a_beacon_component_loads_its_class_and_its_dict_answer_is_validated(tmp_path: Path) -> None:
+    from opd_trainer.sdk import AgentOutput, BeaconInput, BeaconOutput, BeaconTurn
+
+    workspace = make_workspace(tmp_path, {"coach/__init__.py": "", "coach/beacon.py": BEACON})
+    cls = load_processor_class(workspace, "coach.beacon.MyBeacon", "beacon", component="coach")
+    turn = BeaconTurn(turn=2, messages=[], reply={"role": "assistant", "content": "x"})
+    payload = BeaconInput(agent_output=AgentOutput(messages=[]), reward=0.0, turns=[turn])
+    output = asyncio.run(call_processor(instantiate_processor(cls), payload))
+    assert isinstance(output, BeaconOutput) and [(b.turn, b.feedback) for b in output.beacons] == [
+        (2, "look it up")
+    ]
+    # A function is a workflow or judge elsewhere; a beacon component is a class only.
+    error = load_error(workspace, "coach.beacon.beacons", "beacon", component="coach")
+    assert "is a function, not a class: name a subclass of" in error.message
+    assert "AbstractBeaconProcessor" in error.message and error.field == "functions.coach.fcmodel.classpath"
+    # A reward class named as a beacon says what it is.
+    reward = make_workspace(tmp_path / "r", {"functions/__init__.py": "", "functions/reward.py": REWARD})
+    wrong = load_error(reward, "functions.reward.MyReward", "beacon")
+    assert "not a subclass of opd_trainer.sdk.AbstractBeaconProcessor (it is a reward processor)" in (
+        wrong.message
+    )

@@ -210,3 +210,23 @@ def test_a_step_left_with_nothing_to_train_fails_saying_what_was_dropped(tmp_pat
         OPDError, match=r"step 6: no segment left to train.*'staleness/dropped_segments': 2.0"
     ):
         asyncio.run(run())
+
+
+def test_a_turn_a_beacons_rewrite_is_preferred_over_shows_the_rewrite_and_its_beacon() -> None:
+    scored = _scored(_call([1], [7], [-0.5]), rollout=0, teacher=[-1.0])
+    rejected = dataclasses.replace(scored, preference_pairs=((0, -1), (4, -1)))
+    rewrite = dataclasses.replace(
+        scored, completion_token_ids=[8], text="better", preference_pairs=((4, 1),), beacon="B: moved"
+    )
+    mined_chosen = dataclasses.replace(scored, preference_pairs=((0, 1),))  # a mined pair's, no beacon
+    by_pair = {4: rewrite}
+    signal = call_tokens(rejected, {7: "t7"}, by_pair)["signal"]
+    assert signal == {
+        "preference": ["rejected", "rejected"],
+        "rewrite": {"text": "better", "beacon": "B: moved"},
+    }
+    assert "rewrite" not in call_tokens(mined_chosen, {7: "t7"}, by_pair)["signal"]
+    # Through scored_trajectories: the step's rewrites are joined by their pair to the turn they beat.
+    result = RolloutResult(0, 0, "r0", Sample("d.jsonl", 0, [], None), calls=[scored])
+    (record,) = scored_trajectories([result], [rejected], FakeTokenizer(), step=1, rewrites=[rewrite])
+    assert record["llm_calls"][0]["tokens"]["signal"]["rewrite"]["beacon"] == "B: moved"
