@@ -46,6 +46,7 @@ from opd_trainer.driver.teacher_hindsight import (
     noted_prompt,
     tool_answers,
 )
+from opd_trainer.engine.lengths import completion_room
 from opd_trainer.jobspec.dataset import ground_truth_of
 from opd_trainer.learner.turn_preference import CHOSEN, REJECTED
 from opd_trainer.records import LLMCall
@@ -176,7 +177,7 @@ def _turns_to_rewrite(
         counts["turns"] += 1
         prompt = noted_prompt(tokenizer, segment, beacon)
         chosen_already = any(side == CHOSEN for _, side in segment.preference_pairs)
-        if not prompt or len(prompt) >= max_length or chosen_already:
+        if not prompt or completion_room(max_length, len(prompt)) < 1 or chosen_already:
             counts["skipped"] += 1
             continue
         turns.append(_Turn(index, prompt, beacon))

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError
 
+from opd_trainer.engine.lengths import completion_room
 from opd_trainer.jobspec.dataset import ground_truth_of
 from opd_trainer.records import LLMCall
 from opd_trainer.rollout.chat import prompt_token_ids
@@ -156,7 +157,8 @@ def teacher_inputs(
         prompt = call.prompt_token_ids
         if note is not None:
             with_note_ids = noted_prompt(tokenizer, call, note)
-            if with_note_ids and len(with_note_ids) + len(call.completion_token_ids) <= max_length:
+            noted_length = len(with_note_ids) + len(call.completion_token_ids)
+            if with_note_ids and completion_room(max_length, noted_length) >= 0:
                 prompt = with_note_ids
         pairs.append((prompt, call.completion_token_ids))
         noted.append(prompt is not call.prompt_token_ids)

@@ -32,6 +32,7 @@ from opd_trainer.engine.engine_stats import TOTALS, EngineStats, combine
 from opd_trainer.engine.fair_gate import FairGate
 from opd_trainer.engine.inproc_llm import InprocAsyncLLM
 from opd_trainer.engine.kv_cache import cpu_kv_cache_bytes
+from opd_trainer.engine.lengths import completion_room
 from opd_trainer.engine.vllm_extension import EXTENSION_CLASSPATH
 from opd_trainer.engine.weight_transfer import WeightHandoff, apply_weights, transfer_for
 from opd_trainer.errors import EngineError, WeightSyncError
@@ -314,7 +315,7 @@ class Engine:
         # vLLM imported on use, not at the top (import cost, see `start`).
         from vllm.sampling_params import RequestOutputKind
 
-        room = self.config.max_model_len - len(prompt_token_ids)
+        room = completion_room(self.config.max_model_len, len(prompt_token_ids))
         if room < 1:
             raise EngineError(
                 f"{self.name}: prompt of {len(prompt_token_ids)} tokens leaves no room under "
@@ -407,7 +408,7 @@ class Engine:
         from vllm.sampling_params import RequestOutputKind
 
         sequence = list(prompt_token_ids) + list(completion_token_ids)
-        if len(sequence) + 1 > self.config.max_model_len:
+        if completion_room(self.config.max_model_len, len(sequence)) < 0:
             raise EngineError(
                 f"{self.name}: sequence of {len(sequence)} tokens exceeds max_model_len="
                 f"{self.config.max_model_len}"

@@ -64,6 +64,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from opd_trainer.cluster.ports import free_port
 from opd_trainer.cluster.process_usage import actor_usage
+from opd_trainer.engine.lengths import completion_room
 from opd_trainer.errors import ConfigError, EngineError
 from opd_trainer.records import LLMCall
 from opd_trainer.rollout.chat_requests import (
@@ -350,9 +351,12 @@ class Gateway:
         started = time.perf_counter()
         rendered = self._render(request)
         prompt_ids = rendered.prompt_ids
-        if len(prompt_ids) >= self.max_length:
+        room = completion_room(self.max_length, len(prompt_ids))
+        if room < 1:
             raise InvalidRequest(
-                f"prompt of {len(prompt_ids)} tokens does not fit max_length={self.max_length}", "messages"
+                f"prompt of {len(prompt_ids)} tokens leaves no room for a reply under "
+                f"max_length={self.max_length}",
+                "messages",
             )
         check_token_ids(request, len(self._load_tokenizer()))
         parsing = None
@@ -367,7 +371,7 @@ class Gateway:
             request,
             temperature=self.temperature if session.temperature is None else session.temperature,
             seed=seed,
-            max_tokens=min(asked, self.max_tokens, self.max_length - len(prompt_ids)),
+            max_tokens=min(asked, self.max_tokens, room),
         )
         session.started_calls += 1
         return PreparedCall(key, session, started, rendered, sampling, parsing, request)

@@ -246,3 +246,22 @@ def test_answer_logprobs_list_the_k_most_likely_tokens_besides_the_sampled_one(g
     assert [(c.token, [t.token for t in c.top_logprobs]) for c in as_ids.content or []] == [
         ("token_id:6", ["token_id:6"])
     ]
+
+
+def test_a_reply_leaves_the_teacher_one_token_of_room_under_max_length(tmp_path: Any) -> None:
+    """Prompt + reply stay one token under `max_length` (the teacher's prompt logprobs need one more), and
+    a prompt that leaves no room for a reply is refused naming `messages`."""
+    folder = save_chatml_tokenizer(tmp_path, TEMPLATE, WORDS)
+    probe = Gateway("student", str(folder), [], max_tokens=JOB_MAX_TOKENS, temperature=1.0, max_length=512)
+    prompt = len(probe._render(chat_request({"messages": MESSAGES})).prompt_ids)
+    for max_length, room in ((prompt + 4, 3), (prompt + 2, 1)):
+        gateway = Gateway(
+            "student", str(folder), [], max_tokens=JOB_MAX_TOKENS, temperature=1.0, max_length=max_length
+        )
+        assert prepared_sampling(gateway, gateway.open_rollout(f"r{room}")).max_tokens == room
+    full = Gateway(
+        "student", str(folder), [], max_tokens=JOB_MAX_TOKENS, temperature=1.0, max_length=prompt + 1
+    )
+    with pytest.raises(InvalidRequest) as refused:
+        prepared_sampling(full, full.open_rollout("r0"))
+    assert refused.value.param == "messages" and "max_length" in str(refused.value)
