@@ -227,7 +227,20 @@ def test_a_requests_item_name_is_the_same_tokens_as_in_the_lookup_call() -> None
         in_call = tokenizer.encode(json.dumps({"name": name}, ensure_ascii=False)).ids
         name_ids = in_call[in_call.index(tokenizer.token_to_id('Ġ"')) + 1 : -1]  # between Ġ" and "}
         request_ids = tokenizer.encode(request).ids
-        assert any(
-            request_ids[i : i + len(name_ids)] == name_ids for i in range(len(request_ids))
-        ), (request, name)
+        at = [i for i in range(len(request_ids)) if request_ids[i : i + len(name_ids)] == name_ids]
+        assert at, (request, name)
     assert tokenizer.get_vocab_size() <= VOCAB_SIZE
+
+
+def test_the_variants_student_comes_from_its_own_band() -> None:
+    """The lookup build takes its student at 0.5-0.7 turn exact match (an episode needs three right turns
+    in a row); the other variants at 0.3-0.45 and at most half of the teacher's."""
+    from opd_trainer.demo.tiny_models.factory import _Checkpoint, _pick_student, targets
+
+    def checkpoint(step: int, exact_match: float) -> _Checkpoint:
+        return _Checkpoint(step, {"exact_match": exact_match, "format_validity": 1.0}, {})
+
+    climb = [checkpoint(20, 0.31), checkpoint(60, 0.47), checkpoint(80, 0.55), checkpoint(100, 0.675)]
+    assert _pick_student(climb, 0.895, targets("lookup")).step == 80
+    assert _pick_student(climb, 0.955, targets()).step == 20
+    assert targets("lookup").teacher == 0.88 and targets("self_correction") == targets()
