@@ -329,7 +329,7 @@ def score_episode(messages: list[dict[str, Any]], start: int, solution: str | di
     lookup, expected = (json.loads(solution) if isinstance(solution, str) else solution)["tool_calls"]
     after = messages[start:]
     turns = [m for m in after if m.get("role") == "assistant"]
-    made = [call for turn in turns for call in _calls_of(turn)]
+    made = [call for turn in turns for call in self_correction.assistant_calls(turn)]
     item_id = expected["arguments"]["item_id"]
     # The backend accepts movable calls only on the episode's item: those are what changed its state.
     on_item = [
@@ -349,19 +349,6 @@ def score_episode(messages: list[dict[str, Any]], start: int, solution: str | di
     answered = bool(last) and not last.get("tool_calls") and all(v in text for v in named)
     errors = sum(1 for m in after if m.get("role") == "tool" and _is_error(m.get("content")))
     return EpisodeScore(calls_correct, answered, errors, made == [lookup, expected])
-
-
-def _calls_of(message: dict[str, Any]) -> list[dict[str, Any]]:
-    """An assistant turn's calls as `{name, arguments}` (arguments None where they are not JSON)."""
-    calls = []
-    for call in message.get("tool_calls") or []:
-        function = call.get("function", {})
-        try:
-            arguments = json.loads(function.get("arguments") or "{}")
-        except (TypeError, json.JSONDecodeError):
-            arguments = None
-        calls.append({"name": function.get("name"), "arguments": arguments})
-    return calls
 
 
 def _is_error(content: Any) -> bool:

@@ -92,7 +92,8 @@ class EpisodeScore:
         return self.calls_correct and self.answered
 
 
-def _assistant_calls(message: dict[str, Any]) -> list[dict[str, Any]]:
+def assistant_calls(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """An assistant turn's calls as `{name, arguments}` (arguments None where they are not JSON)."""
     calls = []
     for call in message.get("tool_calls") or []:
         function = call.get("function", {})
@@ -108,16 +109,16 @@ def score_episode(messages: list[dict[str, Any]], start: int, solution: str | di
     """Judge the conversation after its first `start` messages (the opening) against `solution`."""
     expected = (json.loads(solution) if isinstance(solution, str) else solution)["tool_calls"]
     turns = [m for m in messages[start:] if m.get("role") == "assistant"]
-    made = [call for turn in turns for call in _assistant_calls(turn)]
+    made = [call for turn in turns for call in assistant_calls(turn)]
     final_id = expected[-1]["arguments"]["item_id"]
     last = turns[-1] if turns else {}
     answered = bool(last) and not last.get("tool_calls") and final_id in str(last.get("content") or "")
     moved_at = next(
-        (i for i, turn in enumerate(turns) if len(expected) == 2 and _assistant_calls(turn) == expected[:1]),
+        (i for i, turn in enumerate(turns) if len(expected) == 2 and assistant_calls(turn) == expected[:1]),
         None,
     )
     after = turns[moved_at + 1] if moved_at is not None and moved_at + 1 < len(turns) else None
-    corrected = after is not None and _assistant_calls(after) == expected[1:]
+    corrected = after is not None and assistant_calls(after) == expected[1:]
     return EpisodeScore(
         calls_correct=made == expected,
         answered=answered,
