@@ -1,7 +1,8 @@
 """A job's running parts: started once, handed to every phase as one frozen `Components`.
 
-`start_components` starts the engines (student, teacher), the learner, the recording gateways (one
-process: `rollout/gateway_host.py`) and the user's worker pools, and returns them only when all are up.
+`start_components` starts the engines (student, teacher), the learner, the recording gateways (in the
+default teacher's engine process: `rollout/gateway_host.py`) and the user's worker pools, and returns
+them only when all are up.
 Everything it starts is registered in a `Started` as soon as it exists, so `Started.stop()` stops what a
 start-up that failed half-way left running as well as a finished job's parts.
 """
@@ -22,7 +23,7 @@ from transformers import AutoTokenizer
 from opd_trainer.driver.teachers import TeacherEngines
 from opd_trainer.engine.shared_teachers import acquire_shared, registry
 from opd_trainer.engine.teacher_sharing import TeacherSharing
-from opd_trainer.engine.vllm_engine import EngineConfig, EngineGroup
+from opd_trainer.engine.vllm_engine import EngineActor, EngineConfig, EngineGroup
 from opd_trainer.engine.weight_transfer import publish_weights
 from opd_trainer.errors import ConfigError, ProcessorLoadError
 from opd_trainer.jobspec.dataset import Sample
@@ -31,7 +32,7 @@ from opd_trainer.jobspec.preflight import preflight_models
 from opd_trainer.learner.deepspeed_learner import LearnerGroup
 from opd_trainer.learner.settings import LearnerSettings
 from opd_trainer.rollout.chat import prompt_token_ids
-from opd_trainer.rollout.gateway_host import GatewayHostActor, GatewayRef
+from opd_trainer.rollout.gateway_host import EngineWithGatewaysActor, GatewayHostActor, GatewayRef
 from opd_trainer.rollout.runner import STUDENT_MODEL_NAME, TEACHER_MODEL_NAME, AuxiliaryModel, RolloutRunner
 from opd_trainer.workers.pool import user_code_resources
 from opd_trainer.workers.sandbox import (
@@ -65,7 +66,7 @@ class Components:
     runner: RolloutRunner
     teacher_runner: RolloutRunner | None
     pools: tuple[Any, ...]
-    gateways: tuple[Any, ...]  # the gateway host's actor (the student's and the teacher's gateways)
+    gateways: tuple[Any, ...]  # a gateway host actor of its own, if any (not when in the teacher's process)
     beacon_pool: BeaconPool | None  # the user's beacon writer (`driver/beacons.py`), if the job has one
 
     def prompt(self, sample: Sample) -> list[int]:
@@ -149,15 +150,25 @@ async def start_components(
     world_size = max(1, spec.resources.learner_gpus)
     _check_rank_split(spec, world_size)
     emit("status", "starting engines and learner")
-    # The gateways (vLLM's request validation and tool-call parser: a vLLM import of their own, in one
-    # process for the job) start beside the engines and learner; they get their engines once those are up.
+    # The gateways (vLLM's request validation and tool-call parser: an import of vLLM) live in the
+    # default teacher's engine process when the job starts its own teachers (`EngineWithGateways`);
+    # with shared teachers in a process of their own, started beside the engines and learner.
     serves_teacher = validates or bool(spec.auxiliary_models)
-    host = _new_gateway_host(spec, max_length, serves_teacher)
-    started.gateways.append(host)
-    gateways_ready = host.ready.remote()
+    models = _gateway_models(spec, serves_teacher)
+    options = _gateway_options(spec, max_length)
+    own_host = None if teacher_sharing is None else _new_gateway_host(models, options)
+    if own_host is not None:
+        started.gateways.append(own_host)
     student, teachers, learner = await _start_engines_and_learner(
         spec, job_id, (max_length, total_updates, world_size), started, teacher_sharing
     )
+    if own_host is None:
+        host = teachers.default.actors[0]
+        await host.host_gateways.remote(models, **options)
+    else:
+        host = own_host
+        # vLLM's tool-call parsers load meanwhile; a bad parser name fails here.
+        await host.ready.remote()
     transfers = await _learner_handoffs(spec, student, learner, (run_dir, storage_token), emit)
     gateway = GatewayRef(host, STUDENT_MODEL_NAME)
     base_url = await _serve_gateway(gateway, student)
@@ -168,8 +179,6 @@ async def start_components(
         teacher_side = (teacher_gateway, await _serve_gateway(teacher_gateway, teachers.default))
     runner, teacher_runner = _runners(spec, job_id, (gateway, base_url), teacher_side, pools, validates)
     started.runners.extend(r for r in (runner, teacher_runner) if r is not None)
-    # vLLM's tool-call parsers loaded in the gateways meanwhile; a bad parser name fails here.
-    await gateways_ready
     return Components(
         spec=spec,
         job_id=job_id,
@@ -226,11 +235,13 @@ async def _start_engines_and_learner(
     )
     started.learner = learner
 
-    async def engines(model: str, resources: EngineResources, role: str, name: str) -> EngineGroup:
+    async def engines(
+        model: str, resources: EngineResources, role: str, name: str, actor_class: Any = EngineActor
+    ) -> EngineGroup:
         config = _engine_config(spec, max_length, model, resources, role)
         if role == "teacher" and teacher_sharing is not None:
             return await started.acquire_shared_teacher(job_id, config, teacher_sharing)
-        group = await EngineGroup.start(config, f"{job_id}-{name}")
+        group = await EngineGroup.start(config, f"{job_id}-{name}", actor_class)
         started.engines.append(group)
         return group
 
@@ -241,14 +252,19 @@ async def _start_engines_and_learner(
         engines(spec.model, spec.resources.student, "student", "student"),
         asyncio.gather(
             *(
-                engines(t.model, spec.resources.teacher, "teacher", n)
-                for t, n in zip(teachers, names, strict=True)
+                engines(t.model, spec.resources.teacher, "teacher", n, _teacher_actor_class(i))
+                for i, (t, n) in enumerate(zip(teachers, names, strict=True))
             )
         ),
         learner.initialize(),
     )
     groups = dict(zip((t.name for t in teachers), teacher_groups, strict=True))
     return student, TeacherEngines(spec, groups), learner
+
+
+def _teacher_actor_class(index: int) -> Any:
+    """The default (first) teacher's replicas can host the job's gateways (`start_components`)."""
+    return EngineWithGatewaysActor if index == 0 else EngineActor
 
 
 def _runners(
@@ -329,27 +345,35 @@ def _engine_config(
     )
 
 
-def _new_gateway_host(spec: JobSpec, max_length: int, serves_teacher: bool) -> Any:
-    """The job's gateway host with the student's recording gateway and, with `serves_teacher`, the
-    teacher's (engines given later, `_serve_gateway`), on this driver's node: a zero-CPU actor fits
-    anywhere, and one Ray put on a worker node would take the job down with that node (seen in CI: a
-    gateway landed on the processor pools' node, killed)."""
-    hp = spec.hyper_parameters
-    this_node = ray.get_runtime_context().get_node_id()
-    beside_the_driver = NodeAffinitySchedulingStrategy(this_node, soft=False)
+def _gateway_models(spec: JobSpec, serves_teacher: bool) -> dict[str, str]:
+    """The gateways a job runs: the student's, and with `serves_teacher` the default teacher's (the
+    name each answers as -> the model, for its tokenizer)."""
     models = {STUDENT_MODEL_NAME: spec.model}
     if serves_teacher:
         models[TEACHER_MODEL_NAME] = spec.default_teacher_model
+    return models
+
+
+def _gateway_options(spec: JobSpec, max_length: int) -> dict[str, Any]:
+    hp = spec.hyper_parameters
+    return {
+        "max_tokens": hp.max_tokens,
+        "temperature": hp.temperature,
+        "max_length": max_length,
+        "tool_call_parser": spec.tool_call_parser,
+        "chat_template_kwargs": spec.chat_template_kwargs,
+    }
+
+
+def _new_gateway_host(models: dict[str, str], options: dict[str, Any]) -> Any:
+    """A gateway host process of its own (a job on shared teachers), on this driver's node: a zero-CPU
+    actor fits anywhere, and one Ray put on a worker node would take the job down with that node (seen
+    in CI: a gateway landed on the processor pools' node, killed)."""
+    this_node = ray.get_runtime_context().get_node_id()
+    beside_the_driver = NodeAffinitySchedulingStrategy(this_node, soft=False)
     return GatewayHostActor.options(  # type: ignore[attr-defined]
         num_cpus=0, scheduling_strategy=beside_the_driver
-    ).remote(
-        models,
-        max_tokens=hp.max_tokens,
-        temperature=hp.temperature,
-        max_length=max_length,
-        tool_call_parser=spec.tool_call_parser,
-        chat_template_kwargs=spec.chat_template_kwargs,
-    )
+    ).remote(models, **options)
 
 
 async def _serve_gateway(gateway: GatewayRef, engines: EngineGroup) -> str:

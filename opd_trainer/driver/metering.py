@@ -15,7 +15,8 @@ starts from what the run directory's `usage.json` says the earlier runs used):
 - `wall_s`: seconds the job's driver ran; `cpu_s` and `gpu_s`, with one `cpu_s/ROLE` and `gpu_s/ROLE`
   per role (`student_engines`, `teacher_engines`, `learner`, `gateways`, `processors`, `driver`): the
   CPU-seconds of each role's processes (`cluster/process_usage.py`) and the GPUs each holds times the
-  seconds it held them.
+  seconds it held them. The gateways run in the first teacher engine's process unless the job's
+  teachers are shared (`driver/components.py`): then `gateways` is 0 and their CPU is the teacher's.
 
 Each training and validation record carries `usage/KEY`: what the job used since the record before it,
 so the records of a run add up to its usage. `Budget` limits (`budget` in the job spec) are checked

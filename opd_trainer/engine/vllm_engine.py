@@ -619,14 +619,17 @@ async def start_engines(config: EngineConfig, role: str) -> list[ActorHandle]:
     return actors
 
 
-async def start_located_engines(config: EngineConfig, role: str) -> tuple[list[ActorHandle], list[str]]:
+async def start_located_engines(
+    config: EngineConfig, role: str, actor_class: Any = EngineActor
+) -> tuple[list[ActorHandle], list[str]]:
     """Places `config.resources.replicas` engine actors (failing, naming `resources.<role>`, if Ray
     cannot within `config.placement_timeout_s`), then waits until every one has started. Returns the
-    actors and the Ray node of each."""
+    actors and the Ray node of each. `actor_class`: `EngineActor` or a Ray actor class of an `Engine`
+    subclass taking the same arguments."""
     resources = config.resources
     num_gpus = resources.tensor_parallel_size * resources.gpu_fraction if _on_gpu() else 0
     actors = [
-        EngineActor.options(  # type: ignore[attr-defined]
+        actor_class.options(
             name=None,
             num_cpus=config.num_cpus,
             num_gpus=num_gpus,
@@ -662,8 +665,8 @@ class EngineGroup:
         self._rotation = 0  # the replica the next fan-out starts on
 
     @classmethod
-    async def start(cls, config: EngineConfig, role: str) -> EngineGroup:
-        return cls(*await start_located_engines(config, role))
+    async def start(cls, config: EngineConfig, role: str, actor_class: Any = EngineActor) -> EngineGroup:
+        return cls(*await start_located_engines(config, role, actor_class))
 
     async def locate(self) -> list[str]:
         """The Ray node of each replica, in replica order (asked once)."""

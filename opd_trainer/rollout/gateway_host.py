@@ -6,6 +6,10 @@ on the CI machine's cores). A job that validates, or serves the teacher to its p
 `GatewayHost` keeps a job's gateways on one actor's event loop, each with its own HTTP server (its own
 port, keys and records), so nothing a processor or the driver sees changes but the process count.
 
+`EngineWithGateways` is a vLLM engine whose actor process hosts them instead: a job that starts its own
+teacher engine puts its gateways there (the teacher's process has imported vLLM already, and it is idle
+while the student samples, which is when the gateways are busy), so a job start pays one vLLM import less.
+
 `GatewayRef` is one model's gateway as the rollout runner uses it: open a step's keys, close one.
 """
 
@@ -18,6 +22,7 @@ import ray
 from ray.actor import ActorHandle
 
 from opd_trainer.cluster.process_usage import actor_usage
+from opd_trainer.engine.vllm_engine import Engine, EngineConfig
 from opd_trainer.records import LLMCall
 from opd_trainer.rollout.gateway import Gateway, RolloutKeyRequest
 
@@ -28,7 +33,14 @@ class GatewayHost:
     def __init__(self, models: dict[str, str], **options: Any) -> None:
         """A gateway per entry of `models` (the name it answers as -> the model's path, for its
         tokenizer), each with `Gateway`'s keyword `options`; engines come later (`set_engines`)."""
-        self._gateways = {name: Gateway(name, path, [], **options) for name, path in models.items()}
+        self._gateways: dict[str, Gateway] = {}
+        self._add(models, options)
+
+    def _add(self, models: dict[str, str], options: dict[str, Any]) -> None:
+        for name, path in models.items():
+            if name in self._gateways:
+                raise ValueError(f"a gateway for {name!r} is already here")
+            self._gateways[name] = Gateway(name, path, [], **options)
 
     def _gateway(self, model_name: str) -> Gateway:
         try:
@@ -65,6 +77,33 @@ class GatewayHost:
 
 GatewayHostActor = ray.remote(GatewayHost)
 """`GatewayHost` as a Ray actor; its gateways' HTTP servers run inside it."""
+
+
+class EngineWithGateways(Engine, GatewayHost):
+    """An `Engine` that can also host gateways (`host_gateways`), on the engine actor's event loop.
+
+    One process: `usage` is the engine's (the gateways' CPU-seconds are in it), and `shutdown` stops
+    the gateways' servers before the engine."""
+
+    def __init__(self, config: EngineConfig, name: str = "engine") -> None:
+        Engine.__init__(self, config, name)
+        GatewayHost.__init__(self, {})
+
+    async def host_gateways(self, models: dict[str, str], **options: Any) -> None:
+        """Adds a gateway per entry of `models` (as `GatewayHost`) and loads their tool-call parsers."""
+        self._add(models, options)
+        await self.ready()
+
+    async def usage(self) -> dict[str, float]:
+        return await Engine.usage(self)
+
+    async def shutdown(self) -> None:  # type: ignore[override]
+        await GatewayHost.shutdown(self)
+        Engine.shutdown(self)
+
+
+EngineWithGatewaysActor = ray.remote(EngineWithGateways)
+"""`EngineWithGateways` as a Ray actor (started like `EngineActor`, `vllm_engine.start_located_engines`)."""
 
 
 @dataclass(frozen=True)
