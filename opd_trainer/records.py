@@ -67,3 +67,6 @@ class LLMCall:
     """The teacher that scored this call (`teacher_model`'s names; `teacher` for a job's only one)."""
     teacher_latency_s: float = 0.0
     """Seconds the scoring request that held this call took."""
+    staleness: int = 0
+    """Weight versions the learner is ahead of `weight_version` when it trains this call (the driver's
+    signal phase sets it; > 0 only with `max_staleness`)."""

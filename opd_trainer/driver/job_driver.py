@@ -196,10 +196,14 @@ class JobDriver:
         self.emit("status", f"training {self.total_steps} steps", total_steps=self.total_steps)
         clock = StepClock()
         while self.step < self.total_steps:
-            more = self.step + 1 < self.total_steps and not self._stop_requested
-            sample_next = hp.max_staleness > 0 and more
+            last = self.step if self._stop_requested else self.total_steps - 1
             metrics = await train_step(
-                c, sampler, self.step, sample_next=sample_next, clock=clock, log=self.log
+                c,
+                sampler,
+                self.step,
+                sample_ahead_to=min(self.step + hp.max_staleness, last),
+                clock=clock,
+                log=self.log,
             )
             self._meter.add_step(metrics)
             recorded = await self._with_usage(c, metrics)
@@ -333,8 +337,8 @@ class JobDriver:
     async def save_checkpoint(self, c: Components, sampler: Sampler) -> Path:
         staging = self.checkpoints.staging(self.step)
         await c.learner.save_checkpoint(str(staging))
-        # With the next step's batch under way the cursor is one batch ahead: the checkpoint keeps
-        # the state before that batch, which a resume samples again.
+        # With batches under way for the next steps the cursor is ahead of them: the checkpoint keeps
+        # the state before the first, and a resume samples them again.
         state = {
             "step": self.step,
             "cursor": sampler.cursor_state(),

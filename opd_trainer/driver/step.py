@@ -5,7 +5,10 @@ its metrics:
 
 - **sample** (`Sampler`): a batch of prompts from the data cursor, `n_rollouts` rollouts each through
   the user's rollout code and the recording gateway, with the weights the engines hold. With
-  `max_staleness >= 1` the next batch is sampled while this step learns, one version behind.
+  `max_staleness` k >= 1 the next k steps' batches are sampled while this step learns: k = 1 waits
+  for the next batch before publishing (it is exactly one version behind); k >= 2 publishes without
+  waiting, so sampling runs on through the updates and each call keeps the version it was sampled
+  with (at most k behind when it is trained).
 - **score** (`teacher_segments`): every recorded LLM call of a successful rollout becomes a segment the
   teacher scores on exactly the student's tokens (its top-k too when the estimator needs it), as soon
   as the rollout ends, not when the batch ends.
@@ -24,6 +27,7 @@ out of the clock that samples/s and tokens/s divide by.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import time
@@ -103,6 +107,7 @@ class StepClock:
 class Batch:
     """A step's rollouts under way and the teacher's scores of them (segments in rollout order)."""
 
+    step: int  # the step (0-based) that trains it
     cursor: dict[str, Any]  # the data cursor before this batch was taken
     rollouts: asyncio.Task[list[RolloutResult]]
     scored: asyncio.Task[list[LLMCall]]
@@ -145,13 +150,14 @@ def sample_and_score(
 
 
 class Sampler:
-    """Takes batches from the training data in cursor order; holds at most one batch sampled ahead."""
+    """Takes batches from the training data in cursor order; holds the batches sampled ahead, oldest
+    first."""
 
     def __init__(self, components: Components, samples: list[Sample], cursor: EpochCursor) -> None:
         self.components = components
         self.samples = samples
         self.cursor = cursor
-        self.ahead: Batch | None = None
+        self.ahead: collections.deque[Batch] = collections.deque()
 
     def start(self, step: int) -> Batch:
         """Samples step `step`'s batch now, with the weights the engines hold."""
@@ -163,22 +169,31 @@ class Sampler:
         async def score(results: list[RolloutResult]) -> list[LLMCall]:
             return await teacher_segments(c.teachers, c.tokenizer, c.max_length, hp, results)
 
-        return Batch(cursor, *sample_and_score(c.runner, score, batch, step, seeds, hp.n_rollouts))
+        return Batch(step, cursor, *sample_and_score(c.runner, score, batch, step, seeds, hp.n_rollouts))
 
     def take(self, step: int) -> Batch:
         """The batch sampled ahead for `step`, else a new one."""
-        batch, self.ahead = self.ahead, None
-        return batch if batch is not None else self.start(step)
+        if self.ahead:
+            batch = self.ahead.popleft()
+            assert batch.step == step, f"the batch sampled ahead is step {batch.step}'s, not {step}'s"
+            return batch
+        return self.start(step)
+
+    def sample_ahead(self, after: int, last: int) -> None:
+        """Starts the batches of the steps after `after` up to `last` that are not under way yet."""
+        first = self.ahead[-1].step + 1 if self.ahead else after + 1
+        for step in range(first, last + 1):
+            self.ahead.append(self.start(step))
 
     def cursor_state(self) -> dict[str, Any]:
-        """What a checkpoint keeps: with a batch sampled ahead, the state before it (a resume samples
-        it again)."""
-        return self.ahead.cursor if self.ahead is not None else self.cursor.state()
+        """What a checkpoint keeps: with batches sampled ahead, the state before the first of them (a
+        resume samples them again)."""
+        return self.ahead[0].cursor if self.ahead else self.cursor.state()
 
     async def drop_ahead(self) -> None:
-        """Ends the batch sampled ahead (stop, failure): it is sampled again after a resume."""
-        batch, self.ahead = self.ahead, None
-        if batch is not None:
+        """Ends the batches sampled ahead (stop, failure): they are sampled again after a resume."""
+        batches, self.ahead = list(self.ahead), collections.deque()
+        for batch in batches:
             await batch.cancel()
 
 
@@ -275,7 +290,11 @@ def shape_signal(
     staleness = [step - s.weight_version for s in segments]
     kept = segments
     if hp.max_staleness > 0:
-        kept = [s for s, lag in zip(segments, staleness, strict=True) if lag <= hp.max_staleness]
+        kept = [
+            dataclasses.replace(s, staleness=lag) if lag else s
+            for s, lag in zip(segments, staleness, strict=True)
+            if lag <= hp.max_staleness
+        ]
     metrics = {
         "staleness/mean": mean(staleness),
         "staleness/max": float(max(staleness, default=0)),
@@ -325,13 +344,17 @@ class _Phases:
 
 
 async def train_step(
-    c: Components, sampler: Sampler, step: int, *, sample_next: bool, clock: StepClock, log: RunDir
+    c: Components, sampler: Sampler, step: int, *, sample_ahead_to: int, clock: StepClock, log: RunDir
 ) -> dict[str, float]:
-    """Step `step` (0-based) end to end; returns its metrics. `sample_next`: start the next step's
-    batch while this one learns (`max_staleness >= 1` and a next step to come).
+    """Step `step` (0-based) end to end; returns its metrics. `sample_ahead_to`: the last step whose
+    batch may be sampled while this one learns (`step + max_staleness`, at most the last step; `step`:
+    none).
 
-    The engines finish the batch sampled ahead before new weights reach them, so no completion mixes
-    weight versions; the learner's importance ratio (sampler logprobs, capped) corrects for the lag.
+    No completion mixes weight versions: with `max_staleness` 1 the engines finish the batch sampled
+    ahead before new weights reach them; with more, an engine update waits for the completions under
+    way and admits none meanwhile (`Engine.update_weights`). The learner's importance ratio (sampler
+    logprobs, capped) corrects for the lag, and `stale_divergence` what the lag does to `sampled`'s
+    signal.
     """
     hp = c.spec.hyper_parameters
     phases = _Phases()
@@ -340,8 +363,7 @@ async def train_step(
         batch, step, hp, has_rewards=bool(c.spec.reward_components), log=log
     )
     phases.done("rollout")
-    if sample_next:
-        sampler.ahead = sampler.start(step + 1)
+    sampler.sample_ahead(step, sample_ahead_to)
     segments = await batch.scored  # scoring started as each rollout ended: this is the teacher's tail
     phases.done("teacher")
     segments, signal_metrics = shape_signal(segments, step, hp)
@@ -365,8 +387,8 @@ async def train_step(
         signal_metrics["preference/split_pairs"] = float(pairs_split_across(updates))
     learner_metrics = await c.learner.train_step(updates)
     phases.done("learner")
-    if sampler.ahead is not None:  # new weights only once the engines finished the next rollouts
-        await asyncio.wait([sampler.ahead.rollouts])
+    if sampler.ahead and hp.max_staleness == 1:  # new weights once the engines finished the next batch
+        await asyncio.wait([sampler.ahead[0].rollouts])
     phases.done("next_rollouts_wait")
     await c.publish_weights(step + 1)
     phases.done("sync")
@@ -383,6 +405,7 @@ async def train_step(
         **pool_metrics(c.pools),
         **engine_metrics,
         **signal_metrics,
+        "staleness/batches_ahead": float(len(sampler.ahead)),
         **(per_teacher_metrics(segments) if c.teachers.several else {}),
         "segments": float(len(segments)),
         "trained_tokens": float(trained_tokens),

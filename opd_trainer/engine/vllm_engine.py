@@ -161,6 +161,13 @@ class Engine:
         self._weight_version = 0
         self._in_flight = 0
         self._update_lock = asyncio.Lock()
+        # Sampling requests admitted under the weights now held (`_versioned`); an update admits none
+        # and waits for these, so a completion's recorded version is the one it was sampled with.
+        self._admitted_samples = 0
+        self._accepting = asyncio.Event()
+        self._accepting.set()
+        self._no_sampling = asyncio.Event()
+        self._no_sampling.set()
         self._stats = EngineStats()  # fed by vLLM after every engine step (stat_loggers below)
         # A teacher engine shared by several jobs (engine/shared_teachers.py): each scoring request
         # names its job (`client`), admitted fairly and counted per job.
@@ -341,8 +348,8 @@ class Engine:
         request asked for. Every one of those acts before the sampler's `processed_logprobs`, so the
         recorded logprobs stay those of the distribution each token was drawn from."""
         params = self._fit(prompt_token_ids, params, stream=False)
-        version = self._weight_version
-        final = await self._run(prompt_token_ids, params)
+        async with self._versioned() as version:
+            final = await self._run(prompt_token_ids, params)
         out = final.outputs[0]
         token_ids = list(out.token_ids)
         steps = list(out.logprobs)
@@ -365,20 +372,20 @@ class Engine:
         A Ray streaming generator: call it with `.options(num_returns="streaming")`. The sampling is
         the same request as `sample`'s, so the same seed gives the same tokens."""
         params = self._fit(prompt_token_ids, params, stream=True)
-        version = self._weight_version
         token_ids: list[int] = []
         steps: list[dict[int, Logprob]] = []
         text: list[str] = []
         finish_reason = None
-        async for output in self._outputs(prompt_token_ids, params):
-            out = output.outputs[0]
-            new, new_steps = list(out.token_ids), list(out.logprobs)
-            token_ids += new
-            steps += new_steps
-            finish_reason = out.finish_reason or finish_reason
-            if out.text or new:
-                text.append(out.text)
-                yield SampledText(out.text, new, new_steps)
+        async with self._versioned() as version:
+            async for output in self._outputs(prompt_token_ids, params):
+                out = output.outputs[0]
+                new, new_steps = list(out.token_ids), list(out.logprobs)
+                token_ids += new
+                steps += new_steps
+                finish_reason = out.finish_reason or finish_reason
+                if out.text or new:
+                    text.append(out.text)
+                    yield SampledText(out.text, new, new_steps)
         call = LLMCall(
             prompt_token_ids=list(prompt_token_ids),
             completion_token_ids=token_ids,
@@ -388,6 +395,23 @@ class Engine:
             weight_version=version,
         )
         yield Sampled(call, steps)
+
+    @contextlib.asynccontextmanager
+    async def _versioned(self) -> AsyncIterator[int]:
+        """Admits one sampling request under the weights now held and yields their version. While an
+        update runs none is admitted, and the update starts only once the admitted ones have finished,
+        so the version is the one the whole completion was sampled with (updates may come between a
+        rollout's calls: `max_staleness >= 2` publishes without waiting for the batches sampled ahead)."""
+        while not self._accepting.is_set():
+            await self._accepting.wait()
+        self._admitted_samples += 1  # no await since the check: an update cannot slip in between
+        self._no_sampling.clear()
+        try:
+            yield self._weight_version
+        finally:
+            self._admitted_samples -= 1
+            if self._admitted_samples == 0:
+                self._no_sampling.set()
 
     async def generate_many(self, prompts: list[list[int]], **sampling: Any) -> list[LLMCall]:
         """All prompts in flight at once, so vLLM batches them."""
@@ -490,22 +514,30 @@ class Engine:
         """Loads new weights in place by the handoff's own transport (`weight_transfer.apply_weights`),
         clears cached KV of the old ones, bumps the weight version.
 
-        Generation is paused (in-flight requests finish first) so no sequence mixes two policies.
+        Generation is paused (in-flight requests finish first, no new sampling request is admitted
+        meanwhile: `_versioned`) so no sequence mixes two policies.
         """
         llm = await self._llm_ready()
         async with self._update_lock:
-            await llm.pause_generation(mode="wait", clear_cache=True)
+            self._accepting.clear()
+            try:
+                await self._no_sampling.wait()
+                await llm.pause_generation(mode="wait", clear_cache=True)
+            except BaseException:
+                self._accepting.set()
+                raise
             try:
                 await apply_weights(handoff, llm, self.name)
                 # Prefix-cache blocks were computed with the old weights.
                 await llm.reset_prefix_cache()
+                self._weight_version = self._weight_version + 1 if version is None else version
             except WeightSyncError:
                 raise
             except Exception as exc:
                 raise WeightSyncError(f"{self.name}: weight update failed: {exc}") from exc
             finally:
                 await llm.resume_generation()
-            self._weight_version = self._weight_version + 1 if version is None else version
+                self._accepting.set()
             return self._weight_version
 
     def node_id(self) -> str:

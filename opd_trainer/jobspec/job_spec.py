@@ -386,6 +386,14 @@ class HyperParameters(_Strict):
         ge=1,
         description="Truncation cap of the importance ratio (>= 1: on-policy ratios are 1).",
     )
+    stale_divergence: Literal["current", "sampler"] = Field(
+        default="current",
+        description="distill_loss sampled / sampled_baseline, with max_staleness >= 1: the log-ratio "
+        "signal of a call sampled with older weights, taken under the student as the learner holds it "
+        "now (`current`: the learner's own logprob of the token, the staleness-aware correction of "
+        "asynchronous OPD) or under the weights that sampled it (`sampler`). The top-k estimators always "
+        "compare the current student; the importance ratio corrects the sampling either way.",
+    )
     eval_steps: int = Field(default=10, ge=1, description="Validate every this many steps.")
     eval_success_threshold: float = Field(
         default=1.0,
@@ -423,9 +431,10 @@ class HyperParameters(_Strict):
         default=0,
         ge=0,
         description="Policy versions a sample may lag the learner. 0: strictly on-policy, each phase "
-        "waits for the one before. >= 1: the next step's rollouts (and teacher scores) run while the "
-        "learner trains, one version behind (the pipeline is one step deep, so larger values overlap no "
-        "more today); older samples would be dropped and counted (`staleness/*` metrics).",
+        "waits for the one before. k >= 1: the next k steps' rollouts (and teacher scores) run while the "
+        "learner trains; 1 waits for the next batch before publishing weights (exactly one version "
+        "behind), >= 2 samples on through the weight updates (each call keeps the version it was sampled "
+        "with, at most k behind). Older samples are dropped and counted (`staleness/*` metrics).",
     )
     max_drift: float = Field(
         default=0.05, gt=0, description="Pre-flight: largest allowed mean |learner − sampler| logprob drift."

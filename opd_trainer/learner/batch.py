@@ -66,6 +66,8 @@ class LearnerBatch:
     prompt_lengths: tuple[int, ...]
     lengths: tuple[int, ...]
     """Each row's prompt + completion length."""
+    stale_B: Tensor | None = None
+    """True on rows sampled with older weights than the learner's now (`LLMCall.staleness` > 0)."""
     top_ids_B_T_K: Tensor | None = None
     """[B, W − 1, K] the teacher's top-k ids; None when the job asks for no top-k."""
     top_logprobs_B_T_K: Tensor | None = None
@@ -92,6 +94,7 @@ class LearnerBatch:
             top_logprobs_B_S_K=self.top_logprobs_B_T_K[:, first:] if scored else None,  # type: ignore[index]
             row_advantages_B=row_advantages_B,
             num_tokens=num_tokens,
+            stale_B=self.stale_B,
         )
 
 
@@ -126,6 +129,7 @@ def pad_segments(segments: list[LLMCall], teacher_top_k: int, device: Any) -> Le
         sampler_B_T=sampler.to(device),
         teacher_B_T=teacher.to(device),
         rewards_B=torch.tensor([s.reward for s in segments], device=device),
+        stale_B=torch.tensor([s.staleness > 0 for s in segments], device=device),
         group_ids_B=torch.tensor([s.group_id for s in segments], device=device),
         rollout_ids_B=torch.tensor([s.rollout_id for s in segments], device=device),
         hindsight_B=torch.tensor([s.hindsight for s in segments], device=device),

@@ -38,6 +38,8 @@ class DistillationSettings:
     jsd_beta: float
     ratio_cap: float
     """Truncation cap of the policy gradient's importance ratio."""
+    stale_divergence: str = "current"
+    """`sampled`'s log-ratio on stale rows: under the learner's student now, or the sampler's."""
 
     def __post_init__(self) -> None:
         estimator_named(self.distill_loss).check_top_k(self.teacher_top_k)
@@ -76,6 +78,19 @@ class DistillationInputs:
     hindsight terms, `batch.row_advantages`), or None."""
     num_tokens: float | None
     """The loss normaliser (None: this batch's trained tokens); see `loss.policy_loss`."""
+    stale_B: Tensor | None = None
+    """True on rows sampled with older weights than the learner's now (`LLMCall.staleness`); None: none."""
+
+    def student_signal_B_T(self, stale_divergence: str) -> Tensor:
+        """The student's logprob of each sampled token in the log-ratio signal: the sampler's, but on
+        stale rows with `stale_divergence` "current" the learner's own now (detached), so a stale
+        sample is judged by the student being trained, not the one that sampled it."""
+        if self.stale_B is None or stale_divergence != "current" or not bool(self.stale_B.any()):
+            return self.sampler_B_T
+        # Lazy: the estimator table stays torch-free (the spec's validators read it).
+        import torch
+
+        return torch.where(self.stale_B[:, None], self.learner_B_T.detach(), self.sampler_B_T)
 
     @property
     def has_top_k(self) -> bool:
@@ -205,8 +220,9 @@ def sampled(inputs: DistillationInputs, settings: DistillationSettings) -> Estim
     # Lazy: the estimator table stays torch-free (the spec's validators read it).
     from opd_trainer.learner import loss
 
+    student_B_T = inputs.student_signal_B_T(settings.stale_divergence)
     advantages_B_T = loss.opd_advantages(
-        inputs.sampler_B_T,
+        student_B_T,
         inputs.teacher_B_T,
         inputs.mask_B_T,
         settings.kl_coef,
@@ -214,7 +230,7 @@ def sampled(inputs: DistillationInputs, settings: DistillationSettings) -> Estim
         1.0,
     )
     policy, stats = _policy_gradient(inputs, settings, advantages_B_T)
-    return EstimatorResult(policy, inputs.sampler_B_T - inputs.teacher_B_T, stats)
+    return EstimatorResult(policy, student_B_T - inputs.teacher_B_T, stats)
 
 
 def sampled_baseline(inputs: DistillationInputs, settings: DistillationSettings) -> EstimatorResult:
@@ -223,12 +239,13 @@ def sampled_baseline(inputs: DistillationInputs, settings: DistillationSettings)
     from opd_trainer.learner import loss
 
     baseline_B_T = inputs.full_width(loss.topk_signal_baseline(inputs.logits_B_S_V.detach(), *inputs.top_k()))
+    student_B_T = inputs.student_signal_B_T(settings.stale_divergence)
     distill_B_T = loss.sampled_baseline_advantages(
-        inputs.sampler_B_T, inputs.teacher_B_T, baseline_B_T, inputs.mask_B_T, settings.kl_coef
+        student_B_T, inputs.teacher_B_T, baseline_B_T, inputs.mask_B_T, settings.kl_coef
     )
     advantages_B_T = loss.add_reward_advantages(distill_B_T, inputs.mask_B_T, inputs.row_advantages_B, 1.0)
     policy, stats = _policy_gradient(inputs, settings, advantages_B_T)
-    return EstimatorResult(policy, inputs.sampler_B_T - inputs.teacher_B_T - baseline_B_T, stats)
+    return EstimatorResult(policy, student_B_T - inputs.teacher_B_T - baseline_B_T, stats)
 
 
 ESTIMATORS: dict[str, Estimator] = {

@@ -65,6 +65,7 @@ class LearnerSettings:
                 kl_coef=hp.kl_coef,
                 jsd_beta=hp.jsd_beta,
                 ratio_cap=hp.ratio_cap,
+                stale_divergence=hp.stale_divergence,
             ),
         )
 

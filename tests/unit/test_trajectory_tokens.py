@@ -153,10 +153,10 @@ def test_train_step_records_the_kept_trajectories_with_the_trained_segments_toke
     log = RunDir(tmp_path)
 
     async def run() -> None:
-        batch = Batch({}, _done(results), _done(segments))  # type: ignore[arg-type]
-        sampler = SimpleNamespace(take=lambda step: batch, ahead=None)
+        batch = Batch(5, {}, _done(results), _done(segments))  # type: ignore[arg-type]
+        sampler = SimpleNamespace(take=lambda step: batch, ahead=[], sample_ahead=lambda after, last: None)
         c = _components(_hp_spec(max_staleness=1, batch_size=1, n_rollouts=1), FakeTokenizer())
-        await train_step(c, sampler, 5, sample_next=False, clock=StepClock(), log=log)  # type: ignore[arg-type]
+        await train_step(c, sampler, 5, sample_ahead_to=5, clock=StepClock(), log=log)  # type: ignore[arg-type]
 
     asyncio.run(run())
     records = log.step_trajectories(6)
@@ -171,7 +171,7 @@ def test_a_step_with_too_many_failed_rollouts_still_records_them_without_tokens(
     log = RunDir(tmp_path)
 
     async def run() -> None:
-        batch = Batch({}, _done(results), _done([]))  # type: ignore[arg-type]
+        batch = Batch(5, {}, _done(results), _done([]))  # type: ignore[arg-type]
         await collect_rollouts(batch, 0, _hp_spec().hyper_parameters, has_rewards=False, log=log)
 
     with pytest.raises(OPDError, match="3/3 rollouts failed"):
@@ -201,10 +201,10 @@ def test_a_step_left_with_nothing_to_train_fails_saying_what_was_dropped(tmp_pat
     results = [_result(i, [stale]) for i in range(2)]
 
     async def run() -> None:
-        batch = Batch({}, _done(results), _done([_scored(stale, i, [-1.0]) for i in range(2)]))  # type: ignore[arg-type]
-        sampler = SimpleNamespace(take=lambda step: batch, ahead=None)
+        batch = Batch(5, {}, _done(results), _done([_scored(stale, i, [-1.0]) for i in range(2)]))  # type: ignore[arg-type]
+        sampler = SimpleNamespace(take=lambda step: batch, ahead=[], sample_ahead=lambda after, last: None)
         c = _components(_hp_spec(max_staleness=1, batch_size=1, n_rollouts=2), FakeTokenizer())
-        await train_step(c, sampler, 5, sample_next=False, clock=StepClock(), log=RunDir(tmp_path))  # type: ignore[arg-type]
+        await train_step(c, sampler, 5, sample_ahead_to=5, clock=StepClock(), log=RunDir(tmp_path))  # type: ignore[arg-type]
 
     with pytest.raises(
         OPDError, match=r"step 6: no segment left to train.*'staleness/dropped_segments': 2.0"

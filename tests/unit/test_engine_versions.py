@@ -1,0 +1,99 @@
+"""A completion's recorded weight version is the one it was sampled with, when updates come while
+rollouts run (`max_staleness >= 2`): an update waits for the sampling requests admitted before it and
+admits none until the new weights are in (`Engine._versioned`, `Engine.update_weights`).
+
+A plain `Engine` with a stand-in for vLLM's engine (pause, resume, cache reset) and for the weight
+transport; the real path runs in tests/integration/test_staleness.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from opd_trainer.engine import vllm_engine
+from opd_trainer.engine.vllm_engine import Engine, EngineConfig
+
+
+class PausableLLM:
+    errored = False
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    async def pause_generation(self, *, mode: str = "wait", clear_cache: bool = True) -> None:
+        self.log.append("pause")
+
+    async def resume_generation(self) -> None:
+        self.log.append("resume")
+
+    async def reset_prefix_cache(self) -> bool:
+        return True
+
+
+def test_an_update_waits_for_admitted_samples_and_later_ones_see_the_new_version(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    log: list[str] = []
+
+    async def apply(handoff: Any, llm: Any, name: str) -> None:
+        log.append("weights")
+
+    monkeypatch.setattr(vllm_engine, "apply_weights", apply)
+
+    async def scenario() -> None:
+        engine = Engine(EngineConfig(model="unused"), "student-0")
+        engine._llm = PausableLLM(log)  # type: ignore[assignment]
+        finish_first = asyncio.Event()
+        versions: dict[str, int] = {}
+
+        async def sample(name: str, until: asyncio.Event | None = None) -> None:
+            async with engine._versioned() as version:
+                versions[name] = version
+                log.append(f"{name} sampling")
+                if until is not None:
+                    await until.wait()
+                log.append(f"{name} done")
+
+        first = asyncio.create_task(sample("first", finish_first))
+        await asyncio.sleep(0)
+        update = asyncio.create_task(engine.update_weights(None, 1))  # type: ignore[arg-type]
+        await asyncio.sleep(0)
+        second = asyncio.create_task(sample("second"))  # arrives while the update waits
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert log == ["first sampling"]  # the update waits for the first; the second is not admitted
+        finish_first.set()
+        assert await update == 1
+        await asyncio.gather(first, second)
+        assert log == [
+            "first sampling",
+            "first done",
+            "pause",
+            "weights",
+            "resume",
+            "second sampling",
+            "second done",
+        ]
+        assert versions == {"first": 0, "second": 1}
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_update_admits_sampling_again_under_the_old_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def broken(handoff: Any, llm: Any, name: str) -> None:
+        raise RuntimeError("transport lost")
+
+    monkeypatch.setattr(vllm_engine, "apply_weights", broken)
+
+    async def scenario() -> int:
+        engine = Engine(EngineConfig(model="unused"), "student-0")
+        engine._llm = PausableLLM([])  # type: ignore[assignment]
+        with pytest.raises(vllm_engine.WeightSyncError, match="transport lost"):
+            await engine.update_weights(None, 1)  # type: ignore[arg-type]
+        async with engine._versioned() as version:
+            return version
+
+    assert asyncio.run(asyncio.wait_for(scenario(), 5)) == 0
