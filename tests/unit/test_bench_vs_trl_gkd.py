@@ -108,21 +108,7 @@ def test_staleness_runs_pairs_interleaved_and_records_them(
     def fake_child(script: Path, side: str, args: list[str]) -> dict[str, Any]:
         seed = int(args[args.index("--seed") + 1])
         order.append((side, seed))
-        return {
-            "max_staleness": int(side),
-            "seed": seed,
-            "steps_measured": 3,
-            "step_s": 1.0,
-            "samples_per_s": 10.0 + int(side) * (1 + seed),
-            "rollout_wait_s": 0.0,
-            "teacher_wait_s": 0.0,
-            "learner_s": 0.5,
-            "staleness_mean": float(side),
-            "final_reverse_kl": 0.1,
-            "train_s": 4.0,
-            "curve": [],
-            "final_exact_match": None,
-        }
+        return _staleness_run(side, seed)
 
     monkeypatch.setattr(staleness, "run_child", fake_child)
     argv = ["staleness.py", "--seeds", "0", "1", "2", "--out", str(tmp_path / "s.json")]
@@ -134,6 +120,60 @@ def test_staleness_runs_pairs_interleaved_and_records_them(
     assert record["figures"]["samples_per_s_ratio"]["values"] == [1.1, 1.2, 1.3]
     assert record["headline"] == {"samples_per_s_ratio_median": 1.2}
     assert record["figures"]["samples_per_s_ratio"]["publishable"]
+
+
+def test_staleness_arms_run_in_order_per_seed_and_each_gets_its_figures(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import json
+
+    import staleness
+
+    calls: list[tuple[str, list[str]]] = []
+
+    def fake_child(script: Path, side: str, args: list[str]) -> dict[str, Any]:
+        calls.append((side, args))
+        return _staleness_run(side, int(args[args.index("--seed") + 1]))
+
+    monkeypatch.setattr(staleness, "run_child", fake_child)
+    arms = ["--arms", "0", "2", "2:sampler", "--distill-loss", "sampled", "--record", "depth"]
+    argv = ["staleness.py", "--seeds", "0", "1", "2", *arms, "--out", str(tmp_path / "d.json")]
+    monkeypatch.setattr(sys, "argv", [*argv, "--results-dir", str(tmp_path), "--publish"])
+    monkeypatch.setattr(staleness, "write_record", _write_to(tmp_path))
+    staleness.main()
+    assert [side for side, _ in calls] == ["0", "2", "2:sampler"] * 3
+    assert all(args[args.index("--distill-loss") + 1] == "sampled" for _, args in calls)
+    record = json.loads((tmp_path / "published" / "depth.json").read_text())
+    assert record["headline"] == {}  # no arm 1: no overlap ratio to headline
+    assert record["figures"]["samples_per_s/2:sampler"]["values"] == [12.0, 14.0, 16.0]
+    assert set(record["figures"]) >= {
+        "final_reverse_kl/0",
+        "final_exact_match/2",
+        "final_reverse_kl/2:sampler",
+    }
+    assert staleness.parse_arm("2:sampler") == (2, "sampler") and staleness.parse_arm("1") == (1, "current")
+
+
+def _staleness_run(side: str, seed: int) -> dict[str, Any]:
+    depth, _, divergence = side.partition(":")
+    return {
+        "arm": side,
+        "max_staleness": int(depth),
+        "stale_divergence": divergence or "current",
+        "staleness_max": float(depth),
+        "seed": seed,
+        "steps_measured": 3,
+        "step_s": 1.0,
+        "samples_per_s": 10.0 + int(depth) * (1 + seed),
+        "rollout_wait_s": 0.0,
+        "teacher_wait_s": 0.0,
+        "learner_s": 0.5,
+        "staleness_mean": float(depth),
+        "final_reverse_kl": 0.1,
+        "train_s": 4.0,
+        "curve": [],
+        "final_exact_match": None,
+    }
 
 
 def _write_to(tmp_path: Path) -> Any:
