@@ -136,7 +136,9 @@ async function jobPage(jobId) {
   renderHead(job);
   for (const b of main.querySelectorAll("button[data-act]")) {
     b.onclick = async () => {
-      try { renderHead(await json(`/v1/opd/jobs/${jobId}/${b.dataset.act}`, { method: "POST" })); errorBox.textContent = ""; }
+      // The job as it is once the action is taken, not the action's answer: a cancel may finish (and
+      // the event stream say so) before that answer arrives, and drawing it then would go back a status.
+      try { await json(`/v1/opd/jobs/${jobId}/${b.dataset.act}`, { method: "POST" }); renderHead(await json(`/v1/opd/jobs/${jobId}`)); errorBox.textContent = ""; }
       catch (err) { errorBox.textContent = err.message; }
     };
   }

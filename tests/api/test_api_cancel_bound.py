@@ -128,12 +128,11 @@ def test_stuck_jobs_are_cancelled_within_the_bound_and_never_block_another_tenan
             lambda: any(e.message == "starting engines and learner" for e in a.events(a1, limit=1000).data),
             300,
         )
-        wait_for(  # what the check after the cancels looks for is there to be found
-            "a driver's and a gateway's processes",
-            lambda: (
-                {"JobDriver", "Gateway"}
-                <= {n for t in job_actor_processes(server) for n in JOB_ACTORS if n in t}
-            ),
+        # What the check after the cancels looks for is there to be found: the driver's process (its
+        # engines and learner cannot be placed, and the gateways live in the teacher engine's process).
+        wait_for(
+            "a driver's process",
+            lambda: any("JobDriver" in t for t in job_actor_processes(server)),
             120,
         )
         job, took = cancel_and_time(a, a1)
