@@ -63,6 +63,7 @@ bench: setup
 	$(BIN)/python benchmarks/repeat.py rollout_gateway --runs 3 --publish
 	$(BIN)/python benchmarks/repeat.py step_breakdown --runs 3 --publish -- --steps 6
 	$(BIN)/python benchmarks/staleness.py --steps 12 --eval-every 4 --seeds 0 1 2 --publish
+	$(BIN)/python benchmarks/staleness.py --steps 12 --eval-every 4 --seeds 0 1 2 --arms 0 1 2 2:sampler --distill-loss sampled --record staleness_depth --publish
 	$(BIN)/python benchmarks/repeat.py api_load --runs 3 --publish -- --models-dir $(TINY_MODELS_DIR)
 	$(BIN)/python benchmarks/repeat.py estimate_error --runs 3 --publish --models-dir $(TINY_MODELS_DIR)
 	$(BIN)/python benchmarks/vs_trl_gkd.py --models-dir $(TINY_MODELS_DIR) --publish
