@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import os
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 CHUNK = 64 * 1024
 
@@ -47,12 +48,35 @@ async def _join(
                 await end.wait_closed()
 
 
-async def serve_unix_to_tcp(path: str, host: str, port: int) -> asyncio.Server:
-    """Listens on Unix socket `path` (connectable by the sandbox's user) and relays to `host:port`."""
+def _connection_handler(
+    connect: Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]],
+) -> Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]:
+    """A server's per-connection callback that keeps its own tasks alive.
+
+    asyncio holds a connection's task only through the connection's own objects, and once either
+    side has sent EOF neither socket is watched for reading: the garbage collector would destroy the
+    pending task and drop the answer still on its way (`tests/unit/test_relay.py`). The set lives as
+    long as the server (it holds this callback). A connection cancelled when its loop stops ends
+    quietly: nothing awaits it, and asyncio 3.11's own done-callback raises on a cancelled task."""
+    connections: set[asyncio.Task[Any]] = set()
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _join((reader, writer), lambda: asyncio.open_connection(host, port))
+        task = asyncio.current_task()
+        assert task is not None, "asyncio runs a server's callback in a task"
+        connections.add(task)
+        try:
+            await _join((reader, writer), connect)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            connections.discard(task)
 
+    return handle
+
+
+async def serve_unix_to_tcp(path: str, host: str, port: int) -> asyncio.Server:
+    """Listens on Unix socket `path` (connectable by the sandbox's user) and relays to `host:port`."""
+    handle = _connection_handler(lambda: asyncio.open_connection(host, port))
     server = await asyncio.start_unix_server(handle, path=path)
     os.chmod(path, 0o666)
     return server
@@ -60,8 +84,5 @@ async def serve_unix_to_tcp(path: str, host: str, port: int) -> asyncio.Server:
 
 async def serve_tcp_to_unix(port: int, path: str) -> asyncio.Server:
     """Listens on 127.0.0.1:`port` and relays each connection to Unix socket `path`."""
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _join((reader, writer), lambda: asyncio.open_unix_connection(path))
-
+    handle = _connection_handler(lambda: asyncio.open_unix_connection(path))
     return await asyncio.start_server(handle, "127.0.0.1", port)
