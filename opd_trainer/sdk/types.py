@@ -103,7 +103,10 @@ class ModelResource(_Input):
         shared = per_loop.get(self.base_url)
         if shared is None:
             shared = per_loop[self.base_url] = AsyncOpenAI(
-                base_url=self.base_url, api_key="per-rollout", max_retries=0, http_client=_http_client()
+                base_url=self.base_url,
+                api_key="per-rollout",
+                max_retries=0,
+                http_client=shared_http_client(),
             )
         return trace_client(shared.with_options(api_key=self.api_key.get_secret_value()))
 
@@ -112,6 +115,19 @@ class ModelResource(_Input):
 _SHARED_CLIENTS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, Any]] = (
     weakref.WeakKeyDictionary()
 )
+_SHARED_HTTP: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = weakref.WeakKeyDictionary()
+
+
+def shared_http_client() -> Any:
+    """The running event loop's connection pool for calls to the job's gateways (openai's async HTTP
+    client, made once per loop by `_http_client`). A client built on it costs ~0.04 ms instead of ~20
+    ms of CPU for one with a pool of its own (`ModelResource.openai_client`, AgentScope's chat model in
+    `sdk.workflow.chat_model`). Call it from inside the loop that will use it."""
+    loop = asyncio.get_running_loop()
+    shared = _SHARED_HTTP.get(loop)
+    if shared is None:
+        shared = _SHARED_HTTP[loop] = _http_client()
+    return shared
 
 
 def _http_client() -> Any:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -91,6 +92,47 @@ def test_the_model_is_the_gateway_bound_fallback_without_agentscope() -> None:
     model = chat_model(_resource(), {"temperature": 0.5, "max_tokens": 8, "seed": 3, "top_p": 1.0})
     assert isinstance(model, GatewayChatModel)
     assert model.generate_kwargs == {"temperature": 0.5, "max_tokens": 8, "seed": 3}
+
+
+def test_agentscope_chat_models_share_the_loops_connection_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """AgentScope 1.x's `OpenAIChatModel` (a stand-in with its signature here; the real package runs in
+    tests/integration/test_workflow_functions.py) gets the event loop's shared HTTP client, no retries
+    and the rollout's key: one pool per loop, not a ~20 ms one per rollout."""
+    import sys
+    import types as module_types
+
+    from opd_trainer.sdk import types
+
+    built: list[dict[str, Any]] = []
+
+    class OpenAIChatModel:
+        def __init__(
+            self,
+            model_name: str,
+            api_key: str | None = None,
+            stream: bool = True,
+            generate_kwargs: dict[str, Any] | None = None,
+            client_kwargs: dict[str, Any] | None = None,
+        ) -> None:
+            built.append(dict(model_name=model_name, api_key=api_key, stream=stream, **(client_kwargs or {})))
+
+    fake = module_types.ModuleType("agentscope.model")
+    fake.OpenAIChatModel = OpenAIChatModel  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "agentscope", module_types.ModuleType("agentscope"))
+    monkeypatch.setitem(sys.modules, "agentscope.model", fake)
+    monkeypatch.setattr(types, "_http_client", object)  # a new object per call: each pool is told apart
+
+    async def build() -> Any:
+        chat_model(_resource(), {"seed": 1})
+        chat_model(_resource(), {"seed": 2})
+        return types.shared_http_client()
+
+    first_loop_pool = asyncio.run(build())
+    second_loop_pool = asyncio.run(build())
+    assert [b["http_client"] for b in built] == [first_loop_pool] * 2 + [second_loop_pool] * 2
+    assert first_loop_pool is not second_loop_pool  # a pool never crosses event loops
+    assert all(b["max_retries"] == 0 and b["stream"] is False for b in built)
+    assert {b["api_key"] for b in built} == {_resource().api_key.get_secret_value()}
 
 
 def test_auxiliary_models_reach_the_workflow_and_the_judge_as_chat_models(tmp_path: Path) -> None:
