@@ -15,10 +15,11 @@ samples/s on both sides, inside the time-to-target clock on both sides).
 
 1. *Selection* (only where a side has more than one setting): every TRL setting (`--trl-betas`, default
    0 / 0.5 / 1 = forward KL / JSD / reverse KL, × `--trl-lrs`) and every setting of ours (each of
-   `--estimators` × `--lrs`) runs once, the two sides alternating run by run. **The rule**: a side's best
-   setting for the seed is the one with the fewest training seconds to reach validation exact match
-   `--target-exact-match` (default 0.70); settings that never reach it rank after every one that did, by
-   their highest exact match, then by samples/s. For ours this picks each estimator's best lr.
+   `--estimators` × `--lrs`, default 5e-4 / 2e-4 / 1e-3) runs once, the two sides alternating run by
+   run. **The rule**: a side's best setting for the seed is the one with the fewest training seconds to
+   reach validation exact match `--target-exact-match` (default 0.70); settings that never reach it rank
+   after every one that did, by their highest exact match, then by samples/s. For ours this picks each
+   estimator's best lr.
 2. *Measurement*: with the chosen settings, the seed's pair runs fresh, interleaved: ours (each estimator),
    then TRL, so pairs go A, B, A, B, ... over the seeds. Per pair:
    - `time_to_target_ratio` = TRL's training seconds to the target / ours (> 1: ours is faster); a pair
@@ -57,6 +58,7 @@ from opd_trainer.learner.estimators import DEFAULT_TEACHER_TOP_K, ESTIMATORS
 SCRIPT = Path(__file__).resolve()
 TRL_BETAS = [0.0, 0.5, 1.0]
 TRL_LRS = [2e-4, 5e-4, 1e-3]
+OUR_LRS = [5e-4, 2e-4, 1e-3]  # the default (5e-4) first: the crossover runs use it
 
 
 def ours(
@@ -341,7 +343,13 @@ def main() -> None:
         choices=list(ESTIMATORS),
         help="our distill_loss values, each paired with the same TRL runs; the first makes the headline",
     )
-    parser.add_argument("--lrs", type=float, nargs="+", default=[5e-4], help="our lr grid (per estimator)")
+    parser.add_argument(
+        "--lrs",
+        type=float,
+        nargs="+",
+        default=OUR_LRS,
+        help="our lr grid (per estimator, swept as TRL's is); the first is the crossover runs'",
+    )
     parser.add_argument("--trl-betas", type=float, nargs="+", default=TRL_BETAS, help="TRL GKD's beta grid")
     parser.add_argument("--trl-lrs", type=float, nargs="+", default=TRL_LRS, help="TRL's lr grid")
     parser.add_argument(
