@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils.data import SequentialSampler
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -204,12 +205,15 @@ def run_trl_gkd(
     seed: int,
     num_threads: int | None = None,
     beta: float = 1.0,
+    prompt_order: Sequence[int] | None = None,
 ) -> TrlRun:
     """Train the tiny student by TRL's GKD for `steps` steps of `batch_size` prompts (one completion each).
 
     `num_threads` sets `torch.set_num_threads` for the run (None: leave torch's default). `beta` is GKD's
     interpolation of its generalized JSD: 0 the forward KL(teacher ‖ student), 0.5 the JSD, 1 the reverse
-    KL(student ‖ teacher).
+    KL(student ‖ teacher). `prompt_order` (indices into the training records, `batch_size` per step) makes
+    TRL take exactly those prompts in that order instead of its own seeded shuffle (`vs_trl_gkd.py` passes
+    the order our job takes for the seed, so both sides train on the same batches step by step).
     """
     # Imported here so that importing this module (e.g. for `TrlRun`) does not need the `bench` extra.
     from trl.experimental.gkd import GKDConfig, GKDTrainer
@@ -218,6 +222,11 @@ def run_trl_gkd(
         """GKD unchanged; only records how many completion tokens each step trained on."""
 
         completion_tokens: list[int]
+
+        def _get_train_sampler(self, train_dataset: Any = None) -> Any:
+            if prompt_order is None:
+                return super()._get_train_sampler(train_dataset)
+            return SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
 
         def training_step(
             self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
@@ -240,7 +249,10 @@ def run_trl_gkd(
     # the KL summed over the generated tokens divided by their number, i.e. the per-token mean.
     student.accepts_loss_kwargs = False
 
-    train = _train_dataset(tokenizer, read_jsonl(models_dir / "data" / "train.jsonl"))
+    records = read_jsonl(models_dir / "data" / "train.jsonl")
+    if prompt_order is not None:
+        records = [records[index] for index in prompt_order]
+    train = _train_dataset(tokenizer, records)
     val_records = read_jsonl(models_dir / "data" / "validation.jsonl")[:eval_samples]
     val_prompts = _prompt_rows(tokenizer, val_records)
     # The solution sits under `rollout_extra` (what reward workers get), where `evaluate_texts` reads it.
@@ -302,6 +314,7 @@ def run_trl_gkd(
         "eval_every": eval_every,
         "eval_samples": len(val_records),
         "seed": seed,
+        "prompt_order": "given" if prompt_order is not None else "trl's shuffle",
         "torch_threads": torch.get_num_threads(),
         "device": "cpu",
         "dtype": "float32",

@@ -1,8 +1,9 @@
 """Ours vs TRL's on-policy distillation (GKD), repeated and interleaved, against TRL at its best.
 
-Both train the same tiny student against the same teacher on the same prompts: each step takes
-`--batch-size` prompts, samples one completion per prompt (up to `--max-new-tokens`, temperature 1) and
-makes one optimizer update (AdamW, constant learning rate, no warm-up). Both validate greedily on the
+Both train the same tiny student against the same teacher on the same prompts, in the same order (TRL
+takes the batches our job's seeded order gives, `our_prompt_order`): each step takes `--batch-size`
+prompts, samples one completion per prompt (up to `--max-new-tokens`, temperature 1) and makes one
+optimizer update (AdamW, constant learning rate, no warm-up). Both validate greedily on the
 same first `--eval-samples` validation records (default 100 of the tiny task's 200) with the same
 evaluator, every `--eval-every` steps (default 2) and before the first step; a failed or cut-off sample
 counts as wrong on both sides.
@@ -51,6 +52,7 @@ from harness import JobRun, job_spec, run_job
 from interleave import add_one_run_arguments, ratio, run_child, write_one_run
 from records import add_publish_arguments, new_record, write_record
 
+from opd_trainer.jobspec.dataset import EpochCursor
 from opd_trainer.jobspec.job_spec import DEFAULT_DISTILL_LOSS
 from opd_trainer.jsonl import read_jsonl, write_jsonl
 from opd_trainer.learner.estimators import DEFAULT_TEACHER_TOP_K, ESTIMATORS
@@ -144,6 +146,13 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def our_prompt_order(models_dir: Path, seed: int, steps: int, batch: int) -> list[int]:
+    """The training records our job takes for `seed`, step by step (its `EpochCursor`): TRL takes the
+    same, so a seed's pair trains on the same batches in the same order."""
+    cursor = EpochCursor(len(read_jsonl(models_dir / "data" / "train.jsonl")), seed)
+    return [index for _ in range(steps) for index in cursor.next_batch(batch)]
+
+
 def run_trl(args: argparse.Namespace) -> dict[str, Any]:
     """One run of TRL's GKD (in this process): its raw values."""
     from trl_gkd import run_trl_gkd
@@ -159,6 +168,7 @@ def run_trl(args: argparse.Namespace) -> dict[str, Any]:
         eval_samples=args.eval_samples if validating else 1,  # it always validates at start and end
         seed=args.seed,
         beta=args.beta,
+        prompt_order=our_prompt_order(args.models_dir, args.seed, args.steps, args.batch_size),
     )
     step_s, tokens = run.step_s[1:] or run.step_s, run.completion_tokens[1:] or run.completion_tokens
     curve = [

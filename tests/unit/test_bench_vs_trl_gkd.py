@@ -26,6 +26,19 @@ def test_our_side_gets_the_seed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
     assert seen[0].validation_datasets == []
 
 
+def test_trl_takes_the_batches_our_job_takes(tmp_path: Path) -> None:
+    """The order TRL is handed is our job's `EpochCursor` for the seed, batch by batch, across epochs."""
+    from opd_trainer.jobspec.dataset import EpochCursor
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text("".join(f'{{"i": {i}}}\n' for i in range(10)))
+    order = vs_trl_gkd.our_prompt_order(tmp_path, seed=3, steps=4, batch=4)  # 16 prompts: two epochs
+    cursor = EpochCursor(10, 3)
+    assert order == [i for _ in range(4) for i in cursor.next_batch(4)]
+    assert sorted(order[:10]) == list(range(10)) and len(order) == 16
+    assert order != vs_trl_gkd.our_prompt_order(tmp_path, seed=4, steps=4, batch=4)
+
+
 def _run(curve: list[tuple[float, float]], samples_per_s: float = 1.0) -> dict[str, Any]:
     return {
         "curve": [{"step": i, "exact_match": em, "train_s": s} for i, (em, s) in enumerate(curve)],
