@@ -66,8 +66,8 @@ bench: setup
 	$(BIN)/python benchmarks/staleness.py --steps 12 --eval-every 4 --seeds 0 1 2 --arms 0 1 2 2:sampler --distill-loss sampled --record staleness_depth --publish
 	$(BIN)/python benchmarks/repeat.py api_load --runs 3 --publish -- --models-dir $(TINY_MODELS_DIR)
 	$(BIN)/python benchmarks/repeat.py estimate_error --runs 3 --publish --models-dir $(TINY_MODELS_DIR)
-	$(BIN)/python benchmarks/vs_trl_gkd.py --models-dir $(TINY_MODELS_DIR) --lrs 5e-4 2e-4 1e-3 --publish
-	$(BIN)/python benchmarks/vs_trl_gkd.py --models-dir $(TINY_MODELS_DIR) --batch-size 32 --lrs 5e-4 2e-4 1e-3 --crossover-batches --publish
+	$(BIN)/python benchmarks/vs_trl_gkd.py --models-dir $(TINY_MODELS_DIR) --publish
+	$(BIN)/python benchmarks/vs_trl_gkd.py --models-dir $(TINY_MODELS_DIR) --batch-size 32 --crossover-batches --publish
 	$(BIN)/python benchmarks/report.py --write
 
 # The same headline numbers on one CUDA GPU (install with EXTRAS=gpu,test,bench), under 10 minutes.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +21,6 @@ from opd_trainer.workers.relay import serve_tcp_to_unix, serve_unix_to_tcp
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])

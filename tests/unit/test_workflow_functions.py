@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
+import types as module_types
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ from opd_trainer.errors import ConfigError
 from opd_trainer.jobspec.dataset import ground_truth_of, load_samples
 from opd_trainer.jobspec.preflight import check_task_records
 from opd_trainer.sdk import ModelResource, RewardInput, RolloutInput
+from opd_trainer.sdk import types as sdk_types
 from opd_trainer.sdk.workflow import GatewayChatModel, chat_model
 from opd_trainer.tuner import DatasetConfig
 from opd_trainer.workers.classpath import ProcessorLoadError, instantiate_processor, load_processor_class
@@ -98,11 +101,6 @@ def test_agentscope_chat_models_share_the_loops_connection_pool(monkeypatch: pyt
     """AgentScope 1.x's `OpenAIChatModel` (a stand-in with its signature here; the real package runs in
     tests/integration/test_workflow_functions.py) gets the event loop's shared HTTP client, no retries
     and the rollout's key: one pool per loop, not a ~20 ms one per rollout."""
-    import sys
-    import types as module_types
-
-    from opd_trainer.sdk import types
-
     built: list[dict[str, Any]] = []
 
     class OpenAIChatModel:
@@ -120,12 +118,12 @@ def test_agentscope_chat_models_share_the_loops_connection_pool(monkeypatch: pyt
     fake.OpenAIChatModel = OpenAIChatModel  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "agentscope", module_types.ModuleType("agentscope"))
     monkeypatch.setitem(sys.modules, "agentscope.model", fake)
-    monkeypatch.setattr(types, "_http_client", object)  # a new object per call: each pool is told apart
+    monkeypatch.setattr(sdk_types, "_http_client", object)  # a new object per call: each pool is told apart
 
     async def build() -> Any:
         chat_model(_resource(), {"seed": 1})
         chat_model(_resource(), {"seed": 2})
-        return types.shared_http_client()
+        return sdk_types.shared_http_client()
 
     first_loop_pool = asyncio.run(build())
     second_loop_pool = asyncio.run(build())
