@@ -7,7 +7,8 @@
   also the built-in rollout of Model OPD jobs (the driver's own request to the gateway, no pool). Each
   path gets fresh training prompts every round, so the gateway renders each prompt group once, as in
   a job, and never reuses a render from an earlier round;
-- CPU: milliseconds of CPU each process on the path (driver, rollout worker, gateway, engine actor,
+- CPU: milliseconds of CPU each process on the path (driver, rollout worker, the sandboxed processor
+  it runs, gateway, engine actor,
   vLLM's engine core) spends per rollout on each path (median of the rounds);
 - overhead: per-call latency of a 1-token completion through the gateway (HTTP + chat template +
   recording) minus the same request sent straight to the engine actor, in milliseconds.
@@ -73,26 +74,40 @@ PROCESS_TITLES = {
     "engine actor": "ray::Engine",
     "engine core": "VLLM::EngineCore",
 }
+# The user's processor runs in a sandboxed child process tree of the rollout worker (limits launcher,
+# bubblewrap, `processor_host`): counted as one figure.
+SANDBOX = "sandbox"
 
 
 class ProcessCpu:
-    """CPU seconds used so far by each process of `PROCESS_TITLES`."""
+    """CPU seconds used so far by each process of `PROCESS_TITLES`, and by the rollout worker's
+    sandboxed children together (`SANDBOX`)."""
 
     def __init__(self) -> None:
-        found: dict[str, psutil.Process] = {"driver": psutil.Process()}
+        found: dict[str, list[psutil.Process]] = {"driver": [psutil.Process()]}
         for process in psutil.process_iter(["cmdline"]):
             command = " ".join(process.info["cmdline"] or [])
             for name, title in PROCESS_TITLES.items():
                 if title is not None and command.startswith(title):
-                    found[name] = process
+                    found[name] = [process]
+        if "rollout worker" in found:
+            found[SANDBOX] = found["rollout worker"][0].children(recursive=True)
         self.processes = found
 
     def seconds(self) -> dict[str, float]:
-        return {name: sum(p.cpu_times()[:2]) for name, p in self.processes.items()}
+        return {name: sum(_cpu_s(p) for p in group) for name, group in self.processes.items()}
 
     def per_call_ms(self, before: dict[str, float], calls: int) -> dict[str, float]:
         now = self.seconds()
         return {name: 1000 * (now[name] - before[name]) / calls for name in now}
+
+
+def _cpu_s(process: psutil.Process) -> float:
+    """User + system CPU seconds of `process` (0 once it is gone)."""
+    try:
+        return sum(process.cpu_times()[:2])
+    except psutil.Error:
+        return 0.0
 
 
 def engine_config(model_dir: Path, device: str) -> EngineConfig:
