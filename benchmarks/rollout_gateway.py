@@ -8,8 +8,8 @@
   path gets fresh training prompts every round, so the gateway renders each prompt group once, as in
   a job, and never reuses a render from an earlier round;
 - CPU: milliseconds of CPU each process on the path (driver, rollout worker, the sandboxed processor
-  it runs, gateway, engine actor,
-  vLLM's engine core) spends per rollout on each path (median of the rounds);
+  it runs, gateway, engine actor, vLLM's engine core) spends per rollout on each path (median of the
+  rounds);
 - overhead: per-call latency of a 1-token completion through the gateway (HTTP + chat template +
   recording) minus the same request sent straight to the engine actor, in milliseconds.
 
