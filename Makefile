@@ -74,14 +74,14 @@ bench: setup
 bench-gpu: setup
 	bash benchmarks/gpu_check.sh
 
-# OPD (the default estimator) vs reward-only RL (at OPD's learning rate and at 3 of its own, the best
-# compared) vs OPD with topk_reverse and with sampled, 3 seeds x 40 steps: 21 runs of 4-8 minutes each on
-# 2 cores (about 35 minutes for 9 runs on 2026-11-29, 7.5 minutes a
-# run on the slower 2026-12-01); its rows join `benchmarks/report.py`.
+# OPD (the default estimator, 40 steps) vs reward-only RL at 3 learning rates of its own (the best
+# compared; at OPD's rate its 3-seed run of 2026-12-01 ended 11 % below its start), each RL arm with
+# 1.5x OPD's budget (60 steps), 3 seeds, arms interleaved per seed; publishes the `efficacy` record.
+# 12 runs; estimated ~2.3 h on 2 cores (a 40-step run took 7-10 minutes on 2026-11-29 - 2026-12-01).
 bench-efficacy: setup
 	$(BIN)/opd make-tiny-models $(TINY_MODELS_DIR)
-	$(BIN)/python benchmarks/efficacy.py --arms opd rl --distill-losses topk_reverse sampled --rl-learning-rates 1e-5 5e-5 1e-4
-	$(BIN)/python benchmarks/report.py
+	$(BIN)/python benchmarks/repeat.py efficacy --runs 1 --publish -- --arms opd --rl-learning-rates 1e-5 5e-5 1e-4 --rl-steps 60 --seeds 0 1 2
+	$(BIN)/python benchmarks/report.py --write
 
 # Seed 003's four-arm ablation on the self-correction episodes: agentic OPD alone, + outcome-level
 # preference, + turn-level preference, + turn-level preference and hindsight beacons; 3 seeds x 10 steps,

@@ -10,6 +10,9 @@ Same tiny teacher and student, same data, steps and seeds for every arm:
   compared at its best setting (the RL arm with the highest mean final exact match, `best_rl_arm`),
   not at OPD's learning rate.
 
+The reward-only arms (`rl`, `rl@<lr>`) train for `--rl-steps` (default: `--steps`): a longer budget, so
+"RL needs N× more steps" is measured where RL gets there rather than bounded by OPD's budget.
+
 Per arm: validation exact match and reverse KL against step, and exact match against training seconds
 (mean and spread over seeds, plotted), and a
 table of start, end, teacher, fraction of the teacher–student gap closed, steps and training seconds to
@@ -54,7 +57,7 @@ def rl_lr_arm(learning_rate: float) -> str:
 def best_rl_arm(arms: dict[str, dict[str, Any]]) -> str | None:
     """The reward-only arm (`rl`, `rl@<lr>`) with the highest mean final exact match: the baseline at
     its best learning rate."""
-    candidates = [name for name in arms if name == "rl" or name.startswith(RL_LR_ARM)]
+    candidates = [name for name in arms if is_rl_arm(name)]
     return max(candidates, key=lambda name: arms[name]["end"], default=None)
 
 
@@ -68,6 +71,16 @@ def headline_opd_arm(arms: dict[str, Any]) -> str | None:
         if name in arms:
             return name
     return None
+
+
+def is_rl_arm(arm: str) -> bool:
+    """Whether `arm` is reward-only RL (`rl` or one of its learning rates)."""
+    return arm == "rl" or arm.startswith(RL_LR_ARM)
+
+
+def arm_steps(arm: str, steps: int, rl_steps: int | None) -> int:
+    """The steps `arm` trains for: `rl_steps` for the reward-only arms where given, else `steps`."""
+    return rl_steps if rl_steps is not None and is_rl_arm(arm) else steps
 
 
 def arm_spec(arm: str, seed: int, steps: int, eval_steps: int, teacher_top_k: int = 8) -> Any:
@@ -150,7 +163,7 @@ def summarize_arm(seeds: list[dict[str, Any]]) -> dict[str, Any]:
     return arm
 
 
-def format_table(arms: dict[str, dict[str, Any]], steps: int) -> str:
+def format_table(arms: dict[str, dict[str, Any]], steps: int, rl_steps: int | None = None) -> str:
     levels = "".join(f"{'steps→' + format(level, '.0%'):>12}{'reached':>8}" for level in GAP_LEVELS)
     header = f"{'arm':<22}{'start':>7}{'end':>13}{'teacher':>9}{'gap closed':>12}{levels}{'train s→90%':>13}"
     lines = [header, "-" * len(header)]
@@ -159,7 +172,7 @@ def format_table(arms: dict[str, dict[str, Any]], steps: int) -> str:
         for level in GAP_LEVELS:
             tag = f"{level:.0%}".rstrip("%")
             value = arm[f"steps_to_{tag}"]
-            shown = f"{value:.1f}" if value is not None else f">{steps}"
+            shown = f"{value:.1f}" if value is not None else f">{arm_steps(name, steps, rl_steps)}"
             cells += f"{shown:>12}{arm[f'seeds_reaching_{tag}']:>8}"
         secs_90 = f"{arm['train_s_to_90']:.0f}" if arm["train_s_to_90"] is not None else "—"
         lines.append(
@@ -171,7 +184,7 @@ def format_table(arms: dict[str, dict[str, Any]], steps: int) -> str:
 
 def step_ratio(arms: dict[str, dict[str, Any]], steps: int, level: float) -> str:
     """How many times fewer steps OPD needs than reward-only RL (its best learning rate's arm) to close
-    `level` of the gap."""
+    `level` of the gap; `steps` is RL's budget."""
     tag = f"{level:.0%}".rstrip("%")
     headline, baseline = headline_opd_arm(arms), best_rl_arm(arms)
     opd = arms.get(headline) if headline else None
@@ -250,6 +263,12 @@ def main() -> None:
     )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument(
+        "--rl-steps",
+        type=int,
+        default=None,
+        help="steps of the reward-only arms (rl, rl@<lr>): the baseline's longer budget (default: --steps)",
+    )
     parser.add_argument("--eval-steps", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/efficacy.json"))
     parser.add_argument("--plot", type=Path, default=Path("benchmarks/results/efficacy.png"))
@@ -264,6 +283,7 @@ def main() -> None:
         settings = {
             "teacher_top_k": args.teacher_top_k,
             "steps": args.steps,
+            "rl_steps": args.rl_steps if args.rl_steps is not None else args.steps,
             "eval_steps": args.eval_steps,
             "seeds": args.seeds,
             "job": "examples/model_opd_tiny",
@@ -279,14 +299,16 @@ def main() -> None:
             args.steps,
             args.eval_steps,
             args.teacher_top_k,
+            rl_steps=args.rl_steps,
             # After every run, so a run cut short keeps its curves: `--from-json` summarises them.
             on_run=lambda runs: write_json(args.out, {"settings": settings, "partial": True, "runs": runs}),
         )
     per_arm = {name: seeds for name, seeds in per_arm.items() if seeds}
     arms = {name: summarize_arm(seeds) for name, seeds in per_arm.items()}
-    print(format_table(arms, settings["steps"]))
+    print(format_table(arms, settings["steps"], settings.get("rl_steps")))
+    rl_budget = settings.get("rl_steps", settings["steps"])
     for level in GAP_LEVELS:
-        print(step_ratio(arms, settings["steps"], level))
+        print(step_ratio(arms, rl_budget, level))
     plot(per_arm, args.plot)
     write_json(
         args.out,
@@ -307,12 +329,13 @@ def train_arms(
     eval_steps: int,
     teacher_top_k: int = 8,
     on_run: Callable[[dict[str, list[dict[str, Any]]]], None] | None = None,
+    rl_steps: int | None = None,
 ) -> dict[str, list[dict[str, Any]]]:
     per_arm: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
     # Seeds outermost: a run cut short still has every arm at the first seeds.
     for seed in seeds:
         for arm in arms:
-            run = run_job(arm_spec(arm, seed, steps, eval_steps, teacher_top_k))
+            run = run_job(arm_spec(arm, seed, arm_steps(arm, steps, rl_steps), eval_steps, teacher_top_k))
             per_arm[arm].append(summarize_seed(run))
             last = per_arm[arm][-1]
             print(

@@ -51,7 +51,7 @@ def _first(seed: dict[str, Any], level: float, key: str) -> float | None:
 
 def _steps_ratio(level: float) -> Extract:
     """RL's steps to `level` of the gap over OPD's, per seed, RL at its best learning rate
-    (`best_rl_arm`, where the run swept it); RL not reaching it counts as the budget."""
+    (`best_rl_arm`, where the run swept it); RL not reaching it counts as its budget (`rl_steps`)."""
 
     def extract(r: dict[str, Any]) -> list[float | None]:
         rl_arm = r.get("best_rl_arm") or "rl"
@@ -61,7 +61,8 @@ def _steps_ratio(level: float) -> Extract:
         for opd, rl in zip(r["runs"][_opd_arm(r)], r["runs"][rl_arm], strict=True):
             opd_steps = _first(opd, level, "step")
             rl_steps = _first(rl, level, "step")
-            rl_steps = rl_steps if rl_steps is not None else r["settings"]["steps"]
+            budget = r["settings"].get("rl_steps", r["settings"]["steps"])
+            rl_steps = rl_steps if rl_steps is not None else budget
             out.append(rl_steps / opd_steps if opd_steps else None)
         return out
 

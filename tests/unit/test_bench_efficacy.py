@@ -58,3 +58,57 @@ def test_the_published_step_ratio_reads_the_best_rl_arm() -> None:
         },
     }
     assert repeat.figures_of("efficacy", [record])["steps_to_50_ratio"] == [20 / 4]
+
+
+def test_the_rl_arms_train_for_their_own_longer_budget() -> None:
+    assert efficacy.arm_steps("rl", 40, 120) == 120
+    assert efficacy.arm_steps(efficacy.rl_lr_arm(5e-5), 40, 120) == 120
+    assert efficacy.arm_steps("opd", 40, 120) == 40
+    assert efficacy.arm_steps(efficacy.estimator_arm("sampled"), 40, 120) == 40
+    assert efficacy.arm_steps("opd+rl", 40, 120) == 40  # not reward-only: OPD's budget
+    assert efficacy.arm_steps("rl", 40, None) == 40
+    table = efficacy.format_table(
+        {"opd": {**_full_arm(), "steps_to_90": 8.0}, "rl": _full_arm()}, steps=40, rl_steps=120
+    )
+    opd_row, rl_row = table.splitlines()[2:]
+    assert ">40" in opd_row and ">120" not in opd_row  # each arm not arriving shows its own budget
+    assert ">120" in rl_row and ">40" not in rl_row
+
+
+def test_an_rl_that_never_arrives_counts_as_its_own_budget() -> None:
+    import repeat
+
+    def seed(curve: list[tuple[int, float]]) -> dict[str, object]:
+        return {
+            "start": 0.3,
+            "end": curve[-1][1],
+            "teacher": 0.9,
+            "curve": [{"step": s, "exact_match": em, "train_s": 10.0 * s} for s, em in curve],
+        }
+
+    record = {
+        "settings": {"steps": 40, "rl_steps": 120},
+        "headline_opd_arm": "opd",
+        "best_rl_arm": "rl",
+        "runs": {"opd": [seed([(0, 0.3), (4, 0.65)])], "rl": [seed([(0, 0.3), (120, 0.4)])]},
+    }
+    assert repeat.figures_of("efficacy", [record])["steps_to_50_ratio"] == [120 / 4]
+    assert efficacy.step_ratio(
+        {"opd": {**_full_arm(), "steps_to_50": 4.0}, "rl": _full_arm()}, 120, 0.5
+    ).startswith("50% of the gap: RL did not reach it in 120 steps, OPD needs > 30.0x fewer")
+
+
+def _full_arm() -> dict[str, object]:
+    """An arm's summary as `summarize_arm` makes it, reaching no level of the gap."""
+    return {
+        "start": 0.3,
+        "end": 0.35,
+        "end_std": 0.0,
+        "teacher": 0.9,
+        "gap_closed": 0.08,
+        "steps_to_50": None,
+        "steps_to_90": None,
+        "seeds_reaching_50": "0/3",
+        "seeds_reaching_90": "0/3",
+        "train_s_to_90": None,
+    }
