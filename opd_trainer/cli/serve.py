@@ -2,13 +2,14 @@
 
 Launch: `opd serve --data-dir ./opd-data` (API + embedded local Ray; `--ray-address` joins a cluster),
 then `OPD_ADMIN_KEY=... opd keys create --tenant me`, `export OPD_API_KEY=...`,
-`opd submit examples/model_opd_tiny/job.yaml --follow`. A bad setting prints one `error: field: message`
-line and exits 2.
+`opd submit examples/model_opd_tiny/job.yaml --follow`. A bad setting, or a port another process holds,
+prints one `error: field: message` line and exits 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 from typing import Any
 
@@ -21,7 +22,38 @@ USAGE_ERROR = 2
 GRACEFUL_SHUTDOWN_S = 10
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound and listening on `host:port` (raises OSError when it is taken).
+
+    Opened before anything else starts: the embedded Ray binds dozens of ports of its own on start-up,
+    and one of them could otherwise take the server's port before uvicorn binds it (a test's free port
+    was once answered by a Ray process). Connections that arrive before uvicorn serves wait in the
+    backlog. Not inherited by the processes the server starts (Python's sockets are not)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: restart at once
+        sock.bind((host, port))
+        sock.listen(2048)  # uvicorn's default backlog
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def _serve(args: argparse.Namespace) -> int:
+    try:
+        sock = listening_socket(args.host, args.port)
+    except OSError as exc:
+        print(f"error: --port: cannot listen on {args.host}:{args.port}: {exc.strerror}", file=sys.stderr)
+        return USAGE_ERROR
+    try:
+        return _serve_on(sock, args)
+    finally:
+        sock.close()
+
+
+def _serve_on(sock: socket.socket, args: argparse.Namespace) -> int:
     # Lazy: CLI start-up (`opd --help`) loads no command's stack; this one loads when it runs.
     import uvicorn
     from pydantic import ValidationError
@@ -72,7 +104,7 @@ def _serve(args: argparse.Namespace) -> int:
     )
     # Open event streams end with a `shutdown` event on SIGTERM/SIGINT (sse-starlette watches uvicorn's
     # exit flag), so clients reconnect; uvicorn alone would wait for them before shutting down.
-    uvicorn.Server(config).run()
+    uvicorn.Server(config).run(sockets=[sock])
     return 0
 
 

@@ -29,7 +29,8 @@ TINY_MODELS_DIR = Path(os.environ.get("OPD_TINY_MODELS_DIR", REPO / ".cache" / "
 
 @dataclass
 class Server:
-    """One `opd serve` subprocess; `restart()` keeps its port, data dir and settings."""
+    """One `opd serve` subprocess; `start()` again (after `kill` / `stop`) keeps its port, data dir and
+    settings."""
 
     data_dir: Path
     env: dict[str, str] = field(default_factory=dict)
@@ -66,7 +67,7 @@ class Server:
             if self.process.poll() is not None:
                 raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log()}")
             try:
-                if httpx.get(self.url + path, timeout=2).status_code == 200:
+                if _answers_as_ours(httpx.get(self.url + path, timeout=2)):
                     return self
             except httpx.HTTPError:
                 pass
@@ -89,6 +90,15 @@ class Server:
                 self.process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+
+def _answers_as_ours(response: httpx.Response) -> bool:
+    """A 200 with the server's own health body: another process that took the port (a Ray process once
+    answered a test's /readyz with 200) is not mistaken for the server."""
+    try:
+        return response.status_code == 200 and response.json().get("status") == "ok"
+    except (ValueError, AttributeError):
+        return False
 
 
 def cancel_unfinished(client: OPDClient, job_id: str | None) -> None:

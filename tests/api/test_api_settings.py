@@ -55,6 +55,20 @@ def test_serve_refuses_bad_settings_with_one_line(
     assert capsys.readouterr().err.startswith("error: OPD_ADMIN_KEY: Value error, must be at least 16")
 
 
+def test_serve_refuses_a_taken_port_before_it_starts_anything(capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # Settings that would start Ray (max concurrent jobs > 0): the port is checked first.
+        assert main(["serve", "--port", str(port)]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"error: --port: cannot listen on 127.0.0.1:{port}: ")
+    assert "in use" in error
+
+
 def test_tracker_allowed_uris_is_a_comma_separated_list_of_servers(monkeypatch: pytest.MonkeyPatch) -> None:
     assert Settings().tracker_allowed_uris == []
     monkeypatch.setenv("OPD_TRACKER_ALLOWED_URIS", "http://mlflow.internal:5000, https://mlflow.example.com")
