@@ -39,22 +39,14 @@ def test_an_rl_lr_arm_is_the_rl_arm_at_that_learning_rate() -> None:
 def test_the_published_step_ratio_reads_the_best_rl_arm() -> None:
     import repeat
 
-    def seed(curve: list[tuple[int, float]]) -> dict[str, object]:
-        return {
-            "start": 0.3,
-            "end": curve[-1][1],
-            "teacher": 0.9,
-            "curve": [{"step": s, "exact_match": em, "train_s": 10.0 * s} for s, em in curve],
-        }
-
     record = {
         "settings": {"steps": 40},
         "headline_opd_arm": "opd",
         "best_rl_arm": "rl@5e-05",
         "runs": {
-            "opd": [seed([(0, 0.3), (4, 0.65)])],
-            "rl": [seed([(0, 0.3)])],  # at OPD's rate: never (the budget, 40)
-            "rl@5e-05": [seed([(0, 0.3), (20, 0.65)])],
+            "opd": [_seed([(0, 0.3), (4, 0.65)])],
+            "rl": [_seed([(0, 0.3)])],  # at OPD's rate: never (the budget, 40)
+            "rl@5e-05": [_seed([(0, 0.3), (20, 0.65)])],
         },
     }
     assert repeat.figures_of("efficacy", [record])["steps_to_50_ratio"] == [20 / 4]
@@ -78,24 +70,26 @@ def test_the_rl_arms_train_for_their_own_longer_budget() -> None:
 def test_an_rl_that_never_arrives_counts_as_its_own_budget() -> None:
     import repeat
 
-    def seed(curve: list[tuple[int, float]]) -> dict[str, object]:
-        return {
-            "start": 0.3,
-            "end": curve[-1][1],
-            "teacher": 0.9,
-            "curve": [{"step": s, "exact_match": em, "train_s": 10.0 * s} for s, em in curve],
-        }
-
     record = {
         "settings": {"steps": 40, "rl_steps": 120},
         "headline_opd_arm": "opd",
         "best_rl_arm": "rl",
-        "runs": {"opd": [seed([(0, 0.3), (4, 0.65)])], "rl": [seed([(0, 0.3), (120, 0.4)])]},
+        "runs": {"opd": [_seed([(0, 0.3), (4, 0.65)])], "rl": [_seed([(0, 0.3), (120, 0.4)])]},
     }
     assert repeat.figures_of("efficacy", [record])["steps_to_50_ratio"] == [120 / 4]
     assert efficacy.step_ratio(
         {"opd": {**_full_arm(), "steps_to_50": 4.0}, "rl": _full_arm()}, 120, 0.5
     ).startswith("50% of the gap: RL did not reach it in 120 steps, OPD needs > 30.0x fewer")
+
+
+def _seed(curve: list[tuple[int, float]]) -> dict[str, object]:
+    """One seed's run as `summarize_seed` records it: start 0.3, teacher 0.9, the given validations."""
+    return {
+        "start": 0.3,
+        "end": curve[-1][1],
+        "teacher": 0.9,
+        "curve": [{"step": s, "exact_match": em, "train_s": 10.0 * s} for s, em in curve],
+    }
 
 
 def _full_arm() -> dict[str, object]:
