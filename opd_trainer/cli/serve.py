@@ -45,7 +45,8 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         sock = listening_socket(args.host, args.port)
     except OSError as exc:
-        print(f"error: --port: cannot listen on {args.host}:{args.port}: {exc.strerror}", file=sys.stderr)
+        reason = exc.strerror or exc
+        print(f"error: --port: cannot listen on {args.host}:{args.port}: {reason}", file=sys.stderr)
         return USAGE_ERROR
     try:
         return _serve_on(sock, args)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -56,8 +57,6 @@ def test_serve_refuses_bad_settings_with_one_line(
 
 
 def test_serve_refuses_a_taken_port_before_it_starts_anything(capsys: pytest.CaptureFixture[str]) -> None:
-    import socket
-
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
