@@ -85,7 +85,7 @@ bench-efficacy: setup
 
 # Seed 003's four-arm ablation on the self-correction episodes: agentic OPD alone, + outcome-level
 # preference, + turn-level preference, + turn-level preference and hindsight beacons; 3 seeds x 10 steps,
-# 12 runs of ~3.7 minutes each on 2 cores (45 minutes, 2026-12-05); publishes its record.
+# 12 runs of ~2.2 minutes each on 2 cores (28 minutes, 2026-12-05); publishes its record.
 bench-agentic: setup
 	$(BIN)/opd make-tiny-models .cache/tiny-models-self-correction --variant self_correction
 	$(BIN)/python benchmarks/self_correction.py --steps 10 --eval-every 5 --seeds 0 1 2 --pass-k 2 --settings opd opd_outcome_preference opd_turn_preference opd_turn_preference_beacons --out benchmarks/results/agentic_study.json --plot docs/images/agentic_study.png --publish
