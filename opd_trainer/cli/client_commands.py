@@ -1,5 +1,5 @@
 """The job-server client commands: jobs (`submit`, `jobs`, `get`, `logs`, `cancel`, `pause`, `resume`,
-`delete`, `checkpoints`, `download`, `metrics`), `files`, `keys` and `webhooks`.
+`delete`, `checkpoints`, `download`, `metrics`, `usage`), `files`, `keys` and `webhooks`.
 
 They read `--base-url`/`--api-key` or `OPD_BASE_URL`/`OPD_API_KEY` (`--admin-key`/`OPD_ADMIN_KEY` for
 key management). `-o json` prints the server's object instead of the text line or table. Bad input
@@ -524,7 +524,7 @@ def _add_job_commands(commands: Any, connection: Any, admin: Any) -> None:
 
 def _add_file_commands(commands: Any, connection: Any) -> None:
     """files list | upload | delete."""
-    files = commands.add_parser("files", help="uploaded datasets and workspaces")
+    files = commands.add_parser("files", help="uploaded datasets, workspaces and models")
     file_commands = files.add_subparsers(dest="files_command", required=True)
     listing = file_commands.add_parser("list", parents=[connection], help="your files")
     listing.add_argument("--purpose", choices=("dataset", "workspace", "model"), help="only this kind")
