@@ -75,12 +75,13 @@ bench-gpu: setup
 	bash benchmarks/gpu_check.sh
 
 # OPD (the default estimator, 40 steps) vs reward-only RL at 3 learning rates of its own (the best
-# compared; at OPD's rate its 3-seed run of 2026-12-01 ended 11 % below its start), each RL arm with
-# 1.5x OPD's budget (60 steps), 3 seeds, arms interleaved per seed; publishes the `efficacy` record.
-# 12 runs; estimated ~2.3 h on 2 cores (a 40-step run took 7-10 minutes on 2026-11-29 - 2026-12-01).
+# compared; at OPD's rate its 3-seed run of 2026-12-01 ended 11 % below its start; on 2026-12-06 seed 0
+# ended 0.435 / 0.525 / 0.555 at 1e-5 / 5e-5 / 1e-4, so the grid is 5e-5 / 1e-4 / 2e-4), each RL arm
+# with 1.5x OPD's budget (60 steps), 3 seeds, arms interleaved per seed; publishes the `efficacy` record.
+# 12 runs of 5-10 minutes each on 2 cores (~1.6 h, estimated from 2026-12-06's seed 0).
 bench-efficacy: setup
 	$(BIN)/opd make-tiny-models $(TINY_MODELS_DIR)
-	$(BIN)/python benchmarks/repeat.py efficacy --runs 1 --publish -- --arms opd --rl-learning-rates 1e-5 5e-5 1e-4 --rl-steps 60 --seeds 0 1 2
+	$(BIN)/python benchmarks/repeat.py efficacy --runs 1 --publish -- --arms opd --rl-learning-rates 5e-5 1e-4 2e-4 --rl-steps 60 --seeds 0 1 2
 	$(BIN)/python benchmarks/report.py --write
 
 # Seed 003's four-arm ablation on the self-correction episodes: agentic OPD alone, + outcome-level
