@@ -78,7 +78,7 @@ bench-gpu: setup
 # compared; at OPD's rate its 3-seed run of 2026-12-01 ended 11 % below its start; on 2026-12-06 seed 0
 # ended 0.435 / 0.525 / 0.555 at 1e-5 / 5e-5 / 1e-4, so the grid is 5e-5 / 1e-4 / 2e-4), each RL arm
 # with 1.5x OPD's budget (60 steps), 3 seeds, arms interleaved per seed; publishes the `efficacy` record.
-# 12 runs of 5-10 minutes each on 2 cores (~1.6 h, estimated from 2026-12-06's seed 0).
+# 12 runs of 4-12 minutes each on 2 cores: 93 minutes measured on 2026-12-06.
 bench-efficacy: setup
 	$(BIN)/opd make-tiny-models $(TINY_MODELS_DIR)
 	$(BIN)/python benchmarks/repeat.py efficacy --runs 1 --publish -- --arms opd --rl-learning-rates 5e-5 1e-4 2e-4 --rl-steps 60 --seeds 0 1 2
