@@ -75,8 +75,8 @@ bench-gpu: setup
 	bash benchmarks/gpu_check.sh
 
 # OPD (the default estimator, 40 steps) vs reward-only RL at 3 learning rates of its own (the best
-# compared; at OPD's rate its 3-seed run of 2026-12-01 ended 11 % below its start; on 2026-12-06 seed 0
-# ended 0.435 / 0.525 / 0.555 at 1e-5 / 5e-5 / 1e-4, so the grid is 5e-5 / 1e-4 / 2e-4), each RL arm
+# compared; at OPD's rate its 3-seed run of 2026-12-01 ended 11 % below its start; a cut-short seed-0
+# pass on 2026-12-06 did best at the top of 1e-5 / 5e-5 / 1e-4, so the grid is 5e-5 / 1e-4 / 2e-4), each RL arm
 # with 1.5x OPD's budget (60 steps), 3 seeds, arms interleaved per seed; publishes the `efficacy` record.
 # 12 runs of 4-12 minutes each on 2 cores: 93 minutes measured on 2026-12-06.
 bench-efficacy: setup
