@@ -129,8 +129,9 @@ def test_a_step_opens_its_keys_in_one_call_per_gateway_and_closes_each(validatin
 
     assert [r.group_id for r in results] == [0, 0, 1, 1, 2, 2]
     assert not any(r.failed for r in results) and [len(r.calls) for r in results] == [1] * 6
-    assert student_actor.calls == {"open_rollouts": 1, "close_rollout": 6}
-    assert judge_actor.calls == {"open_rollouts": 1, "close_rollout": 6}
+    # The six rollouts end in the same loop turn: their keys close in one call per gateway.
+    assert student_actor.calls == {"open_rollouts": 1, "close_rollouts": 1}
+    assert judge_actor.calls == {"open_rollouts": 1, "close_rollouts": 1}
     assert student._sessions == {} and judge._sessions == {}  # every key was closed
     given = sorted(pool.given, key=lambda g: g["seed"])
     tag = "v0" if validating else "s3"
@@ -174,3 +175,40 @@ def test_an_engine_hosts_gateways_in_its_own_process_and_stops_them_first(
         hosted_gateway.shutdown = shutdown  # type: ignore[method-assign]
     asyncio.run(engine.shutdown())
     assert stopped == ["student", "teacher"]
+
+
+def test_keys_closed_together_go_in_one_call_and_each_caller_gets_its_own_calls() -> None:
+    student, actor, ref = hosted("student")
+    keys = student.open_rollouts([RolloutKeyRequest(f"r{i}") for i in range(4)])
+    for i, key in enumerate(keys):
+        student._sessions[key].calls.append(
+            LLMCall(prompt_token_ids=[i], completion_token_ids=[i], sampler_logprobs=[0.0])
+        )
+
+    async def close_all() -> list[list[LLMCall]]:
+        together = await asyncio.gather(*(ref.close_rollout(k) for k in keys[:3]))
+        later = await ref.close_rollout(keys[3])  # after the first batch: a call of its own
+        return [*together, later]
+
+    closed = asyncio.run(close_all())
+    assert [[c.prompt_token_ids for c in calls] for calls in closed] == [[[0]], [[1]], [[2]], [[3]]]
+    assert actor.calls == {"close_rollouts": 2}
+    assert student._sessions == {}
+    # The same ref from a new event loop (a second `asyncio.run`) closes as before.
+    assert asyncio.run(ref.close_rollout(keys[0])) == []
+
+
+def test_a_failed_close_call_reaches_every_caller_of_its_batch() -> None:
+    class Broken:
+        class close_rollouts:  # stands in for a Ray actor method
+            @staticmethod
+            async def remote(*_: Any) -> Any:
+                raise ConnectionError("gateway host died")
+
+    ref = GatewayRef(Broken(), "student")
+
+    async def close_two() -> list[Any]:
+        return await asyncio.gather(ref.close_rollout("a"), ref.close_rollout("b"), return_exceptions=True)
+
+    errors = asyncio.run(close_two())
+    assert [type(e) for e in errors] == [ConnectionError, ConnectionError]
