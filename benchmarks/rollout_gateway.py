@@ -10,6 +10,14 @@
 - CPU: milliseconds of CPU each process on the path (driver, rollout worker, the sandboxed processor
   it runs, gateway, engine actor, vLLM's engine core) spends per rollout on each path (median of the
   rounds);
+- where a pool round's time goes (`pool_timeline_ms`, median of the rounds; each round's median and
+  slowest rollout): from the round's start until the processor's `process` begins (the driver's call,
+  the worker, the sandbox's pipe and event loop), the HTTP leg (the processor's client call minus
+  the gateway's own time: client, relays, the gateway's HTTP server, both ways), and the gateway's
+  time from a request's arrival to its answer (render, engine, record). Read from the processor's
+  trace spans (`llm.call`) and the recorded call's `latency_s`; one clock (one machine). Beside it,
+  the CPU of every process on the pool path but the engine's, in cores kept busy over the round
+  (`pool_chain_cpu_cores`): with the engine's thread on one core, what the chain leaves of the others;
 - overhead: per-call latency of a 1-token completion through the gateway (HTTP + chat template +
   recording) minus the same request sent straight to the engine actor, in milliseconds.
 
@@ -74,6 +82,9 @@ PROCESS_TITLES = {
     "engine actor": "ray::Engine",
     "engine core": "VLLM::EngineCore",
 }
+# The engine's processes; every other one on the pool path (driver, worker, sandbox, gateway) is "the
+# chain", whose CPU is reported in cores kept busy over a round (`pool_chain_cpu_cores`).
+ENGINE_PROCESSES = ("engine actor", "engine core")
 # The user's processor runs in a sandboxed child process tree of the rollout worker (limits launcher,
 # bubblewrap, `processor_host`): counted as one figure.
 SANDBOX = "sandbox"
@@ -108,6 +119,26 @@ def _cpu_s(process: psutil.Process) -> float:
         return sum(process.cpu_times()[:2])
     except psutil.Error:
         return 0.0
+
+
+def pool_timeline(results: list[Any], started_wall: float, seconds: float) -> dict[str, float]:
+    """Where a pool round's time went, in ms (module docstring): each stage's median over the round's
+    rollouts and its slowest, from each rollout's processor span, its `llm.call` span and the
+    gateway's `latency_s` for that call."""
+    to_processor, http, gateway = [], [], []
+    for result in results:
+        [call] = result.calls  # the one-call processor
+        spans = {span["name"]: span for span in result.spans}
+        client = spans["llm.call"]
+        [processor] = [span for span in result.spans if span["parent_span_id"] is None]
+        to_processor.append(processor["start_ns"] / 1e9 - started_wall)
+        http.append((client["end_ns"] - client["start_ns"]) / 1e9 - call.latency_s)
+        gateway.append(call.latency_s)
+    timeline = {"round": 1000 * seconds}
+    for name, values in (("to_processor", to_processor), ("http", http), ("gateway", gateway)):
+        timeline[f"{name}_p50"] = 1000 * statistics.median(values)
+        timeline[f"{name}_max"] = 1000 * max(values)
+    return timeline
 
 
 def engine_config(model_dir: Path, device: str) -> EngineConfig:
@@ -170,18 +201,22 @@ async def run(
     )
     builtin = RolloutRunner("bench", gateway, base_url, max_tokens=max_tokens, temperature=1.0)
 
+    timelines: list[dict[str, float]] = []
+
     async def through(runner: RolloutRunner) -> float:
         """A step's rollouts as the job driver runs them (keys, pool or built-in call, recorded calls)."""
         samples = [
             Sample(source="train.jsonl", line=i, messages=r["messages"], tools=r["tools"])
             for i, r in enumerate(next(batches))
         ]
-        started = time.perf_counter()
+        started, started_wall = time.perf_counter(), time.time()
         results = await runner.run(samples, n_rollouts, 0, seeds)
         seconds = time.perf_counter() - started
         failed = [r.error for r in results if r.failed]
         if failed:
             raise RuntimeError(f"{len(failed)} rollouts failed, first: {failed[0]}")
+        if runner is agentic:
+            timelines.append(pool_timeline(results, started_wall, seconds))
         return sum(len(c.completion_token_ids) for r in results for c in r.calls) / seconds
 
     async def raw() -> float:
@@ -201,8 +236,10 @@ async def run(
     await through(agentic)  # warm every path
     await through(builtin)
     processes = ProcessCpu()
+    timelines.clear()  # the warm-up round's is not measured
     pooled, direct, plain = [], [], []
     cpu: dict[str, list[dict[str, float]]] = {"raw": [], "pool": [], "builtin": []}
+    chain_cores: list[float] = []  # the pool path's CPU outside the engine, in cores busy over the round
     for _ in range(rounds):
         for path, runs, measure in (
             ("raw", direct, raw),
@@ -212,6 +249,9 @@ async def run(
             before = processes.seconds()
             runs.append(await measure())
             cpu[path].append(processes.per_call_ms(before, num_rollouts))
+            if path == "pool":
+                chain_ms = sum(ms for name, ms in cpu[path][-1].items() if name not in ENGINE_PROCESSES)
+                chain_cores.append(chain_ms * num_rollouts / timelines[-1]["round"])
 
     # Per-call overhead: the same 1-token request via HTTP gateway vs straight to the engine actor.
     [key] = await gateway.open_rollouts([RolloutKeyRequest("overhead")])
@@ -261,6 +301,8 @@ async def run(
             path: {name: statistics.median(r[name] for r in runs) for name in runs[0]}
             for path, runs in cpu.items()
         },
+        "pool_timeline_ms": {name: statistics.median(t[name] for t in timelines) for name in timelines[0]},
+        "pool_chain_cpu_cores": statistics.median(chain_cores),
         "gateway_call_ms_p50": statistics.median(gateway_ms),
         "engine_call_ms_p50": statistics.median(engine_ms),
         "gateway_overhead_ms_p50": statistics.median(gateway_ms) - statistics.median(engine_ms),
@@ -278,6 +320,18 @@ def format_table(result: dict[str, Any]) -> str:
         ("same call straight to engine, ms", f"{result['engine_call_ms_p50']:.1f}"),
         ("gateway overhead per call, ms", f"{result['gateway_overhead_ms_p50']:.1f}"),
     ]
+    timeline = result["pool_timeline_ms"]
+    rows.append(
+        (
+            "pool round, ms (median / slowest rollout)",
+            f"round {timeline['round']:.0f}  "
+            + "  ".join(
+                f"{name} {timeline[f'{name}_p50']:.0f}/{timeline[f'{name}_max']:.0f}"
+                for name in ("to_processor", "http", "gateway")
+            ),
+        )
+    )
+    rows.append(("pool path's CPU outside the engine, cores busy", f"{result['pool_chain_cpu_cores']:.2f}"))
     for path, usage in result["cpu_ms_per_rollout"].items():
         rows.append((f"CPU ms a rollout, {path}", "  ".join(f"{k} {v:.1f}" for k, v in usage.items())))
     width = max(len(name) for name, _ in rows)
