@@ -86,6 +86,11 @@ FIGURES: dict[str, dict[str, Extract]] = {
     "rollout_gateway": {
         "throughput_ratio": lambda r: r["throughput_ratio"],
         "builtin_throughput_ratio": lambda r: r["builtin_throughput_ratio"],
+        # The pool path's CPU outside the engine, in cores kept busy over a round: on a 2-core box the
+        # engine's thread holds one core and the chain (driver, worker, sandbox, gateway) queues on the rest.
+        "pool_chain_cpu_cores": lambda r: r["pool_chain_cpu_cores"],
+        "pool_to_processor_max_ms": lambda r: r["pool_timeline_ms"]["to_processor_max"],
+        "pool_http_p50_ms": lambda r: r["pool_timeline_ms"]["http_p50"],
     },
     "step_breakdown": {
         "other_percent": lambda r: r["parts_percent"]["other"],
