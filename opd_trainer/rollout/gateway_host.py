@@ -64,11 +64,8 @@ class GatewayHost:
     def open_rollouts(self, model_name: str, rollouts: list[RolloutKeyRequest]) -> list[str]:
         return self._gateway(model_name).open_rollouts(rollouts)
 
-    def close_rollout(self, model_name: str, key: str) -> list[LLMCall]:
-        return self._gateway(model_name).close_rollout(key)
-
     def close_rollouts(self, model_name: str, keys: list[str]) -> list[list[LLMCall]]:
-        """`close_rollout` for many keys in one call; each key's calls, in the order asked."""
+        """`Gateway.close_rollout` for each key, in one call; each key's calls, in the order asked."""
         gateway = self._gateway(model_name)
         return [gateway.close_rollout(key) for key in keys]
 
