@@ -19,8 +19,8 @@ from opd_trainer.learner.estimators import DistillationInputs
 from opd_trainer.learner.loss import gather_token_logprobs
 from opd_trainer.learner.shared_prefix import (
     PrefixPlan,
+    completion_logits,
     plan_prefixes,
-    scatter_row_logits,
     shared_prefix_logits,
 )
 from opd_trainer.learner.turn_preference import pair_sides
@@ -32,17 +32,21 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class LearnerBatch:
-    """A mini-batch of segments (one LLM call's prompt + completion each), right-padded to width W.
+    """A mini-batch of segments (one LLM call's prompt + completion each), padded to width W = the
+    longest prompt + the longest completion: each prompt ends at the same column, P = the longest
+    prompt (padding before a shorter one), so every completion starts at column P (padding after).
 
     Per-token tensors (`_B_T`, T = W − 1) are aligned with `targets_B_T`: position t holds the value
     of the token predicted there (sequence token t + 1). Positions outside a row's completion hold 0,
-    which the loss never reads (`mask_B_T` is 0 there).
+    which the loss never reads (`mask_B_T` is 0 there). The learner's logits cover only positions
+    P − 1 on (`first_scored_position`): the longest completion, however much the prompts' lengths
+    differ (every vocabulary-wide op of the loss runs over those positions alone).
     """
 
     first_scored_position: int
-    """The earliest position whose logits predict a completion token, over the batch's rows."""
+    """P − 1: the position whose logits predict every row's first completion token."""
     input_ids_B_T: Tensor
-    """[B, W] token ids, 0 after each row's end."""
+    """[B, W] token ids, 0 before each row's prompt and after its completion."""
     attention_B_T: Tensor
     """[B, W] 1 on each row's tokens."""
     targets_B_T: Tensor
@@ -99,28 +103,32 @@ class LearnerBatch:
 
 
 def pad_segments(segments: list[LLMCall], teacher_top_k: int, device: Any) -> LearnerBatch:
-    """The right-padded batch of `segments`, on `device`; with `teacher_top_k` > 0 every segment must
-    carry the teacher's top-k, [completion tokens, teacher_top_k] (`hyper_parameters.teacher_top_k`)."""
-    lengths = [len(s.prompt_token_ids) + len(s.completion_token_ids) for s in segments]
-    width = max(lengths)
+    """The batch of `segments` (prompts ending at one column, `LearnerBatch`), on `device`; with
+    `teacher_top_k` > 0 every segment must carry the teacher's top-k, [completion tokens,
+    teacher_top_k] (`hyper_parameters.teacher_top_k`)."""
+    prompt_end = max(len(s.prompt_token_ids) for s in segments)
+    width = prompt_end + max(len(s.completion_token_ids) for s in segments)
     ids = torch.zeros(len(segments), width, dtype=torch.long)
     attention = torch.zeros(len(segments), width, dtype=torch.long)
     mask = torch.zeros(len(segments), width - 1)
     sampler = torch.zeros(len(segments), width - 1)
     teacher = torch.zeros(len(segments), width - 1)
+    # Completion token k sits at column P + k and is predicted from position P + k − 1.
+    first = prompt_end - 1
     for row, segment in enumerate(segments):
-        sequence = segment.prompt_token_ids + segment.completion_token_ids
-        ids[row, : len(sequence)] = torch.tensor(sequence)
-        attention[row, : len(sequence)] = 1
-        # Completion token k sits at sequence position p+k and is predicted from position p+k-1.
-        start = len(segment.prompt_token_ids) - 1
-        end = start + len(segment.completion_token_ids)
-        mask[row, start:end] = 1.0
-        sampler[row, start:end] = torch.tensor(segment.sampler_logprobs)
-        teacher[row, start:end] = torch.tensor(segment.teacher_logprobs)
-    top_ids, top_logprobs = _pad_top_k(segments, teacher_top_k, width - 1) if teacher_top_k else (None, None)
+        prompt, completion = segment.prompt_token_ids, segment.completion_token_ids
+        start = prompt_end - len(prompt)
+        ids[row, start : prompt_end + len(completion)] = torch.tensor(prompt + completion)
+        attention[row, start : prompt_end + len(completion)] = 1
+        end = first + len(completion)
+        mask[row, first:end] = 1.0
+        sampler[row, first:end] = torch.tensor(segment.sampler_logprobs)
+        teacher[row, first:end] = torch.tensor(segment.teacher_logprobs)
+    top_ids, top_logprobs = (
+        _pad_top_k(segments, teacher_top_k, width - 1, first) if teacher_top_k else (None, None)
+    )
     return LearnerBatch(
-        first_scored_position=min(len(s.prompt_token_ids) for s in segments) - 1,
+        first_scored_position=first,
         input_ids_B_T=ids.to(device),
         attention_B_T=attention.to(device),
         targets_B_T=ids[:, 1:].to(device),
@@ -135,14 +143,15 @@ def pad_segments(segments: list[LLMCall], teacher_top_k: int, device: Any) -> Le
         hindsight_B=torch.tensor([s.hindsight for s in segments], device=device),
         preference_sides_B_P=pair_sides([s.preference_pairs for s in segments], device),
         prompt_lengths=tuple(len(s.prompt_token_ids) for s in segments),
-        lengths=tuple(lengths),
+        lengths=tuple(len(s.prompt_token_ids) + len(s.completion_token_ids) for s in segments),
         top_ids_B_T_K=None if top_ids is None else top_ids.to(device),
         top_logprobs_B_T_K=None if top_logprobs is None else top_logprobs.to(device),
     )
 
 
-def _pad_top_k(segments: list[LLMCall], top_k: int, width: int) -> tuple[Tensor, Tensor]:
-    """The teacher's top-k ids / logprobs, [B, width, K], aligned like `pad_segments`' tensors.
+def _pad_top_k(segments: list[LLMCall], top_k: int, width: int, first: int) -> tuple[Tensor, Tensor]:
+    """The teacher's top-k ids / logprobs, [B, width, K], aligned like `pad_segments`' tensors (each
+    row's first completion token predicted at position `first`).
 
     Positions without a teacher score hold id 0 and logprob 0: the loss mask is 0 there, and the
     loss functions never read masked positions.
@@ -160,22 +169,22 @@ def _pad_top_k(segments: list[LLMCall], top_k: int, width: int) -> tuple[Tensor,
                 f"segment {row} carries the teacher's top-k with shapes {sorted(map(str, shapes))}, expected "
                 f"{expected} (completion tokens, hyper_parameters.teacher_top_k)"
             )
-        start = len(segment.prompt_token_ids) - 1
-        end = start + len(segment.completion_token_ids)
+        end = first + len(segment.completion_token_ids)
         # torch.tensor copies: arrays that arrive through Ray are read-only views of its object store.
-        ids_B_T_K[row, start:end] = torch.tensor(segment.teacher_top_ids, dtype=torch.long)
-        logprobs_B_T_K[row, start:end] = torch.tensor(segment.teacher_top_logprobs)
+        ids_B_T_K[row, first:end] = torch.tensor(segment.teacher_top_ids, dtype=torch.long)
+        logprobs_B_T_K[row, first:end] = torch.tensor(segment.teacher_top_logprobs)
     return ids_B_T_K, logprobs_B_T_K
 
 
 def prefix_plan(batch: LearnerBatch) -> PrefixPlan | None:
     """The shared-prefix forward's plan of `batch` (its rows' prompts and completions)."""
+    prompt_end = batch.first_scored_position + 1
     prompts, completions = [], []
     for ids, prompt_length, length in zip(
         batch.input_ids_B_T.tolist(), batch.prompt_lengths, batch.lengths, strict=True
     ):
-        prompts.append(ids[:prompt_length])
-        completions.append(ids[prompt_length:length])
+        prompts.append(ids[prompt_end - prompt_length : prompt_end])
+        completions.append(ids[prompt_end : prompt_end + length - prompt_length])
     return plan_prefixes(prompts, completions)
 
 
@@ -187,15 +196,18 @@ def scored_logits(model: Any, batch: LearnerBatch, plan: PrefixPlan | None, devi
     preamble per batch); None takes the plain padded forward. Logits are computed only where a
     completion token is predicted.
     """
-    first = batch.first_scored_position
-    width = batch.input_ids_B_T.shape[1] - 1 - first
+    width = batch.input_ids_B_T.shape[1] - 1 - batch.first_scored_position
     if plan is None:
+        # Prompts are padded before their start: positions count from each row's first token.
+        positions = (batch.attention_B_T.cumsum(dim=1) - 1).clamp(min=0)
         logits = model(
-            input_ids=batch.input_ids_B_T, attention_mask=batch.attention_B_T, logits_to_keep=width + 1
+            input_ids=batch.input_ids_B_T,
+            attention_mask=batch.attention_B_T,
+            position_ids=positions,
+            logits_to_keep=width + 1,
         ).logits
         return logits[:, :-1].float()
-    row_logits = shared_prefix_logits(model, plan, device)
-    return scatter_row_logits(row_logits, plan, first, width).float()
+    return completion_logits(shared_prefix_logits(model, plan, device), width).float()
 
 
 def logprobs_of_targets(logits_B_S_V: Tensor, batch: LearnerBatch, temperature: float) -> Tensor:

@@ -184,11 +184,11 @@ class Learner:
         with torch.no_grad():
             logits_B_S_V = scored_logits(self._engine.module, batch, prefix_plan(batch), self._device)
             logprobs = logprobs_of_targets(logits_B_S_V, batch, self.settings.temperature).cpu()
-        out = []
-        for row, segment in enumerate(segments):
-            start = len(segment.prompt_token_ids) - 1
-            out.append(logprobs[row, start : start + len(segment.completion_token_ids)].tolist())
-        return out
+        first = batch.first_scored_position  # every row's first completion token is predicted there
+        return [
+            logprobs[row, first : first + len(segment.completion_token_ids)].tolist()
+            for row, segment in enumerate(segments)
+        ]
 
     # -- training -------------------------------------------------------------------------------
 

@@ -158,17 +158,12 @@ def shared_prefix_logits(model: Any, plan: PrefixPlan, device: Any) -> torch.Ten
     ).logits
 
 
-def scatter_row_logits(
-    row_logits_N_W_V: torch.Tensor, plan: PrefixPlan, first: int, width: int
-) -> torch.Tensor:
-    """Level-3 logits placed at their sequence positions: [rows, width, V] from position `first` on
-    (zeros where a row has none: prompt positions and padding, which the loss never reads)."""
+def completion_logits(row_logits_N_W_V: torch.Tensor, width: int) -> torch.Tensor:
+    """Level-3 logits as the batch holds its completions (`batch.LearnerBatch`: every row's first
+    completion token at the same column): [rows, width, V], `[row, j]` predicting completion token j
+    (zeros past a row's forwarded tokens: padding, which the loss never reads)."""
     # Lazy: torch loads only when a prefix is forwarded (the planning half is torch-free).
     import torch
 
-    rows = []
-    for row, start in enumerate(plan.row_start):
-        n = min(len(plan.row_ids[row]), width - (start - first))
-        logits = row_logits_N_W_V[row, :n]
-        rows.append(torch.nn.functional.pad(logits, (0, 0, start - first, width - (start - first) - n)))
-    return torch.stack(rows)
+    kept = row_logits_N_W_V[:, :width]
+    return torch.nn.functional.pad(kept, (0, 0, 0, width - kept.shape[1]))

@@ -282,9 +282,8 @@ def test_a_multi_turn_trajectory_trains_its_tool_calls_and_never_the_tool_output
     # Its inner tokens: at its edges the template's own text may merge with it differently.
     output_ids = tokenizer.encode(tool_output, add_special_tokens=False)[1:-1]
     for row, segment in enumerate(segments):
-        length = len(segment.prompt_token_ids) + len(segment.completion_token_ids)
-        targets = batch.targets_B_T[row, : length - 1].tolist()
-        trained = batch.mask_B_T[row, : length - 1].bool().tolist()
+        targets = batch.targets_B_T[row].tolist()
+        trained = batch.mask_B_T[row].bool().tolist()
         assert [t for t, m in zip(targets, trained, strict=True) if m] == segment.completion_token_ids
         assert not _holds([t for t, m in zip(targets, trained, strict=True) if m], output_ids)
     # The first turn's completion is the call, markup and all; the second turn sees the tool's output

@@ -34,20 +34,35 @@ def _segment(prompt: list[int], completion: list[int], top_k: int | None) -> LLM
 
 def test_padding_aligns_every_per_token_value_with_the_token_it_predicts() -> None:
     batch = pad_segments([_segment([5, 6, 7], [8, 9], 2), _segment([5, 6], [4, 3, 2], 2)], 2, CPU)
-    assert batch.first_scored_position == 1
-    assert batch.input_ids_B_T.tolist() == [[5, 6, 7, 8, 9], [5, 6, 4, 3, 2]]
-    assert batch.targets_B_T.tolist() == [[6, 7, 8, 9], [6, 4, 3, 2]]
-    assert batch.mask_B_T.tolist() == [[0, 0, 1, 1], [0, 1, 1, 1]]
-    assert batch.teacher_B_T.tolist() == [[0, 0, -2, -2], [0, -2, -2, -2]]
+    # Prompts end at one column (the shorter padded before it), so completions start together.
+    assert batch.first_scored_position == 2
+    assert batch.input_ids_B_T.tolist() == [[5, 6, 7, 8, 9, 0], [0, 5, 6, 4, 3, 2]]
+    assert batch.attention_B_T.tolist() == [[1, 1, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1]]
+    assert batch.targets_B_T.tolist() == [[6, 7, 8, 9, 0], [5, 6, 4, 3, 2]]
+    assert batch.mask_B_T.tolist() == [[0, 0, 1, 1, 0], [0, 0, 1, 1, 1]]
+    assert batch.teacher_B_T.tolist() == [[0, 0, -2, -2, 0], [0, 0, -2, -2, -2]]
     assert batch.lengths == (5, 5) and batch.prompt_lengths == (3, 2)
     assert batch.top_ids_B_T_K is not None and batch.top_logprobs_B_T_K is not None
-    assert batch.top_ids_B_T_K.shape == (2, 4, 2)
-    assert batch.top_ids_B_T_K[0, 2:].tolist() == [[0, 1], [2, 3]]
-    assert batch.top_logprobs_B_T_K[1, 0].tolist() == [0, 0]  # a prompt position: never read
-    # The scored slice the estimators get starts where the logits start.
-    inputs = batch.distillation_inputs(torch.zeros(2, 3, 11), torch.zeros(2, 4), None, None)
+    assert batch.top_ids_B_T_K.shape == (2, 5, 2)
+    assert batch.top_ids_B_T_K[0, 2:4].tolist() == [[0, 1], [2, 3]]
+    assert batch.top_logprobs_B_T_K[1, 1].tolist() == [0, 0]  # a prompt position: never read
+    # The scored slice the estimators get starts where the logits start, as wide as the longest
+    # completion whatever the prompts' lengths.
+    inputs = batch.distillation_inputs(torch.zeros(2, 3, 11), torch.zeros(2, 5), None, None)
     assert inputs.top_ids_B_S_K is not None and inputs.top_ids_B_S_K.shape == (2, 3, 2)
     assert [t.shape for t in inputs.top_k()] == [(2, 3, 2), (2, 3, 2), (2, 3)]
+
+
+def test_the_scored_width_is_the_longest_completion_however_the_prompts_differ() -> None:
+    segments = [_segment(list(range(1, 41)), [8, 9], None), _segment([5, 6], [4, 3, 2], None)]
+    batch = pad_segments(segments, 0, CPU)
+    assert batch.input_ids_B_T.shape == (2, 43)
+    assert batch.targets_B_T.shape[1] - batch.first_scored_position == 3
+    trained = [
+        [t for t, m in zip(targets, mask, strict=True) if m]
+        for targets, mask in zip(batch.targets_B_T.tolist(), batch.mask_B_T.tolist(), strict=True)
+    ]
+    assert trained == [[8, 9], [4, 3, 2]]
 
 
 def test_a_job_without_the_top_k_pads_none_and_its_inputs_say_so() -> None:

@@ -1,4 +1,5 @@
-"""The shared-prefix forward (learner/shared_prefix.py) equals the plain padded forward.
+"""The shared-prefix forward (learner/shared_prefix.py) and the plain padded forward equal each row
+forwarded alone.
 
 A tiny random Qwen2 model (transformers, no DeepSpeed): logits at every scored position and the
 parameter gradients of a loss over them match the per-row forward's within float tolerance.
@@ -70,23 +71,35 @@ def _batches() -> dict[str, list[LLMCall]]:
     }
 
 
-def _plain_logits(model: torch.nn.Module, batch: LearnerBatch) -> torch.Tensor:
-    first = batch.first_scored_position
-    ids = batch.input_ids_B_T
-    logits = model(
-        input_ids=ids, attention_mask=batch.attention_B_T, logits_to_keep=ids.shape[1] - first
-    ).logits
-    return logits[:, :-1].float()
+def _per_row_logits(model: torch.nn.Module, segments: list[LLMCall], batch: LearnerBatch) -> torch.Tensor:
+    """The reference: each row forwarded alone, unpadded; its logits that predict its completion placed
+    where the batch's scored logits hold them ([B, S, V], row's completion token j at column j)."""
+    width = batch.targets_B_T.shape[1] - batch.first_scored_position
+    rows = []
+    for segment in segments:
+        prompt, completion = segment.prompt_token_ids, segment.completion_token_ids
+        ids = torch.tensor([prompt + completion])
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : len(prompt) - 1 + len(completion)]
+        rows.append(torch.nn.functional.pad(logits, (0, 0, 0, width - len(completion))))
+    return torch.stack(rows).float()
 
 
 @pytest.mark.parametrize("case", list(_batches()))
-def test_shared_prefix_forward_equals_the_plain_forward_in_logits_and_gradients(case: str) -> None:
+@pytest.mark.parametrize("forward", ["shared_prefix", "padded"])
+def test_the_batch_forward_equals_each_row_alone_in_logits_and_gradients(case: str, forward: str) -> None:
+    """The shared-prefix forward and the plain padded one (prompts padded before their start) both
+    match each row forwarded alone: the logits at every scored position and the parameter gradients
+    of a loss over them."""
     model = _model()
     cpu = torch.device("cpu")
-    batch = pad_segments(_batches()[case], 0, cpu)
+    segments = _batches()[case]
+    batch = pad_segments(segments, 0, cpu)
     plan = prefix_plan(batch)
     assert plan is not None
     mask = batch.mask_B_T[:, batch.first_scored_position :]
+
+    def batch_logits() -> torch.Tensor:
+        return scored_logits(model, batch, plan if forward == "shared_prefix" else None, cpu)
 
     def loss_and_grads(logits_B_S_V: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         model.zero_grad()
@@ -96,15 +109,17 @@ def test_shared_prefix_forward_equals_the_plain_forward_in_logits_and_gradients(
         loss.backward()
         return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
-    plain = _plain_logits(model, batch)
-    shared = scored_logits(model, batch, plan, cpu)
-    assert shared.shape == plain.shape
+    alone = _per_row_logits(model, segments, batch)
+    batched = batch_logits()
+    assert batched.shape == alone.shape
+    assert torch.isfinite(batched).all()
     scored = mask.bool()
-    torch.testing.assert_close(shared[scored], plain[scored], rtol=1e-4, atol=1e-4)
-    plain_loss, plain_grads = loss_and_grads(_plain_logits(model, batch))
-    shared_loss, shared_grads = loss_and_grads(scored_logits(model, batch, plan, cpu))
-    torch.testing.assert_close(shared_loss, plain_loss, rtol=1e-5, atol=1e-5)
-    for (name, _), want, got in zip(model.named_parameters(), plain_grads, shared_grads, strict=True):
+    torch.testing.assert_close(batched[scored], alone[scored], rtol=1e-4, atol=1e-4)
+    alone_loss, alone_grads = loss_and_grads(_per_row_logits(model, segments, batch))
+    batched_loss, batched_grads = loss_and_grads(batch_logits())
+    torch.testing.assert_close(batched_loss, alone_loss, rtol=1e-5, atol=1e-5)
+    for (name, _), want, got in zip(model.named_parameters(), alone_grads, batched_grads, strict=True):
+        assert torch.isfinite(got).all(), name
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5, msg=name)
 
 
