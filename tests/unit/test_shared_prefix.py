@@ -68,6 +68,10 @@ def _batches() -> dict[str, list[LLMCall]]:
         "one_prompt": [_call(system, tokens(c)) for c in (2, 6, 3)],
         # One prompt extends another (a multi-turn history and its earlier turn).
         "nested_prompts": [_call(system, tokens(4)), _call(system + questions[0], tokens(3))],
+        # A prompt's rows not next to each other, and groups of unequal size.
+        "interleaved_groups": [
+            _call(system + questions[g], tokens(c), g) for g, c in ((0, 3), (1, 5), (0, 2), (2, 4), (1, 1))
+        ],
     }
 
 
