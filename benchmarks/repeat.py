@@ -100,6 +100,7 @@ FIGURES: dict[str, dict[str, Extract]] = {
         # the step: the step's cost of recording them.
         "record_percent": lambda r: r["parts_percent"]["record"],
         "step_s": lambda r: r["step_s"],
+        "learner_s": lambda r: r["parts_s"]["learner"],
         "samples_per_s": lambda r: r["samples_per_s"],
         "tokens_per_s": lambda r: r["tokens_per_s"],
         "learner_fraction_of_matmul_limit": lambda r: r["learner_fraction_of_matmul_limit"],
