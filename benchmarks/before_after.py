@@ -1,19 +1,20 @@
-"""A change's before/after figures: a one-sided benchmark run at an earlier commit and at this checkout,
-alternating, each run a fresh process, and written as one record (records.py).
+"""A change's before/after figures: a one-sided benchmark run against the product code of an earlier
+commit and of this checkout, alternating, each run a fresh process, written as one record (records.py).
 
-For the benchmarks `repeat.py` reads (its `FIGURES`): per pair, the benchmark runs at `--before` (a git
-worktree of that commit under `.cache/before-after/`, importing its own code) and then here. The record
-holds every run's JSON and, per figure, `<figure>/before`, `<figure>/after` and `<figure>/ratio` (after
-/ before of each pair: below 1 where the figure fell), median and range over the pairs.
+For the benchmarks `repeat.py` reads (its `FIGURES`): per pair, this checkout's `benchmarks/<name>.py`
+runs first with the code of `--before` (a git worktree of that commit under `.cache/before-after/`) and
+then with this checkout's; the measurement is the same script on both sides, only the code measured
+differs. The record holds every run's JSON and, per figure, `<figure>/before`, `<figure>/after` and
+`<figure>/ratio` (after / before of each pair: below 1 where the figure fell), median and range.
 
-    .venv/bin/python benchmarks/before_after.py step_breakdown --before 53560de --publish -- --steps 6
+    .venv/bin/python benchmarks/before_after.py learner_step --before 53560de --publish
 
-Each side imports its own `opd_trainer` (and `api`, `rollout_workers`, `reward_workers`): the
-worktree's folder comes first on `PYTHONPATH` and is the working directory, so the benchmark's process
-and the Ray workers it starts (they inherit its environment) load the worktree's files; before
-measuring, each side's Ray worker reports where it found `opd_trainer`, and a side that reads
-another's code stops the run. The tiny models are this checkout's (`.cache/tiny-models`, linked into
-the worktree), the same files on both sides.
+Each side imports its own `opd_trainer` (and `api`, `rollout_workers`, `reward_workers`): the side's
+folder comes first on `PYTHONPATH` and is the working directory, so the benchmark's process and the Ray
+workers it starts (they inherit its environment) load that side's files; before measuring, each side's
+Ray worker reports where it found `opd_trainer`, and a side that reads another's code stops the run. The
+tiny models are this checkout's (`.cache/tiny-models`, linked into the worktree), the same files on both
+sides.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 from records import ROOT, add_publish_arguments, new_record, write_record
 from repeat import FIGURES, figures_of
 
+HERE = Path(__file__).resolve().parent
 SIDES = ("before", "after")
 WORKTREES = ROOT / ".cache" / "before-after"
 MODELS = Path(".cache") / "tiny-models"
@@ -93,10 +95,11 @@ def check_imports_own_code(side: str, root: Path) -> None:
 
 
 def run_once(benchmark: str, root: Path, script_args: list[str]) -> dict[str, Any]:
-    """One run of `benchmarks/<benchmark>.py` as `root` has it, in a fresh process: its JSON."""
+    """One run of this checkout's `benchmarks/<benchmark>.py` with `root`'s code (a fresh process): its
+    JSON."""
     with tempfile.TemporaryDirectory(prefix="opd-bench-before-after-") as scratch:
         out = Path(scratch) / "result.json"
-        cmd = [sys.executable, str(root / "benchmarks" / f"{benchmark}.py"), *script_args, "--out", str(out)]
+        cmd = [sys.executable, str(HERE / f"{benchmark}.py"), *script_args, "--out", str(out)]
         subprocess.run(cmd, cwd=root, env=side_env(root), check=True)
         return json.loads(out.read_text())
 

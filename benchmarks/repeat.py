@@ -1,10 +1,10 @@
 """Repeat a one-sided benchmark in fresh processes and write its record (records.py) from every run.
 
 For the benchmarks that measure one thing per run (engine_throughput, rollout_gateway, step_breakdown,
-api_load, efficacy, estimate_error): runs `benchmarks/<name>.py <args> --out <scratch>` `--runs` times,
-each a fresh process, one after another, reads the figures below from each run's JSON and writes one
-record whose figures are the per-run values (median, range, runs). A figure a run gives per seed
-(efficacy) counts each seed as a run.
+learner_step, api_load, efficacy, estimate_error): runs `benchmarks/<name>.py <args> --out <scratch>`
+`--runs` times, each a fresh process, one after another, reads the figures below from each run's JSON
+and writes one record whose figures are the per-run values (median, range, runs). A figure a run gives
+per seed (efficacy) counts each seed as a run.
 
     .venv/bin/python benchmarks/repeat.py step_breakdown --runs 3 --publish -- --steps 6
 
@@ -105,6 +105,9 @@ FIGURES: dict[str, dict[str, Extract]] = {
         "tokens_per_s": lambda r: r["tokens_per_s"],
         "learner_fraction_of_matmul_limit": lambda r: r["learner_fraction_of_matmul_limit"],
     },
+    "learner_step": {
+        "train_step_s": lambda r: r["train_step_s"],
+    },
     "api_load": {
         "read_p99_ms": _api_read_p99,
         "server_errors_5xx": lambda r: float(sum(x["server_errors_5xx"] for x in r["rows"])),
@@ -124,6 +127,7 @@ HEADLINE = {
     "engine_throughput": ["generate_ratio", "score_ratio"],
     "rollout_gateway": ["throughput_ratio"],
     "step_breakdown": ["other_percent", "teacher_percent", "record_percent"],
+    "learner_step": ["train_step_s"],
     "api_load": ["read_p99_ms"],
     "efficacy": ["gap_closed"],
     "estimate_error": ["teacher_tokens_abs_error", "wall_s_abs_error"],
