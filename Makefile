@@ -62,6 +62,8 @@ bench: setup
 	$(BIN)/python benchmarks/repeat.py engine_throughput --runs 3 --publish --models-dir $(TINY_MODELS_DIR) -- --models-dir $(TINY_MODELS_DIR)
 	$(BIN)/python benchmarks/repeat.py rollout_gateway --runs 3 --publish
 	$(BIN)/python benchmarks/repeat.py step_breakdown --runs 3 --publish -- --steps 6
+	$(BIN)/python benchmarks/before_after.py learner_step --before 53560de --pairs 5 --headline train_step_s/ratio --record learner_step_before_after --publish -- --repeats 30
+	$(BIN)/python benchmarks/before_after.py learner_step --before 53560de --pairs 3 --headline train_step_s/ratio --record learner_step_before_after_32x4 --publish -- --rows 32 --n-rollouts 4
 	$(BIN)/python benchmarks/staleness.py --steps 12 --eval-every 4 --seeds 0 1 2 --publish
 	$(BIN)/python benchmarks/staleness.py --steps 12 --eval-every 4 --seeds 0 1 2 --arms 0 1 2 2:sampler --distill-loss sampled --record staleness_depth --publish
 	$(BIN)/python benchmarks/repeat.py api_load --runs 3 --publish -- --models-dir $(TINY_MODELS_DIR)
