@@ -54,8 +54,8 @@ class DistillationInputs:
     """What an estimator reads of one mini-batch (this rank's share), built by `LearnerBatch`.
 
     `_B_T` tensors span the batch's width, aligned with its targets (position t: the token predicted
-    there); `_B_S` ones start at `first_scored_position` (the earliest position that predicts a
-    completion token), where the learner's logits are. Values at masked positions are never read.
+    there); `_B_S` ones start at `first_scored_position` (where every row's first completion token is
+    predicted), where the learner's logits are. Values at masked positions are never read.
     """
 
     mask_B_T: Tensor

@@ -20,7 +20,8 @@ Which estimator a job runs, and which of these it combines, is declared once in 
 Shape suffixes (tinker-cookbook convention):
 
 - `B`: rows of the batch. One row is one trained segment = one LLM call's prompt + completion,
-  right-padded; a multi-turn rollout contributes several rows.
+  padded so that every row's completion starts at the same column (`batch.LearnerBatch`); a multi-turn
+  rollout contributes several rows.
 - `T`: token positions within a row.
 - `V`: vocabulary.
 - `R`, `G` (inside `group_reward_advantages` only): distinct rollouts, distinct prompt groups.
