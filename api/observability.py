@@ -83,6 +83,8 @@ ENGINE_COUNTERS = {
     "preemptions": "Requests preempted (KV cache full).",
     "requests_finished": "Requests the role's engines finished.",
     "scores_rescored": "Scoring requests rerun without the prefix cache (it held part of the completion).",
+    "scores_reused": "Scoring requests whose completion positions the prefix cache hid took an earlier "
+    "request's rows for the same tokens (no rerun).",
 }
 
 

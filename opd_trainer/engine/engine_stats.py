@@ -5,10 +5,10 @@ calls `record` with its scheduler and iteration stats after each engine step. It
 `vllm.v1.metrics.loggers.StatLoggerBase` without subclassing it, so that the driver, which only combines
 the numbers, does not import vLLM (seconds and hundreds of MB). It keeps running totals (prompt and
 generated tokens, prefix-cache queries and hits, preemptions, finished requests, scoring requests
-rerun without the prefix cache) and the peaks of the live numbers (requests running and waiting,
-KV-cache usage) since they were last read. `EngineGroup.stats` sums a role's replicas; the driver
-adds them to each step's metrics as `engine/ROLE/KEY`, and the job server exports them
-(`opd_job_engine_*`).
+rerun without the prefix cache or completed from an earlier request's rows) and the peaks of the live
+numbers (requests running and waiting, KV-cache usage) since they were last read. `EngineGroup.stats`
+sums a role's replicas; the driver adds them to each step's metrics as `engine/ROLE/KEY`, and the job
+server exports them (`opd_job_engine_*`).
 
 vLLM says its `SchedulerStats` / `IterationStats` are not a stable interface: this module is the one
 place that reads them (vLLM is pinned in pyproject.toml).
@@ -27,6 +27,7 @@ TOTALS = (
     "preemptions",
     "requests_finished",
     "scores_rescored",
+    "scores_reused",
 )
 PEAKS = ("running_max", "waiting_max", "kv_cache_usage_max")
 
@@ -78,6 +79,12 @@ class EngineStats:
         `Engine._prompt_logprobs`): the cache had covered some of its completion."""
         with self._lock:
             self.totals["scores_rescored"] += 1
+
+    def count_reuse(self) -> None:
+        """A teacher-forcing request whose positions hidden by the prefix cache took an earlier
+        request's rows for the same tokens (`recent_scores`) instead of a second run."""
+        with self._lock:
+            self.totals["scores_reused"] += 1
 
     def log_engine_initialized(self) -> None:
         pass

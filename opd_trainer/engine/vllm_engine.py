@@ -33,6 +33,7 @@ from opd_trainer.engine.fair_gate import FairGate
 from opd_trainer.engine.inproc_llm import InprocAsyncLLM
 from opd_trainer.engine.kv_cache import cpu_kv_cache_bytes
 from opd_trainer.engine.lengths import completion_room
+from opd_trainer.engine.recent_scores import RecentScores
 from opd_trainer.engine.vllm_extension import EXTENSION_CLASSPATH
 from opd_trainer.engine.weight_transfer import WeightHandoff, apply_weights, transfer_for
 from opd_trainer.errors import EngineError, WeightSyncError
@@ -173,6 +174,7 @@ class Engine:
         # names its job (`client`), admitted fairly and counted per job.
         self._gate = FairGate(config.concurrent_sequences)
         self._clients: dict[str, ClientShare] = {}
+        self._recent = RecentScores()  # scored rows, for positions a later request finds cached
         self._attributed = {"cpu_s": 0.0}  # the engine's CPU-seconds already split among its clients
 
     def _placement_args(self) -> dict[str, Any]:
@@ -453,19 +455,37 @@ class Engine:
         # vLLM skips the prefix cache for prompt logprobs (a cached position gets none), but only the
         # completion's positions are needed: the shared system prompt, tools and the rollout's own
         # prompt are read from the cache and not forwarded again. Position p's logprob comes from the
-        # forward at p - 1, so the cache may cover at most the prompt's first `first - 1` tokens; when a
-        # sibling's completion put more of this sequence in the cache, the request is scored again
-        # without it (counted: `scores_rescored`).
+        # forward at p - 1, so a cache reaching past the prompt's first `first - 1` tokens hides the
+        # logprobs of completion positions `first` .. `cached`: a sibling's completion put them there,
+        # and the same tokens' rows come from the sibling's request (`recent_scores`, counted:
+        # `scores_reused`); without it the request is scored again without the cache (counted:
+        # `scores_rescored`).
+        width = top_k + 1
+        hidden: tuple[np.ndarray, np.ndarray] | None = None
+        rescored = False
         async with self._admitted(client):
             final = await self._run(sequence, params(read_prefix_cache=True))
             cached = final.num_cached_tokens or 0
-            rescored = cached >= first
-            if rescored:
-                self._stats.count_rescore()
-                final = await self._run(sequence, params(read_prefix_cache=False))
+            if cached >= first:
+                hidden = self._recent.rows(sequence, first, cached, width)
+                rescored = hidden is None
+                if rescored:
+                    self._stats.count_rescore()
+                    final = await self._run(sequence, params(read_prefix_cache=False))
         if client is not None:
-            self._clients.setdefault(client, ClientShare()).count(len(sequence), cached, rescored)
-        return completion_rows(final.prompt_logprobs, first, count, top_k + 1)
+            share = self._clients.setdefault(client, ClientShare())
+            share.count(len(sequence), cached, rescored, reused=hidden is not None)
+        if hidden is not None:
+            self._stats.count_reuse()
+            shown = count - (cached - first + 1)  # positions after `cached`, which this request forwarded
+            parts = [hidden]
+            if shown:
+                parts.append(completion_rows(final.prompt_logprobs, cached + 1, shown, width))
+            ids, logprobs = (np.concatenate([part[i] for part in parts]) for i in (0, 1))
+        else:
+            ids, logprobs = completion_rows(final.prompt_logprobs, first, count, width)
+        self._recent.add(sequence, first, ids, logprobs)
+        return ids, logprobs
 
     async def score(
         self, prompt_token_ids: list[int], completion_token_ids: list[int], client: str | None = None
@@ -528,8 +548,9 @@ class Engine:
                 raise
             try:
                 await apply_weights(handoff, llm, self.name)
-                # Prefix-cache blocks were computed with the old weights.
+                # Prefix-cache blocks and scored rows were computed with the old weights.
                 await llm.reset_prefix_cache()
+                self._recent.clear()
                 self._weight_version = self._weight_version + 1 if version is None else version
             except WeightSyncError:
                 raise
@@ -624,15 +645,17 @@ class ClientShare:
     gpu_fraction: float = 0.0
     _tokens_split: float = 0.0  # prompt tokens at the previous split (`Engine.client_usage`)
 
-    def count(self, sequence_tokens: int, cached: int, rescored: bool) -> None:
+    def count(self, sequence_tokens: int, cached: int, rescored: bool, reused: bool = False) -> None:
         """A scoring request of `sequence_tokens`, `cached` of them found in the prefix cache; a
-        rescored one ran a second time without the cache."""
+        rescored one ran a second time without the cache, a reused one took the rows the cache hid from
+        an earlier request."""
         runs = 2 if rescored else 1
         self.totals["prompt_tokens"] += runs * sequence_tokens
         self.totals["prefix_cache_queries"] += runs * sequence_tokens
         self.totals["prefix_cache_hits"] += cached
         self.totals["requests_finished"] += runs
         self.totals["scores_rescored"] += int(rescored)
+        self.totals["scores_reused"] += int(reused)
 
     def take_interval(self) -> float:
         """Prompt tokens scored since the previous call."""

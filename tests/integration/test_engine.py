@@ -170,12 +170,14 @@ def test_teacher_top_k_is_the_teachers_own_top_k_as_compact_arrays(
         assert all(len(set(row)) == top_k for row in got.top_ids.tolist())
 
 
-def test_scoring_reads_the_prompt_from_the_prefix_cache_and_reruns_when_the_cache_holds_the_completion(
+def test_scoring_reads_the_prompt_from_the_prefix_cache_and_fills_what_it_hides_from_an_earlier_request(
     teacher_engine: Any, tiny_models: TinyModels, tokenizer: PreTrainedTokenizerBase
 ) -> None:
-    """Teacher forcing reads cached prompt blocks instead of forwarding them again; when the cache also
-    holds part of the completion (scored before), the request is rerun without the cache. Either way the
-    logprobs are those of a full forward in transformers."""
+    """Teacher forcing reads cached prompt blocks instead of forwarding them again. When the cache also
+    holds part of the completion (scored before), vLLM returns no logprobs there: they come from the
+    earlier request that scored the same tokens, and where none is kept (rows of another width) the
+    request is rerun without the cache. Either way the logprobs are those of a full forward in
+    transformers."""
     import numpy as np
     from transformers import AutoModelForCausalLM
 
@@ -183,6 +185,8 @@ def test_scoring_reads_the_prompt_from_the_prefix_cache_and_reruns_when_the_cach
     # A completion longer than a KV-cache block, so that scoring it twice finds some of it cached.
     completion = second[-200:]
     pair, other = (first, completion), (first, completion[:40])
+    # The same prompt and first 150 completion tokens, then other tokens: a sibling's completion.
+    sibling = (first, completion[:150] + completion[:50])
 
     def stats() -> dict[str, float]:
         return ray.get(teacher_engine.stats.remote())  # type: ignore[no-any-return]
@@ -191,17 +195,37 @@ def test_scoring_reads_the_prompt_from_the_prefix_cache_and_reruns_when_the_cach
     before = stats()
     warm = ray.get(teacher_engine.score_top_k_many.remote([pair], 4))[0]
     after = stats()
-    assert after["scores_rescored"] - before["scores_rescored"] == 1  # the completion was in the cache
-    # A different completion of the same prompt: the prompt comes from the cache, nothing is rerun.
+    # The completion was in the cache; its hidden positions came from the first request's rows.
+    assert after["scores_reused"] - before["scores_reused"] == 1
+    assert after["scores_rescored"] == before["scores_rescored"]
+    # A different completion of the same prompt: the prompt comes from the cache, nothing is hidden.
     shorter = ray.get(teacher_engine.score_top_k_many.remote([other], 4))[0]
     last = stats()
     assert last["scores_rescored"] == after["scores_rescored"]
     assert last["prefix_cache_hits"] - after["prefix_cache_hits"] >= len(first) // 2
+    # A sibling sharing the first 150 completion tokens: those hidden, the rest forwarded.
+    branched = ray.get(teacher_engine.score_top_k_many.remote([sibling], 4))[0]
+    # Rows of another width (top-2) are not kept: rerun without the cache.
+    narrow = ray.get(teacher_engine.score_top_k_many.remote([pair], 2))[0]
+    end = stats()
+    assert end["scores_reused"] - last["scores_reused"] == 1
+    assert end["scores_rescored"] - last["scores_rescored"] == 1
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_models.teacher), dtype=torch.float32)
-    with torch.no_grad():
-        logits = model(torch.tensor([first + completion])).logits[0, len(first) - 1 : -1]
-    want = torch.log_softmax(logits.float(), dim=-1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
-    for got, length in ((cold, 200), (warm, 200), (shorter, 40)):
-        assert np.abs(got.logprobs - want.numpy()[:length]).max() < 1e-3
+
+    def full_forward(tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        with torch.no_grad():
+            logits = model(torch.tensor([first + tokens])).logits[0, len(first) - 1 : -1]
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        return logprobs.gather(-1, torch.tensor(tokens)[:, None])[:, 0].numpy(), logprobs.numpy()
+
+    want, full = full_forward(completion)
+    for got, length in ((cold, 200), (warm, 200), (shorter, 40), (narrow, 200)):
+        assert np.abs(got.logprobs - want[:length]).max() < 1e-3
     assert np.abs(warm.top_logprobs - cold.top_logprobs).max() < 1e-4
+    assert np.array_equal(warm.top_ids, cold.top_ids)
+    # Each top-k logprob is the model's logprob of that id at that position.
+    picked = np.take_along_axis(full, warm.top_ids.astype(np.int64), axis=1)
+    assert np.abs(warm.top_logprobs - picked).max() < 1e-3
+    want_sibling, _ = full_forward(sibling[1])
+    assert np.abs(branched.logprobs - want_sibling).max() < 1e-3
