@@ -38,7 +38,7 @@ MODELS = Path(".cache") / "tiny-models"
 # Where a Ray worker started from `root` finds `opd_trainer`: printed by the side's own interpreter.
 WHERE_RAY_IMPORTS = (
     "import ray\n"
-    "ray.init(address=\"local\", num_cpus=1, include_dashboard=False, log_to_driver=False)\n"
+    'ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)\n'
     "@ray.remote\n"
     "def where():\n"
     "    import opd_trainer\n"
