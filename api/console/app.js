@@ -118,9 +118,14 @@ function logEvent(e) {
   if (log) log.insertAdjacentHTML("afterbegin", `<tr><td>${e.id}</td><td>${when(e.time)}</td><td>${esc(e.type)}</td><td>${esc(e.message)}</td></tr>`);
 }
 
+// A job leaves these statuses never (api/services/states.py): a snapshot read before the job ended, whose
+// answer arrives after the event stream said it ended (two connections, no order between them), is older.
+const TERMINAL = ["succeeded", "failed", "cancelled"];
 function renderHead(job) {
+  const shown = document.getElementById("status");
+  if (shown && shown.dataset.job === job.id && TERMINAL.includes(shown.textContent) && !TERMINAL.includes(job.status)) return;
   document.getElementById("head").innerHTML = `<h1>${esc(job.job_name)} <small>${esc(job.id)}</small></h1>
-    <p>Status <strong id="status">${esc(job.status)}</strong>, step ${job.step} / ${job.total_steps ?? "?"}</p>`;
+    <p>Status <strong id="status" data-job="${esc(job.id)}">${esc(job.status)}</strong>, step ${job.step} / ${job.total_steps ?? "?"}</p>`;
 }
 
 async function jobPage(jobId) {
