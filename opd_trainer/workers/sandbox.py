@@ -196,6 +196,24 @@ def _package_dirs() -> list[Path]:
     return found
 
 
+def package_roots() -> list[str]:
+    """Where the sandboxed interpreter must look for this service's packages (its `PYTHONPATH`): the
+    folders holding the package folders bound into the sandbox that lie outside the interpreter's own
+    installation. A worker started with `PYTHONPATH` naming a source tree (a checkout run from source,
+    `benchmarks/before_after.py`'s worktree of an earlier commit) imports the packages from there, and
+    the sandbox binds those; without this, the sandboxed interpreter would look where its installation
+    points (an editable install's checkout, not bound) and fail to start. Packages inside the
+    installation (site-packages) are found without it."""
+    installed = [Path(folder).resolve() for folder in python_dirs()]
+    roots: list[str] = []
+    for folder in _package_dirs():
+        root = folder.parent
+        if any(root.is_relative_to(prefix) for prefix in installed) or str(root) in roots:
+            continue
+        roots.append(str(root))
+    return roots
+
+
 def python_dirs() -> list[str]:
     """The interpreter and its libraries: the venv and the base installation it was made from."""
     found = {sys.prefix, sys.base_prefix, sys.exec_prefix, str(Path(sys.executable).resolve().parents[1])}
@@ -280,4 +298,7 @@ def sandbox_environment(
     # The spec refuses these names at submit; a spec that reached a worker by another path is held to
     # the same table here.
     env.update({name: value for name, value in runtime_env.items() if reserved_env_reason(name) is None})
+    roots = package_roots()  # after runtime_env: reserved there, and only the service's own folders
+    if roots:
+        env["PYTHONPATH"] = os.pathsep.join(roots)
     return env

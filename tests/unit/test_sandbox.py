@@ -155,7 +155,27 @@ def test_the_environment_inherits_nothing(monkeypatch: pytest.MonkeyPatch) -> No
     runtime_env = {"LANG": "de_DE.UTF-8", "LD_PRELOAD": "/tmp/x.so", "PYTHONPATH": "/tmp"}
     env = sandbox.sandbox_environment(runtime_env, mode="bwrap", cpus=2, has_deps=False)
     assert "OPD_ADMIN_KEY" not in env and env["LANG"] == "de_DE.UTF-8" and env["OMP_NUM_THREADS"] == "2"
-    assert "LD_PRELOAD" not in env and "PYTHONPATH" not in env
+    assert "LD_PRELOAD" not in env and env.get("PYTHONPATH") != "/tmp"
+    # The only PYTHONPATH is the sandbox's own: where this service's bound packages are, if outside
+    # the installation.
+    assert env.get("PYTHONPATH", "").split(os.pathsep) == (sandbox.package_roots() or [""])
+
+
+def test_the_packages_are_found_where_the_worker_found_them(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A worker importing this service from a source tree (PYTHONPATH) gives the sandbox that tree;
+    packages inside the interpreter's installation add nothing."""
+    tree = tmp_path / "checkout"
+    found = [tree / name for name in sandbox.PACKAGES]
+    monkeypatch.setattr(sandbox, "_package_dirs", lambda: found)
+    assert sandbox.package_roots() == [str(tree)]
+    env = sandbox.sandbox_environment({}, mode="bwrap", cpus=1, has_deps=False)
+    assert env["PYTHONPATH"] == str(tree)
+    site = Path(sandbox.python_dirs()[0]).resolve() / "lib" / "site-packages"
+    monkeypatch.setattr(sandbox, "_package_dirs", lambda: [site / name for name in sandbox.PACKAGES])
+    assert sandbox.package_roots() == []
+    assert "PYTHONPATH" not in sandbox.sandbox_environment({}, mode="bwrap", cpus=1, has_deps=False)
 
 
 def test_the_launcher_reads_its_options_and_command() -> None:
