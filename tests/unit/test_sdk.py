@@ -298,6 +298,9 @@ def test_openai_client_shares_one_pool_per_loop_and_swaps_the_key() -> None:
     assert other_url._client is first._client  # one pool per loop, whichever gateway it calls
     assert str(other_url.base_url) == "http://h/v1/" and str(first.base_url) == "http://127.0.0.1:9/v1/"
     assert first.max_retries == 0  # a retried call would be recorded twice by the gateway
+    # Computed once: openai computes a client's platform on its first request in a new thread, and a
+    # per-rollout copy would make one such thread hop per call.
+    assert first._platform is not None and second._platform is first._platform
     assert trace_client(first) is first  # already traced
     [next_loop, *_] = asyncio.run(clients())
     assert next_loop._client is not first._client  # a new loop never reuses another loop's pool
