@@ -31,6 +31,7 @@ from urllib.parse import urlsplit, urlunsplit
 import psutil
 from pydantic import BaseModel, ValidationError
 
+from opd_trainer.cluster.process_usage import descendants
 from opd_trainer.errors import ProcessorLoadError
 from opd_trainer.workers import sandbox
 from opd_trainer.workers.process_limits import GROUP_PREFIX, ProcessLimits, owner_alive
@@ -393,7 +394,7 @@ class SandboxedProcessor:
             return charged
         try:
             root = psutil.Process(self._process.pid)
-            tree = [root, *root.children(recursive=True)]
+            tree = [root, *descendants(root)]
         except psutil.Error:
             return 0.0
         total = 0

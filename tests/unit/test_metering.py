@@ -13,6 +13,7 @@ from typing import Any
 import psutil
 import pytest
 
+from opd_trainer.cluster import process_usage
 from opd_trainer.cluster.process_usage import process_tree_cpu_seconds
 from opd_trainer.driver.metering import RECORDED, Meter, budget_reached, usage_summary
 from opd_trainer.jobspec.job_spec import Budget
@@ -127,3 +128,36 @@ def test_a_process_tree_counts_its_children_cpu() -> None:
         child.kill()
         child.wait()
     assert process_tree_cpu_seconds(child.pid) == 0.0  # gone
+
+
+@pytest.mark.parametrize("children_files", [True, False])
+def test_descendants_walks_down_from_the_root_as_psutil_scans(
+    monkeypatch: pytest.MonkeyPatch, children_files: bool
+) -> None:
+    """Both ways of listing a tree (each task's `children` file; psutil's scan of every process where
+    the kernel has no such files) find the same grandchildren, started from a thread of the child."""
+    if children_files and not process_usage._CHILDREN_FILES:
+        pytest.skip("this kernel lists no task's children")
+    monkeypatch.setattr(process_usage, "_CHILDREN_FILES", children_files)
+    spawn = (
+        "import subprocess, sys, threading, time\n"
+        "def start(): subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'])\n"
+        "start()\n"
+        "helper = threading.Thread(target=start); helper.start(); helper.join()\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(30)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", spawn], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        root = psutil.Process(child.pid)
+        found = process_usage.descendants(psutil.Process())
+        expected = {child.pid, *(p.pid for p in root.children(recursive=True))}
+        assert len(expected) == 3  # the child and its two grandchildren
+        assert expected <= {p.pid for p in found}
+        assert {p.pid for p in process_usage.descendants(root)} == expected - {child.pid}
+    finally:
+        for process in psutil.Process(child.pid).children(recursive=True):
+            process.kill()
+        child.kill()
+        child.wait()
