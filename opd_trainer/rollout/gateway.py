@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import ray
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from opd_trainer.cluster.ports import free_port
 from opd_trainer.cluster.process_usage import actor_usage
@@ -613,7 +613,7 @@ class Gateway:
             }
 
         @app.post("/v1/chat/completions", response_model=None)
-        async def chat_completions(raw: Request) -> JSONResponse | StreamingResponse:
+        async def chat_completions(raw: Request) -> Response:
             header = raw.headers.get("authorization", "")
             key = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
             if not key or self._session(key) is None:
@@ -642,7 +642,8 @@ class Gateway:
                 return _error(HTTPStatus.SERVICE_UNAVAILABLE, exc.message, exc.field)
             except EngineError as exc:
                 return _error(HTTPStatus.SERVICE_UNAVAILABLE, str(exc))
-            return JSONResponse(response.model_dump())
+            # pydantic's own encoder: model_dump + json.dumps (JSONResponse) built the dict first.
+            return Response(response.model_dump_json(), media_type="application/json")
 
         return app
 
