@@ -121,7 +121,7 @@ def _describe_platform_once(client: Any) -> None:
     `with_options` starts without it, so every per-rollout client paid that thread hop on its one call:
     ~7 % of a one-call rollout processor's busy samples in py-spy (2026-12-06). Best effort: an openai without
     these private names just computes it per client, as before."""
-    if getattr(client, "_platform", True) is not None:
+    if not hasattr(client, "_platform") or client._platform is not None:
         return
     with contextlib.suppress(ImportError, AttributeError):
         from openai._base_client import get_platform
