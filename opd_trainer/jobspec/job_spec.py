@@ -264,6 +264,29 @@ def _distill_loss_description() -> str:
     )
 
 
+class LoraSettings(_Strict):
+    """Low-rank adapters (LoRA) on the student, named as PEFT's `LoraConfig`: the learner trains only
+    the adapters (PEFT), the student engines serve them with vLLM's LoRA support (one `LoRARequest` per
+    weight version), and each step moves the adapter's bytes, not the model's."""
+
+    r: int = Field(default=16, ge=1, le=256, description="Adapter rank (PEFT's `r`).")
+    lora_alpha: float = Field(
+        default=32.0, gt=0, description="Scaling numerator: the update is (lora_alpha / r) · B·A."
+    )
+    lora_dropout: float = Field(default=0.0, ge=0, lt=1, description="Dropout on the adapter's input.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_LORA_TARGETS),
+        min_length=1,
+        description="Names of the linear modules that get adapters (suffixes of module names, as PEFT "
+        "matches them); pre-flight refuses a name the student lacks. Default: every attention and MLP "
+        "projection of Llama / Qwen / Mistral-style models.",
+    )
+
+
+# Every projection of a Llama / Qwen2 / Mistral decoder layer (vLLM serves adapters on each of them).
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 class HyperParameters(_Strict):
     """Optimisation and sampling settings."""
 
@@ -292,6 +315,16 @@ class HyperParameters(_Strict):
         "max_position_embeddings of student and teacher); larger than that is rejected by pre-flight.",
     )
     max_tokens: int = Field(default=256, ge=1, description="Most tokens sampled per LLM call.")
+    lora: LoraSettings | None = Field(
+        default=None,
+        description="Train low-rank adapters instead of every weight (None: full training). With "
+        "teacher_model 'self' the teacher is the base model without the adapter.",
+    )
+    gradient_checkpointing: bool = Field(
+        default=False,
+        description="Recompute each decoder layer's activations in the backward pass instead of keeping "
+        "them: activation memory of about one layer instead of all, for ~30 % more learner compute.",
+    )
     temperature: float = Field(default=1.0, gt=0, description="Student sampling temperature.")
     kl_coef: float = Field(
         default=1.0,
@@ -538,6 +571,12 @@ class Resources(_Strict):
         description="Custom Ray resources each learner rank requires (as `student.ray_resources`).",
     )
     zero_stage: Literal[0, 1, 2, 3] = Field(default=2, description="DeepSpeed ZeRO stage of the learner.")
+    optimizer_offload: bool = Field(
+        default=False,
+        description="Keep AdamW's state and step in host memory (DeepSpeed's offload_optimizer, CPU Adam): "
+        "frees ~12 bytes a trained parameter of GPU memory (on a CPU learner: DeepSpeed's fused CPU Adam "
+        "on its own fp32 copy). Needs zero_stage 2 or 3.",
+    )
     placement_timeout_s: float = Field(
         default=600.0,
         gt=0,
@@ -552,6 +591,14 @@ class Resources(_Strict):
         "and the object store for the others. GPU jobs use these too (NCCL / CUDA IPC is not wired). "
         "One transport class each in `opd_trainer/engine/weight_transfer.py`.",
     )
+
+    @model_validator(mode="after")
+    def _offload_needs_zero(self) -> Resources:
+        if self.optimizer_offload and self.zero_stage < 2:
+            raise ValueError(
+                "optimizer_offload needs zero_stage 2 or 3 (DeepSpeed offloads ZeRO's partitions)"
+            )
+        return self
 
 
 class Promotion(_Strict):
