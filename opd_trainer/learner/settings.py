@@ -11,7 +11,22 @@ from transformers import get_scheduler
 from opd_trainer.learner.estimators import DistillationSettings
 
 if TYPE_CHECKING:
-    from opd_trainer.jobspec.job_spec import JobSpec
+    from opd_trainer.jobspec.job_spec import JobSpec, LoraSettings
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """The job's LoRA adapter (`hyper_parameters.lora`), in PEFT's `LoraConfig` names; a plain frozen
+    dataclass so that it pickles to the learner's actors without the job spec's pydantic models."""
+
+    r: int
+    lora_alpha: float
+    lora_dropout: float
+    target_modules: tuple[str, ...]
+
+    @classmethod
+    def from_spec(cls, lora: LoraSettings) -> LoraAdapter:
+        return cls(lora.r, lora.lora_alpha, lora.lora_dropout, tuple(lora.target_modules))
 
 
 @dataclass(frozen=True)
@@ -37,6 +52,12 @@ class LearnerSettings:
     seed: int
     distillation: DistillationSettings
     """What the estimator reads (`learner/estimators.py`)."""
+    lora: LoraAdapter | None = None
+    """Train PEFT LoRA adapters on the frozen student instead of every weight (None: full training)."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them."""
+    optimizer_offload: bool = False
+    """DeepSpeed's `offload_optimizer` to host memory with its CPU Adam (ZeRO 2 or 3)."""
 
     @classmethod
     def from_spec(cls, spec: JobSpec, total_updates: int) -> LearnerSettings:
@@ -67,6 +88,9 @@ class LearnerSettings:
                 ratio_cap=hp.ratio_cap,
                 stale_divergence=hp.stale_divergence,
             ),
+            lora=None if hp.lora is None else LoraAdapter.from_spec(hp.lora),
+            gradient_checkpointing=hp.gradient_checkpointing,
+            optimizer_offload=spec.resources.optimizer_offload,
         )
 
 

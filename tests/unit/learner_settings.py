@@ -12,12 +12,15 @@ from opd_trainer.jobspec.job_spec import parse_job_spec
 from opd_trainer.learner.settings import LearnerSettings
 
 
-def learner_settings(**hyper_parameters: Any) -> LearnerSettings:
-    """A ZeRO-0 learner's settings; `hyper_parameters` override the tests' defaults below."""
+def learner_settings(
+    resources: dict[str, Any] | None = None, model: str = "unused", **hyper_parameters: Any
+) -> LearnerSettings:
+    """A ZeRO-0 learner's settings of the student at `model`; `hyper_parameters` and `resources`
+    override the tests' defaults below."""
     spec = parse_job_spec(
         {
             "job_name": "unit",
-            "model": "unused",
+            "model": model,
             "teacher_model": "unused",
             "training_datasets": ["unused.jsonl"],
             "hyper_parameters": {
@@ -27,7 +30,7 @@ def learner_settings(**hyper_parameters: Any) -> LearnerSettings:
                 "distill_loss": "sampled",
                 **hyper_parameters,
             },
-            "resources": {"zero_stage": 0},
+            "resources": {"zero_stage": 0, **(resources or {})},
         }
     )
     return LearnerSettings.from_spec(spec, total_updates=1)
