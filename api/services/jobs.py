@@ -31,6 +31,7 @@ from opd_trainer.errors import ConfigError
 from opd_trainer.jobspec.job_spec import JobSpec
 from opd_trainer.jobspec.job_status import JobStatus, format_event_line
 from opd_trainer.jobspec.model_source import is_hub_id, local_model
+from opd_trainer.jobspec.lora_check import preflight_lora
 from opd_trainer.jobspec.preflight import preflight_models
 from opd_trainer.storage.run_dir import RunDir
 from opd_trainer.wire.schemas import (
@@ -256,6 +257,7 @@ def preflight(resolved: JobSpec) -> None:
         if not Path(value).is_dir():
             raise ConfigError(f"model folder {value} not found on the server", field=field)
     preflight_models(resolved.hyper_parameters.max_length, resolved.weight_sources())
+    preflight_lora(resolved.hyper_parameters.lora_targets(), resolved.model)
 
 
 def create(

@@ -22,6 +22,7 @@ from opd_trainer.driver.plots import format_final_table, plot_curves
 from opd_trainer.jobspec.dataset import load_samples
 from opd_trainer.jobspec.job_spec import JobSpec
 from opd_trainer.jobspec.model_source import local_model
+from opd_trainer.jobspec.lora_check import preflight_lora
 from opd_trainer.jobspec.preflight import check_references, check_task_records, preflight_models
 from opd_trainer.storage.run_dir import RunDir
 from opd_trainer.storage.shared import write_probe
@@ -38,6 +39,7 @@ def preflight_local(spec: JobSpec) -> None:
         validation = load_samples(spec.validation_datasets, "validation_datasets")
         check_task_records(validation, "validation_datasets", spec.is_agentic)
     preflight_models(spec.hyper_parameters.max_length, spec.weight_sources())
+    preflight_lora(spec.hyper_parameters.lora_targets(), spec.model)
 
 
 async def _follow(driver: Any, run: Any) -> Any:

@@ -510,6 +510,10 @@ class HyperParameters(_Strict):
             estimator.check_top_k(value)
         return value
 
+    def lora_targets(self) -> list[str] | None:
+        """The modules that get adapters (None: full training)."""
+        return None if self.lora is None else self.lora.target_modules
+
     def total_steps(self, training_samples: int) -> int:
         """Steps a job of `training_samples` runs: `max_steps`, else `n_epochs` passes of `batch_size`."""
         return self.max_steps or self.n_epochs * math.ceil(training_samples / self.batch_size)
