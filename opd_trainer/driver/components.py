@@ -20,11 +20,11 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from transformers import AutoTokenizer
 
+from opd_trainer.driver.publish import publish_weights
 from opd_trainer.driver.teachers import TeacherEngines
 from opd_trainer.engine.shared_teachers import acquire_shared, registry
 from opd_trainer.engine.teacher_sharing import TeacherSharing
 from opd_trainer.engine.vllm_engine import EngineActor, EngineConfig, EngineGroup
-from opd_trainer.engine.weight_transfer import publish_weights
 from opd_trainer.errors import ConfigError, ProcessorLoadError
 from opd_trainer.jobspec.dataset import Sample
 from opd_trainer.jobspec.job_spec import EngineResources, FunctionComponent, JobSpec
@@ -34,6 +34,7 @@ from opd_trainer.learner.settings import LearnerSettings
 from opd_trainer.rollout.chat import prompt_token_ids
 from opd_trainer.rollout.gateway_host import EngineWithGatewaysActor, GatewayHostActor, GatewayRef
 from opd_trainer.rollout.runner import STUDENT_MODEL_NAME, TEACHER_MODEL_NAME, AuxiliaryModel, RolloutRunner
+from opd_trainer.weight_sync.transports import check_transfer_available
 from opd_trainer.workers.pool import user_code_resources
 from opd_trainer.workers.sandbox import (
     SandboxUnavailable,
@@ -149,6 +150,10 @@ async def start_components(
     tokenizer = AutoTokenizer.from_pretrained(spec.model, trust_remote_code=False)
     world_size = max(1, spec.resources.learner_gpus)
     _check_rank_split(spec, world_size)
+    try:  # before any engine starts: cuda_ipc / nccl cannot run on this machine
+        check_transfer_available(spec.resources.weight_transfer, torch.cuda.is_available())
+    except ValueError as exc:
+        raise ConfigError(str(exc), field="resources.weight_transfer") from None
     emit("status", "starting engines and learner")
     # The gateways (vLLM's request validation and tool-call parser: an import of vLLM) live in the
     # default teacher's engine process when the job starts its own teachers (`EngineWithGateways`);

@@ -34,11 +34,11 @@ from opd_trainer.engine.inproc_llm import InprocAsyncLLM
 from opd_trainer.engine.kv_cache import cpu_kv_cache_bytes
 from opd_trainer.engine.lengths import completion_room
 from opd_trainer.engine.recent_scores import RecentScores
-from opd_trainer.engine.vllm_extension import EXTENSION_CLASSPATH
-from opd_trainer.engine.weight_transfer import WeightHandoff, apply_weights, transfer_for
 from opd_trainer.errors import EngineError, WeightSyncError
 from opd_trainer.jobspec.job_spec import EngineResources
 from opd_trainer.records import LLMCall
+from opd_trainer.weight_sync.transports import WeightHandoff, apply_weights, transfer_for
+from opd_trainer.weight_sync.worker_extension import EXTENSION_CLASSPATH
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable

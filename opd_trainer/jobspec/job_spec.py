@@ -587,13 +587,15 @@ class Resources(_Strict):
         description="How long Ray may take to place the engines and learner ranks (an autoscaler adding "
         "nodes included); past it the job fails naming the resource field and what the cluster has.",
     )
-    weight_transfer: Literal["auto", "shm", "ray"] = Field(
+    weight_transfer: Literal["auto", "shm", "ray", "cuda_ipc", "nccl"] = Field(
         default="auto",
         description="How the learner's weights reach the student engines after each step: 'shm' a "
         "shared-memory file on the learner's node (engines there only), 'ray' Ray's object store (any "
         "node, one more copy per engine node), 'auto' shared memory for engines on the learner's node "
-        "and the object store for the others. GPU jobs use these too (NCCL / CUDA IPC is not wired). "
-        "One transport class each in `opd_trainer/engine/weight_transfer.py`.",
+        "and the object store for the others. Opt-in on GPU jobs, never chosen by 'auto' and not yet run "
+        "on a GPU: 'cuda_ipc' (engines on the learner's node open its GPU buffer) and 'nccl' (a broadcast "
+        "group with the engines, any node); both move 512 MiB buckets GPU to GPU and are refused on a "
+        "machine without CUDA. One transport class each in `opd_trainer/weight_sync/`.",
     )
 
     @model_validator(mode="after")

@@ -25,8 +25,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from opd_trainer.cluster.placement import gang, in_gang, placed
 from opd_trainer.cluster.ports import free_port
 from opd_trainer.cluster.process_usage import actor_usage
-from opd_trainer.engine import weight_transfer
-from opd_trainer.engine.weight_transfer import WeightHandoff
 from opd_trainer.learner.batch import (
     LearnerBatch,
     logprobs_of_targets,
@@ -42,6 +40,8 @@ from opd_trainer.learner.shared_prefix import PrefixPlan, causal_keys, model_cal
 from opd_trainer.learner.turn_preference import preference_loss
 from opd_trainer.records import LLMCall
 from opd_trainer.storage.shared import check_probe
+from opd_trainer.weight_sync import transports
+from opd_trainer.weight_sync.transports import WeightHandoff
 
 logger = logging.getLogger(__name__)
 
@@ -319,7 +319,7 @@ class Learner:
         return untied(module.state_dict())
 
     def export_weights(self, kinds: list[str]) -> dict[str, WeightHandoff]:
-        """The current weights as one handoff per transport asked for (`weight_transfer`: "shm" a
+        """The current weights as one handoff per transport asked for (`weight_sync`: "shm" a
         tmpfs file on this node, "ray" Ray's object store), for the engine group to hand to its
         replicas. Every rank takes part (ZeRO-3 gathers the parameters collectively); rank 0's
         handoffs are the ones returned. Call `release_weights` once every engine has loaded them."""
@@ -327,11 +327,11 @@ class Learner:
         weights = self.named_weights()
         if self.rank != 0:
             return {}
-        return weight_transfer.export_weights(weights, kinds)
+        return transports.export_weights(weights, kinds)
 
     def release_weights(self, handoffs: list[WeightHandoff]) -> None:
         """Frees what `export_weights` made, each handoff by its own transport."""
-        weight_transfer.release_weights(handoffs)
+        transports.release_weights(handoffs)
 
     def usage(self) -> dict[str, float]:
         """This rank's CPU-seconds so far and GPUs held (`process_usage.actor_usage`), for metering."""

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 from opd_trainer.cluster.ray_runtime import remove_runtime_resources
 from opd_trainer.demo.tiny_models.serving import tiny_engine_config
 from opd_trainer.engine.vllm_engine import EngineActor, EngineGroup
-from opd_trainer.engine.weight_transfer import export_weights, release_weights
+from opd_trainer.weight_sync.transports import export_weights, release_weights
 
 
 @ray.remote(num_cpus=0, resources={"node_a": 0.01})

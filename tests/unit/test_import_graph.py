@@ -175,3 +175,18 @@ def test_only_the_cli_imports_the_cli() -> None:
         if target.startswith("opd_trainer.cli")
     ]
     assert not bad, "a library module imports the CLI: " + ", ".join(bad)
+
+
+def test_weight_sync_sits_below_engine_learner_and_driver() -> None:
+    # Every import counts here, lazy ones and those for type checkers included: the transports own
+    # both halves, so the engine and the learner import them, never the other way round.
+    above = ("opd_trainer.engine", "opd_trainer.learner", "opd_trainer.driver")
+    bad = [
+        f"{name} -> {target}"
+        for name, targets in _graph("all").items()
+        if name == "opd_trainer.weight_sync" or name.startswith("opd_trainer.weight_sync.")
+        for target in targets
+        if any(target == package or target.startswith(package + ".") for package in above)
+    ]
+    assert "opd_trainer.weight_sync.transports" in _graph("all"), "the package is not where the test looks"
+    assert not bad, "weight_sync imports a package above it: " + ", ".join(bad)

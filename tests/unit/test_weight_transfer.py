@@ -1,4 +1,4 @@
-"""`engine/weight_transfer.py`: which transport each replica gets, and each transport's two halves.
+"""`weight_sync/transports.py`: which transport each replica gets, and the host-memory transports' halves.
 
 The engine half runs against the real `WeightReloadExtension` over a stand-in for vLLM's model runner
 (what `collective_rpc` would reach in every worker), so the handoff, the RPC name and the extension's
@@ -19,23 +19,25 @@ import torch
 from pydantic import ValidationError
 from safetensors.torch import save_file
 
-from opd_trainer.engine import weight_transfer
-from opd_trainer.engine.vllm_extension import WeightReloadExtension
-from opd_trainer.engine.weight_transfer import (
+from opd_trainer.driver.publish import publish_weights
+from opd_trainer.errors import WeightSyncError
+from opd_trainer.jobspec.job_spec import Resources
+from opd_trainer.weight_sync import transports
+from opd_trainer.weight_sync.base import SHM_DIR_ENV
+from opd_trainer.weight_sync.transports import (
     WEIGHT_TRANSFERS,
     RayHandoff,
     RayTransfer,
     ShmHandoff,
     ShmTransfer,
     apply_weights,
+    check_transfer_available,
     export_weights,
-    publish_weights,
     release_weights,
     transfer,
     transfer_for,
 )
-from opd_trainer.errors import WeightSyncError
-from opd_trainer.jobspec.job_spec import Resources
+from opd_trainer.weight_sync.worker_extension import WeightReloadExtension
 
 
 def _weights(scale: float = 1.0) -> dict[str, torch.Tensor]:
@@ -108,22 +110,35 @@ def test_explicit_choices() -> None:
     assert transfer_for("shm", "node-a", "node-a") == "shm"
     with pytest.raises(ValueError, match="learner's node"):
         transfer_for("shm", "node-a", "node-b")
+    assert transfer_for("nccl", "node-a", "node-b") == "nccl"
+    assert transfer_for("cuda_ipc", "node-a", "node-a") == "cuda_ipc"
+    with pytest.raises(ValueError, match="learner's node"):
+        transfer_for("cuda_ipc", "node-a", "node-b")
     with pytest.raises(ValueError, match="unknown weight transfer"):
-        transfer_for("nccl", "node-a", "node-a")
+        transfer_for("gloo", "node-a", "node-a")
+
+
+def test_gpu_transports_are_refused_without_cuda_naming_the_field() -> None:
+    for kind in ("cuda_ipc", "nccl"):
+        with pytest.raises(ValueError, match=r"resources\.weight_transfer .*needs CUDA"):
+            check_transfer_available(kind, cuda_available=False)
+        check_transfer_available(kind, cuda_available=True)
+    for kind in ("auto", "shm", "ray"):
+        check_transfer_available(kind, cuda_available=False)
 
 
 def test_the_job_field_speaks_the_modules_vocabulary() -> None:
     assert Resources().weight_transfer == "auto"
     annotation = Resources.model_fields["weight_transfer"].annotation
-    assert typing.get_args(annotation) == WEIGHT_TRANSFERS == ("auto", "shm", "ray")
+    assert typing.get_args(annotation) == WEIGHT_TRANSFERS == ("auto", "shm", "ray", "cuda_ipc", "nccl")
     with pytest.raises(ValidationError, match="weight_transfer"):
-        Resources.model_validate({"weight_transfer": "nccl"})
+        Resources.model_validate({"weight_transfer": "gloo"})
 
 
 def test_each_kind_names_its_transport_and_auto_is_not_one() -> None:
     assert isinstance(transfer("shm"), ShmTransfer) and isinstance(transfer("ray"), RayTransfer)
     assert ShmHandoff.kind == ShmTransfer.kind == "shm" and RayHandoff.kind == RayTransfer.kind == "ray"
-    for kind in ("auto", "nccl"):
+    for kind in ("auto", "gloo"):
         with pytest.raises(WeightSyncError, match="unknown weight transfer"):
             transfer(kind)
 
@@ -175,7 +190,7 @@ def test_ray_export_apply_stages_on_the_engines_tmpfs(
     new = _weights(3.0)
 
     async def round_trip() -> RayHandoff:
-        monkeypatch.setattr(weight_transfer.ray, "put", _resolved)
+        monkeypatch.setattr(transports.ray, "put", _resolved)
         handoff = RayTransfer().export(new.items())
         assert handoff.num_tensors == 2 and handoff.num_bytes == (12 + 3) * 4
         await RayTransfer(staging).apply(handoff, engine, "student-1")  # type: ignore[arg-type]
@@ -193,11 +208,11 @@ def test_ray_export_apply_stages_on_the_engines_tmpfs(
 def test_export_weights_makes_one_handoff_per_kind_and_release_frees_them(
     tmp_path: Path, engine: _Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv(weight_transfer.SHM_DIR_ENV, str(tmp_path / "shm"))
+    monkeypatch.setenv(SHM_DIR_ENV, str(tmp_path / "shm"))
     new = _weights(4.0)
 
     async def run() -> dict[str, Any]:
-        monkeypatch.setattr(weight_transfer.ray, "put", _resolved)
+        monkeypatch.setattr(transports.ray, "put", _resolved)
         handoffs = export_weights(iter(new.items()), ["shm", "ray", "shm"])
         for handoff in handoffs.values():
             await apply_weights(handoff, engine, "student-0")  # type: ignore[arg-type]
