@@ -30,6 +30,7 @@ from opd_trainer.driver.trackers import check_tracking_uri
 from opd_trainer.errors import ConfigError
 from opd_trainer.jobspec.job_spec import JobSpec
 from opd_trainer.jobspec.job_status import JobStatus, format_event_line
+from opd_trainer.jobspec.memory_plan import check_memory_plan
 from opd_trainer.jobspec.model_source import is_hub_id, local_model
 from opd_trainer.jobspec.lora_check import preflight_lora
 from opd_trainer.jobspec.preflight import preflight_models
@@ -256,7 +257,9 @@ def preflight(resolved: JobSpec) -> None:
         # Only local model folders: a hub name would make transformers try the network from the API.
         if not Path(value).is_dir():
             raise ConfigError(f"model folder {value} not found on the server", field=field)
-    preflight_models(resolved.hyper_parameters.max_length, resolved.weight_sources())
+    max_length = preflight_models(resolved.hyper_parameters.max_length, resolved.weight_sources())
+    # Each role's memory against this node's (or, on a Ray cluster of several nodes, the largest's).
+    check_memory_plan(resolved, max_length)
     preflight_lora(resolved.hyper_parameters.lora_targets(), resolved.model)
 
 

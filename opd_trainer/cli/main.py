@@ -68,7 +68,7 @@ def _estimate(args: argparse.Namespace) -> int:
     # Lazy: CLI start-up (`opd --help`) loads no command's stack; this one loads when it runs.
     from opd_trainer.cli.train import run_estimate
 
-    return run_estimate(Path(args.job_file), args.calibration_steps, args.output == "json")
+    return run_estimate(Path(args.job_file), args.calibration_steps, args.output == "json", args.memory)
 
 
 def _version() -> str:
@@ -91,8 +91,8 @@ def _add_train_commands(commands: Any) -> None:
 
     estimate = commands.add_parser(
         "estimate",
-        help="what a job will use (teacher tokens, CPU/GPU-seconds, wall time), from a short calibration run "
-        "of it on a local Ray",
+        help="what a job will use: each role's memory (the plan pre-flight holds it to), then teacher "
+        "tokens, CPU/GPU-seconds and wall time from a short calibration run of it on a local Ray",
     )
     estimate.add_argument("job_file", help="job spec, YAML or JSON")
     estimate.add_argument(
@@ -101,6 +101,12 @@ def _add_train_commands(commands: Any) -> None:
         default=DEFAULT_CALIBRATION_STEPS,
         help=f"training steps the calibration runs (default {DEFAULT_CALIBRATION_STEPS}; it validates "
         "after the first)",
+    )
+    estimate.add_argument(
+        "--memory",
+        action="store_true",
+        help="print the memory plan per role alone (GiB by term, the budget, settings that would fit) "
+        "without starting anything; exit code 2 when it does not fit",
     )
     estimate.add_argument("-o", "--output", choices=("text", "json"), default="text", help="output format")
     estimate.set_defaults(handler=_estimate)

@@ -1,6 +1,7 @@
 """`opd train JOB.yaml`: runs one job on an embedded local Ray with a live progress bar
 (`opd_trainer.driver.local_run`, which `tune(...)` also uses); `opd estimate JOB.yaml`: what the job
-will use, from a short calibration run of it (`opd_trainer.driver.estimate`).
+will use, from a short calibration run of it (`opd_trainer.driver.estimate`), after the memory plan of
+each role (`opd_trainer.jobspec.memory_plan`); `opd estimate --memory JOB.yaml` prints the plan alone.
 
 Writes per-step metrics (JSONL + TensorBoard), events, checkpoints, PNG curves and a final
 teacher / student-before / student-after table under the run directory. Re-running the same
@@ -19,6 +20,8 @@ from opd_trainer.driver.local_run import prepare_spec, train_spec
 from opd_trainer.driver.plots import format_final_table
 from opd_trainer.errors import OPDError
 from opd_trainer.jobspec.job_spec import JobSpec, load_job_spec
+from opd_trainer.jobspec.memory_plan import format_plan, plan_as_dict, plan_memory
+from opd_trainer.jobspec.preflight import resolve_max_length
 
 __all__ = ["format_final_table", "run_estimate", "run_train"]
 
@@ -49,11 +52,23 @@ def run_train(job_file: Path, run_dir: Path | None, stop_after: int | None) -> i
     return 0
 
 
-def run_estimate(job_file: Path, calibration_steps: int, as_json: bool) -> int:
-    """`opd estimate`: exit code 2 for a job file that fails pre-flight, 1 for a calibration that fails."""
+def run_estimate(job_file: Path, calibration_steps: int, as_json: bool, memory_only: bool = False) -> int:
+    """`opd estimate`: the memory plan, then the calibration (`memory_only`: the plan alone, nothing
+    started). Exit code 2 for a job file that fails pre-flight or whose plan does not fit (then nothing
+    starts), 1 for a calibration that fails."""
     spec = _prepared(job_file)
     if spec is None:
         return 2
+    try:
+        plan = plan_memory(spec, resolve_max_length(spec.hyper_parameters.max_length, spec.weight_sources()))
+    except OPDError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if memory_only or not plan.fits:
+        print(json.dumps({"memory_plan": plan_as_dict(plan)}, indent=2) if as_json else format_plan(plan))
+        return 0 if plan.fits else 2
+    if not as_json:
+        print(format_plan(plan), flush=True)
     try:
         # The calibration's progress goes to stderr, so that stdout is the estimate alone.
         with contextlib.redirect_stdout(sys.stderr):
@@ -61,7 +76,7 @@ def run_estimate(job_file: Path, calibration_steps: int, as_json: bool) -> int:
     except OPDError as exc:
         return _job_failed(exc)
     if as_json:
-        print(json.dumps(found, indent=2))
+        print(json.dumps({**found, "memory_plan": plan_as_dict(plan)}, indent=2))
         return 0
     print(format_estimate(found, spec.job_name))
     return 0
