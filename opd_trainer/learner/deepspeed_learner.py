@@ -25,6 +25,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from opd_trainer.cluster.placement import gang, in_gang, placed
 from opd_trainer.cluster.ports import free_port
 from opd_trainer.cluster.process_usage import actor_usage
+from opd_trainer.errors import WeightSyncError
+from opd_trainer.learner import adapters
 from opd_trainer.learner.batch import (
     LearnerBatch,
     logprobs_of_targets,
@@ -59,6 +61,7 @@ class Learner:
         self._engine: Any = None
         self._reference: Any = None
         self._device: torch.device | None = None
+        self._zero_stage = settings.zero_stage
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -90,15 +93,28 @@ class Learner:
         deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
         self._device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         dtype = torch.bfloat16 if on_gpu else torch.float32
+        self._zero_stage = self._effective_zero_stage(on_gpu)
         model, optimizer, scheduler = self._model_optimizer_scheduler(dtype)
         self._engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self._deepspeed_config(on_gpu)
         )
-        if self.settings.kl_loss_coef > 0:
+        if self.settings.kl_loss_coef > 0 and self.settings.lora is None:
+            # Under LoRA the initial student is the base model with the adapter switched off: no copy.
             self._reference = self._frozen_reference(dtype)
-        logger.info(
-            "learner rank %d/%d ready (ZeRO-%d)", self.rank, self.world_size, self.settings.zero_stage
-        )
+        logger.info("learner rank %d/%d ready (ZeRO-%d)", self.rank, self.world_size, self._zero_stage)
+
+    def _effective_zero_stage(self, on_gpu: bool) -> int:
+        """The job's ZeRO stage, except 0 for ZeRO-1/2 on a single CPU rank without optimizer offload.
+
+        ZeRO-1/2 partition optimizer state and gradients across ranks; with one rank there is nothing to
+        partition, and on CPU (fp32) they only add DeepSpeed's fp32 flat copy of the weights and its
+        gradient buffers (benchmarks/learner_memory.py, 151 M parameters: 17.4 vs 13.2 bytes a parameter
+        after a step). On GPU (bf16) ZeRO keeps fp32 master weights either way, so the stage is kept.
+        """
+        stage = self.settings.zero_stage
+        if self.world_size == 1 and not on_gpu and not self.settings.optimizer_offload and stage in (1, 2):
+            return 0
+        return stage
 
     def _export_process_group_env(self, on_gpu: bool) -> None:
         """Sets the environment deepspeed reads: its accelerator (CPU only), rendezvous, rank, world size."""
@@ -123,26 +139,53 @@ class Learner:
         affinity = getattr(os, "sched_getaffinity", None)  # Linux; elsewhere all of the machine's
         torch.set_num_threads(len(affinity(0)) if affinity else os.cpu_count() or 1)
 
-    def _model_optimizer_scheduler(self, dtype: torch.dtype) -> tuple[Any, torch.optim.AdamW, Any]:
-        """The student loaded from `model_path`, its AdamW optimizer and learning-rate schedule."""
+    def _model_optimizer_scheduler(self, dtype: torch.dtype) -> tuple[Any, torch.optim.Optimizer, Any]:
+        """The student loaded from `model_path` (with a fresh LoRA adapter when the job trains one), the
+        optimizer of its trained parameters (AdamW; DeepSpeed's CPU Adam with `optimizer_offload`, which
+        DeepSpeed requires there) and the learning-rate schedule."""
+        settings = self.settings
         model = AutoModelForCausalLM.from_pretrained(
-            self.settings.model_path, dtype=dtype, trust_remote_code=False
+            settings.model_path, dtype=dtype, trust_remote_code=False
         )
         model.config.use_cache = False
-        optimizer = torch.optim.AdamW(
-            model.parameters(), lr=self.settings.learning_rate, weight_decay=self.settings.weight_decay
-        )
+        if settings.gradient_checkpointing:
+            # Non-reentrant: gradients reach the layers' inputs without `enable_input_require_grads`,
+            # also where the embeddings are frozen (LoRA).
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if settings.lora is not None:
+            model = adapters.with_adapter(model, settings.lora, settings.model_path)
+        # transformers checkpoints layers and PEFT drops adapter inputs only in training mode; otherwise the
+        # learner stays in eval mode as loaded, so that no dropout makes its logprobs noisier than the
+        # sampler's (Qwen2 / Llama configs have none).
+        lora_dropout = settings.lora is not None and settings.lora.lora_dropout > 0
+        model.train(settings.gradient_checkpointing or lora_dropout)
+        trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
+        optimizer: torch.optim.Optimizer
+        if settings.optimizer_offload:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam  # builds its C++ op at first use (~1 min)
+
+            optimizer = DeepSpeedCPUAdam(
+                trained, lr=settings.learning_rate, weight_decay=settings.weight_decay, adamw_mode=True
+            )
+        else:
+            optimizer = torch.optim.AdamW(
+                trained, lr=settings.learning_rate, weight_decay=settings.weight_decay
+            )
         total, schedule = self.settings.total_updates, self.settings.lr_scheduler_type
         warmup = round(self.settings.warmup_ratio * total)
         return model, optimizer, lr_schedule(optimizer, schedule, total, warmup)
 
     def _deepspeed_config(self, on_gpu: bool) -> dict[str, Any]:
-        """DeepSpeed's config: one micro-batch per engine step, clipping, ZeRO stage, bf16 on GPU only."""
+        """DeepSpeed's config: one micro-batch per engine step, clipping, ZeRO stage (optimizer state in
+        host memory with `optimizer_offload`), bf16 on GPU only."""
+        zero: dict[str, Any] = {"stage": self._zero_stage}
+        if self.settings.optimizer_offload:
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
         return {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,
             "gradient_clipping": self.settings.max_grad_norm,
-            "zero_optimization": {"stage": self.settings.zero_stage},
+            "zero_optimization": zero,
             "bf16": {"enabled": on_gpu},
             "steps_per_print": 10**9,
             "wall_clock_breakdown": False,
@@ -168,8 +211,12 @@ class Learner:
         they compare counts first (one small all-reduce) and all take the plain forward, one call
         each, unless every rank's count is the same.
         """
+        if self.settings.gradient_checkpointing:
+            # transformers' checkpointed layers drop the KV cache that the shared-prefix forward hands
+            # from one level to the next (`GradientCheckpointingLayer`): the plain forward, on every rank.
+            return None
         plan = prefix_plan(batch)
-        if self.settings.zero_stage != 3 or self.world_size == 1:
+        if self._zero_stage != 3 or self.world_size == 1:
             return plan
         calls = model_calls(plan)
         extremes = torch.tensor([calls, -calls], device=self._device)
@@ -181,7 +228,8 @@ class Learner:
         ZeRO-3 the forward is collective: every rank calls this with the same segments."""
         self.initialize()
         batch = pad_segments(segments, 0, self._device)
-        with torch.no_grad():
+        # Eval mode: no dropout, and no checkpointed layer dropping the shared-prefix forward's cache.
+        with torch.no_grad(), _eval_mode(self._engine.module):
             logits_B_S_V = scored_logits(self._engine.module, batch, prefix_plan(batch), self._device)
             logprobs = logprobs_of_targets(logits_B_S_V, batch, self.settings.temperature).cpu()
         first = batch.first_scored_position  # every row's first completion token is predicted there
@@ -279,10 +327,8 @@ class Learner:
             )
             total = total + settings.turn_preference_coef * preference
             logged.update(preference_stats)
-        if self._reference is not None:
-            with torch.no_grad():
-                reference_logits_B_S_V = scored_logits(self._reference, batch, plan, self._device)
-                reference_B_T = logprobs_of_targets(reference_logits_B_S_V, batch, settings.temperature)
+        if settings.kl_loss_coef > 0:
+            reference_B_T = self._reference_logprobs(batch, plan)
             kl_ref = kl_to_reference(learner_B_T, reference_B_T, batch.mask_B_T, num_tokens)
             total = total + settings.kl_loss_coef * kl_ref
             logged["kl_to_initial"] = float(kl_ref.detach())
@@ -291,16 +337,34 @@ class Learner:
         logged["loss"] = float(total.detach())
         return logged
 
+    def _reference_logprobs(self, batch: LearnerBatch, plan: PrefixPlan | None) -> torch.Tensor:
+        """[B, T] logprobs of the initial student (KL to it, `kl_loss_coef`): the frozen copy, or under
+        LoRA the base model itself with the adapter switched off."""
+        with torch.no_grad():
+            if self._reference is not None:
+                logits_B_S_V = scored_logits(self._reference, batch, plan, self._device)
+            else:
+                module = self._engine.module
+                with module.disable_adapter(), _eval_mode(module):
+                    logits_B_S_V = scored_logits(module, batch, plan, self._device)
+            return logprobs_of_targets(logits_B_S_V, batch, self.settings.temperature)
+
     # -- weights and checkpoints ----------------------------------------------------------------
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """Full (gathered) weights under Hugging Face names, as the engines load them.
 
         Tied tensors (e.g. `lm_head.weight` = `model.embed_tokens.weight`) appear once, under their
-        first name, as in a tied checkpoint: the engine re-ties them on load.
+        first name, as in a tied checkpoint: the engine re-ties them on load. Without ZeRO-3 they are
+        the module's own tensors (no copy: the transport streams them); under ZeRO-3 each parameter is
+        gathered, copied out and released in turn, so the whole model is never held twice.
+        Full training only: a LoRA job hands over its adapter (`adapter_files`).
         """
-        import deepspeed  # imported on use: its accelerator is chosen by `initialize` (see there)
-
+        if self.settings.lora is not None:
+            raise WeightSyncError(
+                "named_weights / export_weights hand over the whole model, and this job trains a LoRA "
+                "adapter (hyper_parameters.lora): hand over adapter_files() instead"
+            )
         module = self._engine.module
 
         def untied(state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
@@ -312,11 +376,51 @@ class Learner:
                     weights.append((name, tensor.detach()))
             return weights
 
-        if self.settings.zero_stage == 3:
-            # Tied tensors are found while gathered (one storage), before the copies that outlive it.
-            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-                return [(n, t.cpu().clone()) for n, t in untied(module.state_dict())]
+        if self._zero_stage == 3:
+            return self._gathered_one_by_one(module)
         return untied(module.state_dict())
+
+    def _gathered_one_by_one(self, module: Any) -> list[tuple[str, torch.Tensor]]:
+        """ZeRO-3: the state dict's tensors, each parameter gathered alone (a collective on every rank)
+        and copied to the host; a tied parameter (one object under several names) once."""
+        import deepspeed  # imported on use: its accelerator is chosen by `initialize` (see there)
+
+        parameters = {id(parameter) for parameter in module.parameters()}
+        seen: set[int] = set()
+        weights = []
+        for name, tensor in module.state_dict(keep_vars=True).items():
+            if id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            gathered = (
+                deepspeed.zero.GatheredParameters([tensor], modifier_rank=None)
+                if id(tensor) in parameters
+                else contextlib.nullcontext()
+            )
+            with gathered:
+                weights.append((name, tensor.detach().to("cpu", copy=True)))
+        return weights
+
+    def adapter_files(self) -> dict[str, bytes]:
+        """The current LoRA adapter as a PEFT folder's files (`adapter_config.json`,
+        `adapter_model.safetensors` under PEFT's key names, `base_model_name_or_path` the student's
+        `model_path`): what vLLM's `LoRARequest` and `PeftModel.from_pretrained` load
+        (`adapters.write_adapter_files` writes the folder). Every rank takes part (ZeRO-3 gathers the
+        adapter collectively); rank 0's files are returned, {} on the other ranks."""
+        self.initialize()
+        if self.settings.lora is None:
+            raise WeightSyncError("adapter_files needs a LoRA job (hyper_parameters.lora); export_weights")
+        module = self._engine.module
+        with self._gathered([parameter for parameter in module.parameters() if parameter.requires_grad]):
+            return adapters.adapter_files(module) if self.rank == 0 else {}
+
+    def _gathered(self, parameters: list[torch.nn.Parameter]) -> contextlib.AbstractContextManager[Any]:
+        """Under ZeRO-3 `parameters` gathered whole for the block (collective); else nothing to do."""
+        if self._zero_stage != 3:
+            return contextlib.nullcontext()
+        import deepspeed  # imported on use: its accelerator is chosen by `initialize` (see there)
+
+        return deepspeed.zero.GatheredParameters(parameters, modifier_rank=None)
 
     def export_weights(self, kinds: list[str]) -> dict[str, WeightHandoff]:
         """The current weights as one handoff per transport asked for (`weight_sync`: "shm" a
@@ -341,21 +445,43 @@ class Learner:
         return ray.get_runtime_context().get_node_id()
 
     def save_checkpoint(self, directory: str) -> None:
-        """DeepSpeed optimizer/scheduler state (every rank its shard) + the HF `save_pretrained`
-        student, gathered on every rank (a collective under ZeRO-3) and written by rank 0."""
+        """DeepSpeed optimizer/scheduler state (every rank its shard) + the student in `student/` with
+        its tokenizer, gathered on every rank (a collective under ZeRO-3) and written by rank 0: the HF
+        `save_pretrained` model, or for a LoRA job the PEFT adapter folder (`adapters.merged_model`
+        makes a whole model of it on request). A LoRA job's DeepSpeed state leaves out the frozen base."""
         self.initialize()
-        path = Path(directory)
-        self._engine.save_checkpoint(str(path / "deepspeed"), tag="state")
-        weights = self.named_weights()
+        path, lora = Path(directory), self.settings.lora is not None
+        self._engine.save_checkpoint(str(path / "deepspeed"), tag="state", exclude_frozen_parameters=lora)
+        student = path / "student"
+        if lora:
+            files = self.adapter_files()
+            if self.rank == 0:
+                adapters.write_adapter_files(files, student)
+        else:
+            weights = self.named_weights()
+            if self.rank == 0:
+                self._engine.module.save_pretrained(str(student), state_dict=dict(weights))
         if self.rank == 0:
-            self._engine.module.save_pretrained(str(path / "student"), state_dict=dict(weights))
-            AutoTokenizer.from_pretrained(self.settings.model_path, trust_remote_code=False).save_pretrained(
-                str(path / "student")
-            )
+            tokenizer = AutoTokenizer.from_pretrained(self.settings.model_path, trust_remote_code=False)
+            tokenizer.save_pretrained(str(student))
 
     def load_checkpoint(self, directory: str) -> None:
         self.initialize()
-        self._engine.load_checkpoint(str(Path(directory) / "deepspeed"), tag="state")
+        # A LoRA checkpoint holds the adapter alone; the frozen base is the one loaded from model_path.
+        self._engine.load_checkpoint(
+            str(Path(directory) / "deepspeed"), tag="state", load_module_strict=self.settings.lora is None
+        )
+
+
+@contextlib.contextmanager
+def _eval_mode(module: torch.nn.Module) -> Any:
+    """`module` in eval mode for the block, back in its mode after."""
+    training = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(training)
 
 
 # The estimator's per-token statistics `Learner.train_step` reports, each weighted by the rank's share
@@ -483,6 +609,12 @@ class LearnerGroup:
     async def export_weights(self, kinds: list[str]) -> dict[str, WeightHandoff]:
         """Rank 0's handoffs; every rank takes part (a ZeRO-3 gather is collective)."""
         results = await asyncio.gather(*(a.export_weights.remote(kinds) for a in self.actors))
+        return results[0]
+
+    async def adapter_files(self) -> dict[str, bytes]:
+        """Rank 0's LoRA adapter files (`Learner.adapter_files`); every rank takes part (a ZeRO-3
+        gather is collective)."""
+        results = await asyncio.gather(*(a.adapter_files.remote() for a in self.actors))
         return results[0]
 
     async def release_weights(self, handoffs: list[WeightHandoff]) -> None:
