@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
     from vllm import SamplingParams
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.lora.request import LoRARequest
     from vllm.outputs import RequestOutput
     from vllm.v1.engine.llm_engine import LLMEngine
 
@@ -168,9 +169,14 @@ class InprocAsyncLLM:
         return self._engine
 
     async def generate(
-        self, prompt: dict[str, Any], params: SamplingParams, request_id: str
+        self,
+        prompt: dict[str, Any],
+        params: SamplingParams,
+        request_id: str,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """The request's outputs as vLLM produces them (by `params.output_kind`), the last finished."""
+        """The request's outputs as vLLM produces them (by `params.output_kind`), the last finished;
+        with `lora_request`, sampled with that adapter."""
         await self._accepting.wait()
         stream: asyncio.Queue[Any] = asyncio.Queue()
         self._streams[request_id] = stream
@@ -178,7 +184,9 @@ class InprocAsyncLLM:
         self._idle.clear()
         finished = False
         try:
-            await self._call(lambda: self._llm_engine.add_request(request_id, prompt, params))
+            await self._call(
+                lambda: self._llm_engine.add_request(request_id, prompt, params, lora_request=lora_request)
+            )
             while not finished:
                 output = await stream.get()
                 if isinstance(output, BaseException):
@@ -218,6 +226,13 @@ class InprocAsyncLLM:
 
     async def resume_generation(self) -> None:
         self._accepting.set()
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Loads a LoRA adapter into the engine (vLLM's `add_lora`)."""
+        return await self._call(lambda: self._llm_engine.add_lora(lora_request))
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return await self._call(lambda: self._llm_engine.remove_lora(lora_id))
 
     async def reset_prefix_cache(self) -> bool:
         return await self._call(lambda: self._llm_engine.reset_prefix_cache())

