@@ -20,7 +20,7 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from transformers import AutoTokenizer
 
-from opd_trainer.driver.publish import publish_weights
+from opd_trainer.driver.publish import publish_adapter, publish_weights
 from opd_trainer.driver.teachers import TeacherEngines
 from opd_trainer.engine.shared_teachers import acquire_shared, registry
 from opd_trainer.engine.teacher_sharing import TeacherSharing
@@ -74,9 +74,12 @@ class Components:
     def prompt(self, sample: Sample) -> list[int]:
         return prompt_token_ids(self.tokenizer, sample.messages, sample.tools, self.spec.chat_template_kwargs)
 
-    async def publish_weights(self, version: int) -> None:
-        """The learner's weights to every student replica, each by its handoff kind."""
-        await publish_weights(self.learner, self.student, list(self.weight_transfers), version)
+    async def publish_weights(self, version: int) -> int:
+        """The learner's weights to every student replica, each by its handoff kind; a LoRA job's
+        adapter instead (one `AdapterHandoff` every replica loads). Returns the bytes handed off."""
+        if self.spec.hyper_parameters.lora is not None:
+            return await publish_adapter(self.learner, self.student, version)
+        return await publish_weights(self.learner, self.student, list(self.weight_transfers), version)
 
     async def engine_metrics(self) -> dict[str, float]:
         """`engine/ROLE/KEY` of the student's and the teachers' engines (`EngineGroup.stats`: totals so
@@ -217,11 +220,10 @@ async def _learner_handoffs(
         transfers = await student.transfers(spec.resources.weight_transfer, await learner.node_id())
     except ValueError as exc:
         raise ConfigError(str(exc), field="resources.weight_transfer") from None
-    emit(
-        "status",
-        f"student weights reach the engines by {', '.join(sorted(set(transfers)))}",
-        weight_transfers=transfers,
-    )
+    how = ", ".join(sorted(set(transfers)))
+    if spec.hyper_parameters.lora is not None:
+        how = "adapter (LoRA: each step's adapter files, loaded as a new LoRARequest)"
+    emit("status", f"student weights reach the engines by {how}", weight_transfers=transfers)
     return transfers
 
 
@@ -351,6 +353,8 @@ def _engine_config(
         # vLLM refuses a request for more top-k logprobs than this; 20 is its own default.
         max_logprobs=max(20, hp.teacher_top_k) if role == "teacher" else 20,
         placement_timeout_s=spec.resources.placement_timeout_s,
+        # A LoRA job's student engines serve its adapter, loaded anew each step (`engine/adapters.py`).
+        lora_rank=hp.lora.r if hp.lora is not None and role == "student" else None,
     )
 
 

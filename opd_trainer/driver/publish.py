@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from opd_trainer.weight_sync import AdapterTransfer
+
 if TYPE_CHECKING:
     from opd_trainer.engine.vllm_engine import EngineGroup
     from opd_trainer.learner.deepspeed_learner import LearnerGroup
@@ -23,3 +25,11 @@ async def publish_weights(learner: LearnerGroup, student: EngineGroup, kinds: li
         return sum(handoff.num_bytes for handoff in handoffs.values())
     finally:
         await learner.release_weights(list(handoffs.values()))
+
+
+async def publish_adapter(learner: LearnerGroup, student: EngineGroup, version: int) -> int:
+    """A LoRA job's adapter to every student replica (one `AdapterHandoff`, loaded by each as a new
+    `LoRARequest`), all reporting `version`. Returns the adapter's bytes."""
+    handoff = AdapterTransfer().export(await learner.adapter_files(), version)
+    await student.update_weights([handoff] * len(student.actors), version)
+    return handoff.num_bytes

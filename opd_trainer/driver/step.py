@@ -390,7 +390,7 @@ async def train_step(
     if sampler.ahead and hp.max_staleness == 1:  # new weights once the engines finished the next batch
         await asyncio.wait([sampler.ahead[0].rollouts])
     phases.done("next_rollouts_wait")
-    await c.publish_weights(step + 1)
+    sync_bytes = await c.publish_weights(step + 1)
     phases.done("sync")
     engine_metrics = await c.engine_metrics()
     step_s = clock.lap()
@@ -408,6 +408,7 @@ async def train_step(
         "staleness/batches_ahead": float(len(sampler.ahead)),
         **(per_teacher_metrics(segments) if c.teachers.several else {}),
         "segments": float(len(segments)),
+        "sync_bytes": float(sync_bytes),  # the weights (or a LoRA job's adapter) handed to the engines
         "trained_tokens": float(trained_tokens),
         "forwarded_tokens": float(forwarded_tokens),
         "tokens_per_s": trained_tokens / step_s,
