@@ -249,12 +249,19 @@ def job_checkpoints(job_id: str, session: SessionDep, tenant: TenantDep) -> Chec
         **errors(*TENANT, 404),
     },
     description="The checkpoint's student as a zip of its Hugging Face model folder (config, tokenizer, "
-    "safetensors weights) under one top folder; `fine_tuned_model` names the final one.",
+    "safetensors weights) under one top folder; `fine_tuned_model` names the final one. A LoRA job's "
+    "checkpoint is its adapter folder (PEFT's adapter_config.json and adapter_model.safetensors, the "
+    "tokenizer); with `merged=true`, the base model with the adapter merged in (made on the first such "
+    "request, kept beside the checkpoint).",
 )
 def checkpoint_content(
-    job_id: str, checkpoint_id: str, session: SessionDep, tenant: TenantDep
+    job_id: str,
+    checkpoint_id: str,
+    session: SessionDep,
+    tenant: TenantDep,
+    merged: Annotated[bool, Query(description="A LoRA checkpoint as its merged model.")] = False,
 ) -> StreamingResponse:
-    folder = jobs.checkpoint_model(session, tenant.id, job_id, checkpoint_id)
+    folder = jobs.checkpoint_model(session, tenant.id, job_id, checkpoint_id, merged)
     name = f"{job_id}-{checkpoint_id}"
     return StreamingResponse(
         stream_zip(folder, name),

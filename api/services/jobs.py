@@ -9,6 +9,7 @@ from there.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 import time
@@ -30,10 +31,11 @@ from opd_trainer.driver.trackers import check_tracking_uri
 from opd_trainer.errors import ConfigError
 from opd_trainer.jobspec.job_spec import JobSpec
 from opd_trainer.jobspec.job_status import JobStatus, format_event_line
-from opd_trainer.jobspec.memory_plan import check_memory_plan
-from opd_trainer.jobspec.model_source import is_hub_id, local_model
 from opd_trainer.jobspec.lora_check import preflight_lora
+from opd_trainer.jobspec.memory_plan import check_memory_plan, placement_budget
+from opd_trainer.jobspec.model_source import is_hub_id, local_model
 from opd_trainer.jobspec.preflight import preflight_models
+from opd_trainer.learner.merged_models import is_adapter_folder, merged_folder, whole_model
 from opd_trainer.storage.run_dir import RunDir
 from opd_trainer.wire.schemas import (
     CheckpointList,
@@ -232,7 +234,8 @@ def resolve_models(session: Session, tenant_id: str, spec: JobSpec) -> tuple[Job
         checkpoint = server_paths.CHECKPOINT_MODEL.fullmatch(value)
         if checkpoint is not None:
             source = get_owned(session, tenant_id, checkpoint["job"], field)
-            updates[field] = str(Path(source.run_dir) / checkpoint["folder"])
+            # A LoRA job's checkpoint holds an adapter: a later job trains and serves its merged model.
+            updates[field] = whole_model(str(Path(source.run_dir) / checkpoint["folder"]))
         elif value.startswith("file-"):
             record = _owned_file(session, tenant_id, value, "model", field)
             assert record.extracted_dir is not None  # the upload extracted it
@@ -258,8 +261,11 @@ def preflight(resolved: JobSpec) -> None:
         if not Path(value).is_dir():
             raise ConfigError(f"model folder {value} not found on the server", field=field)
     max_length = preflight_models(resolved.hyper_parameters.max_length, resolved.weight_sources())
-    # Each role's memory against this node's (or, on a Ray cluster of several nodes, the largest's).
-    check_memory_plan(resolved, max_length)
+    # Each role's memory against this node's (or, on a Ray cluster of several nodes, the largest's):
+    # its whole memory, since a queued job starts once the jobs before it have freed theirs; the driver
+    # checks again against what is available when the job starts.
+    budget = placement_budget()
+    check_memory_plan(resolved, max_length, dataclasses.replace(budget, host_available=budget.host_total))
     preflight_lora(resolved.hyper_parameters.lora_targets(), resolved.model)
 
 
@@ -410,12 +416,16 @@ def checkpoints(session: Session, tenant_id: str, job_id: str) -> CheckpointList
     )
 
 
-def checkpoint_model(session: Session, tenant_id: str, job_id: str, checkpoint_id: str) -> Path:
-    """The student model folder of one of the tenant's checkpoints (404 for anything else)."""
+def checkpoint_model(
+    session: Session, tenant_id: str, job_id: str, checkpoint_id: str, merged: bool = False
+) -> Path:
+    """The student model folder of one of the tenant's checkpoints (404 for anything else): a LoRA
+    job's adapter folder, or with `merged` its base model with the adapter merged in."""
     run_dir = RunDir(get_owned(session, tenant_id, job_id).run_dir)
     for found in run_dir.checkpoints():
         if found["id"] == checkpoint_id and Path(found["student"]).is_dir():
-            return Path(found["student"])
+            student = Path(found["student"])
+            return merged_folder(student) if merged and is_adapter_folder(student) else student
     raise not_found("checkpoint", checkpoint_id, "checkpoint_id")
 
 

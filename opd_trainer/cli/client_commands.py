@@ -251,7 +251,7 @@ def _checkpoints(args: argparse.Namespace) -> int:
 
 
 def _download(args: argparse.Namespace) -> int:
-    folder = _client(args).download_checkpoint(args.job_id, args.checkpoint, args.to)
+    folder = _client(args).download_checkpoint(args.job_id, args.checkpoint, args.to, args.merged)
     if not _json_out(args, {"job_id": args.job_id, "path": str(folder)}):
         print(folder)
     return 0
@@ -511,6 +511,11 @@ def _add_job_commands(commands: Any, connection: Any, admin: Any) -> None:
     download.add_argument("job_id")
     download.add_argument("--checkpoint", help="checkpoint id (default: the job's fine_tuned_model)")
     download.add_argument("--to", help="folder to create (default ./JOB_ID-CHECKPOINT_ID)")
+    download.add_argument(
+        "--merged",
+        action="store_true",
+        help="a LoRA job's checkpoint as its base model with the adapter merged in (default: the adapter)",
+    )
     metrics = command("metrics", "a job's training metrics and validation summary", _metrics)
     metrics.add_argument("job_id")
     metrics.add_argument("--last", type=int, default=10, help="how many of the latest steps (default 10)")

@@ -185,14 +185,19 @@ class OPDClient(ClientBase[httpx.Client]):
         return self._send(operations.checkpoints(job_id))
 
     def download_checkpoint(
-        self, job_id: str, checkpoint_id: str | None = None, target: str | Path | None = None
+        self,
+        job_id: str,
+        checkpoint_id: str | None = None,
+        target: str | Path | None = None,
+        merged: bool = False,
     ) -> Path:
         """Downloads a checkpoint's student (default: the job's `fine_tuned_model`) into `target`
-        (default `./JOB_ID-CHECKPOINT_ID`, which must not exist) as a Hugging Face model folder."""
+        (default `./JOB_ID-CHECKPOINT_ID`, which must not exist) as a Hugging Face model folder; a LoRA
+        job's is its adapter folder, or with `merged` the base model with the adapter merged in."""
         if checkpoint_id is None:
             checkpoint_id = local_files.fine_tuned_model(self.get_job(job_id))
         destination = local_files.download_target(job_id, checkpoint_id, target)
-        call = operations.checkpoint_content(job_id, checkpoint_id)
+        call = operations.checkpoint_content(job_id, checkpoint_id, merged)
         with local_files.download_scratch(destination) as archive:
             with self._http.stream(call.method, call.path, **call.options()) as response:
                 self._check_stream(response)

@@ -181,12 +181,16 @@ class AsyncOPDClient(ClientBase[httpx.AsyncClient]):
         return await self._send(operations.checkpoints(job_id))
 
     async def download_checkpoint(
-        self, job_id: str, checkpoint_id: str | None = None, target: str | Path | None = None
+        self,
+        job_id: str,
+        checkpoint_id: str | None = None,
+        target: str | Path | None = None,
+        merged: bool = False,
     ) -> Path:
         if checkpoint_id is None:
             checkpoint_id = local_files.fine_tuned_model(await self.get_job(job_id))
         destination = local_files.download_target(job_id, checkpoint_id, target)
-        call = operations.checkpoint_content(job_id, checkpoint_id)
+        call = operations.checkpoint_content(job_id, checkpoint_id, merged)
         with local_files.download_scratch(destination) as archive:
             async with self._http.stream(call.method, call.path, **call.options()) as response:
                 await self._check_stream(response)

@@ -263,10 +263,12 @@ def checkpoints(job_id: str) -> Call[list[CheckpointPublic]]:
     return Call("GET", path, lambda r: CheckpointList.model_validate(r.json()).data)
 
 
-def checkpoint_content(job_id: str, checkpoint_id: str) -> Call[httpx.Response]:
-    """The checkpoint's student as a zip; sent with `stream`, its answer is read in chunks."""
+def checkpoint_content(job_id: str, checkpoint_id: str, merged: bool = False) -> Call[httpx.Response]:
+    """The checkpoint's student as a zip (`merged`: a LoRA checkpoint's adapter merged into its base);
+    sent with `stream`, its answer is read in chunks."""
     path = f"/v1/opd/jobs/{job_id}/checkpoints/{checkpoint_id}/content"
-    return Call("GET", path, _unread, timeout=DOWNLOAD_TIMEOUT)
+    params = {"merged": "true"} if merged else {}
+    return Call("GET", path, _unread, params=params, timeout=DOWNLOAD_TIMEOUT)
 
 
 def metrics(job_id: str) -> Call[MetricsPublic]:

@@ -21,9 +21,10 @@ from opd_trainer.cluster.ray_runtime import init_ray
 from opd_trainer.driver.plots import format_final_table, plot_curves
 from opd_trainer.jobspec.dataset import load_samples
 from opd_trainer.jobspec.job_spec import JobSpec
-from opd_trainer.jobspec.model_source import local_model
 from opd_trainer.jobspec.lora_check import preflight_lora
+from opd_trainer.jobspec.model_source import local_model
 from opd_trainer.jobspec.preflight import check_references, check_task_records, preflight_models
+from opd_trainer.learner.merged_models import whole_model
 from opd_trainer.storage.run_dir import RunDir
 from opd_trainer.storage.shared import write_probe
 
@@ -80,9 +81,14 @@ async def _follow(driver: Any, run: Any) -> Any:
 
 def prepare_spec(spec: JobSpec) -> JobSpec:
     """`spec` with Hugging Face ids turned into their snapshot folders (downloaded if missing, as the
-    server resolves them), after the local pre-flight checks; raises `OPDError` naming the field."""
+    server resolves them) and LoRA checkpoints into their merged models, after the local pre-flight
+    checks; raises `OPDError` naming the field."""
     spec = spec.with_weight_sources(
-        {field: local_model(value, field, download=True) for field, value in spec.weight_sources().items()}
+        {
+            # A LoRA job's checkpoint (an adapter folder) trains and serves as its merged model.
+            field: whole_model(local_model(value, field, download=True))
+            for field, value in spec.weight_sources().items()
+        }
     )
     preflight_local(spec)
     return spec
