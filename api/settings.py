@@ -61,6 +61,22 @@ class Settings(BaseSettings):
         "requests wait for a slot (one added at a time, given back when idle). None: a group keeps the "
         "first job's resources.teacher.replicas.",
     )
+    shared_student_idle_s: float | None = Field(
+        default=None,
+        ge=0,
+        description="Share student engines between LoRA jobs (hyper_parameters.lora): jobs whose student is "
+        "the same base model (same folder, context, dtype, resources.student, and a LoRA rank vLLM serves "
+        "alike) sample on one engine group the service owns, each with its own adapter, admitted fairly "
+        "per job and metered per job; a job's adapter is unloaded when it ends, and the group is shut down "
+        "after this many seconds without a job holding it. Full-training jobs always start their own. "
+        "None (default): every job starts its own student engines.",
+    )
+    shared_student_max_jobs: int = Field(
+        default=4,
+        ge=1,
+        description="With shared student engines: the most LoRA jobs one group serves at once (its vLLM "
+        "max_loras is this plus one); a job past it starts another group.",
+    )
     tenant_max_active_jobs: int = Field(
         default=8, ge=1, description="Non-terminal jobs (queued, running, paused, ...) one tenant may hold."
     )

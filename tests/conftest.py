@@ -36,7 +36,7 @@ def _training_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
     root = tmp_path_factory.mktemp("training-server")
     (root / "models").mkdir()
-    # Teacher engines shared between jobs (engine/shared_teachers.py): the jobs here run one after
+    # Teacher engines shared between jobs (engine/shared_engines.py): the jobs here run one after
     # another, so a job whose teacher matches an earlier one's scores on its engines (the server path
     # of sharing, tested by every job on this server; the per-job default is what the integration
     # tests' drivers run).

@@ -59,7 +59,7 @@ from api.services.jobs import add_event, compare_and_set, finite, resolve_for_dr
 from api.services.lease import Lease, new_holder_id
 from api.services.states import WITH_DRIVER
 from api.settings import Settings
-from opd_trainer.engine.teacher_sharing import TeacherSharing
+from opd_trainer.engine.engine_sharing import EngineSharing
 from opd_trainer.errors import OPDError
 from opd_trainer.storage.run_dir import RunDir
 from opd_trainer.storage.shared import write_probe
@@ -609,7 +609,7 @@ class Scheduler:
         # Counted before the new driver can write: what follows in events.jsonl is its own.
         job.driver_events_offset = len(RunDir(job.run_dir).events())
         storage_token = write_probe(Path(job.run_dir))  # the driver and learner check they see it
-        launch = self._launch(spec, job.run_dir, job.id, storage_token, self._teacher_sharing())
+        launch = self._launch(spec, job.run_dir, job.id, storage_token, self._sharing())
         self._handles[job.id] = DriverHandle(launch=launch)
         job.driver_attempts += 1
         job.driver_event_seq = -1
@@ -617,15 +617,27 @@ class Scheduler:
             "[%s] starting driver %s (incarnation %d)", job.id, actor_name(job.id), job.driver_attempts
         )
 
-    def _teacher_sharing(self) -> TeacherSharing | None:
-        """The drivers' `TeacherSharing` from the settings; None when sharing is off."""
-        if self.settings.shared_teacher_idle_s is None:
-            return None
-        return TeacherSharing(self.settings.shared_teacher_idle_s, self.settings.shared_teacher_max_replicas)
+    def _sharing(self) -> tuple[EngineSharing | None, EngineSharing | None]:
+        """The drivers' `EngineSharing` of teachers and of LoRA jobs' students from the settings; None
+        where sharing is off."""
+        settings = self.settings
+        teachers = students = None
+        if settings.shared_teacher_idle_s is not None:
+            teachers = EngineSharing(settings.shared_teacher_idle_s, settings.shared_teacher_max_replicas)
+        if settings.shared_student_idle_s is not None:
+            students = EngineSharing(
+                settings.shared_student_idle_s, max_jobs=settings.shared_student_max_jobs
+            )
+        return teachers, students
 
     @classmethod
     def _launch(
-        cls, spec: Any, run_dir: str, job_id: str, storage_token: str, teacher_sharing: TeacherSharing | None
+        cls,
+        spec: Any,
+        run_dir: str,
+        job_id: str,
+        storage_token: str,
+        sharing: tuple[EngineSharing | None, EngineSharing | None],
     ) -> Future[tuple[Any, Any]]:
         """The driver actor and its `run()` under way, made on a thread of its own: creating it waits
         for a Ray task that imports the training stack on the cluster (this process may not hold it:
@@ -640,7 +652,7 @@ class Scheduler:
             try:
                 name = actor_name(job_id)
                 cls._kill_named(name)
-                actor = launch_driver(spec, run_dir, job_id, storage_token, name, NAMESPACE, teacher_sharing)
+                actor = launch_driver(spec, run_dir, job_id, storage_token, name, NAMESPACE, *sharing)
                 made.set_result((actor, actor.run.remote()))
             except BaseException as exc:
                 made.set_exception(exc)

@@ -22,8 +22,8 @@ from transformers import AutoTokenizer
 
 from opd_trainer.driver.publish import publish_adapter, publish_weights
 from opd_trainer.driver.teachers import TeacherEngines
-from opd_trainer.engine.shared_teachers import acquire_shared, registry
-from opd_trainer.engine.teacher_sharing import TeacherSharing
+from opd_trainer.engine.engine_sharing import EngineSharing
+from opd_trainer.engine.shared_engines import acquire_shared, registry
 from opd_trainer.engine.vllm_engine import EngineActor, EngineConfig, EngineGroup
 from opd_trainer.errors import ConfigError, ProcessorLoadError
 from opd_trainer.jobspec.dataset import Sample
@@ -100,27 +100,27 @@ class Started:
     learner: LearnerGroup | None = None
     pools: list[Any] = dataclasses.field(default_factory=list)
     runners: list[RolloutRunner] = dataclasses.field(default_factory=list)
-    shared_teachers: Any = None  # the shared-teacher registry this job holds engines of, if any
+    shared: dict[str, Any] = dataclasses.field(default_factory=dict)  # role -> registry this job holds
     job_id: str = ""
 
-    async def acquire_shared_teacher(
-        self, job_id: str, config: EngineConfig, sharing: TeacherSharing
+    async def acquire_shared(
+        self, job_id: str, config: EngineConfig, sharing: EngineSharing, role: str
     ) -> EngineGroup:
-        """Teacher engines from the cluster's shared ones (`engine/shared_teachers.py`), held by this
+        """`role`'s engines from the cluster's shared ones (`engine/shared_engines.py`), held by this
         job until `stop()` releases them."""
-        self.shared_teachers, self.job_id = registry(sharing), job_id
+        self.shared[role], self.job_id = registry(sharing, role), job_id
         holder = ray.get_runtime_context().current_actor if ray.get_runtime_context().get_actor_id() else None
-        return await acquire_shared(self.shared_teachers, job_id, config, holder)
+        return await acquire_shared(self.shared[role], job_id, config, holder)
 
     async def stop(self) -> None:
-        """Stops all of it; vLLM engines take seconds each, so in parallel. Shared teacher engines are
-        released, not stopped: the registry ends them once no job holds them."""
+        """Stops all of it; vLLM engines take seconds each, so in parallel. Shared engines are released,
+        not stopped (a shared student unloads this job's adapter): the registry ends them once no job
+        holds them."""
         for runner in self.runners:
             await runner.close()
         stops: list[Awaitable[Any]] = [pool.shutdown() for pool in self.pools]
         stops += [group.shutdown() for group in self.engines]
-        if self.shared_teachers is not None:
-            stops.append(self.shared_teachers.release.remote(self.job_id))
+        stops += [shared.release.remote(self.job_id) for shared in self.shared.values()]
         stops += [gateway.shutdown.remote() for gateway in self.gateways]
         await asyncio.gather(*stops, return_exceptions=True)
         for gateway in self.gateways:
@@ -128,7 +128,7 @@ class Started:
         if self.learner is not None:
             self.learner.shutdown()
         self.gateways, self.engines, self.pools, self.runners, self.learner = [], [], [], [], None
-        self.shared_teachers = None
+        self.shared = {}
 
 
 async def start_components(
@@ -142,12 +142,14 @@ async def start_components(
     server: bool,
     run_dir: Path,
     storage_token: str | None,
-    teacher_sharing: TeacherSharing | None = None,
+    teacher_sharing: EngineSharing | None = None,
+    student_sharing: EngineSharing | None = None,
 ) -> Components:
     """Starts the job's parts into `started` and returns them together. `validates`: the job has
     validation data (a teacher runner and evaluator pool); `total_updates`: learner updates of the
     whole job (the learning-rate schedule's length); `teacher_sharing`: the teachers' engines come
-    from the cluster's shared ones (`engine/shared_teachers.py`), None: the job starts its own."""
+    from the cluster's shared ones (`engine/shared_engines.py`), None: the job starts its own;
+    `student_sharing`: so does a LoRA job's student (a full-training job's never: its weights change)."""
     hp = spec.hyper_parameters
     sandbox = _sandbox_options(spec, server)
     max_length = preflight_models(hp.max_length, spec.weight_sources())
@@ -172,7 +174,7 @@ async def start_components(
     if own_host is not None:
         started.gateways.append(own_host)
     student, teachers, learner = await _start_engines_and_learner(
-        spec, job_id, (max_length, total_updates, world_size), started, teacher_sharing
+        spec, job_id, (max_length, total_updates, world_size), started, (teacher_sharing, student_sharing)
     )
     if own_host is None:
         host = teachers.default.actors[0]
@@ -232,11 +234,15 @@ async def _start_engines_and_learner(
     job_id: str,
     sizes: tuple[int, int, int],
     started: Started,
-    teacher_sharing: TeacherSharing | None,
+    sharing: tuple[EngineSharing | None, EngineSharing | None],
 ) -> tuple[EngineGroup, TeacherEngines, LearnerGroup]:
     """The student's and every teacher's engine groups and the learner ranks, started side by side.
-    `sizes`: max length, learner updates of the whole job, learner ranks."""
+    `sizes`: max length, learner updates of the whole job, learner ranks; `sharing`: the teachers' and
+    the students' (`start_components`)."""
     max_length, total_updates, world_size = sizes
+    teacher_sharing, student_sharing = sharing
+    if spec.hyper_parameters.lora is None:
+        student_sharing = None  # full training changes the student's weights: its engines are its own
     learner = LearnerGroup(
         LearnerSettings.from_spec(spec, total_updates),
         world_size,
@@ -250,8 +256,9 @@ async def _start_engines_and_learner(
         model: str, resources: EngineResources, role: str, name: str, actor_class: Any = EngineActor
     ) -> EngineGroup:
         config = _engine_config(spec, max_length, model, resources, role)
-        if role == "teacher" and teacher_sharing is not None:
-            return await started.acquire_shared_teacher(job_id, config, teacher_sharing)
+        role_sharing = teacher_sharing if role == "teacher" else student_sharing
+        if role_sharing is not None:
+            return await started.acquire_shared(job_id, config, role_sharing, role)
         group = await EngineGroup.start(config, f"{job_id}-{name}", actor_class)
         started.engines.append(group)
         return group
@@ -390,8 +397,9 @@ def _new_gateway_host(models: dict[str, str], options: dict[str, Any]) -> Any:
 
 
 async def _serve_gateway(gateway: GatewayRef, engines: EngineGroup) -> str:
-    """Hands `gateway` its engines and starts its HTTP server; returns the base URL."""
-    await gateway.host.set_engines.remote(gateway.model_name, engines.actors)
+    """Hands `gateway` its engines (and the job's name on them, when shared: every call names it) and
+    starts its HTTP server; returns the base URL."""
+    await gateway.host.set_engines.remote(gateway.model_name, engines.actors, engines.client)
     # On a cluster the rollout workers may sit on other nodes: listen on every interface there.
     single_node = sum(1 for node in ray.nodes() if node.get("Alive")) <= 1
     url: str = await gateway.host.serve.remote(gateway.model_name, "127.0.0.1" if single_node else "0.0.0.0")

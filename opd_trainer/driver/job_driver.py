@@ -29,7 +29,7 @@ from opd_trainer.driver.promotion import Promoter
 from opd_trainer.driver.step import Sampler, StepClock, train_step
 from opd_trainer.driver.trackers import BackgroundTracker, open_trackers
 from opd_trainer.driver.validation import Model, drift_probe_segments, evaluate, validation_records
-from opd_trainer.engine.teacher_sharing import TeacherSharing
+from opd_trainer.engine.engine_sharing import EngineSharing
 from opd_trainer.errors import ConfigError, OPDError
 from opd_trainer.jobspec.dataset import EpochCursor, Sample, load_samples
 from opd_trainer.jobspec.job_spec import JobSpec
@@ -69,18 +69,21 @@ class JobDriver:
         storage_token: str | None = None,
         *,
         server: bool = False,
-        teacher_sharing: TeacherSharing | None = None,
+        teacher_sharing: EngineSharing | None = None,
+        student_sharing: EngineSharing | None = None,
     ) -> None:
         """`storage_token`: what the caller wrote into the run dir (`storage.shared.write_probe`); the
         driver and every learner rank check they see it before anything else. `server`: started by
         the job server, whose tenants' code runs only sandboxed (`workers.sandbox.effective_mode`).
-        `teacher_sharing`: score on teacher engines shared with other jobs (`engine/shared_teachers.py`,
-        the server's settings); None: the job starts its own.
+        `teacher_sharing`: score on teacher engines shared with other jobs (`engine/shared_engines.py`,
+        the server's settings); None: the job starts its own. `student_sharing`: the same for a LoRA
+        job's student engines (each job samples with its own adapter).
         Nothing here can fail: errors surface from `run()` as the job's error, where the server
         reports them."""
         self.spec = spec
         self.server = server
         self.teacher_sharing = teacher_sharing
+        self.student_sharing = student_sharing
         self.job_id = job_id
         self.run_dir = Path(run_dir)
         self.storage_token = storage_token
@@ -171,6 +174,7 @@ class JobDriver:
                 run_dir=self.run_dir,
                 storage_token=self.storage_token,
                 teacher_sharing=self.teacher_sharing,
+                student_sharing=self.student_sharing,
             )
             sampler = self._sampler = Sampler(c, self.train_samples, cursor)
             resuming = self.checkpoints.latest() is not None

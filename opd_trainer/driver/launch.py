@@ -24,6 +24,7 @@ def _create_driver(
     name: str,
     namespace: str,
     teacher_sharing: Any,
+    student_sharing: Any,
 ) -> None:
     # Lazy: runs in a Ray task on the cluster: the server that imports launch has no torch/vLLM.
     from opd_trainer.driver.job_driver import JobDriverActor
@@ -37,6 +38,7 @@ def _create_driver(
         storage_token,
         server=True,  # tenants' code: sandboxed or refused
         teacher_sharing=teacher_sharing,
+        student_sharing=student_sharing,
     )
 
 
@@ -51,10 +53,16 @@ def launch_driver(
     name: str,
     namespace: str,
     teacher_sharing: Any = None,
+    student_sharing: Any = None,
 ) -> Any:
     """A new detached driver actor named `name` in `namespace`; returns its handle.
-    `teacher_sharing`: the server's `TeacherSharing` (`engine/shared_teachers.py`), None: off."""
-    ray.get(_create_driver.remote(spec, run_dir, job_id, storage_token, name, namespace, teacher_sharing))
+    `teacher_sharing`, `student_sharing`: the server's `EngineSharing` of each role
+    (`engine/shared_engines.py`), None: off."""
+    ray.get(
+        _create_driver.remote(
+            spec, run_dir, job_id, storage_token, name, namespace, teacher_sharing, student_sharing
+        )
+    )
     # Ray may register a new actor's name a moment after `.remote()` returned in the task.
     deadline = time.monotonic() + NAME_LOOKUP_S
     while True:

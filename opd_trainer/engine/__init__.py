@@ -1,8 +1,10 @@
 """vLLM engines: the student samples, the teacher scores the student's exact tokens.
 
 `vllm_engine` (engine actors and the group that spreads requests), `kv_cache` (CPU KV-cache sizing),
-`shared_teachers` (teacher engines the service shares between jobs), `teacher_sharing` (its settings
-and scaling policy) and `fair_gate` (fair admission of several jobs' requests to one engine). How
+`shared_engines` (teacher engines, and LoRA jobs' student engines, the service shares between jobs),
+`engine_sharing` (its settings and scaling policy), `fair_gate` (fair admission of several jobs'
+requests to one engine), `adapters` (the LoRA adapters a student engine serves, one per job) and
+`version_gate` (the weight version sampled completions record, per job on an engine serving adapters). How
 weights reach the engines (the transports and the vLLM worker extension) is `opd_trainer.weight_sync`,
 a package below this one.
 """

@@ -1,10 +1,10 @@
 """Fair admission of requests from several clients (jobs) to one engine.
 
-A teacher engine shared by several jobs (`engine/shared_teachers.py`) must not let one job's burst of
-scoring requests starve another's. `FairGate` lets at most `capacity` requests into the engine at
-once; when more wait, a freed slot goes to the next client in turn (round-robin over the clients with
-waiting requests), so each job gets an equal share of the engine while both have work queued, and
-all of it when alone.
+An engine shared by several jobs (`engine/shared_engines.py`: a teacher, or a LoRA jobs' student) must
+not let one job's burst of scoring or sampling requests starve another's. `FairGate` lets at most
+`capacity` requests into the engine at once; when more wait, a freed slot goes to the next client in
+turn (round-robin over the clients with waiting requests), so each job gets an equal share of the
+engine while both have work queued, and all of it when alone.
 """
 
 from __future__ import annotations

@@ -234,6 +234,10 @@ class InprocAsyncLLM:
     async def remove_lora(self, lora_id: int) -> bool:
         return await self._call(lambda: self._llm_engine.remove_lora(lora_id))
 
+    async def list_loras(self) -> set[int]:
+        """The ids of the LoRA adapters the engine holds loaded (vLLM's `list_loras`)."""
+        return await self._call(lambda: self._llm_engine.list_loras())
+
     async def reset_prefix_cache(self) -> bool:
         return await self._call(lambda: self._llm_engine.reset_prefix_cache())
 

@@ -28,13 +28,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from opd_trainer.cluster.placement import placed
 from opd_trainer.cluster.process_usage import actor_usage
-from opd_trainer.engine.adapters import ServedAdapters, served_rank
+from opd_trainer.engine.adapters import OWN_JOB, ServedAdapters, served_rank
 from opd_trainer.engine.engine_stats import TOTALS, EngineStats, combine
 from opd_trainer.engine.fair_gate import FairGate
 from opd_trainer.engine.inproc_llm import InprocAsyncLLM
 from opd_trainer.engine.kv_cache import cpu_kv_cache_bytes
 from opd_trainer.engine.lengths import completion_room
 from opd_trainer.engine.recent_scores import RecentScores
+from opd_trainer.engine.version_gate import VersionGate
 from opd_trainer.errors import EngineError, WeightSyncError
 from opd_trainer.jobspec.job_spec import EngineResources
 from opd_trainer.records import LLMCall
@@ -178,18 +179,12 @@ class Engine:
         self._llm: AsyncLLM | InprocAsyncLLM | None = None
         self._start_lock = asyncio.Lock()
         self._request_ids = itertools.count()
-        self._weight_version = 0
         self._in_flight = 0
-        self._update_lock = asyncio.Lock()
-        # Sampling requests admitted under the weights now held (`_versioned`); an update admits none
-        # and waits for these, so a completion's recorded version is the one it was sampled with.
-        self._admitted_samples = 0
-        self._accepting = asyncio.Event()
-        self._accepting.set()
-        self._no_sampling = asyncio.Event()
-        self._no_sampling.set()
+        # The weights' version sampling runs under, and the updates that change it (`_version_gate`):
+        # one gate for the whole engine, or one per client (job) of an engine serving adapters.
+        self._versions: dict[str, VersionGate] = {}
         self._stats = EngineStats()  # fed by vLLM after every engine step (stat_loggers below)
-        # A teacher engine shared by several jobs (engine/shared_teachers.py): each scoring request
+        # An engine shared by several jobs (engine/shared_engines.py): each scoring or sampling request
         # names its job (`client`), admitted fairly and counted per job.
         self._gate = FairGate(config.concurrent_sequences)
         self._clients: dict[str, ClientShare] = {}
@@ -375,23 +370,31 @@ class Engine:
         params.output_kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         return params
 
-    async def generate(self, prompt_token_ids: list[int], **sampling: Any) -> LLMCall:
+    async def generate(
+        self, prompt_token_ids: list[int], client: str | None = None, **sampling: Any
+    ) -> LLMCall:
         """Samples one completion; returns its token ids and the sampler's logprob of each.
 
         `sampling`: `max_tokens` and optionally `temperature`, `top_p`, `seed`, `stop_token_ids`,
-        `skip_special_tokens`, `structured_outputs` (see `_sampling`)."""
-        return (await self.sample(prompt_token_ids, self._sampling(**sampling))).call
+        `skip_special_tokens`, `structured_outputs` (see `_sampling`). `client`: as `sample`."""
+        return (await self.sample(prompt_token_ids, self._sampling(**sampling), client)).call
 
-    async def sample(self, prompt_token_ids: list[int], params: SamplingParams) -> Sampled:
+    async def sample(
+        self, prompt_token_ids: list[int], params: SamplingParams, client: str | None = None
+    ) -> Sampled:
         """`generate` with vLLM's own `SamplingParams` (the gateway's: a request's stop strings, penalties,
         logit bias, top-k/top-p/min-p, ... as vLLM's server translates them), and the top logprobs the
         request asked for. Every one of those acts before the sampler's `processed_logprobs`, so the
-        recorded logprobs stay those of the distribution each token was drawn from."""
+        recorded logprobs stay those of the distribution each token was drawn from.
+
+        `client`: the job asking, on a student engine several LoRA jobs share: sampled with its own
+        adapter, recorded with its adapter's version, admitted fairly and counted as its own."""
         params = self._fit(prompt_token_ids, params, stream=False)
-        async with self._versioned() as version:
-            final = await self._run(prompt_token_ids, params, self._adapters.current())
+        async with self._versioned(client) as version, self._admitted(client):
+            final = await self._run(prompt_token_ids, params, self._adapters.current(client))
         out = final.outputs[0]
         token_ids = list(out.token_ids)
+        self._count_sample(client, len(prompt_token_ids), len(token_ids), final.num_cached_tokens)
         steps = list(out.logprobs)
         call = LLMCall(
             prompt_token_ids=list(final.prompt_token_ids),
@@ -404,7 +407,7 @@ class Engine:
         return Sampled(call, steps)
 
     async def sample_stream(
-        self, prompt_token_ids: list[int], params: SamplingParams
+        self, prompt_token_ids: list[int], params: SamplingParams, client: str | None = None
     ) -> AsyncIterator[SampledText | Sampled]:
         """`sample`, yielding each piece as vLLM produces it (`SampledText`: text, tokens, logprobs),
         then the whole `Sampled`.
@@ -416,8 +419,10 @@ class Engine:
         steps: list[dict[int, Logprob]] = []
         text: list[str] = []
         finish_reason = None
-        async with self._versioned() as version:
-            async for output in self._outputs(prompt_token_ids, params, self._adapters.current()):
+        cached = None
+        async with self._versioned(client) as version, self._admitted(client):
+            async for output in self._outputs(prompt_token_ids, params, self._adapters.current(client)):
+                cached = output.num_cached_tokens or cached
                 out = output.outputs[0]
                 new, new_steps = list(out.token_ids), list(out.logprobs)
                 token_ids += new
@@ -426,6 +431,7 @@ class Engine:
                 if out.text or new:
                     text.append(out.text)
                     yield SampledText(out.text, new, new_steps)
+        self._count_sample(client, len(prompt_token_ids), len(token_ids), cached)
         call = LLMCall(
             prompt_token_ids=list(prompt_token_ids),
             completion_token_ids=token_ids,
@@ -436,26 +442,31 @@ class Engine:
         )
         yield Sampled(call, steps)
 
-    @contextlib.asynccontextmanager
-    async def _versioned(self) -> AsyncIterator[int]:
-        """Admits one sampling request under the weights now held and yields their version. While an
-        update runs none is admitted, and the update starts only once the admitted ones have finished,
-        so the version is the one the whole completion was sampled with (updates may come between a
-        rollout's calls: `max_staleness >= 2` publishes without waiting for the batches sampled ahead)."""
-        while not self._accepting.is_set():
-            await self._accepting.wait()
-        self._admitted_samples += 1  # no await since the check: an update cannot slip in between
-        self._no_sampling.clear()
-        try:
-            yield self._weight_version
-        finally:
-            self._admitted_samples -= 1
-            if self._admitted_samples == 0:
-                self._no_sampling.set()
+    def _version_gate(self, client: str | None) -> VersionGate:
+        """The gate `client`'s sampling and updates pass (`engine/version_gate.py`): its own on an engine
+        serving LoRA adapters (another job's adapter update leaves its sampling alone), the engine's one
+        otherwise (new weights change every request's model)."""
+        key = (client or OWN_JOB) if self.config.lora_rank is not None else OWN_JOB
+        gate = self._versions.get(key)
+        if gate is None:
+            gate = self._versions[key] = VersionGate()
+        return gate
 
-    async def generate_many(self, prompts: list[list[int]], **sampling: Any) -> list[LLMCall]:
+    def _versioned(self, client: str | None = None) -> contextlib.AbstractAsyncContextManager[int]:
+        """Admits one sampling request of `client` under the weights (or its adapter) now held and
+        yields their version (`VersionGate.admit`)."""
+        return self._version_gate(client).admit()
+
+    def _count_sample(self, client: str | None, prompt: int, generated: int, cached: int | None) -> None:
+        """A shared engine's sampling request, counted as `client`'s (its metered student tokens)."""
+        if client is not None:
+            self._clients.setdefault(client, ClientShare()).count_sample(prompt, generated, cached or 0)
+
+    async def generate_many(
+        self, prompts: list[list[int]], client: str | None = None, **sampling: Any
+    ) -> list[LLMCall]:
         """All prompts in flight at once, so vLLM batches them."""
-        return list(await asyncio.gather(*(self.generate(p, **sampling) for p in prompts)))
+        return list(await asyncio.gather(*(self.generate(p, client, **sampling) for p in prompts)))
 
     def _admitted(self, client: str | None) -> contextlib.AbstractAsyncContextManager[None]:
         """A slot of the fair gate for a shared engine's client; nothing to wait for otherwise."""
@@ -568,71 +579,84 @@ class Engine:
     ) -> list[TeacherScores]:
         return list(await asyncio.gather(*(self.score_top_k(p, c, top_k, client) for p, c in pairs)))
 
-    async def update_weights(self, handoff: WeightHandoff, version: int | None = None) -> int:
+    async def update_weights(
+        self, handoff: WeightHandoff, version: int | None = None, client: str | None = None
+    ) -> int:
         """Loads new weights in place by the handoff's own transport (`weight_transfer.apply_weights`),
         clears cached KV of the old ones, bumps the weight version.
 
         Generation is paused (in-flight requests finish first, no new sampling request is admitted
         meanwhile: `_versioned`) so no sequence mixes two policies. An adapter handoff (a LoRA job)
-        goes to `update_adapter` instead.
+        goes to `update_adapter` instead, as `client`'s adapter (None: the engine's own job's).
         """
         if handoff.kind == "adapter":
-            return await self.update_adapter(handoff, version)  # type: ignore[arg-type]
+            return await self.update_adapter(handoff, version, client)  # type: ignore[arg-type]
         llm = await self._llm_ready()
-        async with self._update_lock:
-            self._accepting.clear()
-            try:
-                await self._no_sampling.wait()
-                await llm.pause_generation(mode="wait", clear_cache=True)
-            except BaseException:
-                self._accepting.set()
-                raise
+        gate = self._version_gate(None)
+        async with gate.updating():
+            await llm.pause_generation(mode="wait", clear_cache=True)
             try:
                 await apply_weights(handoff, llm, self.name)
                 # Prefix-cache blocks and scored rows were computed with the old weights.
                 await llm.reset_prefix_cache()
                 self._recent.clear()
-                self._weight_version = self._weight_version + 1 if version is None else version
+                gate.version = gate.version + 1 if version is None else version
             except WeightSyncError:
                 raise
             except Exception as exc:
                 raise WeightSyncError(f"{self.name}: weight update failed: {exc}") from exc
             finally:
                 await llm.resume_generation()
-                self._accepting.set()
-            return self._weight_version
+            return gate.version
 
     async def update_adapter(
         self, handoff: AdapterHandoff, version: int | None = None, client: str | None = None
     ) -> int:
         """Loads a new LoRA adapter version for `client`'s sampling (`engine/adapters.py`) and unloads
-        the previous one. Only sampling waits: no request is admitted while the adapter swaps and the
-        admitted ones finish first, so a completion's version is the adapter it was sampled with;
-        scoring (the base model) goes on, and no prefix cache is cleared (the base weights did not
-        change; vLLM keys cached blocks by adapter)."""
+        the previous one. Only `client`'s sampling waits: none of its requests is admitted while the
+        adapter swaps and its admitted ones finish first, so a completion's version is the adapter it
+        was sampled with; other clients' sampling and all scoring (the base model) go on, and no prefix
+        cache is cleared (the base weights did not change; vLLM keys cached blocks by adapter)."""
         if self.config.lora_rank is None:
             raise WeightSyncError(f"{self.name}: an adapter update reached an engine started without LoRA")
         llm = await self._llm_ready()
-        async with self._update_lock:
-            self._accepting.clear()
+        gate = self._version_gate(client)
+        async with gate.updating():
             try:
-                await self._no_sampling.wait()
                 await self._adapters.swap(llm, handoff, client)
-                self._weight_version = self._weight_version + 1 if version is None else version
+                gate.version = gate.version + 1 if version is None else version
             except WeightSyncError:
                 raise
             except Exception as exc:
                 raise WeightSyncError(f"{self.name}: adapter update failed: {exc}") from exc
-            finally:
-                self._accepting.set()
-            return self._weight_version
+            return gate.version
+
+    async def drop_adapter(self, client: str) -> None:
+        """Unloads `client`'s adapter once its admitted sampling requests have ended (its job released a
+        shared student engine: `SharedEngines.release`), and forgets its version."""
+        if self._llm is None or self.config.lora_rank is None:
+            return
+        async with self._version_gate(client).updating():
+            await self._adapters.drop(self._llm, client)
+        self._versions.pop(client, None)
+
+    async def adapters(self) -> dict[str, Any]:
+        """The adapters this engine serves: each client's current LoRA name, and the adapter ids vLLM
+        holds loaded (`list_loras`)."""
+        loaded = await self._llm.list_loras() if self._llm is not None else set()
+        served = {client: self._adapters.current(client) for client in self._adapters.clients()}
+        return {
+            "served": {client: request.lora_name for client, request in served.items() if request},
+            "loaded_ids": sorted(loaded),
+        }
 
     def node_id(self) -> str:
         """The Ray node this replica runs on (weight handoffs by shared memory stay on one node)."""
         return ray.get_runtime_context().get_node_id()
 
-    def weight_version(self) -> int:
-        return self._weight_version
+    def weight_version(self, client: str | None = None) -> int:
+        """The version `client`'s sampling runs under (its adapter's on an engine serving adapters)."""
+        return self._version_gate(client).version
 
     def _stat_logger(self, vllm_config: Any, engine_index: int) -> EngineStats:
         """vLLM's per-engine stat-logger factory: hands vLLM this engine's `EngineStats`."""
@@ -649,7 +673,7 @@ class Engine:
         return {**self._stats.totals, **actor_usage()}
 
     async def load(self) -> dict[str, float]:
-        """A shared engine's load: scoring requests in flight and waiting for a slot, and how many
+        """A shared engine's load: its clients' requests in flight and waiting for a slot, and how many
         slots it has (`FairGate`); what the registry scales a shared group by."""
         return {
             "in_flight": self._gate.in_flight,
@@ -669,8 +693,8 @@ class Engine:
 
     async def client_usage(self, client: str) -> dict[str, float]:
         """`usage` as one job on a shared engine is metered: its own tokens, and the engine's CPU-seconds
-        split among its jobs by the tokens each had scored since the previous split (`gpus`: the
-        engine's GPUs times this job's share in that interval)."""
+        split among its jobs by the tokens each had scored or sampled since the previous split (`gpus`:
+        the engine's GPUs times this job's share in that interval)."""
         engine = actor_usage()
         new_cpu = engine["cpu_s"] - self._attributed["cpu_s"]
         self._attributed["cpu_s"] = engine["cpu_s"]
@@ -691,7 +715,7 @@ class Engine:
             "model": self.config.model,
             "started": self._llm is not None,
             "alive": alive,
-            "weight_version": self._weight_version,
+            "weight_version": self._version_gate(None).version,
             "in_flight": self._in_flight,
         }
 
@@ -704,13 +728,13 @@ class Engine:
 
 @dataclass
 class ClientShare:
-    """One job's part of a shared engine: its scoring requests' counts (the keys of `EngineStats`
-    totals it can be told apart by) and the CPU-seconds attributed to it so far."""
+    """One job's part of a shared engine: its scoring or sampling requests' counts (the keys of
+    `EngineStats` totals it can be told apart by) and the CPU-seconds attributed to it so far."""
 
     totals: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TOTALS, 0.0))
     cpu_s: float = 0.0
     gpu_fraction: float = 0.0
-    _tokens_split: float = 0.0  # prompt tokens at the previous split (`Engine.client_usage`)
+    _tokens_split: float = 0.0  # prompt + generated tokens at the previous split (`Engine.client_usage`)
 
     def count(self, sequence_tokens: int, cached: int, rescored: bool, reused: bool = False) -> None:
         """A scoring request of `sequence_tokens`, `cached` of them found in the prefix cache; a
@@ -724,10 +748,19 @@ class ClientShare:
         self.totals["scores_rescored"] += int(rescored)
         self.totals["scores_reused"] += int(reused)
 
+    def count_sample(self, prompt_tokens: int, generated_tokens: int, cached: int) -> None:
+        """A sampling request (a student engine several LoRA jobs share): its prompt of which `cached`
+        tokens came from the prefix cache, and the tokens it generated."""
+        self.totals["prompt_tokens"] += prompt_tokens
+        self.totals["generation_tokens"] += generated_tokens
+        self.totals["prefix_cache_queries"] += prompt_tokens
+        self.totals["prefix_cache_hits"] += cached
+        self.totals["requests_finished"] += 1
+
     def take_interval(self) -> float:
-        """Prompt tokens scored since the previous call."""
-        interval = self.totals["prompt_tokens"] - self._tokens_split
-        self._tokens_split = self.totals["prompt_tokens"]
+        """Tokens scored or sampled (prompt + generated) since the previous call."""
+        tokens = self.totals["prompt_tokens"] + self.totals["generation_tokens"]
+        interval, self._tokens_split = tokens - self._tokens_split, tokens
         return interval
 
 
@@ -777,8 +810,9 @@ class EngineGroup:
     def __init__(
         self, actors: list[ActorHandle], node_ids: list[str] | None = None, client: str | None = None
     ) -> None:
-        """`client`: the job using replicas shared with other jobs (`engine/shared_teachers.py`): its
-        requests name it, so they are admitted fairly and counted as its own."""
+        """`client`: the job using replicas shared with other jobs (`engine/shared_engines.py`): its
+        requests name it, so they are admitted fairly and counted as its own, and on shared student
+        engines sample with its own adapter and update only that."""
         if not actors:
             raise ValueError("an engine group needs at least one replica")
         self.actors = actors
@@ -802,12 +836,13 @@ class EngineGroup:
         return [transfer_for(configured, learner_node, node) for node in await self.locate()]
 
     async def update_weights(self, handoffs: list[WeightHandoff], version: int) -> None:
-        """Every replica loads its handoff (`handoffs[i]` for replica i) and reports `version`."""
+        """Every replica loads its handoff (`handoffs[i]` for replica i) and reports `version` (an
+        adapter handoff: as this group's client's adapter)."""
         if len(handoffs) != len(self.actors):
             raise ValueError(f"{len(handoffs)} weight handoffs for {len(self.actors)} engine replicas")
         versions = await asyncio.gather(
             *(
-                actor.update_weights.remote(handoff, version)
+                actor.update_weights.remote(handoff, version, self.client)
                 for actor, handoff in zip(self.actors, handoffs, strict=True)
             )
         )
@@ -843,10 +878,10 @@ class EngineGroup:
         """In input order; with `seeds`, prompt i is sampled with seeds[i] (reproducible per prompt)."""
         if seeds is None:
             return await self._fan_out(
-                prompts, lambda actor, chunk: actor.generate_many.remote(chunk, **sampling)
+                prompts, lambda actor, chunk: actor.generate_many.remote(chunk, self.client, **sampling)
             )
         calls = [
-            self.actors[index % len(self.actors)].generate.remote(prompt, seed=seed, **sampling)
+            self.actors[index % len(self.actors)].generate.remote(prompt, self.client, seed=seed, **sampling)
             for index, (prompt, seed) in enumerate(zip(prompts, seeds, strict=True))
         ]
         return list(await asyncio.gather(*calls))

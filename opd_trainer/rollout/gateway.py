@@ -250,6 +250,7 @@ class Gateway:
         self.model_name = model_name
         self.tokenizer_path = tokenizer_path
         self.engines = list(engines)
+        self.client: str | None = None  # the job's name on engines shared with other jobs (`set_engines`)
         self.max_tokens = max_tokens
         self.temperature = temperature
         self.max_length = max_length
@@ -303,8 +304,12 @@ class Gateway:
             return None
         return session
 
-    def set_engines(self, engines: list[ActorHandle]) -> None:
+    def set_engines(self, engines: list[ActorHandle], client: str | None = None) -> None:
+        """The engines calls go to; `client`: the job's name on engines shared with other jobs
+        (`EngineGroup.client`), which every call then passes (its own adapter, fair admission, its own
+        counts)."""
         self.engines = list(engines)
+        self.client = client
         self._in_flight = [0] * len(self.engines)
 
     # -- completion -----------------------------------------------------------------------------
@@ -474,7 +479,7 @@ class Gateway:
         self._in_flight[replica] += 1
         try:
             engine = self.engines[replica]
-            sampled = await engine.sample.remote(prepared.rendered.prompt_ids, prepared.sampling)
+            sampled = await engine.sample.remote(prepared.rendered.prompt_ids, prepared.sampling, self.client)
         except ValueError as exc:  # vLLM's own input checks, in the engine (Ray raises the cause's type)
             cause = getattr(exc, "cause", exc)
             raise InvalidRequest(str(cause), getattr(cause, "parameter", None) or "body") from None
@@ -505,7 +510,7 @@ class Gateway:
             pieces = (
                 self.engines[replica]
                 .sample_stream.options(num_returns="streaming")
-                .remote(prepared.rendered.prompt_ids, prepared.sampling)
+                .remote(prepared.rendered.prompt_ids, prepared.sampling, self.client)
             )
             async for ref in pieces:
                 piece: SampledText | Sampled = await ref

@@ -54,8 +54,11 @@ class GatewayHost:
         for gateway in self._gateways.values():
             await gateway.ready()
 
-    async def set_engines(self, model_name: str, engines: list[ActorHandle]) -> None:
-        self._gateway(model_name).set_engines(engines)
+    async def set_engines(
+        self, model_name: str, engines: list[ActorHandle], client: str | None = None
+    ) -> None:
+        """`Gateway.set_engines` of `model_name`'s gateway."""
+        self._gateway(model_name).set_engines(engines, client)
 
     async def serve(self, model_name: str, host: str = "127.0.0.1") -> str:
         """Starts `model_name`'s HTTP server; returns its `/v1` base URL (`Gateway.serve`)."""

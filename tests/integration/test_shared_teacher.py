@@ -1,4 +1,4 @@
-"""Two jobs at once on one shared teacher engine (`engine/shared_teachers.py`), real engines and learners.
+"""Two jobs at once on one shared teacher engine (`engine/shared_engines.py`), real engines and learners.
 
 Job `near` trains a student that *is* the teacher's weights, job `far` the tiny student: on the shared
 engine, `near`'s first samples score a reverse KL of zero up to rounding and `far`'s do not, so each
@@ -17,8 +17,8 @@ import ray
 from opd_trainer.demo.tiny_models import TinyModels
 from opd_trainer.demo.tiny_models.serving import TINY_KV_CACHE_BYTES
 from opd_trainer.driver.job_driver import JobDriver
-from opd_trainer.engine.shared_teachers import acquire_shared, registry
-from opd_trainer.engine.teacher_sharing import TeacherSharing
+from opd_trainer.engine.engine_sharing import EngineSharing
+from opd_trainer.engine.shared_engines import acquire_shared, registry
 from opd_trainer.jobspec.job_spec import JobSpec, parse_job_spec
 from opd_trainer.jsonl import write_jsonl
 from opd_trainer.storage.run_dir import RunDir
@@ -62,7 +62,7 @@ def test_two_jobs_score_on_one_teacher_engine_each_as_its_own(
         "near": _job("near", tiny_models.teacher, tiny_models.teacher, data),
         "far": _job("far", tiny_models.student, tiny_models.teacher, data),
     }
-    sharing = TeacherSharing(idle_s=0.0)  # no idle time: unheld engines end at once
+    sharing = EngineSharing(idle_s=0.0)  # no idle time: unheld engines end at once
     shared = registry(sharing)  # created here, with these settings
     drivers = {
         name: ray.remote(JobDriver)
@@ -112,7 +112,7 @@ def test_a_shared_group_grows_under_load_and_shrinks_when_idle(
     config = tiny_engine_config(tiny_models.teacher).model_copy(
         update={"role": "teacher", "concurrent_sequences": 2}
     )
-    shared = registry(TeacherSharing(idle_s=0.0, max_replicas=2, check_s=0.5))
+    shared = registry(EngineSharing(idle_s=0.0, max_replicas=2, check_s=0.5))
     prompt = tokenizer("Name three colours and three fruits, please.")["input_ids"]
     pairs = [(prompt, [(7 * i + j) % 200 + 10 for j in range(24)]) for i in range(64)]
 

@@ -153,3 +153,93 @@ def test_an_adapter_cannot_reach_an_engine_without_lora() -> None:
             await engine.update_weights(ADAPTER, 1)  # type: ignore[arg-type]
 
     asyncio.run(asyncio.wait_for(scenario(), 5))
+
+
+def test_on_a_shared_student_one_jobs_adapter_update_holds_only_its_own_sampling(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two jobs on one engine serving adapters (`client` a, b): a's update waits for a's admitted
+    sample only, b samples meanwhile under its own version, and each records its own adapter's
+    version; on a full-weight engine the version is the engine's, whoever asks."""
+    log: list[str] = []
+
+    async def swap(self: Any, llm: Any, handoff: Any, client: str | None = None) -> None:
+        log.append(f"{client} adapter v{handoff.version}")
+
+    monkeypatch.setattr(adapters.ServedAdapters, "swap", swap)
+
+    async def scenario() -> None:
+        engine = Engine(EngineConfig(model="unused", lora_rank=8, max_loras=3), "student-0")
+        engine._llm = PausableLLM(log)  # type: ignore[assignment]
+        assert await engine.update_weights(SimpleNamespace(kind="adapter", version=4), 4, "b") == 4  # type: ignore[arg-type]
+        finish_a = asyncio.Event()
+
+        async def sample(client: str, until: asyncio.Event | None = None) -> int:
+            async with engine._versioned(client) as version:
+                log.append(f"{client} sampling v{version}")
+                if until is not None:
+                    await until.wait()
+                return version
+
+        first_a = asyncio.create_task(sample("a", finish_a))
+        await asyncio.sleep(0)
+        update_a = asyncio.create_task(engine.update_weights(ADAPTER, 1, "a"))  # type: ignore[arg-type]
+        await asyncio.sleep(0)
+        later_a = asyncio.create_task(sample("a"))  # waits for a's update
+        assert await asyncio.wait_for(sample("b"), 1) == 4  # not held by a's update
+        assert not update_a.done() and not later_a.done()
+        finish_a.set()
+        assert await update_a == 1 and await first_a == 0 and await later_a == 1
+        assert log == [
+            "b adapter v4",
+            "a sampling v0",
+            "b sampling v4",
+            "a adapter v1",
+            "a sampling v1",
+        ]
+        assert engine.weight_version("a") == 1 and engine.weight_version("b") == 4
+        assert engine.weight_version() == 0  # the engine's own job has no adapter yet
+
+        full = Engine(EngineConfig(model="unused"), "student-1")
+        async with full._versioned("a") as version_a, full._versioned("b") as version_b:
+            assert version_a == version_b == 0
+        assert full._version_gate("a") is full._version_gate(None)  # one gate: new weights change all
+
+    asyncio.run(asyncio.wait_for(scenario(), 5))
+
+
+def test_dropping_a_jobs_adapter_waits_for_its_samples_and_forgets_its_version(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    dropped: list[str | None] = []
+
+    async def swap(self: Any, llm: Any, handoff: Any, client: str | None = None) -> None:
+        return None
+
+    async def drop(self: Any, llm: Any, client: str | None = None) -> None:
+        dropped.append(client)
+
+    monkeypatch.setattr(adapters.ServedAdapters, "swap", swap)
+    monkeypatch.setattr(adapters.ServedAdapters, "drop", drop)
+
+    async def scenario() -> None:
+        engine = Engine(EngineConfig(model="unused", lora_rank=8), "student-0")
+        engine._llm = PausableLLM([])  # type: ignore[assignment]
+        await engine.update_weights(ADAPTER, 3, "a")  # type: ignore[arg-type]
+        finish = asyncio.Event()
+
+        async def sample() -> None:
+            async with engine._versioned("a"):
+                await finish.wait()
+
+        running = asyncio.create_task(sample())
+        await asyncio.sleep(0)
+        drop_task = asyncio.create_task(engine.drop_adapter("a"))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert dropped == []  # a's admitted sample still runs with its adapter
+        finish.set()
+        await asyncio.gather(running, drop_task)
+        assert dropped == ["a"] and engine.weight_version("a") == 0
+
+    asyncio.run(asyncio.wait_for(scenario(), 5))

@@ -1,16 +1,20 @@
-"""Sharing one teacher engine between jobs: fair admission, per-job counts, and which configs share.
-(The registry with real engines and two real jobs: tests/integration/test_shared_teacher.py.)"""
+"""Sharing engines between jobs: fair admission, per-job counts, which configs share, and how the
+registry groups LoRA jobs on student engines. (The registry with real engines and two real jobs:
+tests/integration/test_shared_teacher.py; two adapters on one real shared student:
+tests/integration/test_shared_student.py.)"""
 
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from opd_trainer.engine import shared_engines
+from opd_trainer.engine.engine_sharing import EngineSharing, LoadStreak
 from opd_trainer.engine.fair_gate import FairGate
-from opd_trainer.engine.shared_teachers import sharing_key
-from opd_trainer.engine.teacher_sharing import LoadStreak
+from opd_trainer.engine.shared_engines import SharedEngines, shared_config, sharing_key
 from opd_trainer.engine.vllm_engine import ClientShare, EngineConfig
 
 
@@ -127,3 +131,72 @@ def test_a_group_grows_after_two_busy_checks_and_shrinks_after_five_idle_ones() 
     idle = [streak.scale([_load(0, 0), _load(0, 0)], replicas=2, low=1, high=2) for _ in range(5)]
     assert idle == [0, 0, 0, 0, -1]
     assert [streak.scale([_load(0, 0)], replicas=1, low=1, high=2) for _ in range(6)] == [0] * 6  # the floor
+
+
+def test_lora_students_share_when_vllm_serves_their_ranks_alike(tmp_path: Path) -> None:
+    """Ranks 4 and 8 are both served at vLLM's max_lora_rank 8; 16 is not; a student with no LoRA
+    (full training, never shared) keys apart from every LoRA one."""
+    (tmp_path / "student").mkdir()
+    base = EngineConfig(model=str(tmp_path / "student"), max_model_len=512, lora_rank=4)
+    assert sharing_key(base.model_copy(update={"lora_rank": 8})) == sharing_key(base)
+    assert sharing_key(base.model_copy(update={"lora_rank": 16})) != sharing_key(base)
+    assert sharing_key(base.model_copy(update={"lora_rank": None})) != sharing_key(base)
+    served = shared_config(base, EngineSharing(idle_s=0, max_jobs=3))
+    assert (served.lora_rank, served.max_loras) == (8, 4)  # one adapter per job, one more for a swap
+    teacher = EngineConfig(model=str(tmp_path / "student"), role="teacher")
+    assert shared_config(teacher, EngineSharing(idle_s=0, max_jobs=3)) == teacher
+
+
+def test_a_sampling_clients_share_counts_its_prompts_and_generated_tokens() -> None:
+    share = ClientShare()
+    share.count_sample(prompt_tokens=30, generated_tokens=12, cached=16)
+    share.count_sample(prompt_tokens=30, generated_tokens=8, cached=30)
+    totals = share.totals
+    assert (totals["prompt_tokens"], totals["generation_tokens"], totals["prefix_cache_hits"]) == (60, 20, 46)
+    assert totals["requests_finished"] == 2 and share.take_interval() == 80 and share.take_interval() == 0
+
+
+class _Remote:
+    def __init__(self, calls: list[tuple[str, str, Any]], replica: str, method: str) -> None:
+        self.calls, self.replica, self.method = calls, replica, method
+
+    async def remote(self, *args: Any) -> None:
+        self.calls.append((self.replica, self.method, args))
+
+
+class _Replica:
+    """A stand-in engine actor: records the calls made on it."""
+
+    def __init__(self, name: str, calls: list[tuple[str, str, Any]]) -> None:
+        self.name, self.calls = name, calls
+
+    def __getattr__(self, method: str) -> _Remote:
+        return _Remote(self.calls, self.name, method)
+
+
+def test_lora_jobs_fill_a_student_group_then_start_another_and_release_unloads_their_adapter(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[tuple[str, str, Any]] = []
+    configs: list[EngineConfig] = []
+
+    async def start(config: EngineConfig, role: str) -> tuple[list[Any], list[str]]:
+        configs.append(config)
+        return [_Replica(f"{role}-{len(configs)}", calls)], ["node"]
+
+    monkeypatch.setattr(shared_engines, "start_located_engines", start)
+    (tmp_path / "student").mkdir()
+    config = EngineConfig(model=str(tmp_path / "student"), lora_rank=8)
+
+    async def scenario() -> dict[str, Any]:
+        registry = SharedEngines(EngineSharing(idle_s=3600, max_jobs=2, check_s=3600), "student")
+        a, b, c = [await registry.acquire(job, config, None) for job in ("a", "b", "c")]
+        assert a[0] == b[0] != c[0]  # two jobs per group: the third starts another
+        assert (await registry.acquire("a", config, None))[0] == a[0]  # a holder acquiring again stays
+        await registry.release("a")
+        assert calls == [("student-1", "drop_adapter", ("a",))]  # only a's group, only a's adapter
+        return await registry.state()
+
+    state = asyncio.run(scenario())
+    assert [(g["holders"], g["replicas"]) for g in state["groups"]] == [(["b"], 1), (["c"], 1)]
+    assert [(c.lora_rank, c.max_loras) for c in configs] == [(8, 3), (8, 3)]

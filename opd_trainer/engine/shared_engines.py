@@ -1,27 +1,36 @@
-"""Teacher engines shared by jobs: owned by the service, not by a job.
+"""Engines shared by jobs: owned by the service, not by a job.
 
-A teacher is frozen, so two jobs distilling from the same teacher can score on the same engines. With
-sharing on (the job server's `OPD_SHARED_TEACHER_IDLE_S`: `TeacherSharing`), a job asks the
-`SharedTeachers` registry, a detached Ray actor of the cluster, for its teacher's engines instead of
-starting its own:
+A teacher is frozen, so two jobs distilling from the same teacher can score on the same engines. A
+LoRA job's student never changes its base weights either (each job trains an adapter, served as a
+`LoRARequest` of its own: `engine/adapters.py`), so LoRA jobs on the same base model can sample on the
+same student engines, each with its own adapter. With sharing on (the job server's
+`OPD_SHARED_TEACHER_IDLE_S` / `OPD_SHARED_STUDENT_IDLE_S`: an `EngineSharing` per role), a job asks the
+role's `SharedEngines` registry, a detached Ray actor of the cluster, for those engines instead of
+starting its own (a full-training job's student is never shared: its weights change):
 
 - **Keyed by what makes engines the same**: the model folder (resolved), context length, dtype and
-  placement (`resources.teacher`), eagerness, CPU slots and the top-k limit (`sharing_key`). The first
-  job's settings start the engines; the others join them.
+  placement (`resources.<role>`), eagerness, CPU slots, the top-k limit and, for students, the LoRA
+  rank vLLM serves (`sharing_key`: the smallest `max_lora_rank` it accepts that covers the job's `r`,
+  so jobs of ranks 4 and 8 share). The first job's settings start the engines; the others join them.
+- **Adapters per job** (students): a student group serves at most `max_jobs` jobs (vLLM's `max_loras`
+  is that plus one, for an update's swap: `shared_config`); a job past it starts another group. Each
+  job's requests and adapter updates name it (`EngineGroup.client`), so it samples with its own
+  adapter and records its own adapter's version, and another job's update never holds its sampling.
+  A job's adapter is unloaded when it releases the group (`Engine.drop_adapter`).
 - **Reference-counted**: each job holds the engines it acquired until it releases them (its driver
   stops: finished, failed, cancelled, paused) or its driver actor dies (checked every `check_s`).
   Engines nobody has held for `idle_s` seconds are shut down.
-- **Scaled by load**: every `check_s` the registry reads each replica's load (`Engine.load`); a group
-  whose requests wait for a slot two checks in a row gets a replica more (up to `max_replicas`), one
-  with nothing to do for five checks gives back a replica it added (`teacher_sharing.LoadStreak`). A
-  job's group (`SharedEngineGroup`) reads the current replicas before it sends requests, so a new
-  replica takes work at once, and a removed one is shut down `DRAIN_S` later, once its last requests
-  ended.
+- **Scaled by load** (teachers): every `check_s` the registry reads each replica's load
+  (`Engine.load`); a group whose requests wait for a slot two checks in a row gets a replica more (up
+  to `max_replicas`), one with nothing to do for five checks gives back a replica it added
+  (`engine_sharing.LoadStreak`). A job's group (`SharedEngineGroup`) reads the current replicas
+  before it sends requests, so a new replica takes work at once, and a removed one is shut down
+  `DRAIN_S` later, once its last requests ended. A student group keeps its first job's replicas.
 - **Fair between jobs**: every request names its job, and each engine admits at most its concurrency
   at once, handing freed slots to the jobs in turn (`engine/fair_gate.py`): one job's burst waits
   behind the other's queued work instead of starving it.
-- **Metered per job**: a job's teacher tokens are its own requests', and the engines' CPU/GPU are split
-  among the jobs by the tokens each scored (`Engine.client_usage`).
+- **Metered per job**: a job's tokens are its own requests' (scored or sampled), and the engines'
+  CPU/GPU are split among the jobs by the tokens each scored or sampled (`Engine.client_usage`).
 """
 
 from __future__ import annotations
@@ -39,12 +48,12 @@ import ray
 from ray.actor import ActorHandle
 from ray.exceptions import RayActorError
 
+from opd_trainer.engine.adapters import served_rank
+from opd_trainer.engine.engine_sharing import EngineSharing, LoadStreak
 from opd_trainer.engine.engine_stats import combine
-from opd_trainer.engine.teacher_sharing import LoadStreak, TeacherSharing
 from opd_trainer.engine.vllm_engine import EngineConfig, EngineGroup, start_located_engines
 
-REGISTRY_NAME = "opd-shared-teachers"
-REGISTRY_NAMESPACE = "opd-shared-teachers"
+REGISTRY_NAMESPACE = "opd-shared-engines"
 HOLDER_CHECK_TIMEOUT_S = 30.0
 REFRESH_S = 1.0
 """How long a job's `SharedEngineGroup` uses its list of replicas before asking again."""
@@ -54,18 +63,30 @@ their counts from it meanwhile (every step); what a job has not read by then is 
 
 
 def sharing_key(config: EngineConfig) -> str:
-    """Which engines a teacher `config` can share: equal for configs whose engines would be the same
-    (the per-job sampler seed, placement timeout and batch concurrency aside)."""
+    """Which engines `config` can share: equal for configs whose engines would be the same (the per-job
+    sampler seed, placement timeout and batch concurrency aside; LoRA ranks that vLLM serves alike)."""
     fields = config.model_dump(
         mode="json",
         include={"model", "max_model_len", "resources", "enforce_eager", "num_cpus", "max_logprobs"},
     )
     fields["model"] = str(Path(config.model).resolve())
+    if config.lora_rank is not None:
+        fields["lora_rank"] = served_rank(config.lora_rank)
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def shared_config(config: EngineConfig, sharing: EngineSharing) -> EngineConfig:
+    """The config a shared group starts with, from its first job's: a LoRA student serves the rank its
+    key names and one adapter per job it may hold, plus one for an update's swap."""
+    if config.lora_rank is None:
+        return config
+    max_loras = (sharing.max_jobs or config.max_loras - 1) + 1
+    return config.model_copy(update={"lora_rank": served_rank(config.lora_rank), "max_loras": max_loras})
 
 
 @dataclasses.dataclass
 class _Shared:
+    key: str  # its `sharing_key`; several groups have the same one when each holds `max_jobs` jobs
     config: EngineConfig
     actors: list[ActorHandle]
     nodes: list[str]
@@ -77,12 +98,14 @@ class _Shared:
     draining: list[tuple[ActorHandle, float]] = dataclasses.field(default_factory=list)  # (replica, since)
 
 
-class SharedTeachers:
-    """The registry (a detached Ray actor, `registry`): engines by `sharing_key`, who holds them."""
+class SharedEngines:
+    """The registry of one role's shared engines (a detached Ray actor, `registry`): engine groups by
+    `sharing_key`, who holds them."""
 
-    def __init__(self, sharing: TeacherSharing) -> None:
+    def __init__(self, sharing: EngineSharing, role: str = "teacher") -> None:
         self.sharing = sharing
-        self.groups: dict[str, _Shared] = {}
+        self.role = role
+        self.groups: dict[str, _Shared] = {}  # by group id: `sharing_key`.n
         self.locks: dict[str, asyncio.Lock] = {}
         self.started = 0  # engine groups started over the registry's life
         self.replicas_added = 0  # replicas added to running groups under load
@@ -92,31 +115,48 @@ class SharedTeachers:
     async def acquire(
         self, job_id: str, config: EngineConfig, holder: ActorHandle | None
     ) -> tuple[str, list[ActorHandle], list[str]]:
-        """The engines for `config` (started now if none run), held by `job_id` until `release`;
-        `holder`: the job's driver actor, whose death releases them too. Returns the group's key, its
-        replicas and their nodes."""
+        """The engines for `config` (started now if no group with room runs), held by `job_id` until
+        `release`; `holder`: the job's driver actor, whose death releases them too. Returns the group's
+        id, its replicas and their nodes."""
         key = sharing_key(config)
         async with self.locks.setdefault(key, asyncio.Lock()):
-            shared = self.groups.get(key)
-            if shared is None:
-                actors, nodes = await start_located_engines(config, "teacher")
-                shared = self.groups[key] = _Shared(config, actors, nodes)
+            found = [
+                (group_id, s) for group_id, s in self.groups.items() if s.key == key and self._room(s, job_id)
+            ]
+            if found:
+                group_id, shared = found[0]
+            else:
+                config = shared_config(config, self.sharing)
+                actors, nodes = await start_located_engines(config, self.role)
+                group_id = f"{key}.{self.started}"
+                shared = self.groups[group_id] = _Shared(key, config, actors, nodes)
                 self.started += 1
             shared.holders[job_id] = holder
             shared.idle_since = None
         if self._watch is None:
             self._watch = asyncio.create_task(self._watch_loop())
-        return key, list(shared.actors), list(shared.nodes)
+        return group_id, list(shared.actors), list(shared.nodes)
 
-    async def replicas(self, key: str) -> list[ActorHandle]:
+    def _room(self, shared: _Shared, job_id: str) -> bool:
+        """Whether `job_id` may hold `shared`: it does already, or the group holds fewer than `max_jobs`."""
+        limit = self.sharing.max_jobs
+        return job_id in shared.holders or limit is None or len(shared.holders) < limit
+
+    async def replicas(self, group_id: str) -> list[ActorHandle]:
         """The group's current replicas (a job's `SharedEngineGroup` asks every `REFRESH_S`)."""
-        shared = self.groups.get(key)
+        shared = self.groups.get(group_id)
         return list(shared.actors) if shared is not None else []
 
     async def release(self, job_id: str) -> None:
-        """`job_id` no longer holds any engines; engines idle past `idle_s` are shut down."""
-        for shared in self.groups.values():
-            if shared.holders.pop(job_id, ...) is not ... and not shared.holders:
+        """`job_id` no longer holds any engines: its adapters are unloaded from a student group's
+        replicas (`Engine.drop_adapter`), and engines idle past `idle_s` are shut down."""
+        for shared in list(self.groups.values()):
+            if shared.holders.pop(job_id, ...) is ...:
+                continue
+            if shared.config.lora_rank is not None:
+                drops = (actor.drop_adapter.remote(job_id) for actor in shared.actors)
+                await asyncio.gather(*drops, return_exceptions=True)  # a dead replica has nothing loaded
+            if not shared.holders:
                 shared.idle_since = time.monotonic()
         await self._shut_idle()
 
@@ -158,6 +198,8 @@ class SharedTeachers:
     async def _scale(self, shared: _Shared) -> None:
         low = shared.config.resources.replicas
         high = max(low, self.sharing.max_replicas or low)
+        if shared.config.lora_rank is not None:
+            high = low  # a replica added now would not hold the jobs' adapters
         if shared.growing is not None or high == low:
             return
         try:
@@ -177,7 +219,7 @@ class SharedTeachers:
         one = shared.config.resources.model_copy(update={"replicas": 1})
         try:
             actors, nodes = await start_located_engines(
-                shared.config.model_copy(update={"resources": one}), "teacher"
+                shared.config.model_copy(update={"resources": one}), self.role
             )
         except Exception:  # no room on the cluster now: the next busy checks try again
             shared.growing = None
@@ -215,19 +257,20 @@ async def _alive(actor: ActorHandle) -> bool:
     return True
 
 
-def registry(sharing: TeacherSharing) -> ActorHandle:
-    """The cluster's registry, created on first use (with the first creator's `sharing`)."""
+def registry(sharing: EngineSharing, role: str = "teacher") -> ActorHandle:
+    """The cluster's registry of `role`'s shared engines ("teacher" / "student"), created on first use
+    (with the first creator's `sharing`)."""
     return (
-        ray.remote(SharedTeachers)
+        ray.remote(SharedEngines)
         .options(  # type: ignore[attr-defined]
-            name=REGISTRY_NAME,
+            name=f"opd-shared-{role}s",
             namespace=REGISTRY_NAMESPACE,
             lifetime="detached",
             get_if_exists=True,
             num_cpus=0,
             max_concurrency=1000,
         )
-        .remote(sharing)
+        .remote(sharing, role)
     )
 
 

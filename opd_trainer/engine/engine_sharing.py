@@ -1,7 +1,8 @@
-"""How the job server shares teacher engines between jobs, and when a shared group grows or shrinks.
+"""How the job server shares engines between jobs (teachers; LoRA jobs' students), and when a shared
+group grows or shrinks.
 
 Plain data and a pure policy, imported by the job server (which holds no vLLM) and by the registry
-that applies them (`engine/shared_teachers.py`).
+that applies them (`engine/shared_engines.py`).
 """
 
 from __future__ import annotations
@@ -15,13 +16,20 @@ IDLE_CHECKS_TO_SHRINK = 5
 
 
 @dataclasses.dataclass(frozen=True)
-class TeacherSharing:
-    """The server's sharing settings (`OPD_SHARED_TEACHER_IDLE_S`, `OPD_SHARED_TEACHER_MAX_REPLICAS`)."""
+class EngineSharing:
+    """The server's sharing settings of one role: teachers (`OPD_SHARED_TEACHER_IDLE_S`,
+    `OPD_SHARED_TEACHER_MAX_REPLICAS`) or LoRA jobs' students (`OPD_SHARED_STUDENT_IDLE_S`,
+    `OPD_SHARED_STUDENT_MAX_JOBS`)."""
 
     idle_s: float
     """Seconds a group no job holds stays up before it is shut down."""
     max_replicas: int | None = None
-    """Most replicas a group grows to under load; None: the first job's `resources.teacher.replicas`."""
+    """Most replicas a group grows to under load; None: the first job's `resources.<role>.replicas`
+    (a shared student never grows: a new replica would lack the jobs' adapters)."""
+    max_jobs: int | None = None
+    """Most jobs holding one group at once (a student engine holds one adapter per job: vLLM's
+    `max_loras` is this plus one, for an update's swap); a job past it starts another group. None: any
+    number (teachers)."""
     check_s: float = 2.0
     """Seconds between load checks (and checks that holders' drivers are alive)."""
 
