@@ -36,7 +36,7 @@ class FakeEngine:
         self.gate.set()
         self.engine_core = self
 
-    def add_request(self, request_id: str, prompt: Any, params: Any) -> str:
+    def add_request(self, request_id: str, prompt: Any, params: Any, lora_request: Any = None) -> str:
         self.produced[request_id] = 0
         return request_id
 

@@ -129,8 +129,8 @@ def _components(spec: Any, tokenizer: FakeTokenizer) -> Any:
     async def learn(batches: list[list[LLMCall]]) -> dict[str, float]:
         return {"loss": 0.0}
 
-    async def publish(version: int) -> None:
-        return None
+    async def publish(version: int) -> int:
+        return 0  # bytes handed to the engines
 
     async def engine_metrics() -> dict[str, float]:
         return {}
