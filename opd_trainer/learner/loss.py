@@ -47,6 +47,7 @@ __all__ = [
     "bucket_forward_kl",
     "bucket_jsd",
     "bucket_reverse_kl",
+    "by_tiles",
     "distillation_metrics",
     "full_vocab_reverse_kl",
     "gather_token_logprobs",
@@ -421,9 +422,58 @@ def gather_token_logprobs(logits_B_T_V: Tensor, token_ids_B_T: Tensor, temperatu
         )
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    logits_B_T_V = logits_B_T_V.float() / temperature
+    return by_tiles(functools.partial(_token_logprobs, temperature=temperature), logits_B_T_V, token_ids_B_T)
+
+
+def _token_logprobs(logits_B_T_V: Tensor, token_ids_B_T: Tensor, temperature: float) -> Tensor:
+    logits_B_T_V = logits_B_T_V.float()
+    if temperature != 1.0:  # x / 1 is x: no [B, T, V] copy at the usual temperature
+        logits_B_T_V = logits_B_T_V / temperature
     token_logits_B_T = logits_B_T_V.gather(-1, token_ids_B_T.long().unsqueeze(-1)).squeeze(-1)
     return token_logits_B_T - torch.logsumexp(logits_B_T_V, dim=-1)
+
+
+LOGITS_TILE_BYTES = 64 * 2**20
+"""Most float32 logits one tile of `by_tiles` spans (rows of the batch, or positions of one row)."""
+
+
+def by_tiles(function: Callable[..., Tensor], logits_B_T_V: Tensor, *others_B_T: Tensor) -> Tensor:
+    """`function(logits_B_T_V, *others_B_T)` (a per-position function: [b, t, V] and [b, t, ...] in,
+    [b, t, ...] out) computed tile by tile when the logits exceed `LOGITS_TILE_BYTES`, each tile under
+    activation checkpointing where a gradient is wanted, and the tiles' results concatenated.
+
+    A vocabulary-wide op keeps [B, T, V] intermediates for its backward (a temperature-scaled copy, a
+    masked copy, a mask) and makes more while it runs; at a 152k vocabulary one such copy of a job's
+    mini-batch (8 rows × 256 positions) is 1.2 GB. Tiled, only the logits themselves are kept, and the
+    intermediates of one tile exist at a time (recomputed in the backward pass). The result is the same
+    per position (tests/unit/test_loss.py checks it and its gradient to 1e-6).
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    rows, width, vocab = logits_B_T_V.shape
+    positions = max(1, LOGITS_TILE_BYTES // (4 * vocab))
+    if rows * width <= positions:
+        return function(logits_B_T_V, *others_B_T)
+    if positions >= width:  # whole rows a tile
+        step = positions // width
+        tiles = [(slice(r, r + step), slice(0, width)) for r in range(0, rows, step)]
+    else:
+        tiles = [
+            (slice(r, r + 1), slice(t, t + positions))
+            for r in range(rows)
+            for t in range(0, width, positions)
+        ]
+    keep = torch.is_grad_enabled() and logits_B_T_V.requires_grad
+    results = []
+    for row_slice, position_slice in tiles:
+        arguments = [tensor[row_slice, position_slice] for tensor in (logits_B_T_V, *others_B_T)]
+        results.append(
+            checkpoint(function, *arguments, use_reentrant=False) if keep else function(*arguments)
+        )
+    if positions >= width:
+        return torch.cat(results, dim=0)
+    per_row = len(tiles) // rows
+    return torch.cat([torch.cat(results[r * per_row : (r + 1) * per_row], dim=1) for r in range(rows)], dim=0)
 
 
 def full_vocab_reverse_kl(
@@ -524,6 +574,10 @@ def student_bucket_logprobs(logits_B_T_V: Tensor, top_ids_B_T_K: Tensor) -> Tens
             f"top_ids_B_T_K has shape {tuple(top_ids_B_T_K.shape)}, expected "
             f"({', '.join(map(str, logits_B_T_V.shape[:2]))}, K) (the first two dims of logits_B_T_V)"
         )
+    return by_tiles(_bucket_logprobs, logits_B_T_V, top_ids_B_T_K)
+
+
+def _bucket_logprobs(logits_B_T_V: Tensor, top_ids_B_T_K: Tensor) -> Tensor:
     logits_B_T_V = _at_least_float32(logits_B_T_V)
     top_ids_B_T_K = top_ids_B_T_K.long()
     log_normaliser_B_T_1 = torch.logsumexp(logits_B_T_V, dim=-1, keepdim=True)
@@ -682,7 +736,7 @@ def topk_signal_baseline(
     _check_top_k_inputs(logits_B_T_V, top_ids_B_T_K, top_logprobs_B_T_K, mask_B_T)
     ids_B_T_K, logprobs_B_T_K = _inert_top_k(top_ids_B_T_K, top_logprobs_B_T_K, mask_B_T)
     logits_B_T_V = _at_least_float32(logits_B_T_V)
-    squared_mass_B_T = torch.softmax(logits_B_T_V, dim=-1).square().sum(-1)
+    squared_mass_B_T = by_tiles(_squared_mass, logits_B_T_V)
     student_B_T_J = student_bucket_logprobs(logits_B_T_V, ids_B_T_K)
     signal_B_T_J = student_B_T_J - teacher_bucket_logprobs(logprobs_B_T_K)
     top_p_B_T_K = student_B_T_J[..., :-1].exp()
@@ -696,6 +750,11 @@ def topk_signal_baseline(
     # 1 − S → 0 only for a near-deterministic student, whose every gradient g(y) is then ~0 as well.
     baseline_B_T = numerator_B_T / (1.0 - squared_mass_B_T).clamp(min=1e-6)
     return torch.where(mask_B_T > 0, baseline_B_T, 0.0)
+
+
+def _squared_mass(logits_B_T_V: Tensor) -> Tensor:
+    """`Σ_v p_v²` per position."""
+    return torch.softmax(logits_B_T_V, dim=-1).square().sum(-1)
 
 
 def sampled_baseline_advantages(
