@@ -20,7 +20,7 @@ from opd_trainer.driver.local_run import prepare_spec, train_spec
 from opd_trainer.driver.plots import format_final_table
 from opd_trainer.errors import OPDError
 from opd_trainer.jobspec.job_spec import JobSpec, load_job_spec
-from opd_trainer.jobspec.memory_plan import format_plan, plan_as_dict, plan_memory
+from opd_trainer.jobspec.memory_plan import format_plan, plan_as_dict, plan_memory, unplannable
 from opd_trainer.jobspec.preflight import resolve_max_length
 
 __all__ = ["format_final_table", "run_estimate", "run_train"]
@@ -59,16 +59,24 @@ def run_estimate(job_file: Path, calibration_steps: int, as_json: bool, memory_o
     spec = _prepared(job_file)
     if spec is None:
         return 2
-    try:
-        plan = plan_memory(spec, resolve_max_length(spec.hyper_parameters.max_length, spec.weight_sources()))
-    except OPDError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if memory_only or not plan.fits:
-        print(json.dumps({"memory_plan": plan_as_dict(plan)}, indent=2) if as_json else format_plan(plan))
-        return 0 if plan.fits else 2
-    if not as_json:
-        print(format_plan(plan), flush=True)
+    plan = None
+    reason = unplannable(spec)
+    if reason is not None:
+        print(f"no memory plan: {reason}", file=sys.stderr)
+        if memory_only:
+            return 2
+    else:
+        try:
+            max_length = resolve_max_length(spec.hyper_parameters.max_length, spec.weight_sources())
+            plan = plan_memory(spec, max_length)
+        except OPDError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        if memory_only or not plan.fits:
+            print(json.dumps({"memory_plan": plan_as_dict(plan)}, indent=2) if as_json else format_plan(plan))
+            return 0 if plan.fits else 2
+        if not as_json:
+            print(format_plan(plan), flush=True)
     try:
         # The calibration's progress goes to stderr, so that stdout is the estimate alone.
         with contextlib.redirect_stdout(sys.stderr):
@@ -76,7 +84,8 @@ def run_estimate(job_file: Path, calibration_steps: int, as_json: bool, memory_o
     except OPDError as exc:
         return _job_failed(exc)
     if as_json:
-        print(json.dumps({**found, "memory_plan": plan_as_dict(plan)}, indent=2))
+        planned = {} if plan is None else {"memory_plan": plan_as_dict(plan)}
+        print(json.dumps({**found, **planned}, indent=2))
         return 0
     print(format_estimate(found, spec.job_name))
     return 0

@@ -28,7 +28,7 @@ from opd_trainer.engine.vllm_engine import EngineActor, EngineConfig, EngineGrou
 from opd_trainer.errors import ConfigError, ProcessorLoadError
 from opd_trainer.jobspec.dataset import Sample
 from opd_trainer.jobspec.job_spec import EngineResources, FunctionComponent, JobSpec
-from opd_trainer.jobspec.memory_plan import check_memory_plan
+from opd_trainer.jobspec.memory_plan import check_memory_plan, unplannable
 from opd_trainer.jobspec.preflight import preflight_models
 from opd_trainer.learner.deepspeed_learner import LearnerGroup
 from opd_trainer.learner.settings import LearnerSettings
@@ -155,7 +155,10 @@ async def start_components(
     max_length = preflight_models(hp.max_length, spec.weight_sources())
     # Refused here, before any engine starts, when the roles' memory exceeds the placement's.
     plan = check_memory_plan(spec, max_length, shared_teachers=teacher_sharing is not None)
-    emit("status", f"memory plan: {plan.total_bytes / 1024**3:.2f} GiB for every role, fits")
+    if plan is None:
+        emit("status", f"no memory plan: {unplannable(spec)}")
+    else:
+        emit("status", f"memory plan: {plan.total_bytes / 1024**3:.2f} GiB for every role, fits")
     tokenizer = AutoTokenizer.from_pretrained(spec.model, trust_remote_code=False)
     world_size = max(1, spec.resources.learner_gpus)
     _check_rank_split(spec, world_size)

@@ -202,6 +202,20 @@ def config_parameters(config: dict[str, Any]) -> int:
     return vocab * hidden + int(config["num_hidden_layers"]) * layer + hidden + head
 
 
+SHAPE_KEYS = ("num_attention_heads", "hidden_size", "num_hidden_layers", "vocab_size")
+"""The `config.json` keys a plan needs (Llama / Qwen / Mistral names); a model without them is not planned."""
+
+
+def unplannable(spec: JobSpec) -> str | None:
+    """Why the job's memory cannot be planned (a model's `config.json` lacks a key the plan reads, as a
+    model family naming its shape otherwise does), or None. Such a job starts unplanned."""
+    for field_name, path in spec.weight_sources().items():
+        missing = [key for key in SHAPE_KEYS if key not in read_config(path)]
+        if missing:
+            return f"the config.json of {field_name} has no {', '.join(missing)}"
+    return None
+
+
 def model_shape(model_path: str | Path) -> ModelShape:
     """The model's `ModelShape`: exact parameters and dtype from its safetensors headers when present."""
     config = read_config(model_path)
@@ -706,9 +720,12 @@ def placement_budget() -> Budget:
 
 def check_memory_plan(
     spec: JobSpec, max_length: int, budget: Budget | None = None, *, shared_teachers: bool = False
-) -> MemoryPlan:
+) -> MemoryPlan | None:
     """The job's plan; a `ConfigError` naming the field to set, each role's numbers and the settings
-    that would fit when it exceeds the budget (no margin: only a plan above the budget is refused)."""
+    that would fit when it exceeds the budget (no margin: only a plan above the budget is refused).
+    None for a job whose models cannot be planned (`unplannable`): it is not refused."""
+    if unplannable(spec) is not None:
+        return None
     plan = plan_memory(spec, max_length, budget, shared_teachers=shared_teachers)
     if plan.fits:
         return plan

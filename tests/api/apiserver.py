@@ -147,7 +147,9 @@ WORKSPACE = {
 MODEL_CONTEXT = 4096
 
 
-def make_tokenizer(folder: Path, words: str = "hello world user assistant") -> Path:
+def make_tokenizer(
+    folder: Path, words: str = "hello world user assistant", config_extra: dict[str, Any] | None = None
+) -> Path:
     """A tiny real Hugging Face tokenizer folder, plus the `config.json` entry the server's pre-flight
     reads (the context length, which bounds max_length); enough for every pre-flight but the engines."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -159,8 +161,27 @@ def make_tokenizer(folder: Path, words: str = "hello world user assistant") -> P
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", eos_token="<|im_end|>")
     fast.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}<|im_end|>{% endfor %}"
     fast.save_pretrained(str(folder))
-    (folder / "config.json").write_text(json.dumps({"max_position_embeddings": MODEL_CONTEXT}))
+    config = {**(config_extra or {}), "max_position_embeddings": MODEL_CONTEXT}
+    (folder / "config.json").write_text(json.dumps(config))
     return folder
+
+
+def make_shaped_model(folder: Path) -> Path:
+    """`make_tokenizer`'s folder with a real decoder's config and weights (a 2-layer Qwen2 of 16-wide
+    layers): what the memory plan and the LoRA pre-flight read (its shape, its weight names)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=MODEL_CONTEXT,
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(folder))
+    return make_tokenizer(folder, config_extra=config.to_dict())
 
 
 @dataclass

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from apiserver import WORKSPACE, Server, Tenant, make_tenant, make_tokenizer, zip_bytes
+from apiserver import WORKSPACE, Server, Tenant, make_shaped_model, make_tenant, make_tokenizer, zip_bytes
 from postgres_server import PostgresUnavailable, throwaway_postgres
 
 if TYPE_CHECKING:
@@ -64,6 +64,7 @@ def models(models_root: Path) -> dict[str, str]:
         "student": str(make_tokenizer(root / "student")),
         "teacher": str(make_tokenizer(root / "teacher")),
         "other": str(make_tokenizer(root / "other", "completely different words here")),
+        "shaped": str(make_shaped_model(root / "shaped")),
     }
 
 

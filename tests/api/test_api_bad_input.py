@@ -41,6 +41,17 @@ def submit(**overrides: Any) -> Callable[[Tenant, Tenant], httpx.Response]:
     return send
 
 
+def shaped(**overrides: Any) -> Callable[[Tenant, Tenant], httpx.Response]:
+    """`submit` with student and teacher a model whose shape and weights pre-flight can read."""
+
+    def send(t: Tenant, _o: Tenant) -> httpx.Response:
+        dataset = t.upload(jsonl([record()]))
+        models = {"model": t.models["shaped"], "teacher_model": t.models["shaped"]}
+        return t.http.post("/v1/opd/jobs", json=t.spec(dataset["id"], **models, **overrides))
+
+    return send
+
+
 def submit_raw(
     build: Callable[[Tenant, dict[str, Any]], dict[str, Any]],
 ) -> Callable[[Tenant, Tenant], httpx.Response]:
@@ -284,6 +295,28 @@ CASES = [
         400,
         "hyper_parameters.max_length",
         "context of 4096",
+    ),
+    Case(
+        "spec: the memory plan refuses a job that cannot fit, with each role's numbers",
+        shaped(resources={"student": {"kv_cache_memory_bytes": 64 * 1024**4}}),
+        400,
+        "resources.student.kv_cache_memory_bytes",
+        "memory plan exceeds",
+    ),
+    Case(
+        "spec: a LoRA target module the student lacks",
+        shaped(
+            hyper_parameters={"max_steps": 3, "batch_size": 2, "lora": {"r": 8, "target_modules": ["c_attn"]}}
+        ),
+        400,
+        "hyper_parameters.lora.target_modules",
+        "'c_attn' is not a module of the student",
+    ),
+    Case(
+        "spec: a LoRA rank of 0",
+        submit(hyper_parameters={"max_steps": 3, "batch_size": 2, "lora": {"r": 0}}),
+        422,
+        "hyper_parameters.lora.r",
     ),
     Case(
         "spec: requirements.txt names a server file through a pip option",
