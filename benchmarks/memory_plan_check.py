@@ -14,8 +14,9 @@ projection, as `benchmarks/scale.py`'s LoRA runs) and `ckpt` (full training with
 The plan is computed for the same settings (max_length = prompt + completion tokens, max_tokens =
 completion tokens, ppo_mini_batch_size = rows) on a CPU budget of this node, and the table shows plan,
 measured and (plan - measured) / measured. The terms of what these cases do not run are left out of the
-planned figure: the engine's weight update (the mapped handoff file; no update is made here) and its Ray
-worker (the engine runs without Ray here). The issue's target: the largest |relative error| <= 0.2.
+planned figure: the learner's weight export and the engine's weight update (the mapped handoff file; no
+weights are handed over here) and the engine's Ray worker (it runs without Ray here). The issue's
+target: the largest |relative error| <= 0.2.
 
 Launch (models from `benchmarks/make_random_model.py`, outside the repository):
 
@@ -184,7 +185,8 @@ def plan_for(model: str, role: str, args: argparse.Namespace) -> tuple[int, dict
     plan = plan_memory(spec, args.prompt_tokens + args.completion_tokens, budget, suggest=False)
     found = plan.role("student" if role == "engine" else role)
     terms = {t.name: t.bytes for t in found.terms}
-    for absent in ("weight update", "Ray worker"):  # no update is made, and no Ray, in these cases
+    # No weight export or update is made, and no Ray runs, in these cases.
+    for absent in ("weight export", "weight update", "Ray worker"):
         terms.pop(absent, None)
     return sum(terms.values()), terms
 

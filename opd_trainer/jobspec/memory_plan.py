@@ -4,10 +4,11 @@ refused before any engine starts, with the settings that would make it fit.
 Pure functions over `config.json`, the safetensors headers (8-byte length + JSON: exact parameter counts
 and dtypes, no tensor is read) and the `JobSpec`. Roles:
 
-- an engine replica (the student's, each teacher's): weights in the engine dtype, the KV cache as the
-  engine sizes it (`engine/kv_cache.py` on CPU, `gpu_fraction` of the device on GPU), vLLM's runtime and
-  its Ray worker, with LoRA on the student the adapter slots vLLM preallocates, and on a full-training
-  student the weight update (the learner's handoff file, mapped while it loads);
+- an engine replica (the student's, each teacher's; none for a LoRA job's teacher that is its
+  student's base model, which runs on the student's engines): weights in the engine dtype, the KV cache
+  as the engine sizes it (`engine/kv_cache.py` on CPU, `gpu_fraction` of the device on GPU), vLLM's
+  runtime and its Ray worker, with LoRA on the student the adapter slots vLLM preallocates, and on a
+  full-training student the weight update (the learner's handoff file, mapped while it loads);
 - a learner rank, at the ZeRO stage it runs (`learner_zero_stage`: 0 for ZeRO-1/2 on one CPU rank
   without offload): weights, DeepSpeed's fp32 master partition (under ZeRO, or bf16), gradients (with
   ZeRO's flat buffers under ZeRO), AdamW's two moments (trained parameters only: the adapter with LoRA;
@@ -35,6 +36,7 @@ from typing import Any, Literal
 
 from opd_trainer.engine.kv_cache import BLOCK_SLACK, cpu_kv_cache_bytes, kv_bytes_per_token
 from opd_trainer.errors import ConfigError
+from opd_trainer.jobspec.base_teacher import teacher_is_student_base
 from opd_trainer.jobspec.job_spec import JobSpec, LoraSettings
 
 GiB = 1024**3
@@ -92,11 +94,11 @@ ACTIVATION_INTERMEDIATE_PER_LAYER = 4
 # and at temperature 1 no scaled copy is made (`_token_logprobs`), so what the backward holds is the
 # model's logits, their gradient and the full-size buffer a tile's slice-backward makes (3 live), plus
 # what the allocator keeps of the tiles' and the lm-head backward's freed buffers (glibc returns little
-# of it: `benchmarks/learner_memory.py`, 494M, 8 rows × 256 tokens, peaked 31.3 bytes a parameter above
-# the runtime in the second update, ~15 above weights, gradients and moments = 6 copies of 1.2 GB).
-# Fitted to the RSS peaks of `memory_plan_check.py` (151M, vocabulary 151936, full / LoRA / checkpointed)
-# and `scale.py`'s 151M jobs; the same for every estimator (both tiled functions share the buffers).
-LOGITS_COPIES = 6
+# of it). Fitted (not derived) to RSS peaks at a 151936 vocabulary, in copies above every other term:
+# `memory_plan_check.py` at 151M (4 rows × 128 tokens): full 4.8, LoRA 4.0, checkpointed 5.0;
+# `scale.py`'s 151M jobs (8 rows × 48): full 5.8, LoRA 6.4; `benchmarks/learner_memory.py` at 494M
+# (8 × 256, second update): ~6. The same for every estimator (both tiled functions share the buffers).
+LOGITS_COPIES = 5
 # ZeRO 1/2 flat gradient buffers besides autograd's `.grad` (DeepSpeed `stage_1_and_2.py`): the reduced
 # partition `grads_in_partition` (or the ipg bucket) and the fp32 flat partition handed to the optimizer
 # (`single_partition_of_fp32_groups[i].grad`), each a 1/ranks share in fp32.
@@ -542,7 +544,9 @@ def _gib(value: float) -> str:
 def plan_roles(
     spec: JobSpec, max_length: int, budget: Budget, *, shared_teachers: bool = False
 ) -> list[RolePlan]:
-    """Every role's plan (`shared_teachers`: the teachers' engines are the cluster's, not this job's)."""
+    """Every role's plan (`shared_teachers`: the teachers' engines are the cluster's, not this job's). A
+    LoRA job whose teacher is its student's base model has no teacher engine (`base_teacher.py`: it
+    scores on the student's engines, planned once as the student)."""
     shapes: dict[str, ModelShape] = {}
 
     def shape_of(path: str) -> ModelShape:
@@ -551,7 +555,7 @@ def plan_roles(
         return shapes[path]
 
     roles = [engine_plan("student", spec.model, shape_of(spec.model), spec, max_length, budget)]
-    if not shared_teachers:
+    if not shared_teachers and not teacher_is_student_base(spec):
         teachers = spec.teachers
         for teacher in teachers:
             name = "teacher" if len(teachers) == 1 else f"teacher.{teacher.name}"
