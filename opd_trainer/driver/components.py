@@ -2,7 +2,8 @@
 
 `start_components` starts the engines (student, teacher), the learner, the recording gateways (in the
 default teacher's engine process: `rollout/gateway_host.py`) and the user's worker pools, and returns
-them only when all are up.
+them only when all are up. A LoRA job whose one teacher is its student's model (`teacher_model: self`)
+starts no teacher engine: the teacher is the student's engines' base model (`student_base_teacher`).
 Everything it starts is registered in a `Started` as soon as it exists, so `Started.stop()` stops what a
 start-up that failed half-way left running as well as a finished job's parts.
 """
@@ -22,10 +23,12 @@ from transformers import AutoTokenizer
 
 from opd_trainer.driver.publish import publish_adapter, publish_weights
 from opd_trainer.driver.teachers import TeacherEngines
+from opd_trainer.engine.adapters import BASE_MODEL_CLIENT, OWN_JOB
 from opd_trainer.engine.engine_sharing import EngineSharing
 from opd_trainer.engine.shared_engines import acquire_shared, registry
-from opd_trainer.engine.vllm_engine import EngineActor, EngineConfig, EngineGroup
+from opd_trainer.engine.vllm_engine import ClientEngineGroup, EngineActor, EngineConfig, EngineGroup
 from opd_trainer.errors import ConfigError, ProcessorLoadError
+from opd_trainer.jobspec.base_teacher import teacher_is_student_base
 from opd_trainer.jobspec.dataset import Sample
 from opd_trainer.jobspec.job_spec import EngineResources, FunctionComponent, JobSpec
 from opd_trainer.jobspec.memory_plan import check_memory_plan, unplannable
@@ -169,16 +172,25 @@ async def start_components(
     emit("status", "starting engines and learner")
     # The gateways (vLLM's request validation and tool-call parser: an import of vLLM) live in the
     # default teacher's engine process when the job starts its own teachers (`EngineWithGateways`);
-    # with shared teachers in a process of their own, started beside the engines and learner.
+    # with shared teachers, or a teacher on the student's engines, in a process of their own, started
+    # beside the engines and learner.
     serves_teacher = validates or bool(spec.auxiliary_models)
     models = _gateway_models(spec, serves_teacher)
     options = _gateway_options(spec, max_length)
-    own_host = None if teacher_sharing is None else _new_gateway_host(models, options)
+    on_student = student_base_teacher(spec, student_sharing)
+    separate_host = teacher_sharing is not None or on_student
+    own_host = _new_gateway_host(models, options) if separate_host else None
     if own_host is not None:
         started.gateways.append(own_host)
     student, teachers, learner = await _start_engines_and_learner(
         spec, job_id, (max_length, total_updates, world_size), started, (teacher_sharing, student_sharing)
     )
+    if on_student:
+        message = (
+            "the teacher is the student's base model, scored on the student's engines without the "
+            "adapter: no teacher engine started"
+        )
+        emit("status", message, teacher_engines="student", engine_groups=len(started.engines))
     if own_host is None:
         host = teachers.default.actors[0]
         await host.host_gateways.remote(models, **options)
@@ -244,6 +256,7 @@ async def _start_engines_and_learner(
     the students' (`start_components`)."""
     max_length, total_updates, world_size = sizes
     teacher_sharing, student_sharing = sharing
+    on_student = student_base_teacher(spec, student_sharing)
     if spec.hyper_parameters.lora is None:
         student_sharing = None  # full training changes the student's weights: its engines are its own
     learner = LearnerGroup(
@@ -259,6 +272,8 @@ async def _start_engines_and_learner(
         model: str, resources: EngineResources, role: str, name: str, actor_class: Any = EngineActor
     ) -> EngineGroup:
         config = _engine_config(spec, max_length, model, resources, role)
+        if on_student:  # the student's engines score as the teacher too: its top-k limit
+            config = config.model_copy(update={"max_logprobs": max(20, spec.hyper_parameters.teacher_top_k)})
         role_sharing = teacher_sharing if role == "teacher" else student_sharing
         if role_sharing is not None:
             return await started.acquire_shared(job_id, config, role_sharing, role)
@@ -266,8 +281,18 @@ async def _start_engines_and_learner(
         started.engines.append(group)
         return group
 
-    # One teacher keeps the actor name `JOB-teacher`; several are `JOB-teacher.NAME`.
     teachers = spec.teachers
+    if on_student:
+        # One engine group, two clients: the student samples with its adapter (`OWN_JOB`), the teacher
+        # (the default and only one) runs the base model (`BASE_MODEL_CLIENT`); each reads its own counts.
+        own, _ = await asyncio.gather(
+            engines(spec.model, spec.resources.student, "student", "student"), learner.initialize()
+        )
+        student = ClientEngineGroup(own.actors, own.node_ids, client=OWN_JOB)
+        started.engines[started.engines.index(own)] = student  # stopped once, as the student
+        base = ClientEngineGroup(own.actors, own.node_ids, client=BASE_MODEL_CLIENT)
+        return student, TeacherEngines(spec, {teachers[0].name: base}), learner
+    # One teacher keeps the actor name `JOB-teacher`; several are `JOB-teacher.NAME`.
     names = ["teacher"] if len(teachers) == 1 else [f"teacher.{t.name}" for t in teachers]
     student, teacher_groups, _ = await asyncio.gather(
         engines(spec.model, spec.resources.student, "student", "student"),
@@ -281,6 +306,13 @@ async def _start_engines_and_learner(
     )
     groups = dict(zip((t.name for t in teachers), teacher_groups, strict=True))
     return student, TeacherEngines(spec, groups), learner
+
+
+def student_base_teacher(spec: JobSpec, student_sharing: EngineSharing | None) -> bool:
+    """Whether the job's teacher runs on its student's engines as their base model
+    (`jobspec/base_teacher.py`): only where those engines are the job's own. A student shared with other
+    LoRA jobs (`student_sharing`) keeps a teacher engine of its own (or a shared one)."""
+    return student_sharing is None and teacher_is_student_base(spec)
 
 
 def _teacher_actor_class(index: int) -> Any:

@@ -17,6 +17,10 @@ starts from what the run directory's `usage.json` says the earlier runs used):
   CPU-seconds of each role's processes (`cluster/process_usage.py`) and the GPUs each holds times the
   seconds it held them. The gateways run in the first teacher engine's process unless the job's
   teachers are shared (`driver/components.py`): then `gateways` is 0 and their CPU is the teacher's.
+  A LoRA job whose teacher is its student's base model has no teacher engine: the gateways run in a
+  process of their own, and `teacher_engines` and `student_engines` are the two roles' shares of the
+  student's engines (`ClientEngineGroup`: each role's own requests' tokens, the CPU/GPU split by
+  tokens), so neither counts the other's.
 
 Each training and validation record carries `usage/KEY`: what the job used since the record before it,
 so the records of a run add up to its usage. `Budget` limits (`budget` in the job spec) are checked

@@ -8,7 +8,9 @@ is in. The base weights never change, so requests without an adapter (the base m
 `teacher_model: self`) keep their prefix cache across updates.
 
 An engine may serve several jobs' adapters (`client` names the job; None: the engine's own job), each
-sampling with its own.
+sampling with its own. `BASE_MODEL_CLIENT` is the client that never has one: a LoRA job whose teacher is
+its own base model (`teacher_model: self`) scores and samples as the teacher on its student's engines
+under it (`driver/components.py`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 OWN_JOB = "job"
 """The adapter key of an engine's own job (requests that name no client)."""
+
+BASE_MODEL_CLIENT = "<base model>"
+"""The client whose requests always run the base model (no adapter is ever loaded for it): a LoRA job's
+teacher when it is the student's base model, served by the student's own engines. The engine's fair
+gate and per-client counts treat it as a client of its own, apart from the job's sampling."""
 
 
 def served_rank(rank: int) -> int:
@@ -57,7 +64,10 @@ class ServedAdapters:
         return self._directory
 
     def current(self, client: str | None = None) -> LoRARequest | None:
-        """The adapter `client`'s sampling requests use (None: the base model)."""
+        """The adapter `client`'s sampling requests use (None: the base model, always for
+        `BASE_MODEL_CLIENT`)."""
+        if client == BASE_MODEL_CLIENT:
+            return None
         return self._current.get(client or OWN_JOB)
 
     def clients(self) -> list[str]:
@@ -71,6 +81,8 @@ class ServedAdapters:
         from opd_trainer.weight_sync import AdapterTransfer
 
         key = client or OWN_JOB
+        if key == BASE_MODEL_CLIENT:
+            raise WeightSyncError(f"{self.engine_name}: the base model's client takes no adapter")
         folder = await AdapterTransfer().materialize(handoff, self.directory / key)
         request = LoRARequest(
             lora_name=f"{key}-v{handoff.version}", lora_int_id=next(self._ids), lora_path=str(folder)

@@ -913,3 +913,23 @@ class EngineGroup:
         await asyncio.gather(*(actor.shutdown.remote() for actor in self.actors), return_exceptions=True)
         for actor in self.actors:
             ray.kill(actor)
+
+
+class ClientEngineGroup(EngineGroup):
+    """One client's part of replicas a job uses for two roles: a LoRA job's student engines, which also
+    serve its teacher when that is the student's base model (`driver/components.py`: the student
+    samples as `OWN_JOB`, the teacher scores and samples as `BASE_MODEL_CLIENT`, no adapter). Its stats
+    and usage are its client's share only (`Engine.client_stats` / `client_usage`: its requests' tokens,
+    the engine's CPU/GPU split by tokens), so neither role counts the other's."""
+
+    def __init__(self, actors: list[ActorHandle], node_ids: list[str] | None = None, *, client: str) -> None:
+        super().__init__(actors, node_ids, client)
+
+    async def stats(self) -> dict[str, float]:
+        return combine(
+            list(await asyncio.gather(*(actor.client_stats.remote(self.client) for actor in self.actors)))
+        )
+
+    async def usage(self) -> dict[str, float]:
+        replicas = await asyncio.gather(*(actor.client_usage.remote(self.client) for actor in self.actors))
+        return {key: float(sum(r[key] for r in replicas)) for key in replicas[0]}

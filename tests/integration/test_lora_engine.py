@@ -17,7 +17,8 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from opd_trainer.demo.tiny_models import TinyModels
 from opd_trainer.demo.tiny_models.serving import tiny_engine_config
-from opd_trainer.engine.vllm_engine import start_engines
+from opd_trainer.engine.adapters import BASE_MODEL_CLIENT, OWN_JOB
+from opd_trainer.engine.vllm_engine import ClientEngineGroup, start_engines
 from opd_trainer.errors import WeightSyncError
 from opd_trainer.jsonl import read_jsonl
 from opd_trainer.rollout.chat import prompt_token_ids
@@ -103,3 +104,67 @@ def test_each_update_serves_the_new_adapter_and_scoring_stays_the_base(
     assert ray.get(lora_engine.weight_version.remote()) == 2
     still = ray.get(lora_engine.generate.remote(prompt, **sampling))
     assert still.completion_token_ids == samples[1] and still.weight_version == 2
+
+
+def test_the_base_model_client_samples_and_scores_the_base_beside_the_adapter(
+    lora_engine: Any, tiny_models: TinyModels, tokenizer: PreTrainedTokenizerBase, tmp_path: Path
+) -> None:
+    """A LoRA job whose teacher is its own base model (`teacher_model: self`) runs it on the student's
+    engine (`driver/components.py`): the student's group samples with the adapter (`OWN_JOB`), the
+    teacher's (`BASE_MODEL_CLIENT`) samples and scores the base model, each counted as its own."""
+    record = read_jsonl(tiny_models.data_dir / "validation.jsonl")[1]
+    prompt = prompt_token_ids(tokenizer, record["messages"], record["tools"])
+    folder = tmp_path / "adapter"
+    handoff = AdapterTransfer().export(_adapter(tiny_models.student, folder, 4), 5)
+    student = ClientEngineGroup([lora_engine], client=OWN_JOB)
+    teacher = ClientEngineGroup([lora_engine], client=BASE_MODEL_CLIENT)
+    sampling = {"max_tokens": 16, "temperature": 1.0}
+
+    async def go() -> dict[str, Any]:
+        await student.update_weights([handoff], 5)
+        before = await asyncio.gather(student.stats(), teacher.stats())
+        [own], [base] = await asyncio.gather(
+            student.generate_many([prompt], [7], **sampling), teacher.generate_many([prompt], [7], **sampling)
+        )
+        [scores] = await teacher.score_top_k_many([(prompt, own.completion_token_ids)], 2)
+        after = await asyncio.gather(student.stats(), teacher.stats())
+        usage = await asyncio.gather(student.usage(), teacher.usage())
+        return {"own": own, "base": base, "scores": scores, "before": before, "after": after, "usage": usage}
+
+    out = asyncio.run(go())
+    own, base = out["own"], out["base"]
+    assert own.weight_version == 5 and own.completion_token_ids != base.completion_token_ids
+    expected = _peft_logprobs(tiny_models.student, folder, prompt, own.completion_token_ids)
+    assert max(abs(a - b) for a, b in zip(own.sampler_logprobs, expected, strict=True)) < 2e-3
+    # The teacher's sampling and its scores of the student's tokens are the base model's.
+    expected = _peft_logprobs(tiny_models.student, None, prompt, base.completion_token_ids)
+    assert max(abs(a - b) for a, b in zip(base.sampler_logprobs, expected, strict=True)) < 2e-3
+    expected = _peft_logprobs(tiny_models.student, None, prompt, own.completion_token_ids)
+    assert max(abs(a - b) for a, b in zip(out["scores"].logprobs, expected, strict=True)) < 2e-3
+    # Each role's counts are its own requests' only.
+    (student_before, teacher_before), (student_after, teacher_after) = out["before"], out["after"]
+    grown = {
+        role: {
+            key: after[key] - before[key]
+            for key in ("prompt_tokens", "generation_tokens", "requests_finished")
+        }
+        for role, before, after in (
+            ("student", student_before, student_after),
+            ("teacher", teacher_before, teacher_after),
+        )
+    }
+    runs = 1 + int(teacher_after["scores_rescored"] - teacher_before["scores_rescored"])
+    scored = len(prompt) + len(own.completion_token_ids)
+    assert grown["student"] == {
+        "prompt_tokens": len(prompt),
+        "generation_tokens": len(own.completion_token_ids),
+        "requests_finished": 1,
+    }
+    assert grown["teacher"] == {
+        "prompt_tokens": len(prompt) + runs * scored,
+        "generation_tokens": len(base.completion_token_ids),
+        "requests_finished": 1 + runs,
+    }
+    student_usage, teacher_usage = out["usage"]
+    assert teacher_usage["prompt_tokens"] == teacher_after["prompt_tokens"]
+    assert student_usage["generation_tokens"] == student_after["generation_tokens"]
