@@ -577,12 +577,29 @@ def plot(runs: list[dict[str, Any]], sizes: list[str], variants: list[str], path
         for role in ("learner", "student", "teacher"):
             ys = [_median([_peak_gib(r, role) for r in ok]) for _, ok in points]
             right.plot(xs, ys, styles[variant], marker="o", color=colors[role], label=f"{role} ({variant})")
+    # A cell that never ran (refused by pre-flight, or over this machine): its learner's planned bytes.
+    for variant in variants:
+        for size in sizes:
+            own = [r for r in runs if r["size"] == size and r["variant"] == variant]
+            if own and not any(r.get("status") == "ok" for r in own):
+                x, planned = own[0]["parameters"] / 1e6, own[0]["plan_bytes"]["learner"] / GiB
+                right.scatter([x], [planned], marker="x", color=colors["learner"], s=60)
+                right.annotate(
+                    f"{size} {variant}: not run ({own[0]['status']}),\nlearner plan {planned:.1f} GiB",
+                    (x, planned),
+                    textcoords="offset points",
+                    xytext=(-150, -8),
+                    fontsize=7,
+                )
+    all_params = sorted({r["parameters"] for r in runs})
     for axis, title, unit in (
         (left, "step time by phase (median of runs)", "seconds per step"),
         (right, "peak RSS by role (median of runs)", "GiB"),
     ):
         axis.set_xscale("log")
-        axis.set_xlabel("student parameters (M)")
+        axis.set_xticks([p / 1e6 for p in all_params], [f"{p / 1e6:.0f}M" for p in all_params])
+        axis.minorticks_off()
+        axis.set_xlabel("student parameters (log scale)")
         axis.set_ylabel(unit)
         axis.set_title(title)
         axis.grid(alpha=0.3, which="both")
@@ -657,6 +674,12 @@ def summarize(args: argparse.Namespace, runs: list[dict[str, Any]]) -> None:
         headline=HEADLINE,
         models_dir=None,
         notes=notes,
+        # The command that regenerates it: the grid's, whether this was the grid or `--summarize`.
+        argv=[
+            "benchmarks/scale.py",
+            *("--sizes", ",".join(args.sizes), "--variants", ",".join(args.variants)),
+            *("--ckpt-sizes", ",".join(args.ckpt_sizes), "--repeats", str(args.repeats), "--publish"),
+        ],
     )
     record.models = {
         size: json.loads((args.models_dir / size / "manifest.json").read_text())
