@@ -105,7 +105,7 @@ TARGETS: dict[tuple[str, str], Target] = {
     # Cost against model size (`scale.py`): LoRA moves and keeps far less than full training, the memory
     # plan is within 20 % of each role's measured peak, and learner time grows at most linearly in
     # parameters x tokens.
-    ("scale", "lora_sync_bytes_ratio"): Target("<=", 0.02),
+    ("scale", "lora_sync_bytes_ratio"): Target("<=", 0.02, ""),
     ("scale", "lora_learner_peak_ratio"): Target("<=", 0.5),
     ("scale", "memory_plan_error"): Target("<=", 0.2, "frac"),
     ("scale", "step_time_exponent"): Target("<=", 1.0, ""),
