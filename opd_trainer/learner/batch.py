@@ -17,6 +17,7 @@ from torch import Tensor
 
 from opd_trainer.learner.estimators import DistillationInputs
 from opd_trainer.learner.loss import gather_token_logprobs
+from opd_trainer.learner.packing import model_config, packed_scored_logits, packing_saves
 from opd_trainer.learner.shared_prefix import (
     PrefixPlan,
     completion_logits,
@@ -193,10 +194,14 @@ def scored_logits(model: Any, batch: LearnerBatch, plan: PrefixPlan | None, devi
 
     With a `plan` (`prefix_plan`) shared prompt prefixes are forwarded once: prompts are ~95 % of a
     tiny model's tokens and mostly shared (one prompt per `n_rollouts` completions, one system
-    preamble per batch); None takes the plain padded forward. Logits are computed only where a
-    completion token is predicted.
+    preamble per batch); None takes the plain forward: its rows packed into one row without padding
+    where that costs less (`learner/packing.py`: rows of different lengths), else padded. Logits are
+    computed only where a completion token is predicted.
     """
     width = batch.input_ids_B_T.shape[1] - 1 - batch.first_scored_position
+    if plan is None and packing_saves(batch, model_config(model)):
+        # Rows of different lengths: one padding-free row (`learner/packing.py`), same layout.
+        return packed_scored_logits(model, batch, device).float()
     if plan is None:
         # Prompts are padded before their start: positions count from each row's first token.
         positions = (batch.attention_B_T.cumsum(dim=1) - 1).clamp(min=0)
