@@ -5,13 +5,14 @@ ZeRO-3 ranks whose plans differ), the padded batch [B, W] forwards B × W positi
 prompt + the longest completion. Packed, the model forwards each row's own tokens once, [1, ΣL]:
 `position_ids` restart at 0 at every row, and with no `attention_mask` and no cache transformers reads
 the restarts as packed sequences (`masking_utils.find_packed_sequence_indices`) and keeps attention
-within each row (a block-diagonal causal mask under sdpa and eager; variable-length kernels under
-flash attention). Logits are computed only at the positions that predict completion tokens, read
-straight into the padded layout [B, S, V] that the estimators take (`logits_to_keep` as indices).
+within each row (a block-diagonal causal mask under sdpa and eager). Logits are computed only at
+the positions that predict completion tokens, read straight into the padded layout [B, S, V] that
+the estimators take (`logits_to_keep` as indices).
 
 Under sdpa and eager the mask is dense: attention reads (ΣL)² query-key pairs where the padded batch
 reads B × W², so packing pays only where the weights' work saved exceeds the attention's added
-(`packing_saves`); flash attention reads Σ L² and always gains.
+(`packing_saves`). Flash attention would read Σ L² (variable-length kernels from the same positions)
+but is not checked here (no GPU in the unit tests): it takes the padded forward.
 """
 
 from __future__ import annotations
@@ -24,12 +25,10 @@ from torch import Tensor
 if TYPE_CHECKING:
     from opd_trainer.learner.batch import LearnerBatch
 
-PACKED_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
+PACKED_ATTENTION = ("sdpa", "eager")
 """Attention implementations whose masks transformers builds from restarting `position_ids` (checked
-in tests/unit/test_packed_forward.py for sdpa and eager). Any other takes the padded forward."""
-
-VARIABLE_LENGTH_ATTENTION = ("flash_attention_2", "flash_attention_3")
-"""Implementations that attend within each packed sequence only (Σ L² pairs, not (ΣL)²)."""
+in tests/unit/test_packed_forward.py; sdpa is what `from_pretrained` picks on CPU and GPU). Any other
+takes the padded forward."""
 
 
 def model_config(model: Any) -> Any:
@@ -60,12 +59,8 @@ def packing_saves(batch: LearnerBatch, config: Any) -> bool:
     hidden = config.hidden_size
     per_position = 4 * hidden * hidden + 3 * hidden * getattr(config, "intermediate_size", 4 * hidden)
     per_pair = 2 * hidden
-    if config._attn_implementation in VARIABLE_LENGTH_ATTENTION:
-        packed_pairs = sum(length * length for length in batch.lengths)
-    else:
-        packed_pairs = total * total
     padded = rows * width * per_position + rows * width * width * per_pair
-    return total * per_position + packed_pairs * per_pair < padded
+    return total * per_position + total * total * per_pair < padded
 
 
 def packed_scored_logits(model: Any, batch: LearnerBatch, device: Any) -> Tensor:
