@@ -188,6 +188,13 @@ def job_server(data_dir: Path, models_dir: Path, admin_key: str, ready_s: float)
 # -- one run ---------------------------------------------------------------------------------------
 
 
+def _token_texts(record: dict[str, Any]) -> list[list[str]] | None:
+    calls = record.get("llm_calls") or []
+    if not all(c.get("tokens") for c in calls):
+        return None
+    return [list(c["tokens"]["text"]) for c in calls]
+
+
 def folder_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
@@ -331,6 +338,12 @@ def run_once(args: argparse.Namespace, client: Any, work: Path, seed: int) -> di
     label, records = last_pass(client, job.id, checkpoint.step)
     run["validation_label"] = label
     run["validation_records"] = len(records)
+    # Whether the adapter changed anything: the answers that differ from the starting student's.
+    _, before = last_pass(client, job.id, 0)
+    before_tokens = {r["sample_id"]: _token_texts(r) for r in before}
+    run["changed_by_training"] = sum(
+        r["sample_id"] in before_tokens and _token_texts(r) != before_tokens[r["sample_id"]] for r in records
+    )
     try:
         rows, info = compare(merged, records, samples, args)
     except Exception as exc:  # a merged model that does not load is the result, not a crash
@@ -367,7 +380,8 @@ def summary_line(run: dict[str, Any]) -> str:
         f"status {run['status']}, steps {run['steps']}, {run['wall_s']:.0f}s; adapter "
         f"{run['adapter_bytes'] / 2**20:.1f} MiB, merged {run['merged_bytes'] / 2**20:.1f} MiB; reproduced "
         f"{run['reproduced']}/{run['compared']} ({run['reproduced_fraction']:.0%}), text "
-        f"{run['text_reproduced_fraction']:.0%}" + (f"; divergences: {gaps}" if gaps else "")
+        f"{run['text_reproduced_fraction']:.0%}; {run['changed_by_training']} differ from the starting "
+        "student's" + (f"; divergences: {gaps}" if gaps else "")
     )
 
 
