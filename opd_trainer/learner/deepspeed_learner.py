@@ -268,7 +268,9 @@ class Learner:
                 forwarded += plan.forwarded_tokens
                 attended += plan.attended_keys
             stats = self._update(batch, plan, num_tokens)
-            grad_norm = self._engine.get_global_grad_norm()
+            grad_norm = stats.pop("grad_norm", None)
+            if grad_norm is None:
+                grad_norm = self._engine.get_global_grad_norm()
             if grad_norm is not None:
                 grad_norms.append(float(grad_norm))
             ratio_max = max(ratio_max, stats.pop("ratio_max"))
@@ -333,6 +335,11 @@ class Learner:
             total = total + settings.kl_loss_coef * kl_ref
             logged["kl_to_initial"] = float(kl_ref.detach())
         self._engine.backward(total)
+        if self._zero_stage == 0:
+            # Without ZeRO, DeepSpeed clips with torch's clip_grad_norm_ and keeps no norm
+            # (`get_global_grad_norm` is None): the norm before clipping, as ZeRO reports it.
+            gradients = [p.grad for p in self._engine.module.parameters() if p.grad is not None]
+            logged["grad_norm"] = float(torch.nn.utils.get_total_norm(gradients)) if gradients else 0.0
         self._engine.step()
         logged["loss"] = float(total.detach())
         return logged

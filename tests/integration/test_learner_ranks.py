@@ -101,7 +101,8 @@ async def _one_step(
         await group.initialize()
         metrics = await group.train_step(minibatches)
         handoffs = await group.export_weights(["ray"])
-        weights = await handoffs["ray"].refs[0]
+        # One object per bucket, each a list of (name, tensor).
+        weights = {name: tensor for ref in handoffs["ray"].refs for name, tensor in await ref}
         await group.release_weights(list(handoffs.values()))
         return metrics, weights
 
