@@ -109,6 +109,7 @@ TARGETS: dict[tuple[str, str], Target] = {
     ("scale", "lora_learner_peak_ratio"): Target("<=", 0.5),
     ("scale", "memory_plan_error"): Target("<=", 0.2, "frac"),
     ("scale", "step_time_exponent"): Target("<=", 1.0, ""),
+    ("scale", "learner_bytes_per_parameter"): Target("<=", 20.0, ""),
 }
 
 

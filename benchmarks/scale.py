@@ -447,6 +447,14 @@ def figures_of(runs: list[dict[str, Any]], sizes: list[str], variants: list[str]
             peak_ratio = lora["peak_rss_bytes"]["learner"] / full["peak_rss_bytes"]["learner"]
         pair("lora_sync_bytes_ratio", sync_ratio)
         pair("lora_learner_peak_ratio", peak_ratio)
+        # The learner process's peak per parameter, full training at the largest size that ran (the
+        # issue's 0.5 B job reached ~38 bytes a parameter before its OOM kill; target <= 20).
+        largest = [s for s in sizes if (s, "full", rep) in ok]
+        per_parameter = None
+        if largest:
+            run = ok[(largest[-1], "full", rep)]
+            per_parameter = run["peak_rss_bytes"]["learner"] / run["parameters"]
+        pair("learner_bytes_per_parameter", per_parameter)
         errors = [
             r["memory_plan_error"] for (_, _, n), r in ok.items() if n == rep and r["memory_plan_error"]
         ]
@@ -473,7 +481,13 @@ def figures_of(runs: list[dict[str, Any]], sizes: list[str], variants: list[str]
     return figures
 
 
-HEADLINE = ("lora_sync_bytes_ratio", "lora_learner_peak_ratio", "memory_plan_error", "step_time_exponent")
+HEADLINE = (
+    "lora_sync_bytes_ratio",
+    "lora_learner_peak_ratio",
+    "memory_plan_error",
+    "step_time_exponent",
+    "learner_bytes_per_parameter",
+)
 
 
 def _median(values: list[float | None]) -> float | None:
