@@ -170,3 +170,49 @@ def save_figure(fig: Any, path: Path) -> None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     print(f"plot: {path}")
+
+
+def learner_settings(
+    model_path: str,
+    *,
+    zero_stage: int,
+    distill_loss: str,
+    teacher_top_k: int,
+    total_updates: int,
+    learning_rate: float = 1e-5,
+    ratio_cap: float = 10.0,
+    **overrides: Any,
+) -> Any:
+    """A `LearnerSettings` for one learner rank driven by a benchmark (no job spec): a constant learning
+    rate, no reward, hindsight, preference or KL-to-initial terms; `overrides` sets any other field
+    (`lora`, `gradient_checkpointing`, `optimizer_offload`)."""
+    # Imported here: the benchmarks that only run jobs do not load the learner's modules.
+    from opd_trainer.learner.estimators import DistillationSettings
+    from opd_trainer.learner.settings import LearnerSettings
+
+    return LearnerSettings(
+        model_path=model_path,
+        learning_rate=learning_rate,
+        lr_scheduler_type="constant",
+        warmup_ratio=0.0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        total_updates=total_updates,
+        temperature=1.0,
+        kl_loss_coef=0.0,
+        reward_coef=0.0,
+        normalize_reward_by_std=False,
+        hindsight_coef=0.0,
+        turn_preference_coef=0.0,
+        turn_preference_beta=0.1,
+        zero_stage=zero_stage,
+        seed=0,
+        distillation=DistillationSettings(
+            distill_loss=distill_loss,
+            teacher_top_k=teacher_top_k,
+            kl_coef=1.0,
+            jsd_beta=0.5,
+            ratio_cap=ratio_cap,
+        ),
+        **overrides,
+    )

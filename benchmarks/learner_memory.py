@@ -30,6 +30,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from harness import learner_settings
 from learner_step import prompts_of, segments
 
 
@@ -106,33 +107,14 @@ def instrument(learner: Any, phases: Phases) -> None:
 
 def learner_of(args: argparse.Namespace) -> Any:
     from opd_trainer.learner.deepspeed_learner import Learner
-    from opd_trainer.learner.estimators import DistillationSettings
-    from opd_trainer.learner.settings import LearnerSettings, LoraAdapter
+    from opd_trainer.learner.settings import LoraAdapter
 
-    settings = LearnerSettings(
-        model_path=str(args.models_dir / "student"),
-        learning_rate=1e-5,
-        lr_scheduler_type="constant",
-        warmup_ratio=0.0,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        total_updates=2,
-        temperature=1.0,
-        kl_loss_coef=0.0,
-        reward_coef=0.0,
-        normalize_reward_by_std=False,
-        hindsight_coef=0.0,
-        turn_preference_coef=0.0,
-        turn_preference_beta=0.1,
+    settings = learner_settings(
+        str(args.models_dir / "student"),
         zero_stage=args.zero_stage,
-        seed=0,
-        distillation=DistillationSettings(
-            distill_loss=args.estimator,
-            teacher_top_k=args.teacher_top_k,
-            kl_coef=1.0,
-            jsd_beta=0.5,
-            ratio_cap=10.0,
-        ),
+        distill_loss=args.estimator,
+        teacher_top_k=args.teacher_top_k,
+        total_updates=2,
         lora=LoraAdapter(args.lora_r, 2.0 * args.lora_r, 0.0, ("q_proj", "k_proj", "v_proj", "o_proj"))
         if args.lora_r
         else None,

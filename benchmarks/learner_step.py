@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from harness import learner_settings
 
 
 def prompts_of(models_dir: Path, count: int) -> list[list[int]]:
@@ -68,33 +69,14 @@ def segments(prompts: list[list[int]], n_rollouts: int, max_tokens: int, top_k: 
 def learner(args: argparse.Namespace) -> Any:
     """A one-rank learner of the student with the job defaults this benchmark's arguments leave."""
     from opd_trainer.learner.deepspeed_learner import Learner
-    from opd_trainer.learner.estimators import DistillationSettings
-    from opd_trainer.learner.settings import LearnerSettings
 
-    settings = LearnerSettings(
-        model_path=str(args.models_dir / "student"),
-        learning_rate=5e-4,
-        lr_scheduler_type="constant",
-        warmup_ratio=0.0,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        total_updates=args.warmup + args.repeats,
-        temperature=1.0,
-        kl_loss_coef=0.0,
-        reward_coef=0.0,
-        normalize_reward_by_std=False,
-        hindsight_coef=0.0,
-        turn_preference_coef=0.0,
-        turn_preference_beta=0.1,
+    settings = learner_settings(
+        str(args.models_dir / "student"),
         zero_stage=args.zero_stage,
-        seed=0,
-        distillation=DistillationSettings(
-            distill_loss=args.estimator,
-            teacher_top_k=args.teacher_top_k,
-            kl_coef=1.0,
-            jsd_beta=0.5,
-            ratio_cap=10.0,
-        ),
+        distill_loss=args.estimator,
+        teacher_top_k=args.teacher_top_k,
+        total_updates=args.warmup + args.repeats,
+        learning_rate=5e-4,
     )
     rank = Learner(settings)
     rank.initialize()

@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from harness import learner_settings
 
 GiB = 1024**3
 # What scale.py's LoRA runs train: every attention and MLP projection.
@@ -80,35 +81,19 @@ def measure_learner(args: argparse.Namespace) -> dict[str, float]:
     """Peak RSS of one learner rank over initialisation and two train steps (run in a subprocess)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from opd_trainer.learner.deepspeed_learner import Learner
-    from opd_trainer.learner.estimators import ESTIMATORS, DistillationSettings
-    from opd_trainer.learner.settings import LearnerSettings, LoraAdapter
+    from opd_trainer.learner.estimators import ESTIMATORS
+    from opd_trainer.learner.settings import LoraAdapter
 
     imported = _status("VmRSS")
-    top_k = ESTIMATORS[args.distill_loss].default_top_k
-    settings = LearnerSettings(
-        model_path=args.model,
-        learning_rate=1e-5,
-        lr_scheduler_type="constant",
-        warmup_ratio=0.0,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        total_updates=10,
-        temperature=1.0,
-        kl_loss_coef=0.0,
-        reward_coef=0.0,
-        normalize_reward_by_std=False,
-        hindsight_coef=0.0,
-        turn_preference_coef=0.0,
-        turn_preference_beta=0.1,
-        zero_stage=args.zero_stage,
-        seed=0,
-        distillation=DistillationSettings(
-            distill_loss=args.distill_loss, teacher_top_k=top_k, kl_coef=1.0, jsd_beta=0.5, ratio_cap=2.0
-        ),
-    )
     lora = LoraAdapter(args.lora_rank, 2.0 * args.lora_rank, 0.0, LORA_TARGETS)
-    settings = dataclasses.replace(
-        settings,
+    top_k = ESTIMATORS[args.distill_loss].default_top_k
+    settings = learner_settings(
+        args.model,
+        zero_stage=args.zero_stage,
+        distill_loss=args.distill_loss,
+        teacher_top_k=top_k,
+        total_updates=10,
+        ratio_cap=2.0,
         lora=lora if args.variant == "lora" else None,
         gradient_checkpointing=args.variant == "ckpt",
     )
