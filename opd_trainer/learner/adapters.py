@@ -12,11 +12,10 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from opd_trainer.weight_sync.adapters import ADAPTER_FILES
+
 if TYPE_CHECKING:
     from opd_trainer.learner.settings import LoraAdapter
-
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
-"""What PEFT's `save_pretrained` writes for one adapter, and all that a `LoRARequest` reads."""
 
 
 def with_adapter(model: Any, lora: LoraAdapter, base_path: str) -> Any:
