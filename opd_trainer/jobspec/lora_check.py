@@ -12,9 +12,8 @@ import importlib.util
 import json
 from pathlib import Path
 
-from safetensors import safe_open
-
 from opd_trainer.errors import ConfigError
+from opd_trainer.jobspec.memory_plan import safetensors_header
 
 TARGETS_FIELD = "hyper_parameters.lora.target_modules"
 
@@ -24,12 +23,11 @@ def weight_names(model_path: str) -> list[str]:
     folder = Path(model_path)
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        return sorted(json.loads(index.read_text())["weight_map"])
-    names: list[str] = []
-    for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt", device="cpu") as handle:
-            names.extend(handle.keys())
-    return sorted(names)
+        try:
+            return sorted(json.loads(index.read_text())["weight_map"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"cannot read {index.name}: {exc}", field="model") from None
+    return sorted(name for file in sorted(folder.glob("*.safetensors")) for name in safetensors_header(file))
 
 
 def decoder_linear_modules(names: list[str]) -> set[str]:

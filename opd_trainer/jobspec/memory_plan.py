@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import math
-import struct
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -177,13 +176,17 @@ def read_config(model_path: str | Path) -> dict[str, Any]:
 
 
 def safetensors_header(path: str | Path) -> dict[str, Any]:
-    """The JSON header of one safetensors file: tensor name -> {dtype, shape, data_offsets}. Reads the
-    8-byte little-endian header length and the header only."""
-    with open(path, "rb") as handle:
-        (length,) = struct.unpack("<Q", handle.read(8))
-        header: dict[str, Any] = json.loads(handle.read(length))
-    header.pop("__metadata__", None)
-    return header
+    """One safetensors file's tensors: name -> {dtype, shape}, from its header only (safetensors' own
+    reader, which bounds the header's size: a tenant's file with a forged length is refused, not read).
+    A file safetensors cannot open is a `ConfigError` naming `model`."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            slices = {name: handle.get_slice(name) for name in handle.keys()}  # noqa: SIM118
+            return {name: {"dtype": s.get_dtype(), "shape": s.get_shape()} for name, s in slices.items()}
+    except (SafetensorError, OSError) as exc:
+        raise ConfigError(f"cannot read the weights file {Path(path).name}: {exc}", field="model") from None
 
 
 def safetensors_parameters(model_path: str | Path) -> tuple[int, dict[str, int]] | None:

@@ -314,3 +314,13 @@ def test_role_errors_are_relative_per_role_both_name() -> None:
     errors = role_errors({"learner": 120, "student": 90, "teacher": 50}, {"learner": 100, "student": 100})
     assert errors == pytest.approx({"learner": 0.2, "student": -0.1})
     assert role_errors({"learner": 1}, {"learner": 0, "driver": 5}) == {}
+
+
+def test_a_weights_file_with_a_forged_header_length_is_a_config_error(tmp_path: Path) -> None:
+    """A tenant's file claiming an exabyte header is refused by safetensors' bounded reader, naming
+    `model`, instead of the server trying to read (or allocate) it."""
+    folder = _model(tmp_path / "forged", with_weights=False)
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", 2**60) + b"{}")
+    with pytest.raises(ConfigError) as caught:
+        safetensors_parameters(folder)
+    assert caught.value.field == "model" and "model.safetensors" in caught.value.message
