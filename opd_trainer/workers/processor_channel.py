@@ -328,8 +328,16 @@ class SandboxedProcessor:
         return data
 
     def _send(self, message: dict[str, Any]) -> None:
+        """Writes one message to the sandbox; ConnectionError when its stdin is already closed (the
+        process exited between the last check and this write: uvloop raises RuntimeError there)."""
         assert self._process is not None and self._process.stdin is not None
-        self._process.stdin.write(json.dumps(message).encode() + b"\n")
+        stdin = self._process.stdin
+        if stdin.is_closing():
+            raise ConnectionError(self.lost or "its process exited")
+        try:
+            stdin.write(json.dumps(message).encode() + b"\n")
+        except RuntimeError as exc:  # a transport closed under the write
+            raise ConnectionError(self.lost or "its process exited") from exc
 
     async def call(self, payload: BaseModel, rollout_id: str, output_type: type[BaseModel]) -> dict[str, Any]:
         """One `process` call. Returns {"output", "spans", "seconds"} and, when the sandbox is gone,
@@ -344,7 +352,16 @@ class SandboxedProcessor:
         self._pending[call_id] = future
         try:
             wire = await self._wire_payload(payload)
+        except (ConnectionError, OSError):
+            self._pending.pop(call_id, None)
+            reason = self.lost or "its process exited"
+            return self._failure(output_type, reason, started, retry=self.retryable)
+        try:
             self._send({"type": "call", "id": call_id, "rollout_id": rollout_id, "payload": wire})
+        except ConnectionError:  # it never received the call: another worker may take it
+            self._pending.pop(call_id, None)
+            return self._failure(output_type, self.lost or "its process exited", started, retry=True)
+        try:
             assert self._process is not None and self._process.stdin is not None
             await self._process.stdin.drain()
             answer = await asyncio.wait_for(future, self.timeout_s + self.answer_grace_s)

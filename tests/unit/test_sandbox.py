@@ -213,3 +213,25 @@ def test_what_a_killed_worker_left_is_removed_by_the_next_one(tmp_path: Path) ->
     finally:
         shutil.rmtree(stale, ignore_errors=True)
         shutil.rmtree(live, ignore_errors=True)
+
+
+def test_a_call_to_a_sandbox_whose_pipe_just_closed_fails_as_retryable(tmp_path: Path) -> None:
+    """The process can exit between the last check and the write of a call (CI saw uvloop raise
+    RuntimeError there): the call never reached it, so it fails as one another worker may take."""
+
+    async def body() -> dict:
+        processor = _processor(tmp_path, "ReadsEnvironment", "none")
+        await processor.start()
+        try:
+            assert processor._process is not None and processor._process.stdin is not None
+            processor._process.stdin.close()  # as the transport is when the process is gone
+            await asyncio.sleep(0.5)
+            processor.lost = None  # the window: its reader has not yet seen the process exit
+            return await processor.call(_payload(), "r1", RolloutOutput)
+        finally:
+            await processor.close()
+
+    uvloop = pytest.importorskip("uvloop")  # Ray runs async actors on uvloop, whose write raises here
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        result = runner.run(body())
+    assert result["output"].status == TaskStatus.FAILED and result["retry"] is True, result
