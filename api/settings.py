@@ -188,6 +188,12 @@ class Settings(BaseSettings):
     max_driver_restarts: int = Field(
         default=2, ge=0, description="Times a job's driver that died is restarted from its checkpoint."
     )
+    max_recoveries: int = Field(
+        default=3,
+        ge=0,
+        description="A job's resources.max_recoveries when it gives none: times its driver recovers from a "
+        "lost engine, gateway host, learner rank or node (restart, resume from the latest checkpoint).",
+    )
     webhook_allowed_hosts: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="Webhook receivers allowed besides the public internet, comma-separated: host, "

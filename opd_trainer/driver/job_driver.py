@@ -13,6 +13,7 @@ user code.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import logging
@@ -26,7 +27,15 @@ import ray
 from opd_trainer.driver.components import Components, Started, start_components
 from opd_trainer.driver.metering import Meter, budget_reached, usage_summary
 from opd_trainer.driver.promotion import Promoter
-from opd_trainer.driver.step import Sampler, StepClock, train_step
+from opd_trainer.driver.recovery import (
+    DEFAULT_MAX_RECOVERIES,
+    Lost,
+    RecoveryLog,
+    cause_of,
+    death_error,
+    probe,
+)
+from opd_trainer.driver.step import Sampler, StepClock, StepMark, train_step
 from opd_trainer.driver.trackers import BackgroundTracker, open_trackers
 from opd_trainer.driver.validation import Model, drift_probe_segments, evaluate, validation_records
 from opd_trainer.engine.engine_sharing import EngineSharing
@@ -42,6 +51,8 @@ from opd_trainer.storage.shared import check_probe
 from opd_trainer.workers.pool import pool_metrics
 
 logger = logging.getLogger(__name__)
+
+RESCUE_CHECKPOINT_S = 300.0  # the most a checkpoint before a restart may take; past it the restart goes on
 
 
 def error_event(exc: OPDError) -> tuple[str, dict[str, Any]]:
@@ -107,6 +118,9 @@ class JobDriver:
         self._started_at = time.time()
         self._started = Started()  # what start-up started: stopped at the end, whatever happened
         self._sampler: Sampler | None = None  # exists once the components do
+        self._components: Components | None = None  # the running parts (None while starting)
+        self._mark = StepMark()  # how far the step under way got (`_checkpoint_before_restart`)
+        self._recoveries = RecoveryLog(self.run_dir)
         self._trackers: list[BackgroundTracker] = []  # report_to (opened in run())
         self._promoter = Promoter.for_job(spec)  # None: no validation data, the model is the last checkpoint
         # What earlier runs of this job used (a resume) is where this run's meter starts.
@@ -160,26 +174,15 @@ class JobDriver:
         self.status = "running"
         self._started_at = time.time()
         try:
-            cursor = self._load_data()
+            self._load_data()
             self._report_ignored_fields()
             self._trackers = await asyncio.to_thread(open_trackers, self.spec, self.log, self.job_id)
-            c = await start_components(
-                self.spec,
-                self.job_id,
-                validates=bool(self.validation_samples),
-                total_updates=self.total_steps * self._updates_per_step(),
-                started=self._started,
-                emit=self.emit,
-                server=self.server,
-                run_dir=self.run_dir,
-                storage_token=self.storage_token,
-                teacher_sharing=self.teacher_sharing,
-                student_sharing=self.student_sharing,
-            )
-            sampler = self._sampler = Sampler(c, self.train_samples, cursor)
-            resuming = self.checkpoints.latest() is not None
-            summary = await self._resume(c, sampler) if resuming else await self._preflight(c)
-            return await self._train(c, sampler, summary, stop_after)
+            while True:
+                try:
+                    return await self._run_components(stop_after)
+                except Exception as exc:
+                    if not await self._recover(exc):
+                        raise
         except OPDError as exc:
             self.status = "failed"
             message, data = error_event(exc)
@@ -193,6 +196,114 @@ class JobDriver:
             await self._close_trackers()
             await self.shutdown()
 
+    async def _run_components(self, stop_after: int | None) -> dict[str, Any]:
+        """Starts the job's parts, resumes from the latest checkpoint (or runs the pre-flight of a fresh
+        start) and trains; once per start, again after each recovery."""
+        c = self._components = await start_components(
+            self.spec,
+            self.job_id,
+            validates=bool(self.validation_samples),
+            total_updates=self.total_steps * self._updates_per_step(),
+            started=self._started,
+            emit=self.emit,
+            server=self.server,
+            run_dir=self.run_dir,
+            storage_token=self.storage_token,
+            teacher_sharing=self.teacher_sharing,
+            student_sharing=self.student_sharing,
+        )
+        cursor = EpochCursor(len(self.train_samples), self.spec.hyper_parameters.seed)
+        sampler = self._sampler = Sampler(c, self.train_samples, cursor)
+        if self.checkpoints.latest() is not None:
+            summary = await self._resume(c, sampler)
+        else:
+            if self._recoveries.entries():  # started again before any checkpoint: from the start
+                self.log.truncate_after(-1)
+                self.step = 0
+                self._promoter = Promoter.for_job(self.spec)
+            summary = await self._preflight(c)
+        return await self._train(c, sampler, summary, stop_after)
+
+    async def _recover(self, exc: Exception) -> bool:
+        """After `exc` ended a run of the job's parts: False when it is not a lost component (the job
+        fails with it). Else, within `resources.max_recoveries` and unless the same loss repeats at
+        the same step (`OPDError`), checkpoints the step under way when the learner holds it intact,
+        stops what is left and returns True: `run` starts the parts again and resumes."""
+        death = death_error(exc)
+        lost = await probe(self._held_actors())
+        if (death is None and not lost) or self._stop_requested:
+            return False
+        cause = cause_of(lost, death)
+        what = "; ".join(item.describe() for item in lost) or f"a component ({type(death).__name__})"
+        budget = self.spec.resources.max_recoveries
+        budget = DEFAULT_MAX_RECOVERIES if budget is None else budget
+        refusal = self._recoveries.refusal(self.step, cause, budget)
+        if refusal is not None:
+            message = f"lost {what} at step {self.step + 1}; {refusal}"
+            raise OPDError(message, field="resources.max_recoveries")
+        await self._checkpoint_before_restart(lost)
+        resumes_from = self.checkpoints.latest_step()
+        count = self._recoveries.add(self.step, cause, what, resumes_from)
+        start = "the start" if resumes_from is None else f"the checkpoint of step {resumes_from}"
+        self.emit(
+            "recovery",
+            f"lost {what} during step {self.step + 1}; restarting the job's parts and resuming from {start} "
+            f"(recovery {count} of at most {budget})",
+            lost=[dataclasses.asdict(item) for item in lost],
+            error=f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}",
+            step=self.step,
+            resumes_from=resumes_from,
+            recovery=count,
+            max_recoveries=budget,
+        )
+        await self.shutdown()
+        self._started, self._sampler, self._components = Started(), None, None
+        self._meter = self._meter.carried_over(self._usage)
+        return True
+
+    def _held_actors(self) -> dict[str, Any]:
+        """Every actor the job's parts run in, by what it is for the job (probed after a failure)."""
+        c, started = self._components, self._started
+        held: dict[str, Any] = {}
+        if c is not None:
+            several = c.teachers.several
+            teachers = {f"teacher {n}" if several else "teacher": g for n, g in c.teachers.groups.items()}
+            groups = {"student": c.student, **teachers}
+            for role, group in groups.items():
+                for index, actor in enumerate(group.actors):
+                    held[f"{role} engine replica {index}"] = actor
+        else:  # start-up failed half-way: what it had started
+            for number, group in enumerate(started.engines):
+                for index, actor in enumerate(group.actors):
+                    held[f"engine group {number} replica {index}"] = actor
+        learner = c.learner if c is not None else started.learner
+        for rank, actor in enumerate(learner.actors if learner is not None else []):
+            held[f"learner rank {rank}"] = actor
+        for index, actor in enumerate(started.gateways):
+            held[f"gateway host {index}"] = actor
+        # One name per actor (a LoRA job's teacher may be its student's engines): the first given.
+        unique: dict[Any, tuple[str, Any]] = {}
+        for name, actor in held.items():
+            unique.setdefault(actor._actor_id, (name, actor))
+        return dict(unique.values())
+
+    async def _checkpoint_before_restart(self, lost: list[Lost]) -> None:
+        """A checkpoint of the step the job is at, when it is newer than the latest and the learner
+        holds exactly it (every rank alive, and a failed step had not reached its update): the restart
+        then loses at most the step under way. Skipped (an event says why) when it fails."""
+        c, sampler, mark = self._components, self._sampler, self._mark
+        if c is None or sampler is None or any(item.name.startswith("learner") for item in lost):
+            return
+        if self.step == 0:  # the start's pre-flight and baseline validation run again instead
+            return
+        if mark.learner_started or self.checkpoints.latest_step() == self.step:
+            return
+        try:
+            await asyncio.wait_for(self.save_checkpoint(c, sampler, cursor=mark.cursor), RESCUE_CHECKPOINT_S)
+        except Exception as exc:  # the restart resumes from the previous checkpoint instead
+            why = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
+            self.emit("warning", f"no checkpoint of step {self.step} before the restart ({why})")
+
     async def _train(
         self, c: Components, sampler: Sampler, summary: dict[str, Any], stop_after: int | None
     ) -> dict[str, Any]:
@@ -201,6 +312,7 @@ class JobDriver:
         clock = StepClock()
         while self.step < self.total_steps:
             last = self.step if self._stop_requested else self.total_steps - 1
+            self._mark = StepMark()
             metrics = await train_step(
                 c,
                 sampler,
@@ -208,7 +320,9 @@ class JobDriver:
                 sample_ahead_to=min(self.step + hp.max_staleness, last),
                 clock=clock,
                 log=self.log,
+                mark=self._mark,
             )
+            self._mark = StepMark()  # between steps: the learner holds the step the job is at
             self._meter.add_step(metrics)
             recorded = await self._with_usage(c, metrics)
             # From here to the record no await: whoever sees the new step (`progress()`) finds its
@@ -290,9 +404,8 @@ class JobDriver:
 
     # -- set-up ---------------------------------------------------------------------------------
 
-    def _load_data(self) -> EpochCursor:
-        """Reads the datasets (after the storage check: a path the driver cannot see fails there) and
-        returns the data cursor at its start."""
+    def _load_data(self) -> None:
+        """Reads the datasets (after the storage check: a path the driver cannot see fails there)."""
         if self._storage_error is not None:
             raise self._storage_error
         spec, hp = self.spec, self.spec.hyper_parameters
@@ -303,7 +416,6 @@ class JobDriver:
             self.validation_samples = load_samples(spec.validation_datasets, "validation_datasets")
             check_task_records(self.validation_samples, "validation_datasets", spec.is_agentic)
         self.total_steps = hp.total_steps(len(self.train_samples))
-        return EpochCursor(len(self.train_samples), hp.seed)
 
     def _updates_per_step(self) -> int:
         hp = self.spec.hyper_parameters
@@ -338,14 +450,18 @@ class JobDriver:
 
     # -- checkpoints ----------------------------------------------------------------------------
 
-    async def save_checkpoint(self, c: Components, sampler: Sampler) -> Path:
+    async def save_checkpoint(
+        self, c: Components, sampler: Sampler, cursor: dict[str, Any] | None = None
+    ) -> Path:
+        """A checkpoint of the step the job is at. `cursor`: the data cursor to keep when it is not the
+        sampler's (a step that failed: the state before its batch)."""
         staging = self.checkpoints.staging(self.step)
         await c.learner.save_checkpoint(str(staging))
         # With batches under way for the next steps the cursor is ahead of them: the checkpoint keeps
         # the state before the first, and a resume samples them again.
         state = {
             "step": self.step,
-            "cursor": sampler.cursor_state(),
+            "cursor": cursor if cursor is not None else sampler.cursor_state(),
             "total_steps": self.total_steps,
             "promotion": None if self._promoter is None else self._promoter.state(),
         }

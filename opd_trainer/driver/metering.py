@@ -67,6 +67,17 @@ class Meter:
         self._gpus = dict.fromkeys(ROLES, 0.0)  # the GPUs each role held at the last read
         self._last_read = self._started
         self._recorded: dict[str, float] = {}  # the usage at the previous record (this run)
+        self._driver_cpu_base = 0.0  # this process's CPU-seconds counted before this meter (a recovery)
+        self._driver_cpu_read = 0.0  # this process's CPU-seconds at the last read
+
+    def carried_over(self, usage: dict[str, float]) -> Meter:
+        """A meter for the job's parts started again in this process (a recovery,
+        `driver/recovery.py`), counting on from `usage`, the last read: the wall clock and this
+        process's CPU continue from that read; what the lost parts used after it is not known."""
+        meter = Meter(usage)
+        meter._started = meter._last_read = self._last_read
+        meter._driver_cpu_base = self._driver_cpu_read
+        return meter
 
     def add_step(self, metrics: dict[str, float]) -> None:
         """A training step's learner tokens (its `forwarded_tokens`, `trained_tokens`)."""
@@ -82,14 +93,16 @@ class Meter:
             asyncio.gather(*(gateway.usage.remote() for gateway in c.gateways)),
             asyncio.gather(*(pool.usage() for pool in c.pools)),
         )
+        driver_cpu = process_tree_cpu_seconds()
         cpu = {
             "student_engines": student["cpu_s"],
             "teacher_engines": teacher["cpu_s"],
             "learner": learner["cpu_s"],
             "gateways": sum(g["cpu_s"] for g in gateways),
             "processors": sum(p["cpu_s"] for p in pools),
-            "driver": process_tree_cpu_seconds(),
+            "driver": driver_cpu - self._driver_cpu_base,
         }
+        self._driver_cpu_read = driver_cpu
         gpus = {
             "student_engines": student["gpus"],
             "teacher_engines": teacher["gpus"],

@@ -343,12 +343,29 @@ class _Phases:
         self._mark = now
 
 
+@dataclasses.dataclass
+class StepMark:
+    """How far the step under way got, for a checkpoint the driver takes when the step fails: the data
+    cursor before its batch, and whether the learner has begun its update (after which the learner's
+    state is no longer the previous step's)."""
+
+    cursor: dict[str, Any] | None = None
+    learner_started: bool = False
+
+
 async def train_step(
-    c: Components, sampler: Sampler, step: int, *, sample_ahead_to: int, clock: StepClock, log: RunDir
+    c: Components,
+    sampler: Sampler,
+    step: int,
+    *,
+    sample_ahead_to: int,
+    clock: StepClock,
+    log: RunDir,
+    mark: StepMark | None = None,
 ) -> dict[str, float]:
     """Step `step` (0-based) end to end; returns its metrics. `sample_ahead_to`: the last step whose
     batch may be sampled while this one learns (`step + max_staleness`, at most the last step; `step`:
-    none).
+    none). `mark`: kept up to date with how far the step got.
 
     No completion mixes weight versions: with `max_staleness` 1 the engines finish the batch sampled
     ahead before new weights reach them; with more, an engine update waits for the completions under
@@ -358,7 +375,9 @@ async def train_step(
     """
     hp = c.spec.hyper_parameters
     phases = _Phases()
+    mark = mark if mark is not None else StepMark()
     batch = sampler.take(step)
+    mark.cursor = batch.cursor
     results, rollout_metrics = await collect_rollouts(
         batch, step, hp, has_rewards=bool(c.spec.reward_components), log=log
     )
@@ -385,6 +404,7 @@ async def train_step(
     updates = minibatches(segments + rewrites, hp.ppo_mini_batch_size)
     if hp.turn_preference_coef > 0:
         signal_metrics["preference/split_pairs"] = float(pairs_split_across(updates))
+    mark.learner_started = True
     learner_metrics = await c.learner.train_step(updates)
     phases.done("learner")
     if sampler.ahead and hp.max_staleness == 1:  # new weights once the engines finished the next batch

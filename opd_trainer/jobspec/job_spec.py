@@ -587,6 +587,14 @@ class Resources(_Strict):
         description="How long Ray may take to place the engines and learner ranks (an autoscaler adding "
         "nodes included); past it the job fails naming the resource field and what the cluster has.",
     )
+    max_recoveries: int | None = Field(
+        default=None,
+        ge=0,
+        description="How many times the job recovers from a lost component (an engine replica, the gateway "
+        "host, a learner rank, a node: restarted, resumed from the latest checkpoint) before it fails; the "
+        "same components lost at the same step twice fail it at once. Default: the server's "
+        "OPD_MAX_RECOVERIES (3), or 3 under `opd train`. 0: the first loss fails the job.",
+    )
     weight_transfer: Literal["auto", "shm", "ray", "cuda_ipc", "nccl"] = Field(
         default="auto",
         description="How the learner's weights reach the student engines after each step: 'shm' a "
