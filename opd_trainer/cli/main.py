@@ -71,6 +71,14 @@ def _estimate(args: argparse.Namespace) -> int:
     return run_estimate(Path(args.job_file), args.calibration_steps, args.output == "json", args.memory)
 
 
+def _preemption_notice(args: argparse.Namespace) -> int:
+    # Lazy: CLI start-up (`opd --help`) loads no command's stack; this one loads when it runs.
+    from opd_trainer.cluster.preemption import notify_from_this_node
+
+    notify_from_this_node(args.address, args.grace_s, args.reason, wait=not args.no_wait)
+    return 0
+
+
 def _version() -> str:
     try:
         return version("opd-trainer")
@@ -151,6 +159,18 @@ def build_parser() -> argparse.ArgumentParser:
     roundtrip.add_argument("--models-dir", default=str(DEFAULT_MODELS_DIR), help="tiny models directory")
     roundtrip.add_argument("--prompts", type=int, default=8, help="validation prompts to sample")
     roundtrip.set_defaults(handler=_roundtrip)
+    notice = commands.add_parser(
+        "preemption-notice",
+        help="tell the jobs with parts on this Ray node that it goes away soon (a pod's preStop hook): "
+        "each checkpoints at the end of its step under way, then waits out the grace",
+    )
+    notice.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
+    notice.add_argument(
+        "--grace-s", type=float, default=60.0, help="seconds until the node goes (default 60)"
+    )
+    notice.add_argument("--reason", default="preempted", help="why, as the jobs' events say it")
+    notice.add_argument("--no-wait", action="store_true", help="return at once instead of after the grace")
+    notice.set_defaults(handler=_preemption_notice)
     add_preview_command(commands)
     add_server_commands(commands)
     add_client_commands(commands)

@@ -24,6 +24,7 @@ from typing import Any
 
 import ray
 
+from opd_trainer.cluster.preemption import notices as preemption_notices
 from opd_trainer.driver.components import Components, Started, start_components
 from opd_trainer.driver.metering import Meter, budget_reached, usage_summary
 from opd_trainer.driver.promotion import Promoter
@@ -53,6 +54,11 @@ from opd_trainer.workers.pool import pool_metrics
 logger = logging.getLogger(__name__)
 
 RESCUE_CHECKPOINT_S = 300.0  # the most a checkpoint before a restart may take; past it the restart goes on
+
+
+def _node_of(_: Any) -> str:
+    """Run inside an actor (`__ray_call__`): the Ray node it is on."""
+    return ray.get_runtime_context().get_node_id()
 
 
 def error_event(exc: OPDError) -> tuple[str, dict[str, Any]]:
@@ -121,6 +127,7 @@ class JobDriver:
         self._components: Components | None = None  # the running parts (None while starting)
         self._mark = StepMark()  # how far the step under way got (`_checkpoint_before_restart`)
         self._recoveries = RecoveryLog(self.run_dir)
+        self._notices_seen: set[tuple[str, Any]] = set()  # preemption notices already acted on
         self._trackers: list[BackgroundTracker] = []  # report_to (opened in run())
         self._promoter = Promoter.for_job(spec)  # None: no validation data, the model is the last checkpoint
         # What earlier runs of this job used (a resume) is where this run's meter starts.
@@ -287,6 +294,41 @@ class JobDriver:
             unique.setdefault(actor._actor_id, (name, actor))
         return dict(unique.values())
 
+    async def _preemption_noticed(self) -> bool:
+        """Whether a node holding one of the job's parts has posted a preemption notice since the last
+        look (`cluster/preemption.py`); each such notice becomes a `preemption` event."""
+        found = await asyncio.to_thread(preemption_notices)
+        new = {node: n for node, n in found.items() if (node, n.get("time")) not in self._notices_seen}
+        if not new:
+            return False
+        nodes = await self._held_nodes()
+        hit = False
+        for node, notice in new.items():
+            self._notices_seen.add((node, notice.get("time")))
+            parts = nodes.get(node)
+            if not parts:
+                continue
+            hit = True
+            message = (
+                f"node {node[:12]} goes away within {float(notice.get('grace_s', 0)):g}s "
+                f"({notice.get('reason', 'preempted')}); it holds {', '.join(parts)}: checkpointing step "
+                f"{self.step} now"
+            )
+            self.emit("preemption", message, node_id=node, parts=parts, step=self.step, notice=notice)
+        return hit
+
+    async def _held_nodes(self) -> dict[str, list[str]]:
+        """The Ray node of each of the job's parts: node id -> the parts there."""
+        held = self._held_actors()
+        found = await asyncio.gather(
+            *(actor.__ray_call__.remote(_node_of) for actor in held.values()), return_exceptions=True
+        )
+        nodes: dict[str, list[str]] = {}
+        for name, node in zip(held, found, strict=True):
+            if isinstance(node, str):
+                nodes.setdefault(node, []).append(name)
+        return nodes
+
     async def _checkpoint_before_restart(self, lost: list[Lost]) -> None:
         """A checkpoint of the step the job is at, when it is newer than the latest and the learner
         holds exactly it (every rank alive, and a failed step had not reached its update): the restart
@@ -346,23 +388,26 @@ class JobDriver:
                 break
             stopping = self._stop_requested or (stop_after is not None and self.step >= stop_after)
             with clock.excluded():
-                await self._between_steps(c, sampler, stopping)
+                noticed = await self._preemption_noticed()
+                await self._between_steps(c, sampler, stopping, checkpoint=noticed)
             if stopping:
                 self.status = "stopped"
                 self.emit("status", f"stopped after step {self.step}", step=self.step)
                 return summary
         return await self._finish(c, sampler, summary)
 
-    async def _between_steps(self, c: Components, sampler: Sampler, stopping: bool) -> None:
+    async def _between_steps(
+        self, c: Components, sampler: Sampler, stopping: bool, *, checkpoint: bool = False
+    ) -> None:
         """Validation every `eval_steps` (a new best is promoted and checkpointed at once), and a
-        checkpoint every `save_steps` or before a stop."""
+        checkpoint every `save_steps`, before a stop, or when `checkpoint` (a preemption notice)."""
         hp = self.spec.hyper_parameters
         promoted = False
         if self.validation_samples and self.step % hp.eval_steps == 0 and self.step < self.total_steps:
             metrics = await self._evaluate(c, f"step {self.step}")
             self._record("eval", self.step, await self._with_usage(c, metrics))
             promoted = self._promoter is not None and self._promoter.consider(self.step, metrics)
-        if self.step % hp.save_steps == 0 or stopping or promoted:
+        if self.step % hp.save_steps == 0 or stopping or promoted or checkpoint:
             await self.save_checkpoint(c, sampler)
         if promoted:
             self._promote(final=False)

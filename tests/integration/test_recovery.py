@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -33,7 +35,13 @@ pytestmark = pytest.mark.integration
 JOB_TIMEOUT_S = 900
 
 
-def _job(tiny_models: TinyModels, tmp_path: Path, steps: int, max_recoveries: int | None = None) -> JobSpec:
+def _job(
+    tiny_models: TinyModels,
+    tmp_path: Path,
+    steps: int,
+    max_recoveries: int | None = None,
+    save_steps: int = 2,
+) -> JobSpec:
     validation = tmp_path / "validation.jsonl"
     write_jsonl(validation, read_jsonl(tiny_models.data_dir / "validation.jsonl")[:8])
     engine = {"kv_cache_memory_bytes": TINY_KV_CACHE_BYTES, "dtype": "float32"}
@@ -57,7 +65,7 @@ def _job(tiny_models: TinyModels, tmp_path: Path, steps: int, max_recoveries: in
                 "max_length": 1024,
                 "max_tokens": 16,
                 "eval_steps": 100,
-                "save_steps": 2,
+                "save_steps": save_steps,
                 "seed": 0,
             },
             "resources": resources,
@@ -137,3 +145,55 @@ def test_a_loss_beyond_max_recoveries_fails_the_job_naming_the_field(
     assert "student engine replica 0" in raised.value.message
     [error] = [e for e in RunDir(run_dir).events() if e["type"] == "error"]
     assert error["data"]["field"] == "resources.max_recoveries"
+
+
+class NoticeThenLoss(threading.Thread):
+    """Once training step 1 is recorded: `opd preemption-notice` for the node (what a drained pod's
+    preStop hook runs), then, once the job has checkpointed after it, the node's learner rank is lost."""
+
+    def __init__(self, driver: Any, run_dir: Path) -> None:
+        super().__init__(daemon=True)
+        self.driver, self.run_dir = driver, run_dir
+        self.notice: subprocess.CompletedProcess[str] | None = None
+        self.killed = False
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set() and not self.killed:
+            run = RunDir(self.run_dir)
+            events = run.events()
+            if self.notice is None and any(r["kind"] == "train" for r in run.records()):
+                command = [sys.executable, "-m", "opd_trainer.cli", "preemption-notice", "--no-wait"]
+                command += ["--address", ray.get_runtime_context().gcs_address, "--grace-s", "30"]
+                self.notice = subprocess.run(command, capture_output=True, text=True, timeout=120)
+            noticed = [e["seq"] for e in events if e["type"] == "preemption"]
+            if noticed and any(e["type"] == "checkpoint" and e["seq"] > noticed[0] for e in events):
+                os.kill(_pid_of(self.driver, "learner rank 0"), signal.SIGKILL)  # the grace is over
+                self.killed = True
+            time.sleep(0.05)
+
+
+def test_a_preemption_notice_checkpoints_the_step_and_the_loss_resumes_from_it(
+    ray_session: None, tiny_models: TinyModels, tmp_path: Path
+) -> None:
+    """No periodic checkpoint falls in this job: without the notice's, the learner's loss would send
+    it back to the start."""
+    spec, run_dir = _job(tiny_models, tmp_path, steps=5, save_steps=100), tmp_path / "run"
+    driver = ray.remote(JobDriver).options(num_cpus=0).remote(spec, str(run_dir))
+    watcher = NoticeThenLoss(driver, run_dir)
+    watcher.start()
+    try:
+        ray.get(driver.run.remote(), timeout=JOB_TIMEOUT_S)
+    finally:
+        watcher.done.set()
+        ray.kill(driver)
+
+    assert watcher.notice is not None and watcher.notice.returncode == 0, watcher.notice
+    assert watcher.killed
+    events = RunDir(run_dir).events()
+    [preemption] = [e for e in events if e["type"] == "preemption"]
+    assert "learner rank 0" in preemption["data"]["parts"]
+    [recovery] = [e for e in events if e["type"] == "recovery"]
+    assert recovery["data"]["lost"][0]["name"] == "learner rank 0"
+    assert recovery["data"]["resumes_from"] == preemption["data"]["step"] >= 1
+    assert [r["step"] for r in RunDir(run_dir).records() if r["kind"] == "train"] == list(range(1, 6))
