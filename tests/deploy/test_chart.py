@@ -362,6 +362,23 @@ def test_user_code_group_has_no_data_volume_and_no_secrets(rendered_by_scenario:
     assert not {"OPD_ADMIN_KEY", "DATABASE_URL"} & set(configmap_data(rendered))
 
 
+def test_training_groups_post_a_preemption_notice_before_they_go(
+    rendered_by_scenario: dict[str, Rendered],
+) -> None:
+    """A drained training pod runs `opd preemption-notice` and stays its grace (jobs checkpoint); the
+    user-code group, whose workers a pool replaces in place, has no hook."""
+    groups = worker_groups(rendered_by_scenario["default"])
+    for name, group in groups.items():
+        spec, container = group["template"]["spec"], ray_container(group["template"])
+        if name == "user-code":
+            assert "lifecycle" not in container and "terminationGracePeriodSeconds" not in spec
+            continue
+        command = container["lifecycle"]["preStop"]["exec"]["command"]
+        assert command[:2] == ["opd", "preemption-notice"], name
+        grace = float(command[command.index("--grace-s") + 1])
+        assert spec["terminationGracePeriodSeconds"] == grace + 30, name
+
+
 def test_cpu_only_install(rendered_by_scenario: dict[str, Rendered]) -> None:
     rendered = rendered_by_scenario["cpu-only"]
     groups = worker_groups(rendered)

@@ -427,8 +427,19 @@ A user-code group mounts no data volume and advertises the user-code resource.
           securityContext:
             {{- toYaml . | nindent 12 }}
           {{- end }}
+          {{- $notice := int $root.Values.ray.common.preemptionNoticeSeconds }}
+          {{- if and $notice (not .userCode) }}
+          lifecycle:
+            preStop:
+              exec:
+                # Jobs with a part on this node checkpoint now (`opd_trainer/cluster/preemption.py`).
+                command: ["opd", "preemption-notice", "--grace-s", "{{ $notice }}"]
+          {{- end }}
           volumeMounts:
             {{- include "opd-trainer.rayVolumeMounts" (dict "root" $root "extra" $group.volumeMounts "noData" .userCode) | nindent 12 }}
+      {{- if and $notice (not .userCode) }}
+      terminationGracePeriodSeconds: {{ add $notice 30 }}
+      {{- end }}
       volumes:
         {{- include "opd-trainer.rayVolumes" (dict "root" $root "shmSize" $group.shmSize "extra" $group.volumes "noData" .userCode) | nindent 8 }}
       {{- with $group.nodeSelector }}
