@@ -15,10 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from ray.exceptions import RayActorError
 from tqdm import tqdm
 
 from opd_trainer.cluster.ray_runtime import init_ray
 from opd_trainer.driver.plots import format_final_table, plot_curves
+from opd_trainer.driver.recovery import DEFAULT_MAX_RECOVERIES, RecoveryLog
+from opd_trainer.errors import OPDError
 from opd_trainer.jobspec.dataset import load_samples
 from opd_trainer.jobspec.job_spec import JobSpec
 from opd_trainer.jobspec.lora_check import preflight_lora
@@ -94,6 +97,27 @@ def prepare_spec(spec: JobSpec) -> JobSpec:
     return spec
 
 
+def _restart_or_raise(spec: JobSpec, run_dir: Path, exc: RayActorError) -> None:
+    """After the job's driver died: returns when a new driver may resume the job from its latest
+    checkpoint (within `resources.max_recoveries`, counted with the driver's own recoveries in the run
+    directory), else raises `OPDError` naming the field."""
+    log = RecoveryLog(run_dir)
+    steps = [r["step"] for r in RunDir(run_dir).records() if r["kind"] == "train"]
+    step = max(steps, default=0)
+    budget = spec.resources.max_recoveries
+    budget = DEFAULT_MAX_RECOVERIES if budget is None else budget
+    refusal = log.refusal(step, "job driver", budget)
+    if refusal is not None:
+        raise OPDError(
+            f"the job driver died at step {step + 1}; {refusal}", field="resources.max_recoveries"
+        ) from exc
+    latest = RunDir(run_dir).checkpoint_store().latest_step()
+    count = log.add(step, "job driver", "the job driver died", latest)
+    start = "the start" if latest is None else f"the checkpoint of step {latest}"
+    print(f"[recovery] the job driver died; a new one resumes from {start} ", end="")
+    print(f"(recovery {count} of at most {budget})")
+
+
 def train_spec(spec: JobSpec, run_dir: Path | None = None, stop_after: int | None = None) -> dict[str, Any]:
     """Runs a prepared `spec` on the local (or `RAY_ADDRESS`) Ray cluster with progress on the terminal;
     returns the job's summary. Raises `OPDError` when the job fails."""
@@ -106,13 +130,17 @@ def train_spec(spec: JobSpec, run_dir: Path | None = None, stop_after: int | Non
     started = time.perf_counter()
     init_ray()
     token = write_probe(run_dir.resolve())  # on a cluster, the driver's and learner's nodes must see it
-    driver = JobDriverActor.options(num_cpus=0).remote(  # type: ignore[attr-defined]
-        spec, str(run_dir.resolve()), "local", token
-    )
-    try:
-        summary: dict[str, Any] = asyncio.run(_follow(driver, driver.run.remote(stop_after)))
-    finally:
-        ray.kill(driver)
+    while True:
+        driver = JobDriverActor.options(num_cpus=0).remote(  # type: ignore[attr-defined]
+            spec, str(run_dir.resolve()), "local", token
+        )
+        try:
+            summary: dict[str, Any] = asyncio.run(_follow(driver, driver.run.remote(stop_after)))
+            break
+        except RayActorError as exc:  # the driver died: its engines, ranks and pools died with it
+            _restart_or_raise(spec, run_dir, exc)
+        finally:
+            ray.kill(driver)
     records = RunDir(run_dir).records()
     if records:
         print(f"curves: {plot_curves(records, run_dir / 'curves.png', spec.job_name)}")

@@ -18,12 +18,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import ray
 
 from opd_trainer.demo.tiny_models import TinyModels
 from opd_trainer.demo.tiny_models.serving import TINY_KV_CACHE_BYTES
 from opd_trainer.driver.job_driver import JobDriver
+from opd_trainer.driver.local_run import train_spec
 from opd_trainer.driver.recovery import RecoveryLog
 from opd_trainer.errors import OPDError
 from opd_trainer.jobspec.job_spec import JobSpec, parse_job_spec
@@ -197,3 +199,42 @@ def test_a_preemption_notice_checkpoints_the_step_and_the_loss_resumes_from_it(
     assert recovery["data"]["lost"][0]["name"] == "learner rank 0"
     assert recovery["data"]["resumes_from"] == preemption["data"]["step"] >= 1
     assert [r["step"] for r in RunDir(run_dir).records() if r["kind"] == "train"] == list(range(1, 6))
+
+
+def _driver_processes() -> list[psutil.Process]:
+    return [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if (p.info["cmdline"] or [""])[0].startswith("ray::JobDriver")
+    ]
+
+
+def test_opd_train_starts_a_new_driver_when_its_driver_dies(
+    ray_session: None, tiny_models: TinyModels, tmp_path: Path
+) -> None:
+    """`opd train`'s path (`train_spec`): the driver's process killed after step 2's checkpoint; a new
+    driver resumes from it and the job ends with every step once."""
+    spec, run_dir = _job(tiny_models, tmp_path, steps=4), tmp_path / "run"
+    before = {p.pid for p in _driver_processes()}
+    killed: list[int] = []
+    done = threading.Event()
+
+    def kill_driver() -> None:
+        while not done.is_set() and not killed:
+            if RunDir(run_dir).checkpoint_store().latest_step() == 2:
+                for process in _driver_processes():
+                    if process.pid not in before:
+                        process.kill()
+                        killed.append(process.pid)
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=kill_driver, daemon=True)
+    watcher.start()
+    try:
+        summary = train_spec(spec, run_dir)
+    finally:
+        done.set()
+    assert killed and "student_after" in summary
+    [entry] = RecoveryLog(run_dir).entries()
+    assert entry["cause"] == "job driver" and entry["resumes_from"] == 2
+    assert [r["step"] for r in RunDir(run_dir).records() if r["kind"] == "train"] == [1, 2, 3, 4]
