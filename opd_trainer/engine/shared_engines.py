@@ -120,6 +120,7 @@ class SharedEngines:
         id, its replicas and their nodes."""
         key = sharing_key(config)
         async with self.locks.setdefault(key, asyncio.Lock()):
+            await self._retire_broken(key)
             found = [
                 (group_id, s) for group_id, s in self.groups.items() if s.key == key and self._room(s, job_id)
             ]
@@ -136,6 +137,21 @@ class SharedEngines:
         if self._watch is None:
             self._watch = asyncio.create_task(self._watch_loop())
         return group_id, list(shared.actors), list(shared.nodes)
+
+    async def _retire_broken(self, key: str) -> None:
+        """Drops the groups for `key` with a replica Ray says died (a job recovering from its loss,
+        `driver/recovery.py`, must not be handed it again): their live replicas are shut down, and the
+        jobs still holding them fail their next request and recover onto a new group."""
+        for group_id, shared in list(self.groups.items()):
+            if shared.key != key:
+                continue
+            alive = await asyncio.gather(*(_alive(actor) for actor in shared.actors))
+            if all(alive):
+                continue
+            del self.groups[group_id]
+            await EngineGroup(
+                [a for a, up in zip(shared.actors, alive, strict=True) if up] or shared.actors
+            ).shutdown()
 
     def _room(self, shared: _Shared, job_id: str) -> bool:
         """Whether `job_id` may hold `shared`: it does already, or the group holds fewer than `max_jobs`."""

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ray.exceptions import ActorDiedError
 
 from opd_trainer.engine import shared_engines
 from opd_trainer.engine.engine_sharing import EngineSharing, LoadStreak
@@ -157,21 +158,54 @@ def test_a_sampling_clients_share_counts_its_prompts_and_generated_tokens() -> N
 
 
 class _Remote:
-    def __init__(self, calls: list[tuple[str, str, Any]], replica: str, method: str) -> None:
-        self.calls, self.replica, self.method = calls, replica, method
+    def __init__(self, replica: _Replica, method: str) -> None:
+        self.replica, self.method = replica, method
 
     async def remote(self, *args: Any) -> None:
-        self.calls.append((self.replica, self.method, args))
+        if self.method == "__ray_ready__":  # Ray's liveness call: not one of the engine's methods
+            if self.replica.dead:
+                raise ActorDiedError()
+            return
+        self.replica.calls.append((self.replica.name, self.method, args))
 
 
 class _Replica:
-    """A stand-in engine actor: records the calls made on it."""
+    """A stand-in engine actor: records the calls made on it; `dead` as Ray would say."""
 
     def __init__(self, name: str, calls: list[tuple[str, str, Any]]) -> None:
-        self.name, self.calls = name, calls
+        self.name, self.calls, self.dead = name, calls, False
 
     def __getattr__(self, method: str) -> _Remote:
-        return _Remote(self.calls, self.name, method)
+        return _Remote(self, method)
+
+
+def test_a_group_with_a_dead_replica_is_never_handed_out_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job recovering from its shared teacher's loss acquires again: it gets a new group, and the
+    broken group's live replicas are shut down."""
+    calls: list[tuple[str, str, Any]] = []
+    started: list[_Replica] = []
+
+    async def start(config: EngineConfig, role: str) -> tuple[list[Any], list[str]]:
+        started.extend(
+            [_Replica(f"{role}-{len(started)}-a", calls), _Replica(f"{role}-{len(started)}-b", calls)]
+        )
+        return started[-2:], ["node", "node"]
+
+    monkeypatch.setattr(shared_engines, "start_located_engines", start)
+    monkeypatch.setattr(shared_engines.ray, "kill", lambda actor: calls.append((actor.name, "kill", ())))
+    config = EngineConfig(model="/models/teacher")
+
+    async def scenario() -> None:
+        registry = SharedEngines(EngineSharing(idle_s=3600, check_s=3600), "teacher")
+        first = await registry.acquire("a", config, None)
+        assert (await registry.acquire("b", config, None))[0] == first[0]  # alive: shared
+        started[0].dead = True
+        again = await registry.acquire("a", config, None)
+        assert again[0] != first[0] and again[1] == started[2:]
+        assert list(registry.groups) == [again[0]]
+
+    asyncio.run(scenario())
+    assert ("teacher-0-b", "shutdown", ()) in calls and ("teacher-0-b", "kill", ()) in calls
 
 
 def test_lora_jobs_fill_a_student_group_then_start_another_and_release_unloads_their_adapter(
