@@ -236,9 +236,13 @@ class JobDriver:
         fails with it). Else, within `resources.max_recoveries` and unless the same loss repeats at
         the same step (`OPDError`), checkpoints the step under way when the learner holds it intact,
         stops what is left and returns True: `run` starts the parts again and resumes."""
+        if isinstance(exc, ConfigError) or self._stop_requested:
+            # The job's own settings, or a cluster that cannot place its parts within
+            # resources.placement_timeout_s (whose actors it killed): nothing a restart changes.
+            return False
         death = death_error(exc)
         lost = await probe(self._held_actors())
-        if (death is None and not lost) or self._stop_requested:
+        if death is None and not lost:
             return False
         cause = cause_of(lost, death)
         what = "; ".join(item.describe() for item in lost) or f"a component ({type(death).__name__})"

@@ -66,3 +66,21 @@ def test_a_carried_over_meter_counts_on_from_the_last_read() -> None:
     assert carried.base["teacher_tokens"] == 140.0 and carried._driver_cpu_base == 2.5
     assert carried._started == meter._last_read  # the wall clock goes on from that read
     assert carried.deltas({k: v + 1 for k, v in carried.base.items()})["usage/teacher_tokens"] == 1.0
+
+
+def test_a_placement_that_timed_out_is_the_jobs_error_not_a_lost_part(tmp_path: Path) -> None:
+    """`placed` kills the actors it could not place and raises ConfigError naming the field: those
+    actors are dead, but restarting would only wait again; the job fails with the field."""
+    import asyncio
+
+    from opd_trainer.driver.job_driver import JobDriver
+    from opd_trainer.errors import ConfigError
+    from opd_trainer.jobspec.job_spec import parse_job_spec
+
+    spec = parse_job_spec(
+        {"job_name": "j", "model": "/m/s", "teacher_model": "/m/t", "training_datasets": ["/d.jsonl"]}
+    )
+    driver = JobDriver(spec, str(tmp_path / "run"))
+    error = ConfigError("Ray could not place the student engines within 600s", field="resources.student")
+    assert asyncio.run(driver._recover(error)) is False
+    assert RecoveryLog(tmp_path / "run").entries() == []
