@@ -12,13 +12,39 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event, inspect, text
+from sqlalchemy import Engine, create_engine, event, inspect, make_url, text
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 from sqlalchemy.pool import QueuePool
 
 
 class Base(DeclarativeBase):
     pass
+
+
+# libpq settings for PostgreSQL connections (a URL's own query parameters win): a connect gives up
+# after 10 s, and a server gone silent without closing the connection (its node lost, a partition) is
+# noticed within about a minute instead of the kernel's two hours, so a request or the scheduler's
+# poll fails and is retried instead of hanging on it.
+POSTGRES_CONNECT_ARGS: dict[str, int] = {
+    "connect_timeout": 10,
+    "keepalives": 1,
+    "keepalives_idle": 30,
+    "keepalives_interval": 10,
+    "keepalives_count": 3,
+}
+
+
+def database_unavailable(exc: BaseException) -> bool:
+    """Whether `exc` says the database could not be reached or dropped the connection (PostgreSQL
+    restarted or failed over, the network between, SQLite's file locked), as opposed to a statement
+    it refused: what failed may simply be tried again once the database answers.
+
+    The pool forgets connections the error showed dead, and `pool_pre_ping` replaces the others when
+    they are next taken, so the next try reconnects by itself."""
+    if isinstance(exc, OperationalError | InterfaceError):
+        return True
+    return isinstance(exc, DBAPIError) and exc.connection_invalidated
 
 
 def make_engine(url: str) -> Engine:
@@ -30,7 +56,20 @@ def make_engine(url: str) -> Engine:
     # (the last close checkpoints the WAL) was ~30 % of a status read's CPU (py-spy, 2026-12-01).
     # 20 kept (64 measured worse: reads stalled more after a burst of submissions, 2026-12-01).
     if not url.startswith("sqlite"):
-        return create_engine(url, pool_pre_ping=True, pool_size=20, max_overflow=200, pool_timeout=60)
+        parsed = make_url(url)
+        connect_args: dict[str, int] = {}
+        if parsed.get_backend_name() == "postgresql" and parsed.get_driver_name() in ("psycopg", "psycopg2"):
+            connect_args = {k: v for k, v in POSTGRES_CONNECT_ARGS.items() if k not in parsed.query}
+        # pool_pre_ping: a connection is tried (`SELECT 1`) before it is handed out, so one a database
+        # restart closed is replaced instead of failing the request that takes it.
+        return create_engine(
+            url,
+            pool_pre_ping=True,
+            pool_size=20,
+            max_overflow=200,
+            pool_timeout=60,
+            connect_args=connect_args,
+        )
     engine = create_engine(
         url,
         connect_args={"check_same_thread": False, "timeout": 30},

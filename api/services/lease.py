@@ -4,6 +4,12 @@ Every replica of the API serves requests; only the lease holder starts, polls an
 Each step is one conditional `UPDATE` (atomic on SQLite and PostgreSQL alike): take the row if it is
 ours, expired, released, or held by a process of this host that no longer exists (a crashed server
 restarted on the same machine need not wait for the lease to run out).
+
+A database outage (PostgreSQL restarted) stops every replica's renewals alike, so the lease may run out
+while nobody could renew it. A replica that could not reach the database therefore leaves another
+holder's lapsed lease alone for one more `ttl_s` after it reaches it again: a live holder renews in that
+time and keeps its jobs (a takeover on an embedded Ray would stop and resume them all), while a holder
+that died during the outage is still replaced, `ttl_s` later than otherwise.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import psutil
 from sqlalchemy import or_, update
 from sqlalchemy.exc import IntegrityError
 
-from api.db import Database
+from api.db import Database, database_unavailable
 from api.models import SchedulerLease
 
 LEASE_NAME = "scheduler"
@@ -41,9 +47,24 @@ class Lease:
         self.db = db
         self.holder = holder
         self.ttl_s = ttl_s
+        self._unreachable = False  # the last try could not reach the database
+        self._patient_until = 0.0  # till then another holder's lapsed lease is left to it (above)
 
     def acquire(self) -> bool:
-        """Takes or renews the lease; False while another live process holds it."""
+        """Takes or renews the lease; False while another live process holds it (or may still renew
+        it after a database outage). Raises what the database raised when it cannot be reached."""
+        try:
+            taken = self._acquire()
+        except Exception as exc:
+            if database_unavailable(exc):
+                self._unreachable = True
+            raise
+        if self._unreachable:
+            self._unreachable = False
+            self._patient_until = time.time() + self.ttl_s
+        return taken
+
+    def _acquire(self) -> bool:
         now = time.time()
         with self.db.session() as session:
             current = session.get(SchedulerLease, LEASE_NAME)
@@ -55,7 +76,9 @@ class Lease:
                 except IntegrityError:  # another replica inserted it first
                     session.rollback()
                     return False
-            takeable = [SchedulerLease.holder == self.holder, SchedulerLease.expires_at < now]
+            takeable = [SchedulerLease.holder == self.holder]
+            if now >= self._patient_until and not self._unreachable:
+                takeable.append(SchedulerLease.expires_at < now)
             if _gone_from_this_host(current.holder):
                 takeable.append(SchedulerLease.holder == current.holder)
             result = session.execute(

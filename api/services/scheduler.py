@@ -52,7 +52,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from api.db import Database
+from api.db import Database, database_unavailable, ping
 from api.errors import APIError
 from api.models import Job, JobEvent
 from api.services.jobs import add_event, compare_and_set, finite, resolve_for_driver, status_since
@@ -160,6 +160,7 @@ class Scheduler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_ray_check = 0.0
+        self._database_down_since: float | None = None  # monotonic; None while the database answers
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -185,10 +186,40 @@ class Scheduler:
     def _main(self) -> None:
         while not self._stop.is_set():
             try:
+                if self._database_down_since is not None:
+                    self._database_back()
                 self._step()
-            except Exception:
-                logger.exception("scheduler step failed")
+            except Exception as exc:
+                if database_unavailable(exc):
+                    self._database_down(exc)
+                else:
+                    logger.exception("scheduler step failed")
             self._stop.wait(self.settings.poll_interval_s)
+
+    def _database_down(self, exc: Exception) -> None:
+        """A poll the database did not answer (PostgreSQL restarting, failing over): what it had changed
+        was rolled back (`tick`) and the next poll tries again. The drivers train on meanwhile; their
+        events wait in their event lists until a poll copies them, and no job changes status."""
+        if self._database_down_since is None:
+            self._database_down_since = time.monotonic()
+            reason = (str(exc).strip().splitlines() or [""])[0]
+            logger.warning(
+                "database unavailable (%s: %s); the scheduler tries again every %gs, jobs keep running",
+                type(exc).__name__,
+                reason,
+                self.settings.poll_interval_s,
+            )
+
+    def _database_back(self) -> None:
+        """Ends an outage once the database answers (raises while it does not). Drivers were not
+        polled during it, so that time does not count towards `driver_unresponsive_s`."""
+        assert self._database_down_since is not None
+        ping(self.db.engine)
+        outage = time.monotonic() - self._database_down_since
+        self._database_down_since = None
+        for handle in self._handles.values():
+            handle.answered_at += outage
+        logger.warning("database reachable again after %.0fs: scheduling goes on", outage)
 
     def _step(self) -> None:
         """One poll: Ray up (every replica: `opd serve` starts it before the app), the lease held (or
@@ -355,13 +386,29 @@ class Scheduler:
             jobs = session.scalars(select(Job).where(Job.status.in_(WITH_DRIVER)).order_by(Job.pk)).all()
             answered = self._ask(jobs)
             for job in jobs:
+                held = self._handles.get(job.id)
                 try:
                     self._poll(session, job, answered)
-                except Exception:
+                    session.commit()
+                except Exception as exc:
                     session.rollback()
+                    if database_unavailable(exc):
+                        # The rest of this poll would fail alike; the next one asks the drivers again
+                        # from the cursors the database kept, so no event is lost or copied twice.
+                        self._forget_uncommitted(job.id, held)
+                        raise
                     logger.exception("[%s] polling the driver failed", job.id)
-                session.commit()
             self._start_queued(session)
+
+    def _forget_uncommitted(self, job_id: str, held: DriverHandle | None) -> None:
+        """After a database error undid what a poll or start did to `job_id`: a driver started in it
+        (`held` is the handle before) has no record in the database (its attempt, its event cursor), so
+        it is stopped again; the next poll finds the job without a driver and starts one the usual way
+        (`_driver_lost`, its events recovered from the run dir)."""
+        handle = self._handles.get(job_id)
+        if handle is not None and handle is not held:
+            del self._handles[job_id]
+            self._retire(handle)
 
     def _check_ray(self) -> None:
         # Lazy: the server module loads without Ray; Ray loads when the scheduler thread uses it.
@@ -586,15 +633,20 @@ class Scheduler:
         )
         free = self.settings.max_concurrent_jobs - holding
         for job_id in fair_queue(session, free, self.settings.tenant_slots):
-            if not compare_and_set(session, job_id, "queued", "running", started_at=int(time.time())):
-                continue
-            job = session.scalars(select(Job).where(Job.id == job_id)).one()
-            session.refresh(job)
-            add_event(
-                session, job.id, "status", "queued -> running: starting the job driver", {"status": "running"}
-            )
-            self._start_driver(session, job)
-            session.commit()
+            try:
+                if not compare_and_set(session, job_id, "queued", "running", started_at=int(time.time())):
+                    continue
+                job = session.scalars(select(Job).where(Job.id == job_id)).one()
+                session.refresh(job)
+                why = "queued -> running: starting the job driver"
+                add_event(session, job.id, "status", why, {"status": "running"})
+                self._start_driver(session, job)
+                session.commit()
+            except Exception as exc:
+                if database_unavailable(exc):  # the job stays queued: no driver for it
+                    session.rollback()
+                    self._forget_uncommitted(job_id, None)
+                raise
 
     def _start_driver(self, session: Session, job: Job) -> None:
         """A new driver incarnation on the job's run dir (it resumes from the latest checkpoint),
