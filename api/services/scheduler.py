@@ -658,6 +658,9 @@ class Scheduler:
             error = {"code": "file_missing", "message": exc.message, "param": param}
             self._move(session, job, "failed", "its files are gone", error=error)
             return
+        if spec.resources.max_recoveries is None:  # the server's default (`driver/recovery.py`)
+            resources = spec.resources.model_copy(update={"max_recoveries": self.settings.max_recoveries})
+            spec = spec.model_copy(update={"resources": resources})
         # Counted before the new driver can write: what follows in events.jsonl is its own.
         job.driver_events_offset = len(RunDir(job.run_dir).events())
         storage_token = write_probe(Path(job.run_dir))  # the driver and learner check they see it
