@@ -504,17 +504,19 @@ class JobDriver:
     ) -> Path:
         """A checkpoint of the step the job is at. `cursor`: the data cursor to keep when it is not the
         sampler's (a step that failed: the state before its batch)."""
-        staging = self.checkpoints.staging(self.step)
-        await c.learner.save_checkpoint(str(staging))
-        # With batches under way for the next steps the cursor is ahead of them: the checkpoint keeps
-        # the state before the first, and a resume samples them again.
-        state = {
-            "step": self.step,
-            "cursor": cursor if cursor is not None else sampler.cursor_state(),
-            "total_steps": self.total_steps,
-            "promotion": None if self._promoter is None else self._promoter.state(),
-        }
-        path = self.checkpoints.commit(staging, self.step, state)
+        # A save that fails leaves nothing behind; a full disk is an error naming where and how much
+        # (`CheckpointStore.saving`), the previous checkpoint intact.
+        with self.checkpoints.saving(self.step) as staging:
+            await c.learner.save_checkpoint(str(staging))
+            # With batches under way for the next steps the cursor is ahead of them: the checkpoint
+            # keeps the state before the first, and a resume samples them again.
+            state = {
+                "step": self.step,
+                "cursor": cursor if cursor is not None else sampler.cursor_state(),
+                "total_steps": self.total_steps,
+                "promotion": None if self._promoter is None else self._promoter.state(),
+            }
+            path = self.checkpoints.commit(staging, self.step, state)
         self.emit("checkpoint", f"saved step {self.step}", step=self.step, path=str(path))
         keep_last_n = self.spec.hyper_parameters.keep_last_n
         if keep_last_n is not None:

@@ -10,6 +10,7 @@ gateways. A fourth kind of loss, beyond `resources.max_recoveries`, fails the jo
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -221,11 +222,11 @@ def test_opd_train_starts_a_new_driver_when_its_driver_dies(
 
     def kill_driver() -> None:
         while not done.is_set() and not killed:
-            if RunDir(run_dir).checkpoint_store().latest_step() == 2:
-                for process in _driver_processes():
-                    if process.pid not in before:
-                        process.kill()
-                        killed.append(process.pid)
+            new = [p for p in _driver_processes() if p.pid not in before]
+            # This job's driver: the one new driver (another on the machine started since: wait).
+            if RunDir(run_dir).checkpoint_store().latest_step() == 2 and len(new) == 1:
+                new[0].kill()
+                killed.append(new[0].pid)
             time.sleep(0.05)
 
     watcher = threading.Thread(target=kill_driver, daemon=True)
@@ -238,3 +239,68 @@ def test_opd_train_starts_a_new_driver_when_its_driver_dies(
     [entry] = RecoveryLog(run_dir).entries()
     assert entry["cause"] == "job driver" and entry["resumes_from"] == 2
     assert [r["step"] for r in RunDir(run_dir).records() if r["kind"] == "train"] == [1, 2, 3, 4]
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Any:
+    """A 256 MiB tmpfs for a run directory, unmounted afterwards (root only: skipped elsewhere)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256m", "tmpfs", str(mount)], capture_output=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"mount -t tmpfs is not permitted here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_a_full_disk_at_a_checkpoint_fails_naming_it_and_the_previous_one_resumes(
+    ray_session: None, tiny_models: TinyModels, tmp_path: Path, small_disk: Path
+) -> None:
+    """Once step 1's checkpoint is written the disk is filled to 2 MiB short of full (small writes,
+    metrics and events, still fit; a checkpoint does not): step 2's checkpoint fails the job with an
+    error naming the file system and the bytes needed, not a lost part; with space freed the job
+    resumes from step 1's checkpoint and ends."""
+    spec, run_dir = _job(tiny_models, tmp_path, steps=3, save_steps=1), small_disk / "run"
+    filler = small_disk / "filler"
+    done = threading.Event()
+
+    def fill_after_first_checkpoint() -> None:
+        while not done.is_set():
+            if run_dir.exists() and RunDir(run_dir).checkpoint_store().latest_step() == 1:
+                free = shutil.disk_usage(small_disk).free
+                with filler.open("wb") as out:
+                    out.truncate(0)
+                    for _ in range(max(0, free - 2 * 1024 * 1024) // (1024 * 1024)):
+                        out.write(b"\0" * 1024 * 1024)
+                return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=fill_after_first_checkpoint, daemon=True)
+    watcher.start()
+    driver = ray.remote(JobDriver).options(num_cpus=0).remote(spec, str(run_dir))
+    try:
+        with pytest.raises(OPDError) as raised:
+            ray.get(driver.run.remote(), timeout=JOB_TIMEOUT_S)
+    finally:
+        done.set()
+        ray.kill(driver)
+    assert str(small_disk) in raised.value.message and "needs about" in raised.value.message, raised.value
+    store = RunDir(run_dir).checkpoint_store()
+    assert store.latest_step() == 1 and not list(store.root.glob(".staging-*"))
+    assert not RecoveryLog(run_dir).entries()  # a full disk is not a lost part
+
+    filler.unlink()
+    driver = ray.remote(JobDriver).options(num_cpus=0).remote(spec, str(run_dir))
+    try:
+        ray.get(driver.run.remote(), timeout=JOB_TIMEOUT_S)
+    finally:
+        ray.kill(driver)
+    events = RunDir(run_dir).events()
+    assert any(e["message"].startswith("resumed from checkpoint at step 1") for e in events)
+    assert [r["step"] for r in RunDir(run_dir).records() if r["kind"] == "train"] == [1, 2, 3]
