@@ -1,8 +1,9 @@
 """One error shape for every 4xx, `{"error": {"code", "message", "param"}}`, and the handlers that make it.
 
 Engine errors (`opd_trainer.errors.OPDError`) become 400 with `param` = their `field`; request
-validation errors become 422 naming the first bad field; anything unexpected is logged and answered
-with a 500 of the same shape, never a stack trace.
+validation errors become 422 naming the first bad field; a database that cannot be reached is a 503
+with `Retry-After`; anything unexpected is logged and answered with a 500 of the same shape, never a
+stack trace.
 """
 
 from __future__ import annotations
@@ -17,10 +18,13 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from api.db import database_unavailable
 from opd_trainer.errors import OPDError
 from opd_trainer.jobspec.job_spec import error_field_path
 
 logger = logging.getLogger(__name__)
+
+DATABASE_RETRY_AFTER_S = 5
 
 
 class ErrorBody(BaseModel):
@@ -118,6 +122,14 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        if database_unavailable(exc):  # PostgreSQL restarting or failing over: try again shortly
+            reason = (str(exc).strip().splitlines() or [""])[0]
+            logger.warning("database unavailable on %s %s: %s", request.method, request.url.path, reason)
+            response = error_response(
+                503, "database_unavailable", "the database cannot be reached right now; retry shortly"
+            )
+            response.headers["Retry-After"] = str(DATABASE_RETRY_AFTER_S)
+            return response
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
         return error_response(500, "internal_error", "internal server error")
 
@@ -139,14 +151,17 @@ ERROR_DESCRIPTIONS: dict[int, str] = {
     429: "A limit reached: the key's request rate (with `Retry-After`), or the tenant's unfinished jobs, "
     "files or open event streams.",
     500: "Unexpected server error (logged; no stack trace is returned).",
+    503: "The database cannot be reached for now (restarting, failing over); retry after `Retry-After` "
+    "seconds. Nothing stored is lost.",
 }
 
 
-def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """The OpenAPI `responses` of a route: the error statuses it can answer, each in the one shape."""
+def errors(*statuses: int, database: bool = True) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI `responses` of a route: the error statuses it can answer, each in the one shape
+    (`database`: the route reads the database, so it answers 503 while that is unreachable)."""
     return {
         status: {"model": ErrorResponse, "description": ERROR_DESCRIPTIONS[status]}
-        for status in (*statuses, 500)
+        for status in (*statuses, 500, *((503,) if database else ()))
     }
 
 

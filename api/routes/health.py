@@ -21,12 +21,12 @@ from opd_trainer.wire.schemas import Health
 router = APIRouter(tags=["health"])
 
 
-@router.get("/healthz", response_model=Health, responses=errors())
+@router.get("/healthz", response_model=Health, responses=errors(database=False))
 def healthz() -> Health:
     return Health(status="ok")
 
 
-@router.get("/readyz", response_model=Health, responses={503: {"model": Health}, **errors()})
+@router.get("/readyz", response_model=Health, responses={503: {"model": Health}, **errors(database=False)})
 async def readyz(db: DatabaseDep, scheduler: SchedulerDep) -> JSONResponse:
     checks: dict[str, str] = {}
     try:
@@ -45,7 +45,9 @@ async def readyz(db: DatabaseDep, scheduler: SchedulerDep) -> JSONResponse:
 
 
 @router.get(
-    "/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}, **errors()}
+    "/metrics",
+    response_class=Response,
+    responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}, **errors(database=False)},
 )
 async def metrics(request: Request, settings: SettingsDep, credentials: Credentials) -> Response:
     admin = settings.admin_key.get_secret_value() if settings.admin_key else None

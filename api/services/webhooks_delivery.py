@@ -27,7 +27,7 @@ from typing import Any
 import anyio
 import httpx
 
-from api.db import Database
+from api.db import Database, database_unavailable
 from api.services import webhooks
 from api.services.webhooks_urls import AllowedHosts, Unresolvable, UrlRefused, parse_allowed_hosts, vet_async
 from api.settings import Settings
@@ -99,8 +99,11 @@ class Deliverer:
         while True:
             try:
                 await self._round()
-            except Exception:
-                logger.exception("webhook delivery round failed")
+            except Exception as exc:
+                if database_unavailable(exc):  # the scheduler says so once; the next round tries again
+                    logger.debug("webhook delivery round: database unavailable (%s)", type(exc).__name__)
+                else:
+                    logger.exception("webhook delivery round failed")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.settings.webhook_poll_interval_s)
             self._wake.clear()

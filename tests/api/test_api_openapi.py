@@ -30,6 +30,7 @@ def test_openapi_spec_is_valid_and_documents_the_error_shape(server: Server) -> 
         "422",
         "429",
         "500",
+        "503",
     }
     # 429: every tenant route answers a key past its request rate.
     assert set(paths["/v1/opd/jobs/{job_id}"]["get"]["responses"]) == {
@@ -39,8 +40,12 @@ def test_openapi_spec_is_valid_and_documents_the_error_shape(server: Server) -> 
         "404",
         "429",
         "500",
+        "503",
     }
     assert set(paths["/healthz"]["get"]["responses"]) == {"200", "500"}
+    assert paths["/readyz"]["get"]["responses"]["503"]["content"]["application/json"]["schema"][
+        "$ref"
+    ].endswith("/Health")
     for route in paths.values():
         for operation in route.values():
             for status, response in operation["responses"].items():
