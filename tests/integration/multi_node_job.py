@@ -14,9 +14,14 @@ weights through Ray's object store after every step.
 `agentic`: an Agentic OPD job (user rollout, reward and evaluator) on those five nodes.
 `model-kill`: a Model OPD job (built-in rollout, a user reward) whose pool node is killed without
 warning once the first step is written; a second pool node joins then, and the pool must re-form on it.
+`engine-node-kill`: the same job (4 steps, a checkpoint each), whose student engine's node is killed
+without warning once the first step is written; a replacement node advertising the same resource joins
+once the engine is placed (its start-up overlaps the job's), so the driver's recovery restarts the job's
+parts, the student engine on the new node, and resumes from the latest checkpoint.
 `all`: on one cluster (its start-up, ~30 s on 2 cores, paid once), `multi_node_weight_sync.py`'s check
-first (its node A is the head, its node B the pool node), then `agentic`, then `model-kill` (last: it
-loses a node). Each job's placement counts only the actors created after it was submitted.
+first (its node A is the head, its node B the pool node), then `agentic`, then `model-kill` and
+`engine-node-kill` (last: each loses a node; the second's reward pool runs on the first's spare node).
+Each job's placement counts only the actors created after it was submitted.
 
 Writes one JSON object to the file its fifth argument names: the job's summary, where Ray placed
 each kind of actor (a dead node's actors count too), the weight handoffs used and the per-step
@@ -46,8 +51,17 @@ from opd_trainer.jsonl import read_jsonl, write_jsonl
 from opd_trainer.storage.run_dir import RunDir
 
 NODES = {"head": 2, "student": 1, "teacher": 1, "learner": 1, "pools": 2}  # name -> CPUs
+# The nodes that join mid-job, named by a resource of their own: the pool node's replacement
+# (`model-kill`) and the student engine node's (`engine-node-kill`).
+SPARES = ("spare", "student_spare")
 # `multi_node_weight_sync.py`'s two nodes, for `all`: A (the weights' node) and B, each with 2 CPUs there too.
 WEIGHT_SYNC_NODES = {"head": "node_a", "pools": "node_b"}
+
+
+class MultiNodeJobDriver(JobDriver):
+    """`JobDriver` under a process title of its own (`ray::MultiNodeJobDriver`): test_recovery.py's
+    driver-death test SIGKILLs every `ray::JobDriver` process started while its job runs, which on a
+    machine shared with another test run took this script's driver too."""
 
 
 def component(name: str, kind: str, workspace: Path, classpath: str) -> dict[str, Any]:
@@ -73,7 +87,14 @@ def job(mode: str, student: Path, teacher: Path, data: Path, work: Path) -> dict
         # Steps enough that the pool node is gone while the job still runs: the node is killed after
         # step 1 is written and adding the spare node first takes a few steps' time on a loaded box
         # (CI once finished all of 4 steps before the kill).
-        train, validation_datasets, steps = data / "train.jsonl", [], 8
+        # `engine-node-kill`: its replacement node joins during start-up, so the kill follows step 1
+        # within a second or two.
+        train, validation_datasets, steps = data / "train.jsonl", [], 8 if mode == "model-kill" else 4
+    # `engine-node-kill` checkpoints every step (a tiny model's: ~0.1 s): the kill may land in the step's
+    # rollouts, before the driver's own checkpoint of the finished step, or in its update or weight
+    # publish, after which there is none and the job would restart from scratch (seen on an idle box);
+    # either way it resumes from the last finished step.
+    save_steps = 1 if mode == "engine-node-kill" else 100
     engine = {"kv_cache_memory_bytes": TINY_KV_CACHE_BYTES, "dtype": "float32"}
     return {
         "job_name": f"multi-node-{mode}",
@@ -91,7 +112,7 @@ def job(mode: str, student: Path, teacher: Path, data: Path, work: Path) -> dict
             "learning_rate": 1e-3,
             "lr_scheduler_type": "constant",
             "eval_steps": 100,
-            "save_steps": 100,
+            "save_steps": save_steps,
             "seed": 5,
         },
         "resources": {
@@ -117,17 +138,36 @@ def wait_for_first_step(run: Path, finished: ray.ObjectRef, timeout_s: float = 9
     raise TimeoutError("no step written")
 
 
+def wait_for_engine_placed(
+    class_name: str, earlier: set[str], finished: ray.ObjectRef, timeout_s: float = 600
+) -> None:
+    """Until Ray has given a node to an actor of `class_name` created after `earlier`."""
+    from ray.util.state import list_actors
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        actors = list_actors(filters=[("class_name", "=", class_name)], detail=True, limit=10_000)
+        if any(actor.node_id and actor.actor_id not in earlier for actor in actors):
+            return
+        ready, _ = ray.wait([finished], timeout=1.0)
+        if ready:
+            ray.get(ready[0])  # raises the job's error
+            raise RuntimeError(f"the job ended before its {class_name} was placed")
+    raise TimeoutError(f"no {class_name} placed")
+
+
 def main(
-    mode: str, cluster: Cluster, pool_node: Any, student: Path, teacher: Path, data: Path
+    mode: str, cluster: Cluster, nodes: dict[str, Any], student: Path, teacher: Path, data: Path
 ) -> dict[str, Any]:
     from ray.util.state import list_actors
 
+    began = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="opd-multi-node-"))
     spec = parse_job_spec(job(mode, student, teacher, data, work))
     # Actors of what ran on this cluster before (`all`) are not this job's.
     earlier = {actor.actor_id for actor in list_actors(detail=True, limit=10_000)}
     driver = (
-        ray.remote(JobDriver)
+        ray.remote(MultiNodeJobDriver)
         .options(
             num_cpus=0,
             resources={"head_node": 0.01},
@@ -142,14 +182,25 @@ def main(
         if mode == "model-kill":
             wait_for_first_step(work / "run", finished)
             cluster.add_node(num_cpus=2, resources={"pools_node": 100, "spare_node": 1})
-            node_of[pool_node.node_id] = "pools"  # ray.nodes() forgets its resources once it is gone
-            cluster.remove_node(pool_node, allow_graceful=False)
+            node_of[nodes["pools"].node_id] = "pools"  # ray.nodes() forgets its resources once it is gone
+            cluster.remove_node(nodes["pools"], allow_graceful=False)
+            steps_when_killed = sum(1 for r in RunDir(work / "run").records() if r["kind"] == "train")
+        elif mode == "engine-node-kill":
+            # Once the student engine has its node (else Ray could place it on the replacement), while
+            # the job still starts: adding a node takes many seconds on a loaded box.
+            wait_for_engine_placed("Engine", earlier, finished)
+            cluster.add_node(
+                num_cpus=NODES["student"], resources={"student_node": 100, "student_spare_node": 1}
+            )
+            wait_for_first_step(work / "run", finished)
+            node_of[nodes["student"].node_id] = "student"
+            cluster.remove_node(nodes["student"], allow_graceful=False)
             steps_when_killed = sum(1 for r in RunDir(work / "run").records() if r["kind"] == "train")
         summary = ray.get(finished)
     finally:
         ray.kill(driver)
     for node in ray.nodes():
-        names = [name for name in (*NODES, "spare") if f"{name}_node" in node["Resources"]]
+        names = [name for name in (*NODES, *SPARES) if f"{name}_node" in node["Resources"]]
         node_of.setdefault(node["NodeID"], names[-1] if names else "?")
     placed: dict[str, list[str]] = {}
     never_placed: list[str] = []
@@ -171,20 +222,26 @@ def main(
         "never_placed": never_placed,
         "ratio_mean": [r["ratio_mean"] for r in steps],
         "steps": len(steps),
+        "train_steps": [r["step"] for r in steps],
         "steps_when_killed": steps_when_killed,
+        "recoveries": [e["data"] for e in events if e["type"] == "recovery"],
+        "resumed": [e["message"] for e in events if e["message"].startswith("resumed from checkpoint")],
         "reward_mean": [r.get("reward_mean") for r in steps],
         "failed_rollouts": [r["failed_rollouts"] for r in steps],
         "workers_replaced": [r["pool/decision/workers_replaced"] for r in steps],
+        "wall_s": round(time.monotonic() - began, 1),
     }
 
 
-def main_all(cluster: Cluster, pool_node: Any, student: Path, teacher: Path, data: Path) -> dict[str, Any]:
+def main_all(
+    cluster: Cluster, nodes: dict[str, Any], student: Path, teacher: Path, data: Path
+) -> dict[str, Any]:
     from multi_node_weight_sync import main as weight_sync  # this script's folder
 
     # Its engines and weight holder go when its handles do, before the jobs ask for those CPUs.
     results: dict[str, Any] = {"weight_sync": asyncio.run(weight_sync(str(student), str(teacher)))}
-    for mode in ("agentic", "model-kill"):
-        results[mode] = main(mode, cluster, pool_node, student, teacher, data)
+    for mode in ("agentic", "model-kill", "engine-node-kill"):
+        results[mode] = main(mode, cluster, nodes, student, teacher, data)
     return results
 
 
@@ -205,9 +262,9 @@ if __name__ == "__main__":
     try:
         arguments = (Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]))
         if mode == "all":
-            result = main_all(cluster, nodes["pools"], *arguments)
+            result = main_all(cluster, nodes, *arguments)
         else:
-            result = main(mode, cluster, nodes["pools"], *arguments)
+            result = main(mode, cluster, nodes, *arguments)
         # A file, not stdout: the raylets of nodes added later print their own lines there.
         Path(sys.argv[5]).write_text(json.dumps(result))
     finally:

@@ -1,9 +1,10 @@
 """Weights cross Ray nodes: a cluster of several nodes (`ray.cluster_utils.Cluster`) in a process of its
 own, since the other integration tests share one single-node Ray in this process.
 
-One process and one cluster serve the three tests (`multi_node_job.py all`): the weight handoff check,
-then the agentic job, then the job that loses its pool node; each test asserts on its part of the result.
-Starting a five-node cluster and importing Ray, torch and vLLM costs ~40 s on 2 cores; paid once, not 3x.
+One process and one cluster serve the four tests (`multi_node_job.py all`): the weight handoff check,
+then the agentic job, then the job that loses its pool node, then the one that loses its student
+engine's node; each test asserts on its part of the result. Starting a five-node cluster and importing
+Ray, torch and vLLM costs ~40 s on 2 cores; paid once, not 4x.
 """
 
 from __future__ import annotations
@@ -18,15 +19,16 @@ import pytest
 
 from opd_trainer.demo.tiny_models import TinyModels
 
-# The fixture runs all three parts in the first test's time: the three bounds the parts had, summed.
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(2400 + 300)]
+# The fixture runs all four parts in the first test's time: the bounds the parts have, summed.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(3000 + 300)]
 
 JOB_SCRIPT = Path(__file__).with_name("multi_node_job.py")
 
 
 @pytest.fixture(scope="module")
 def results(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """`multi_node_job.py all`: the weight-sync check ("weight_sync"), "agentic", "model-kill"."""
+    """`multi_node_job.py all`: the weight-sync check ("weight_sync"), "agentic", "model-kill",
+    "engine-node-kill"."""
     result = tmp_path_factory.mktemp("multi-node") / "result.json"
     done = subprocess.run(
         [
@@ -40,7 +42,7 @@ def results(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory) -
         ],
         capture_output=True,
         text=True,
-        timeout=600 + 900 + 900,  # what the three processes had
+        timeout=600 + 900 + 900 + 600,  # what the three processes had, and the engine node's loss
         check=False,
     )
     assert done.returncode == 0, done.stderr[-4000:]
@@ -74,7 +76,7 @@ def test_an_agentic_job_runs_across_five_nodes(results: dict[str, Any]) -> None:
     assert result["succeeded"] and result["steps"] == 3, result
     assert result["weight_transfers"] == [["ray"]]
     placed = result["placed"]
-    assert placed["JobDriver"] == ["head"]
+    assert placed["MultiNodeJobDriver"] == ["head"]
     # The gateways live in the teacher engine's process: no process of their own that Ray could put
     # on a node the job may lose.
     assert "GatewayHost" not in placed, placed
@@ -107,4 +109,28 @@ def test_a_model_opd_job_survives_losing_its_pool_node(results: dict[str, Any]) 
     # A call on the lost worker fails with RayActorError within seconds and goes to the new worker.
     assert all(mean is not None for mean in result["reward_mean"]), result
     assert sum(result["failed_rollouts"]) == 0, result
+    assert _sampled_with_the_learners_weights(result["ratio_mean"]), result["ratio_mean"]
+
+
+def test_a_job_survives_losing_its_student_engines_node(results: dict[str, Any]) -> None:
+    """The same Model OPD job; once its first step is written the node holding its student engine is
+    killed without warning (a replacement node advertising the same resource joined during start-up).
+    The step under way fails, the driver finds the engine dead, restarts the job's parts (the student
+    engine on the new node) and resumes from the checkpoint of the last finished step (the job saves
+    every step); the new engine gets the learner's weights through Ray's object store."""
+    result = results["engine-node-kill"]
+    assert result["succeeded"] and result["train_steps"] == [1, 2, 3, 4], result
+    assert result["steps_when_killed"] < 4, result  # the node went while the job ran
+    [recovery] = result["recoveries"]
+    assert [lost["name"] for lost in recovery["lost"]] == ["student engine replica 0"], recovery
+    assert recovery["recovery"] == 1 and recovery["step"] >= 1, recovery
+    assert recovery["resumes_from"] == recovery["step"], recovery  # only the step under way is redone
+    assert result["resumed"], result
+    placed = result["placed"]
+    # The first engine on the lost node, its replacement on the node that joined.
+    assert placed["Engine"] == ["student", "student_spare"], placed
+    assert placed["Learner"] == ["learner"] and placed["EngineWithGateways"] == ["teacher"], placed
+    assert not result["never_placed"], result
+    # The new engine samples with the weights of the checkpoint resumed from and of every step after.
+    assert result["weight_transfers"] == [["ray"], ["ray"]], result
     assert _sampled_with_the_learners_weights(result["ratio_mean"]), result["ratio_mean"]
