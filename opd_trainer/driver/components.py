@@ -244,6 +244,20 @@ async def _learner_handoffs(
     return transfers
 
 
+async def all_or_none(*parts: Awaitable[Any]) -> list[Any]:
+    """`asyncio.gather` that cancels the other parts when one fails (gather leaves them running): an
+    engine still starting when the learner's placement failed would otherwise come up after the job
+    stopped what it had, and hold its resources until the driver ends."""
+    tasks = [asyncio.ensure_future(part) for part in parts]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
 async def _start_engines_and_learner(
     spec: JobSpec,
     job_id: str,
@@ -285,7 +299,7 @@ async def _start_engines_and_learner(
     if on_student:
         # One engine group, two clients: the student samples with its adapter (`OWN_JOB`), the teacher
         # (the default and only one) runs the base model (`BASE_MODEL_CLIENT`); each reads its own counts.
-        own, _ = await asyncio.gather(
+        own, _ = await all_or_none(
             engines(spec.model, spec.resources.student, "student", "student"), learner.initialize()
         )
         student = ClientEngineGroup(own.actors, own.node_ids, client=OWN_JOB)
@@ -294,9 +308,9 @@ async def _start_engines_and_learner(
         return student, TeacherEngines(spec, {teachers[0].name: base}), learner
     # One teacher keeps the actor name `JOB-teacher`; several are `JOB-teacher.NAME`.
     names = ["teacher"] if len(teachers) == 1 else [f"teacher.{t.name}" for t in teachers]
-    student, teacher_groups, _ = await asyncio.gather(
+    student, teacher_groups, _ = await all_or_none(
         engines(spec.model, spec.resources.student, "student", "student"),
-        asyncio.gather(
+        all_or_none(
             *(
                 engines(t.model, spec.resources.teacher, "teacher", n, _teacher_actor_class(i))
                 for i, (t, n) in enumerate(zip(teachers, names, strict=True))

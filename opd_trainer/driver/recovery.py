@@ -25,6 +25,7 @@ from typing import Any
 
 from ray.actor import ActorHandle
 from ray.exceptions import (
+    ActorUnavailableError,
     GetTimeoutError,
     NodeDiedError,
     ObjectLostError,
@@ -38,6 +39,7 @@ DEFAULT_MAX_RECOVERIES = 3
 
 DEATH_ERRORS = (RayActorError, NodeDiedError, WorkerCrashedError, ObjectLostError, OutOfMemoryError)
 PROBE_TIMEOUT_S = 15.0  # an actor that answers nothing in this time is busy, not counted as dead
+UNAVAILABLE_S = 30.0  # an actor Ray calls unavailable this long is counted as lost
 RECOVERIES_FILE = "recoveries.jsonl"
 
 
@@ -83,19 +85,30 @@ def _death_details(error: BaseException) -> tuple[str, str]:
     return where, type(error).__name__
 
 
-async def probe(actors: dict[str, ActorHandle], timeout_s: float = PROBE_TIMEOUT_S) -> list[Lost]:
+async def probe(
+    actors: dict[str, ActorHandle], timeout_s: float = PROBE_TIMEOUT_S, unavailable_s: float = UNAVAILABLE_S
+) -> list[Lost]:
     """The actors of `actors` (by what they are for the job) that Ray reports dead. Ray's own
     readiness call answers from any live actor, even one whose methods are all busy; one that does not
-    answer within `timeout_s` is not counted (a live actor on a slow node)."""
+    answer within `timeout_s` is not counted (a live actor on a slow node). One Ray calls unavailable
+    (its node unreachable: a lost node looks like this first) counts once it has been so for
+    `unavailable_s`, or once Ray says it died."""
 
     async def check(name: str, actor: ActorHandle) -> Lost | None:
-        try:
-            await asyncio.wait_for(actor.__ray_ready__.remote(), timeout_s)
-        except DEATH_ERRORS as error:
-            return Lost(name, *_death_details(error))
-        except (TimeoutError, GetTimeoutError):
+        deadline = time.monotonic() + unavailable_s
+        while True:
+            try:
+                await asyncio.wait_for(actor.__ray_ready__.remote(), timeout_s)
+            except ActorUnavailableError:  # "may be available later": dead only if it stays so
+                if time.monotonic() >= deadline:
+                    return Lost(name, "", f"unreachable for {unavailable_s:g}s (its node gone or cut off)")
+                await asyncio.sleep(1.0)
+                continue
+            except DEATH_ERRORS as error:
+                return Lost(name, *_death_details(error))
+            except (TimeoutError, GetTimeoutError):
+                return None
             return None
-        return None
 
     found = await asyncio.gather(*(check(name, actor) for name, actor in actors.items()))
     return [lost for lost in found if lost is not None]

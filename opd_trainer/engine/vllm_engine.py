@@ -799,14 +799,19 @@ async def start_located_engines(
         ).remote(config, f"{role}-{index}")
         for index in range(config.resources.replicas)
     ]
-    nodes = await placed(
-        actors,
-        what=f"{config.role} engine replicas",
-        demand={"CPU": config.num_cpus, "GPU": num_gpus, **resources.ray_resources},
-        field=f"resources.{config.role}",
-        timeout_s=config.placement_timeout_s,
-    )
-    await asyncio.gather(*(actor.start.remote() for actor in actors))
+    try:
+        nodes = await placed(
+            actors,
+            what=f"{config.role} engine replicas",
+            demand={"CPU": config.num_cpus, "GPU": num_gpus, **resources.ray_resources},
+            field=f"resources.{config.role}",
+            timeout_s=config.placement_timeout_s,
+        )
+        await asyncio.gather(*(actor.start.remote() for actor in actors))
+    except BaseException:  # failed or cancelled (another part of the start failed): none left running
+        for actor in actors:
+            ray.kill(actor)
+        raise
     return actors, nodes
 
 

@@ -4,6 +4,7 @@ repeat rule (kept in the run directory across driver incarnations), and the mete
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from ray.exceptions import ActorDiedError, NodeDiedError, RayTaskError
@@ -84,3 +85,66 @@ def test_a_placement_that_timed_out_is_the_jobs_error_not_a_lost_part(tmp_path: 
     error = ConfigError("Ray could not place the student engines within 600s", field="resources.student")
     assert asyncio.run(driver._recover(error)) is False
     assert RecoveryLog(tmp_path / "run").entries() == []
+
+
+def test_a_part_that_fails_to_start_cancels_the_parts_still_starting() -> None:
+    """What a failed (re)start leaves is only what `Started.stop()` stops: an engine still starting
+    when the learner's placement failed is cancelled (its actors killed), not left to come up later."""
+    import asyncio
+
+    from opd_trainer.driver.components import all_or_none
+
+    finished: list[str] = []
+
+    async def engine() -> None:
+        await asyncio.sleep(0.5)
+        finished.append("engine")
+
+    async def learner() -> None:
+        await asyncio.sleep(0.01)
+        raise RuntimeError("placement failed")
+
+    async def scenario() -> None:
+        with pytest.raises(RuntimeError):
+            await all_or_none(engine(), learner())
+        await asyncio.sleep(0.7)
+
+    asyncio.run(scenario())
+    assert finished == []
+    assert asyncio.run(all_or_none(asyncio.sleep(0, "a"), asyncio.sleep(0, "b"))) == ["a", "b"]
+
+
+class _Ready:
+    """A stand-in actor whose readiness call raises each of `answers` in turn, then answers."""
+
+    def __init__(self, *answers: BaseException) -> None:
+        self.answers = list(answers)
+        self.__ray_ready__ = self
+
+    async def _answer(self) -> bool:
+        if self.answers:
+            raise self.answers.pop(0)
+        return True
+
+    def remote(self) -> Any:
+        return self._answer()
+
+
+def test_an_unavailable_actor_is_lost_only_once_ray_says_it_died_or_it_stays_so() -> None:
+    import asyncio
+
+    from ray.exceptions import ActorUnavailableError
+
+    from opd_trainer.driver.recovery import probe
+
+    def unavailable() -> ActorUnavailableError:
+        return ActorUnavailableError("Connection refused rpc_code: 14", None)
+
+    actors = {
+        "back": _Ready(unavailable()),  # a blip: answers on the next try
+        "died": _Ready(unavailable(), ActorDiedError()),  # its node's death confirmed
+        "gone": _Ready(*(unavailable() for _ in range(100))),  # never answers again
+    }
+    lost = asyncio.run(probe(actors, timeout_s=5, unavailable_s=2.5))
+    assert [item.name for item in lost] == ["died", "gone"]
+    assert "unreachable for 2.5s" in lost[1].why
