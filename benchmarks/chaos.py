@@ -33,7 +33,9 @@ every run; per seed chaos minus calm.
 Figures (records.py; record `chaos`): `succeeded` (per chaos run, 1 or 0), `time_lost_ratio` (per
 recovery; and per killed part, `/student`, `/teacher`, `/learner`), `time_lost_s`, `resume_gap_s`,
 `component_start_s`, `steps_redone`, `time_lost_ratio_vs_calm_run` (per recovery), `step_s/calm`,
-`step_s/chaos` (per run), `final_exact_match/calm`, `final_exact_match/chaos` (per run) and
+`step_s/chaos` (per run), `first_step_s/start` (per run: a fresh job's first step, from its 'training
+N steps' status to its record) against `first_step_s/recovery` (per recovery: the same after the
+restart), `final_exact_match/calm`, `final_exact_match/chaos` (per run) and
 `final_exact_match_diff` (per seed, chaos minus calm).
 
 Launch: `.venv/bin/python benchmarks/chaos.py --seeds 0 1 2 --publish` (after `opd make-tiny-models`);
@@ -245,6 +247,12 @@ def measure(job_file: Path, steps: int, arm: str, seed: int, every: int, save_st
     evals = [r for r in records if r["kind"] == "eval"]
     train = [r for r in records if r["kind"] == "train"]
     intervals = step_intervals(events)
+    # A fresh start's first step (the warm-up a recovery's first step also pays): its record after the
+    # first 'training N steps' status.
+    training = next(
+        (e for e in events if e["type"] == "status" and e["message"].startswith("training ")), None
+    )
+    first = next((e for e in events if e["type"] == "step"), None)
     succeeded = error is None and any(e["type"] == "status" and e["message"] == "succeeded" for e in events)
     return {
         "arm": arm,
@@ -259,6 +267,7 @@ def measure(job_file: Path, steps: int, arm: str, seed: int, every: int, save_st
         "steps_recorded": len(train),
         "step_interval_s": statistics.median(intervals) if intervals else None,
         "step_s": statistics.median(r["time/step_s"] for r in train[1:]) if len(train) > 1 else None,
+        "first_step_s": None if training is None or first is None else first["time"] - training["time"],
         "recoveries": recoveries_of(events, faults.killed),
         "curve": [{"step": r["step"], "exact_match": r["exact_match"]} for r in evals],
         "final_exact_match": evals[-1]["exact_match"] if succeeded and evals else None,
@@ -355,6 +364,8 @@ def main() -> None:
         "time_lost_ratio_vs_calm_run": [r["time_lost_ratio_vs_calm_run"] for r in recoveries],
         "step_s/calm": [calm["step_interval_s"] for calm, _ in pairs],
         "step_s/chaos": [chaos["step_interval_s"] for _, chaos in pairs],
+        "first_step_s/start": [run["first_step_s"] for run in runs],
+        "first_step_s/recovery": [r["first_step_s"] for r in recoveries],
         "final_exact_match/calm": calm_em,
         "final_exact_match/chaos": chaos_em,
         "final_exact_match_diff": diffs,
