@@ -223,6 +223,7 @@ class JobDriver:
         sampler = self._sampler = Sampler(c, self.train_samples, cursor)
         if self.checkpoints.latest() is not None:
             summary = await self._resume(c, sampler)
+            await self._validate_if_missed(c, sampler)
         else:
             if self._recoveries.entries():  # started again before any checkpoint: from the start
                 self.log.truncate_after(-1)
@@ -256,9 +257,10 @@ class JobDriver:
         resumes_from = self.checkpoints.latest_step()
         count = self._recoveries.add(self.step, cause, what, resumes_from)
         start = "the start" if resumes_from is None else f"the checkpoint of step {resumes_from}"
+        when = f"during step {self.step + 1}" if self._mark.cursor is not None else f"after step {self.step}"
         self.emit(
             "recovery",
-            f"lost {what} during step {self.step + 1}; restarting the job's parts and resuming from {start} "
+            f"lost {what} {when}; restarting the job's parts and resuming from {start} "
             f"(recovery {count} of at most {budget})",
             lost=[dataclasses.asdict(item) for item in lost],
             error=f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}",
@@ -406,14 +408,32 @@ class JobDriver:
         """Validation every `eval_steps` (a new best is promoted and checkpointed at once), and a
         checkpoint every `save_steps`, before a stop, or when `checkpoint` (a preemption notice)."""
         hp = self.spec.hyper_parameters
-        promoted = False
-        if self.validation_samples and self.step % hp.eval_steps == 0 and self.step < self.total_steps:
-            metrics = await self._evaluate(c, f"step {self.step}")
-            self._record("eval", self.step, await self._with_usage(c, metrics))
-            promoted = self._promoter is not None and self._promoter.consider(self.step, metrics)
+        promoted = await self._validate_step(c) if self._validates_now() else False
         if self.step % hp.save_steps == 0 or stopping or promoted or checkpoint:
             await self.save_checkpoint(c, sampler)
         if promoted:
+            self._promote(final=False)
+
+    def _validates_now(self) -> bool:
+        """Whether the step the job is at is one that validates (every `eval_steps`, not the last)."""
+        eval_steps = self.spec.hyper_parameters.eval_steps
+        return bool(self.validation_samples) and self.step % eval_steps == 0 and self.step < self.total_steps
+
+    async def _validate_step(self, c: Components) -> bool:
+        """The validation of the step the job is at, recorded; whether it is a new best to promote."""
+        metrics = await self._evaluate(c, f"step {self.step}")
+        self._record("eval", self.step, await self._with_usage(c, metrics))
+        return self._promoter is not None and self._promoter.consider(self.step, metrics)
+
+    async def _validate_if_missed(self, c: Components, sampler: Sampler) -> None:
+        """After a resume: the validation of the resumed step when it has none (a part lost during
+        it, checkpointed before the restart), so no curve point or promotion candidate goes missing."""
+        if not self._validates_now():
+            return
+        if any(r["kind"] == "eval" and r["step"] == self.step for r in self.log.records()):
+            return
+        if await self._validate_step(c):
+            await self.save_checkpoint(c, sampler)
             self._promote(final=False)
 
     async def _finish(self, c: Components, sampler: Sampler, summary: dict[str, Any]) -> dict[str, Any]:

@@ -44,6 +44,7 @@ def _job(
     steps: int,
     max_recoveries: int | None = None,
     save_steps: int = 2,
+    eval_steps: int = 100,
 ) -> JobSpec:
     validation = tmp_path / "validation.jsonl"
     write_jsonl(validation, read_jsonl(tiny_models.data_dir / "validation.jsonl")[:8])
@@ -67,7 +68,7 @@ def _job(
                 "ppo_mini_batch_size": 4,
                 "max_length": 1024,
                 "max_tokens": 16,
-                "eval_steps": 100,
+                "eval_steps": eval_steps,
                 "save_steps": save_steps,
                 "seed": 0,
             },
@@ -121,7 +122,8 @@ def _run_with_faults(spec: JobSpec, run_dir: Path, plan: list[tuple[int, str]]) 
 def test_a_job_survives_losing_an_engine_a_learner_rank_and_the_gateway_host(
     ray_session: None, tiny_models: TinyModels, tmp_path: Path
 ) -> None:
-    spec, run_dir = _job(tiny_models, tmp_path, steps=6), tmp_path / "run"
+    spec, run_dir = _job(tiny_models, tmp_path, steps=6, eval_steps=2), tmp_path / "run"
+    # The last fault lands as step 4 is validated and checkpointed: a validation lost to it is redone.
     plan = [(1, "student engine replica 0"), (3, "learner rank 1"), (4, "teacher engine replica 0")]
     summary, faults = _run_with_faults(spec, run_dir, plan)
 
@@ -132,6 +134,8 @@ def test_a_job_survives_losing_an_engine_a_learner_rank_and_the_gateway_host(
     assert all(e["data"]["recovery"] == n for n, e in enumerate(recoveries, start=1))
     # Every step once, in order: the steps after each resumed checkpoint were redone, not doubled.
     assert [r["step"] for r in run.records() if r["kind"] == "train"] == list(range(1, 7))
+    evaluated = [r["step"] for r in run.records() if r["kind"] == "eval"]
+    assert evaluated == [0, 2, 4, 6], evaluated  # each validation once
     resumed = [e for e in run.events() if e["message"].startswith("resumed from checkpoint")]
     assert len(resumed) >= 2, resumed  # the learner's loss at least resumes from the step-2 checkpoint
     assert run.latest_checkpoint_id() is not None and summary["student_after"]["reverse_kl"] >= 0
