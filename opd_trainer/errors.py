@@ -6,6 +6,8 @@ keyword-only `field` (see `__reduce__`).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 
 class OPDError(Exception):
     """Base of every error this package raises on purpose."""
@@ -40,3 +42,19 @@ class ProcessorLoadError(OPDError):
     The message names the classpath and what went wrong (with the user's own traceback frames for
     an exception raised in their code); `field` is e.g. `functions.<component>.fcmodel.classpath`.
     """
+
+
+def exception_chain(exc: BaseException) -> Iterator[BaseException]:
+    """`exc`, then its causes and contexts, the cause a Ray `RayTaskError` carries (`.cause`: what the
+    remote actor raised) and an exception group's members, each once."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        found = todo.pop()
+        if found is None or id(found) in seen:
+            continue
+        seen.add(id(found))
+        yield found
+        todo += [found.__cause__, found.__context__, getattr(found, "cause", None)]
+        if isinstance(found, BaseExceptionGroup):
+            todo += list(found.exceptions)

@@ -34,6 +34,8 @@ from ray.exceptions import (
     WorkerCrashedError,
 )
 
+from opd_trainer.errors import exception_chain
+
 DEFAULT_MAX_RECOVERIES = 3
 """`resources.max_recoveries` when the job gives none and no server default applies (`opd train`)."""
 
@@ -44,21 +46,8 @@ RECOVERIES_FILE = "recoveries.jsonl"
 
 
 def death_error(exc: BaseException) -> BaseException | None:
-    """The first of Ray's death errors in `exc`, its causes and contexts, the cause a `RayTaskError`
-    carries and an exception group's members; None when there is none."""
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [exc]
-    while todo:
-        found = todo.pop()
-        if found is None or id(found) in seen:
-            continue
-        seen.add(id(found))
-        if isinstance(found, DEATH_ERRORS):
-            return found
-        todo += [found.__cause__, found.__context__, getattr(found, "cause", None)]
-        if isinstance(found, BaseExceptionGroup):
-            todo += list(found.exceptions)
-    return None
+    """The first of Ray's death errors in `exc`'s chain (`errors.exception_chain`); None when none."""
+    return next((found for found in exception_chain(exc) if isinstance(found, DEATH_ERRORS)), None)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from opd_trainer.errors import OPDError
+from opd_trainer.errors import OPDError, exception_chain
 
 STATE_FILE = "driver_state.json"
 # The promotion decision (`driver/promotion.py`): which checkpoint is the job's model, and why.
@@ -187,22 +187,13 @@ def disk_full_cause(exc: BaseException) -> BaseException | None:
     """The error in `exc`, its causes and contexts, the cause a Ray `RayTaskError` carries (`.cause`:
     what a learner rank raised) and an exception group's members, that says a file system is full or a
     quota spent: an `OSError` with ENOSPC or EDQUOT, or an error whose text says it (safetensors)."""
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [exc]
-    while todo:
-        found = todo.pop()
-        if found is None or id(found) in seen:
-            continue
-        seen.add(id(found))
+    for found in exception_chain(exc):
         if isinstance(found, OSError) and found.errno in DISK_FULL_ERRNOS:
             return found
         # A RayTaskError re-raised as its cause's class is an OSError too, without the errno: its
         # `.cause` has it. Its text is the remote traceback, which quotes the cause's.
         if not hasattr(found, "cause") and any(text in str(found) for text in DISK_FULL_TEXTS):
             return found
-        todo += [found.__cause__, found.__context__, getattr(found, "cause", None)]
-        if isinstance(found, BaseExceptionGroup):
-            todo += list(found.exceptions)
     return None
 
 
