@@ -229,3 +229,15 @@ def make_tenant(server: Server, models: dict[str, str]) -> Iterator[Tenant]:
     yield Tenant(name, key, http, client, models)
     http.close()
     client.close()
+
+
+def wait_for_job(client: OPDClient, job_id: str, done: Any, timeout_s: float, poll_s: float = 0.5) -> Any:
+    """The job once `done(job)` holds, asked every `poll_s`; TimeoutError naming its status after
+    `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        job = client.get_job(job_id)
+        if done(job):
+            return job
+        time.sleep(poll_s)
+    raise TimeoutError(f"job {job_id} still {client.get_job(job_id).status}")

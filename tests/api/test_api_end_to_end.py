@@ -21,7 +21,6 @@ server start for them all (2 kills it and starts it again on the same data dir, 
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
@@ -39,6 +38,7 @@ from apiserver import (
     jsonl,
     make_tokenizer,
     record,
+    wait_for_job,
 )
 
 from opd_trainer.client import OPDClient, StreamEnd
@@ -82,16 +82,6 @@ def _run_args(tiny_models: TinyModels, tmp_path: Path, max_steps: int, save_step
         },
         "resources": {"student": ENGINE, "teacher": ENGINE, "learner_gpus": 0},
     }
-
-
-def _wait(client: OPDClient, job_id: str, done: Any, timeout_s: float) -> JobPublic:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        job = client.get_job(job_id)
-        if done(job):
-            return job
-        time.sleep(1)
-    raise TimeoutError(f"job {job_id} still {client.get_job(job_id).status}")
 
 
 def _followed(client: OPDClient, job_id: str) -> tuple[list[EventPublic], StreamEnd]:
@@ -184,11 +174,11 @@ def test_server_killed_mid_job_resumes_and_the_job_succeeds(
     job_id = None
     try:
         job_id = client.run(**_run_args(tiny_models, tmp_path, max_steps=5, save_steps=1))
-        _wait(client, job_id, lambda j: j.step >= 2, timeout_s=900)
+        wait_for_job(client, job_id, lambda j: j.step >= 2, timeout_s=900)
         server.kill()  # SIGKILL: no shutdown hook runs, and the embedded Ray dies with the server
 
         server.start(ready_timeout=300, wait_ready=True)
-        final = _wait(client, job_id, lambda j: j.status in ("succeeded", "failed", "cancelled"), 900)
+        final = wait_for_job(client, job_id, lambda j: j.status in ("succeeded", "failed", "cancelled"), 900)
         assert final.status == "succeeded", server.log()
         events = client.events(job_id, limit=1000).data
         messages = [e.message for e in events]
@@ -293,10 +283,10 @@ def test_a_standby_replica_takes_over_when_the_scheduling_one_is_killed(
         assert server_ready_checks(second) == {"database": "ok", "ray": "ok", "scheduler": "standby"}
         client = OPDClient(second.url, create_key(second.url, "replicas"))  # any replica takes requests
         job_id = client.run(**_run_args(trained_models, tmp_path, max_steps=4, save_steps=1))
-        _wait(client, job_id, lambda j: j.step >= 2, timeout_s=900)
+        wait_for_job(client, job_id, lambda j: j.step >= 2, timeout_s=900)
         first.kill()
 
-        final = _wait(client, job_id, lambda j: j.status in ("succeeded", "failed", "cancelled"), 900)
+        final = wait_for_job(client, job_id, lambda j: j.status in ("succeeded", "failed", "cancelled"), 900)
         assert final.status == "succeeded", second.log()
         assert server_ready_checks(second)["scheduler"] == "leader"
         events = client.events(job_id, limit=1000).data

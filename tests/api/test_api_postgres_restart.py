@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
-from apiserver import ADMIN_KEY, TINY_MODELS_DIR, Server, cancel_unfinished, create_key
+from apiserver import ADMIN_KEY, TINY_MODELS_DIR, Server, cancel_unfinished, create_key, wait_for_job
 from postgres_server import PostgresUnavailable, _binary, _run_as, throwaway_postgres
 
 from opd_trainer.client import OPDClient
@@ -114,16 +114,6 @@ def _job_spec(tiny_models: TinyModels) -> dict[str, Any]:
     }
 
 
-def _wait(client: OPDClient, job_id: str, done: Any, timeout_s: float) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        job = client.get_job(job_id)
-        if done(job):
-            return job
-        time.sleep(0.5)
-    raise TimeoutError(f"job {job_id} still {client.get_job(job_id).status}")
-
-
 def _in_order_once(wanted: list[tuple[str, str]], seen: list[tuple[str, str]]) -> list[tuple[str, str]]:
     """What of `wanted` is not found in `seen` in its order (empty: all there)."""
     rest = iter(seen)
@@ -146,7 +136,7 @@ def test_a_postgresql_restart_mid_job_loses_no_job_event_or_key(
     job_id = None
     try:
         job_id = client.run(**_job_spec(trained_models))
-        _wait(client, job_id, lambda j: j.step >= 2, timeout_s=600)
+        wait_for_job(client, job_id, lambda j: j.step >= 2, timeout_s=600)
 
         postgres.stop()
         stopped_at, outage_started = time.time(), time.monotonic()
@@ -165,7 +155,7 @@ def test_a_postgresql_restart_mid_job_loses_no_job_event_or_key(
 
         # The same key, the same job; the database is back for requests and the scheduler alike.
         assert httpx.get(server.url + "/readyz", timeout=10).json()["checks"]["database"] == "ok"
-        final = _wait(client, job_id, lambda j: j.status in ("succeeded", "failed", "cancelled"), 600)
+        final = wait_for_job(client, job_id, lambda j: j.status in ("succeeded", "failed", "cancelled"), 600)
         assert final.status == "succeeded", server.log()
         assert final.step == STEPS and final.error is None
         assert [j.id for j in client.iter_jobs()] == [job_id]
