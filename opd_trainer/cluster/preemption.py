@@ -34,6 +34,11 @@ def post_notice(node_id: str, grace_s: float, reason: str = "preempted") -> dict
     return notice
 
 
+def withdraw_notice(node_id: str) -> None:
+    """Removes the notice of `node_id` (the node stays after all, e.g. a drain that was cancelled)."""
+    internal_kv._internal_kv_del((NOTICE_PREFIX + node_id).encode(), namespace=NOTICE_NAMESPACE)
+
+
 def notices() -> dict[str, dict[str, Any]]:
     """The current notices by node id (needs a connected Ray)."""
     found: dict[str, dict[str, Any]] = {}

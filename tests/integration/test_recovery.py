@@ -23,6 +23,7 @@ import psutil
 import pytest
 import ray
 
+from opd_trainer.cluster.preemption import withdraw_notice
 from opd_trainer.demo.tiny_models import TinyModels
 from opd_trainer.demo.tiny_models.serving import TINY_KV_CACHE_BYTES
 from opd_trainer.driver.job_driver import JobDriver
@@ -154,28 +155,22 @@ def test_a_loss_beyond_max_recoveries_fails_the_job_naming_the_field(
     assert error["data"]["field"] == "resources.max_recoveries"
 
 
-class NoticeThenLoss(threading.Thread):
-    """Once training step 1 is recorded: `opd preemption-notice` for the node (what a drained pod's
-    preStop hook runs), then, once the job has checkpointed after it, the node's learner rank is lost."""
+class LossAfterNotice(threading.Thread):
+    """Once the job has checkpointed after its `preemption` event (the grace is over), the node's
+    learner rank is lost."""
 
     def __init__(self, driver: Any, run_dir: Path) -> None:
         super().__init__(daemon=True)
         self.driver, self.run_dir = driver, run_dir
-        self.notice: subprocess.CompletedProcess[str] | None = None
         self.killed = False
         self.done = threading.Event()
 
     def run(self) -> None:
         while not self.done.is_set() and not self.killed:
-            run = RunDir(self.run_dir)
-            events = run.events()
-            if self.notice is None and any(r["kind"] == "train" for r in run.records()):
-                command = [sys.executable, "-m", "opd_trainer.cli", "preemption-notice", "--no-wait"]
-                command += ["--address", ray.get_runtime_context().gcs_address, "--grace-s", "30"]
-                self.notice = subprocess.run(command, capture_output=True, text=True, timeout=120)
+            events = RunDir(self.run_dir).events() if self.run_dir.exists() else []
             noticed = [e["seq"] for e in events if e["type"] == "preemption"]
             if noticed and any(e["type"] == "checkpoint" and e["seq"] > noticed[0] for e in events):
-                os.kill(_pid_of(self.driver, "learner rank 0"), signal.SIGKILL)  # the grace is over
+                os.kill(_pid_of(self.driver, "learner rank 0"), signal.SIGKILL)
                 self.killed = True
             time.sleep(0.05)
 
@@ -185,17 +180,27 @@ def test_a_preemption_notice_checkpoints_the_step_and_the_loss_resumes_from_it(
 ) -> None:
     """No periodic checkpoint falls in this job: without the notice's, the learner's loss would send
     it back to the start."""
-    spec, run_dir = _job(tiny_models, tmp_path, steps=5, save_steps=100), tmp_path / "run"
+    spec, run_dir = _job(tiny_models, tmp_path, steps=8, save_steps=100), tmp_path / "run"
+    # What a drained pod's preStop hook runs on the node (this machine's only node), posted before the
+    # job starts so that however fast its steps, the first step boundary reads it.
+    command = [sys.executable, "-m", "opd_trainer.cli", "preemption-notice", "--no-wait", "--grace-s", "30"]
+    notice = subprocess.run(
+        [*command, "--address", ray.get_runtime_context().gcs_address],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert notice.returncode == 0, notice
     driver = ray.remote(JobDriver).options(num_cpus=0).remote(spec, str(run_dir))
-    watcher = NoticeThenLoss(driver, run_dir)
+    watcher = LossAfterNotice(driver, run_dir)
     watcher.start()
     try:
         ray.get(driver.run.remote(), timeout=JOB_TIMEOUT_S)
     finally:
         watcher.done.set()
         ray.kill(driver)
+        withdraw_notice(ray.get_runtime_context().get_node_id())  # the session's other jobs: no notice
 
-    assert watcher.notice is not None and watcher.notice.returncode == 0, watcher.notice
     assert watcher.killed
     events = RunDir(run_dir).events()
     [preemption] = [e for e in events if e["type"] == "preemption"]
@@ -203,7 +208,7 @@ def test_a_preemption_notice_checkpoints_the_step_and_the_loss_resumes_from_it(
     [recovery] = [e for e in events if e["type"] == "recovery"]
     assert recovery["data"]["lost"][0]["name"] == "learner rank 0"
     assert recovery["data"]["resumes_from"] == preemption["data"]["step"] >= 1
-    assert [r["step"] for r in RunDir(run_dir).records() if r["kind"] == "train"] == list(range(1, 6))
+    assert [r["step"] for r in RunDir(run_dir).records() if r["kind"] == "train"] == list(range(1, 9))
 
 
 def _driver_processes() -> list[psutil.Process]:
@@ -219,7 +224,7 @@ def test_opd_train_starts_a_new_driver_when_its_driver_dies(
 ) -> None:
     """`opd train`'s path (`train_spec`): the driver's process killed after step 2's checkpoint; a new
     driver resumes from it and the job ends with every step once."""
-    spec, run_dir = _job(tiny_models, tmp_path, steps=4), tmp_path / "run"
+    spec, run_dir = _job(tiny_models, tmp_path, steps=6), tmp_path / "run"
     before = {p.pid for p in _driver_processes()}
     killed: list[int] = []
     done = threading.Event()
@@ -242,7 +247,7 @@ def test_opd_train_starts_a_new_driver_when_its_driver_dies(
     assert killed and "student_after" in summary
     [entry] = RecoveryLog(run_dir).entries()
     assert entry["cause"] == "job driver" and entry["resumes_from"] == 2
-    assert [r["step"] for r in RunDir(run_dir).records() if r["kind"] == "train"] == [1, 2, 3, 4]
+    assert [r["step"] for r in RunDir(run_dir).records() if r["kind"] == "train"] == list(range(1, 7))
 
 
 @pytest.fixture
@@ -266,22 +271,24 @@ def small_disk(tmp_path: Path) -> Any:
 def test_a_full_disk_at_a_checkpoint_fails_naming_it_and_the_previous_one_resumes(
     ray_session: None, tiny_models: TinyModels, tmp_path: Path, small_disk: Path
 ) -> None:
-    """Once step 1's checkpoint is written the disk is filled to 2 MiB short of full (small writes,
-    metrics and events, still fit; a checkpoint does not): step 2's checkpoint fails the job with an
+    """Once a first checkpoint is written the disk is filled to 2 MiB short of full (small writes,
+    metrics and events, still fit; a checkpoint does not): the next checkpoint fails the job with an
     error naming the file system and the bytes needed, not a lost part; with space freed the job
-    resumes from step 1's checkpoint and ends."""
-    spec, run_dir = _job(tiny_models, tmp_path, steps=3, save_steps=1), small_disk / "run"
+    resumes from the checkpoint before and ends."""
+    spec, run_dir = _job(tiny_models, tmp_path, steps=6, save_steps=1), small_disk / "run"
     filler = small_disk / "filler"
     done = threading.Event()
+    filled: list[int] = []  # the latest checkpoint once the disk was full: every later save fails
 
     def fill_after_first_checkpoint() -> None:
         while not done.is_set():
-            if run_dir.exists() and RunDir(run_dir).checkpoint_store().latest_step() == 1:
+            latest = RunDir(run_dir).checkpoint_store().latest_step() if run_dir.exists() else None
+            if latest is not None and latest >= 1:
                 free = shutil.disk_usage(small_disk).free
                 with filler.open("wb") as out:
-                    out.truncate(0)
                     for _ in range(max(0, free - 2 * 1024 * 1024) // (1024 * 1024)):
                         out.write(b"\0" * 1024 * 1024)
+                filled.append(int(RunDir(run_dir).checkpoint_store().latest_step() or 0))
                 return
             time.sleep(0.05)
 
@@ -296,7 +303,7 @@ def test_a_full_disk_at_a_checkpoint_fails_naming_it_and_the_previous_one_resume
         ray.kill(driver)
     assert str(small_disk) in raised.value.message and "needs about" in raised.value.message, raised.value
     store = RunDir(run_dir).checkpoint_store()
-    assert store.latest_step() == 1 and not list(store.root.glob(".staging-*"))
+    assert filled and store.latest_step() == filled[0] and not list(store.root.glob(".staging-*"))
     assert not RecoveryLog(run_dir).entries()  # a full disk is not a lost part
 
     filler.unlink()
@@ -306,5 +313,5 @@ def test_a_full_disk_at_a_checkpoint_fails_naming_it_and_the_previous_one_resume
     finally:
         ray.kill(driver)
     events = RunDir(run_dir).events()
-    assert any(e["message"].startswith("resumed from checkpoint at step 1") for e in events)
-    assert [r["step"] for r in RunDir(run_dir).records() if r["kind"] == "train"] == [1, 2, 3]
+    assert any(e["message"].startswith(f"resumed from checkpoint at step {filled[0]}") for e in events)
+    assert [r["step"] for r in RunDir(run_dir).records() if r["kind"] == "train"] == list(range(1, 7))
