@@ -4,6 +4,7 @@ training `opd serve` for the tests that submit jobs over HTTP."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -61,3 +62,26 @@ def training_server(_training_server: Any) -> Any:
     if server.process is None or server.process.poll() is not None:
         server.start(ready_timeout=300, wait_ready=True)
     return server
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Any]:
+    """`tmpfs(size_bytes)`: a real small file system mounted under tmp_path (a full disk on demand),
+    unmounted afterwards; skipped where mounting is not permitted (root only)."""
+    mounts: list[Path] = []
+
+    def mount(size_bytes: int) -> Path:
+        if os.geteuid() != 0:
+            pytest.skip("mounting a tmpfs needs root")
+        path = tmp_path / f"disk{len(mounts)}"
+        path.mkdir()
+        command = ["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(path)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"mount -t tmpfs is not permitted here: {done.stderr.strip()}")
+        mounts.append(path)
+        return path
+
+    yield mount
+    for path in mounts:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)

@@ -251,21 +251,9 @@ def test_opd_train_starts_a_new_driver_when_its_driver_dies(
 
 
 @pytest.fixture
-def small_disk(tmp_path: Path) -> Any:
-    """A 256 MiB tmpfs for a run directory, unmounted afterwards (root only: skipped elsewhere)."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=256m", "tmpfs", str(mount)], capture_output=True
-    )
-    if done.returncode != 0:
-        pytest.skip(f"mount -t tmpfs is not permitted here: {done.stderr.decode().strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+def small_disk(tmpfs: Any) -> Path:
+    """A 256 MiB file system for a run directory (`tmpfs` in tests/conftest.py)."""
+    return tmpfs(256 * 1024 * 1024)
 
 
 def test_a_full_disk_at_a_checkpoint_fails_naming_it_and_the_previous_one_resumes(

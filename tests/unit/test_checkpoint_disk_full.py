@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import errno
 import os
-import subprocess
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,20 +26,9 @@ LEFT_FREE = 256 * 1024  # what the filler leaves: the second save gets part-way,
 
 
 @pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 4 MiB tmpfs, unmounted afterwards."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    command = ["mount", "-t", "tmpfs", "-o", f"size={DISK_BYTES}", "tmpfs", str(mount)]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"mount -t tmpfs is not permitted here: {done.stderr.strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+def small_disk(tmpfs: Any) -> Path:
+    """A 4 MiB file system (`tmpfs` in tests/conftest.py)."""
+    return tmpfs(DISK_BYTES)
 
 
 def _write_until_full(folder: Path, limit: int | None = None) -> int:
