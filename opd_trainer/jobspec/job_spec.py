@@ -351,11 +351,43 @@ class HyperParameters(_Strict):
         ge=0,
         description="Weight of the turn-level preference term (opd_trainer/learner/turn_preference.py): "
         "per prompt, at the first turn where a best and a worst trajectory answered the same context "
-        "differently, a DPO loss prefers the better answer's tokens over the worse one's, against the "
-        "teacher's logprobs of the same tokens as reference (the frozen starting student with "
-        "`teacher_model: self`); actions both chosen and rejected are dropped. Per step: "
-        "`preference/pairs`, `preference/skipped_context`, `preference/conflicting`, and the learner's "
-        "`preference/loss`, `preference/accuracy`, `preference/margin`. 0 (default): off.",
+        "differently (parsed actions: tool names and canonical arguments, else normalised text), a DPO "
+        "loss prefers the better answer's tokens over the worse one's against "
+        "`turn_preference_reference`; actions both chosen and rejected are dropped. Per step: "
+        "`preference/pairs`, `preference/skipped_context`, `preference/same_action`, "
+        "`preference/conflicting`, `preference/low_reward`, `preference/turn_index_mean`, and the "
+        "learner's `preference/loss`, `preference/accuracy`, `preference/margin`, "
+        "`grad_norm/distillation`, `grad_norm/preference`. 0 (default): off.",
+    )
+    turn_preference_reference: Literal["initial", "rolling", "teacher"] = Field(
+        default="initial",
+        description="The DPO reference of the preference term: 'initial' (default), the frozen starting "
+        "student (the margin is 0 at step 1; under LoRA the base with the adapter off, else a frozen copy "
+        "of the student on the learner); 'rolling', that copy refreshed to the learner's weights every "
+        "`turn_preference_reference_steps` steps (seed 003's per-round reference); 'teacher', the "
+        "teacher's logprobs of the same tokens.",
+    )
+    turn_preference_reference_steps: int = Field(
+        default=1,
+        ge=1,
+        description="With `turn_preference_reference: rolling`, the steps between two refreshes of the "
+        "reference (1: every step starts from a margin of 0).",
+    )
+    turn_preference_reduction: Literal["prompts", "pairs"] = Field(
+        default="prompts",
+        description="How the preference term's pair losses are reduced: 'prompts' (default), summed and "
+        "divided by the mini-batch's prompts (a step with two pairs among 32 prompts weighs 2/32 of one "
+        "with a pair per prompt); 'pairs', their mean (two pairs carry the whole term).",
+    )
+    turn_preference_min_chosen_reward: float | None = Field(
+        default=None,
+        description="A pair's chosen trajectory must have at least this reward (pairs below it are "
+        "skipped, `preference/low_reward`); None (default): any reward above the rejected side's.",
+    )
+    turn_preference_swap: bool = Field(
+        default=False,
+        description="Swap every pair's chosen and rejected sides: a negative control for studies (the term "
+        "then prefers the worse action). False (default).",
     )
     preference_level: Literal["turn", "outcome"] = Field(
         default="turn",
@@ -385,6 +417,13 @@ class HyperParameters(_Strict):
         "naming no trained turn, or a second one for a turn). 'off' (default).",
     )
 
+    beacon_sft_coef: float = Field(
+        default=0.0,
+        ge=0,
+        description="Weight of a supervised term on the kept beacon rewrites (`beacon_rewrite`): their "
+        "tokens' mean negative log-likelihood, the improved action as a target (seed 003's SFT "
+        "positive) besides its place as a pair's chosen side. 0 (default): off.",
+    )
     beacon_temperature: float = Field(
         default=0.0,
         ge=0,
@@ -509,6 +548,24 @@ class HyperParameters(_Strict):
         if estimator is not None:  # None: distill_loss already failed, and says so
             estimator.check_top_k(value)
         return value
+
+    @model_validator(mode="after")
+    def _preference_knobs_need_the_term(self) -> HyperParameters:
+        if self.beacon_sft_coef > 0 and self.beacon_rewrite == "off":
+            raise ValueError(
+                "hyper_parameters.beacon_sft_coef trains the kept beacon rewrites: set "
+                "hyper_parameters.beacon_rewrite to 'teacher' or 'student'"
+            )
+        if (
+            self.turn_preference_coef > 0
+            and self.turn_preference_reference == "rolling"
+            and self.kl_loss_coef > 0
+        ):
+            raise ValueError(
+                "hyper_parameters.turn_preference_reference 'rolling' refreshes the frozen copy that "
+                "kl_loss_coef holds the student near: use 'initial', or kl_loss_coef 0"
+            )
+        return self
 
     def lora_targets(self) -> list[str] | None:
         """The modules that get adapters (None: full training)."""
