@@ -32,12 +32,13 @@ the rollout returned), so they hold for any task and any agent; `agent/` in the 
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from opd_trainer.actions import canonical_tool_call as _canonical
+from opd_trainer.actions import tool_call_function
 from opd_trainer.jobspec.dataset import ground_truth_of
 from opd_trainer.records import LLMCall
 from opd_trainer.rollout.runner import RolloutResult
@@ -57,20 +58,6 @@ def success_by_threshold(threshold: float) -> Succeeded:
         return score >= threshold
 
     return succeeded
-
-
-def tool_call_function(call: dict[str, Any]) -> tuple[str, Any]:
-    """(name, arguments decoded) of a tool call in OpenAI's shape or the flat `{name, arguments}`."""
-    function = call.get("function", call)
-    arguments = function.get("arguments", {})
-    if isinstance(arguments, str):
-        with contextlib.suppress(ValueError):  # undecodable: compared as the text it is
-            arguments = json.loads(arguments or "{}")
-    return str(function.get("name", "")), arguments
-
-
-def _canonical(call: dict[str, Any]) -> str:
-    return json.dumps(tool_call_function(call), sort_keys=True, ensure_ascii=False)
 
 
 def message_text(message: dict[str, Any]) -> str:
