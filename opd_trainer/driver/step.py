@@ -311,7 +311,7 @@ def shape_signal(
         metrics["hindsight/turns_down"] = float(sum(v < 0 for v in values))
     if hp.turn_preference_coef > 0:
         mine = mine_preference_pairs if hp.preference_level == "turn" else mine_outcome_pairs
-        mined = mine(kept)
+        mined = mine(kept, hp.turn_preference_min_chosen_reward)
         kept = mark_pairs(kept, mined.pairs)
         metrics.update(mined.metrics())
     return kept, metrics

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from opd_trainer.actions import action_of
 from opd_trainer.learner.hindsight import best_worst_pairs
 from opd_trainer.records import LLMCall
 
@@ -42,6 +43,10 @@ CHOSEN, REJECTED = 1, -1
 Pair = tuple[tuple[int, ...], tuple[int, ...]]
 """(chosen segment indices, rejected segment indices): one turn each at the turn level, every trained
 turn of the two trajectories at the outcome level."""
+
+
+TURN_BUCKETS = 8
+"""Pairs are counted per turn index up to this one (`preference/turn_<k>`; later turns in the last)."""
 
 
 @dataclass(frozen=True)
@@ -57,14 +62,31 @@ class MinedPairs:
     rejected in another."""
     duplicates: int = 0
     """Pairs dropped as the same context, chosen answer and rejected answer as a kept one."""
+    same_action: int = 0
+    """Best/worst pairs whose first differing answers were the same action (`actions.action_of`: the
+    same tool calls and arguments, or the same normalised reply): wording, not a decision."""
+    low_reward: int = 0
+    """Best/worst pairs skipped because the best trajectory's reward was under
+    `turn_preference_min_chosen_reward`."""
+    turns: list[int] = dataclasses.field(default_factory=list)
+    """Each kept pair's turn index (0: the first LLM call of the trajectory), in `pairs`' order."""
 
     def metrics(self) -> dict[str, float]:
-        return {
+        found = {
             "preference/pairs": float(len(self.pairs)),
             "preference/skipped_context": float(self.skipped_context),
             "preference/conflicting": float(self.conflicting),
             "preference/duplicates": float(self.duplicates),
+            "preference/same_action": float(self.same_action),
+            "preference/low_reward": float(self.low_reward),
         }
+        if self.turns:
+            found["preference/turn_index_mean"] = sum(self.turns) / len(self.turns)
+            for turn in range(TURN_BUCKETS):
+                found[f"preference/turn_{turn}"] = float(
+                    sum(1 for t in self.turns if min(t, TURN_BUCKETS - 1) == turn)
+                )
+        return found
 
 
 def _parting_turn(segments: list[LLMCall], better: list[int], worse: list[int]) -> int | str | None:
@@ -78,34 +100,49 @@ def _parting_turn(segments: list[LLMCall], better: list[int], worse: list[int]) 
     return None
 
 
-def _candidate_pairs(segments: list[LLMCall]) -> tuple[list[tuple[int, int]], int]:
-    pairs: list[tuple[int, int]] = []
-    skipped = 0
+@dataclass
+class _Candidates:
+    pairs: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # chosen, rejected, turn
+    skipped_context: int = 0
+    same_action: int = 0
+    low_reward: int = 0
+
+
+def _candidate_pairs(segments: list[LLMCall], min_chosen_reward: float | None) -> _Candidates:
+    found = _Candidates()
     for good, bad in best_worst_pairs(segments):
+        if min_chosen_reward is not None and segments[good[0]].reward < min_chosen_reward:
+            found.low_reward += 1
+            continue
         turn = _parting_turn(segments, good, bad)
         if turn == "context":
-            skipped += 1
+            found.skipped_context += 1
         elif isinstance(turn, int):
-            pairs.append((good[turn], bad[turn]))
-    return pairs, skipped
+            if action_of(segments[good[turn]]) == action_of(segments[bad[turn]]):
+                found.same_action += 1
+            else:
+                found.pairs.append((good[turn], bad[turn], turn))
+    return found
 
 
 def _action(segment: LLMCall) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(segment.prompt_token_ids), tuple(segment.completion_token_ids)
 
 
-def mine_preference_pairs(segments: list[LLMCall]) -> MinedPairs:
+def mine_preference_pairs(segments: list[LLMCall], min_chosen_reward: float | None = None) -> MinedPairs:
     """The step's turn-level preference pairs over `segments` (one step's, as the driver builds them:
-    each trajectory's turns in call order, `group_id` the prompt, `reward` the trajectory's)."""
-    candidates, skipped = _candidate_pairs(segments)
+    each trajectory's turns in call order, `group_id` the prompt, `reward` the trajectory's); with
+    `min_chosen_reward`, only where the better trajectory reached it."""
+    found = _candidate_pairs(segments, min_chosen_reward)
     roles: dict[tuple[tuple[int, ...], tuple[int, ...]], set[int]] = defaultdict(set)
-    for chosen, rejected in candidates:
+    for chosen, rejected, _ in found.pairs:
         roles[_action(segments[chosen])].add(CHOSEN)
         roles[_action(segments[rejected])].add(REJECTED)
     kept: list[Pair] = []
+    turns: list[int] = []
     seen: set[tuple[object, ...]] = set()
     conflicting = duplicates = 0
-    for chosen, rejected in candidates:
+    for chosen, rejected, turn in found.pairs:
         good, bad = _action(segments[chosen]), _action(segments[rejected])
         if len(roles[good]) > 1 or len(roles[bad]) > 1:
             conflicting += 1
@@ -114,16 +151,31 @@ def mine_preference_pairs(segments: list[LLMCall]) -> MinedPairs:
         else:
             seen.add((good, bad[1]))
             kept.append(((chosen,), (rejected,)))
-    return MinedPairs(kept, skipped_context=skipped, conflicting=conflicting, duplicates=duplicates)
+            turns.append(turn)
+    return MinedPairs(
+        kept,
+        skipped_context=found.skipped_context,
+        conflicting=conflicting,
+        duplicates=duplicates,
+        same_action=found.same_action,
+        low_reward=found.low_reward,
+        turns=turns,
+    )
 
 
-def mine_outcome_pairs(segments: list[LLMCall]) -> MinedPairs:
+def mine_outcome_pairs(segments: list[LLMCall], min_chosen_reward: float | None = None) -> MinedPairs:
     """Outcome-level pairs (seed 003's ablation baseline): per prompt, every trajectory with the group's
     highest reward against every one with its lowest (when they differ), each side all its trained
     turns. Turns the two share (same context, same answer) have the same log-ratio on both sides and
     cancel in the margin, so nothing is removed as conflicting."""
-    pairs: list[Pair] = [(tuple(good), tuple(bad)) for good, bad in best_worst_pairs(segments)]
-    return MinedPairs(pairs, skipped_context=0, conflicting=0)
+    pairs: list[Pair] = []
+    low_reward = 0
+    for good, bad in best_worst_pairs(segments):
+        if min_chosen_reward is not None and segments[good[0]].reward < min_chosen_reward:
+            low_reward += 1
+        else:
+            pairs.append((tuple(good), tuple(bad)))
+    return MinedPairs(pairs, skipped_context=0, conflicting=0, low_reward=low_reward)
 
 
 def mark_pairs(segments: list[LLMCall], pairs: list[Pair]) -> list[LLMCall]:

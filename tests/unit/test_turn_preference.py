@@ -77,7 +77,64 @@ def test_an_action_both_chosen_and_rejected_keeps_none_of_its_pairs() -> None:
         "preference/skipped_context": 0.0,
         "preference/conflicting": 2.0,
         "preference/duplicates": 0.0,
+        "preference/same_action": 0.0,
+        "preference/low_reward": 0.0,
+        "preference/turn_index_mean": 0.0,
+        **{f"preference/turn_{k}": float(k == 0) for k in range(8)},
     }
+
+
+def _call(name: str, arguments: str, text: str = "") -> dict[str, object]:
+    function = {"name": name, "arguments": arguments}
+    return {
+        "role": "assistant",
+        "content": text,
+        "tool_calls": [{"id": "c0", "type": "function", "function": function}],
+    }
+
+
+def test_answers_that_are_the_same_action_in_other_words_make_no_pair_and_are_counted() -> None:
+    segments = [
+        # The same call: argument keys in another order, other spacing and text beside it.
+        turn([1], [5], rollout=0, reward=1.0, reply=_call("get", '{"a": 1, "b": "x"}', "Sure.")),
+        turn([1], [6], rollout=1, reward=0.0, reply=_call("get", '{"b":"x","a":1}')),
+        # Replies differing only in case, spacing and a final stop.
+        turn([2], [7], rollout=2, reward=1.0, group=1, reply={"role": "assistant", "content": "Done  now."}),
+        turn([2], [8], rollout=3, reward=0.0, group=1, reply={"role": "assistant", "content": "done now"}),
+        # Another argument value is another action.
+        turn([3], [9], rollout=4, reward=1.0, group=2, reply=_call("get", '{"a": 1}')),
+        turn([3], [10], rollout=5, reward=0.0, group=2, reply=_call("get", '{"a": 2}')),
+    ]
+    mined = mine_preference_pairs(segments)
+    assert mined.pairs == [((4,), (5,))]
+    assert mined.same_action == 2 and mined.metrics()["preference/same_action"] == 2.0
+
+
+def test_a_minimum_chosen_reward_skips_groups_whose_best_run_fell_short() -> None:
+    segments = [
+        turn([1], [5], rollout=0, reward=0.25),
+        turn([1], [6], rollout=1, reward=0.0),
+        turn([2], [5], rollout=2, reward=1.0, group=1),
+        turn([2], [6], rollout=3, reward=0.0, group=1),
+    ]
+    assert len(mine_preference_pairs(segments).pairs) == 2
+    mined = mine_preference_pairs(segments, min_chosen_reward=0.75)
+    assert mined.pairs == [((2,), (3,))] and mined.low_reward == 1
+
+
+def test_each_pair_records_the_turn_it_parted_at() -> None:
+    first = [turn([1], [5], rollout=0, reward=1.0), turn([1], [6], rollout=1, reward=0.0)]
+    later = [
+        turn([2], [10], rollout=2, reward=1.0, group=1),
+        turn([2, 10, 90], [20], rollout=2, reward=1.0, group=1),
+        turn([2], [10], rollout=3, reward=0.0, group=1),
+        turn([2, 10, 90], [21], rollout=3, reward=0.0, group=1),
+    ]
+    mined = mine_preference_pairs(first + later)
+    assert mined.turns == [0, 1]
+    metrics = mined.metrics()
+    assert metrics["preference/turn_index_mean"] == 0.5
+    assert (metrics["preference/turn_0"], metrics["preference/turn_1"]) == (1.0, 1.0)
 
 
 def test_marks_become_a_sides_matrix_of_the_pairs_whole_in_a_batch() -> None:
