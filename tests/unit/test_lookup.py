@@ -244,3 +244,73 @@ def test_the_variants_student_comes_from_its_own_band() -> None:
     assert _pick_student(climb, 0.895, targets("lookup")).step == 80
     assert _pick_student(climb, 0.955, targets()).step == 20
     assert targets("lookup").teacher == 0.88 and targets("self_correction") == targets()
+
+
+def test_injected_episodes_open_with_a_wrong_turn_answered_by_the_backends_error() -> None:
+    from opd_trainer.rollout.agent_eval import is_tool_error
+
+    records = lookup.make_injected_episodes("validation", 60, seed=2)
+    assert records == lookup.make_injected_episodes("validation", 60, seed=2)
+    assert len({canonical(r["messages"]) for r in records}) == 60
+    assert Counter(r["rollout_extra"]["mistake"] for r in records) == dict.fromkeys(lookup.MISTAKES, 20)
+    assert len({r["rollout_extra"]["sample_id"] for r in records}) == 60
+    train_openings = {canonical(s.record["messages"][:2]) for s in lookup.make_samples("train", 300)}
+    for record in records:
+        messages, extra = record["messages"], record["rollout_extra"]
+        assert split_of(messages[:2]) == "validation" and canonical(messages[:2]) not in train_openings
+        # The history ends on the backend's error to the injected call, which validation reads as a
+        # deliberately wrong history (`agent/self_correction_success`).
+        assert messages[-1]["role"] == "tool" and is_tool_error(messages[-1])
+        assert all(m["tool_call_id"].startswith("call_injected_") for m in messages if m["role"] == "tool")
+        ((name, item_id),) = extra["items"].items()
+        calls = [c["function"] for m in messages if m["role"] == "assistant" for c in m["tool_calls"]]
+        if extra["mistake"] == "wrong_id":  # the right lookup, then another id than it returned
+            assert json.loads(messages[3]["content"]) == {"name": name, "item_id": item_id}
+            assert json.loads(calls[-1]["arguments"])["item_id"] != item_id
+        elif extra["mistake"] == "wrong_name":
+            assert json.loads(calls[0]["arguments"])["name"] != name
+        else:  # skipped the lookup: a guessed id
+            assert calls[0]["name"] == extra["category"] and len(calls) == 1
+
+
+def _replay(record: dict[str, Any], *calls: tuple[str, dict[str, str]]) -> list[dict[str, Any]]:
+    """The record's opening with the agent's `calls` run against the episode's backend."""
+    items = record["rollout_extra"]["items"]
+    turns: list[dict[str, Any]] = []
+    for name, arguments in calls:
+        answer = lookup.run_tool(name, arguments, items)
+        turns += [_call(name, arguments), {"role": "tool", "tool_call_id": "c", "content": answer}]
+    return [*record["messages"], *turns]
+
+
+@pytest.mark.parametrize("mistake", lookup.MISTAKES)
+def test_an_injected_mistake_is_not_the_agents_and_success_means_it_was_repaired(mistake: str) -> None:
+    record = next(
+        r for r in lookup.make_injected_episodes("validation", 9) if r["rollout_extra"]["mistake"] == mistake
+    )
+    start, solution = len(record["messages"]), record["rollout_extra"]["solution"]
+    find, action = json.loads(solution)["tool_calls"]
+    result = json.loads(
+        lookup.run_tool(action["name"], action["arguments"], record["rollout_extra"]["items"])
+    )
+    named = result.get("status") or action["arguments"].get("priority")
+    done = _text(f"Done: {action['arguments']['item_id']} {named}")
+
+    def score(*calls: tuple[str, dict[str, str]], answer: bool = True) -> lookup.EpisodeScore:
+        messages = _replay(record, *calls)
+        return lookup.score_episode([*messages, done] if answer else messages, start, solution)
+
+    # The repair the variant trains (look up again, call on the returned id): a clean run, no own error.
+    repaired = score((find["name"], find["arguments"]), (action["name"], action["arguments"]))
+    assert repaired == lookup.EpisodeScore(calls_correct=True, answered=True, errors=0, clean=True)
+    # Answering without repairing, or repeating the injected call, is no success.
+    assert not score().success
+    wrong = json.loads(record["messages"][-2]["tool_calls"][0]["function"]["arguments"])
+    wrong_name = record["messages"][-2]["tool_calls"][0]["function"]["name"]
+    repeated = score((wrong_name, wrong))
+    assert not repeated.success and repeated.errors == 1
+    # The right call alone succeeds only where the history already looked the item up (after wrong_id).
+    direct = score((action["name"], action["arguments"]))
+    assert direct.success is (mistake == "wrong_id")
+    if direct.success:
+        assert not direct.clean and direct.reward == 0.75

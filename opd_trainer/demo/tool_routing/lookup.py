@@ -19,6 +19,8 @@ last reply is plain text naming the id and the result (the status, or the new pr
 right state without that answer 0.25, anything else 0 (`EpisodeScore.reward`).
 
 `make_episodes` writes the records (the opening only; the agent plays the rest against `run_tool`);
+`make_injected_episodes` writes records whose opening already holds one of `MISTAKES` made and answered
+with the backend's error (seed 003's self-correction subset: the agent is judged on the turns after it);
 `make_samples` writes the training turns of the `lookup` tiny-model variant: the lookup, the call with
 the returned id, the repair after an error and the summary (`LOOKUP_CATEGORIES`). Both bucket a
 conversation by its opening (system prompt and first user turn) into the task's splits, so no
@@ -193,12 +195,87 @@ def make_episodes(split: task.Split, n: int, seed: int = 0) -> list[dict[str, An
     raise ValueError(f"could not generate {n} distinct {split} episodes")
 
 
-def _assistant_call(call: dict[str, Any]) -> dict[str, Any]:
+# The injected history's call ids: apart from any id the gateway gives the agent's own calls, so the
+# agent-level metrics never take an injected answer for one of the agent's.
+INJECTED_CALL_ID = "call_injected_{}"
+
+
+def _injected_history(rng: random.Random, episode: _Episode, mistake: str) -> list[dict[str, Any]]:
+    """The turns of `mistake` already made, each answered by the backend, the last with its error:
+    `skipped_lookup` a guessed id; `wrong_name` a lookup of another name; `wrong_id` the right lookup,
+    then a call on an id other than the one it returned."""
+    lookup, _ = episode.calls
+    wrong_call = {
+        "name": episode.tool,
+        "arguments": {
+            **episode.args,
+            "item_id": task.new_item_id(rng, episode.lang, episode.args["item_id"]),
+        },
+    }
+    chain = {
+        "skipped_lookup": [wrong_call],
+        "wrong_name": [{"name": LOOKUP_TOOL, "arguments": {"name": _other_name(rng, episode)}}],
+        "wrong_id": [lookup, wrong_call],
+    }[mistake]
+    turns: list[dict[str, Any]] = []
+    for index, call in enumerate(chain):
+        call_id = INJECTED_CALL_ID.format(index)
+        turns += [_assistant_call(call, call_id), _result(episode, call, call_id)]
+    return turns
+
+
+def make_injected_episodes(
+    split: task.Split, n: int, seed: int = 0, mistakes: tuple[str, ...] = MISTAKES
+) -> list[dict[str, Any]]:
+    """`n` distinct episode records of `split` whose opening already holds a wrong turn answered with
+    the backend's error (`mistakes` cycle evenly; `rollout_extra.mistake` names it): seed 003's
+    self-correction subset, which validation's `agent/self_correction_success` reads (a history holding
+    a tool error).
+
+    The split is the request's (system prompt and user turn), as `make_episodes`'s, so no training turn
+    shares it. The rollout hands the whole opening to the agent and the judge reads only what comes
+    after it (`score_episode`'s `start`): the injected call is never the agent's own, its error is not
+    counted, and success means the agent repaired it, reaching the right final state and answer (a
+    clean repair, lookup then call, scores 1.0; after `wrong_id` the call on the id the history's lookup
+    returned also succeeds, at 0.75). `solution` is the clean chain, as `make_episodes`'s."""
+    rng = random.Random(f"lookup_injected:{split}:{seed}")
+    records: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for _ in range(100 * n + 1000):
+        if len(records) == n:
+            return records
+        mistake = mistakes[len(records) % len(mistakes)]
+        episode = _episode(rng)
+        if task.split_of(_messages(episode.opening)) != split:
+            continue
+        messages = _messages([*episode.opening, *_injected_history(rng, episode, mistake)])
+        key = task.canonical(messages)
+        if key in seen:
+            continue
+        seen.add(key)
+        solution = {"decision": "tool_call", "tool_calls": episode.calls}
+        records.append(
+            {
+                "messages": messages,
+                "tools": TOOLS,
+                "rollout_extra": {
+                    "sample_id": f"{split}-injected-{len(records):06d}",
+                    "category": episode.tool,
+                    "mistake": mistake,
+                    "solution": json.dumps(solution, ensure_ascii=False, sort_keys=True),
+                    "items": {episode.name: episode.args["item_id"]},
+                },
+            }
+        )
+    raise ValueError(f"could not generate {n} distinct injected {split} episodes")
+
+
+def _assistant_call(call: dict[str, Any], call_id: str = "call_0") -> dict[str, Any]:
     fn = {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}
     return {
         "role": "assistant",
         "content": "",
-        "tool_calls": [{"id": "call_0", "type": "function", "function": fn}],
+        "tool_calls": [{"id": call_id, "type": "function", "function": fn}],
     }
 
 
@@ -206,9 +283,9 @@ def _text(content: str) -> dict[str, Any]:
     return {"role": "assistant", "content": content}
 
 
-def _result(episode: _Episode, call: dict[str, Any]) -> dict[str, Any]:
+def _result(episode: _Episode, call: dict[str, Any], call_id: str = "call_0") -> dict[str, Any]:
     content = run_tool(call["name"], call["arguments"], {episode.name: episode.args["item_id"]})
-    return {"role": "tool", "tool_call_id": "call_0", "content": content}
+    return {"role": "tool", "tool_call_id": call_id, "content": content}
 
 
 def _other_name(rng: random.Random, episode: _Episode) -> str:
@@ -325,11 +402,20 @@ class EpisodeScore:
 
 
 def score_episode(messages: list[dict[str, Any]], start: int, solution: str | dict[str, Any]) -> EpisodeScore:
-    """Judge the conversation after its first `start` messages (the opening) against `solution`."""
+    """Judge the conversation after its first `start` messages (the opening) against `solution`; a
+    lookup of the named item in the opening (an injected history) counts as made."""
     lookup, expected = (json.loads(solution) if isinstance(solution, str) else solution)["tool_calls"]
     after = messages[start:]
     turns = [m for m in after if m.get("role") == "assistant"]
     made = [call for turn in turns for call in self_correction.assistant_calls(turn)]
+    # An opening's own calls (an injected history, `make_injected_episodes`) are not the agent's: they
+    # count only as a lookup already answered, never as a call that changed the item.
+    given = [
+        call
+        for m in messages[:start]
+        if m.get("role") == "assistant"
+        for call in self_correction.assistant_calls(m)
+    ]
     item_id = expected["arguments"]["item_id"]
     # The backend accepts movable calls only on the episode's item: those are what changed its state.
     on_item = [
@@ -340,7 +426,7 @@ def score_episode(messages: list[dict[str, Any]], start: int, solution: str | di
         and c["arguments"].get("item_id") == item_id
     ]
     first = made.index(expected) if expected in made else None
-    looked_up = first is not None and lookup in made[:first]
+    looked_up = first is not None and lookup in given + made[:first]
     calls_correct = looked_up and bool(on_item) and all(c == expected for c in on_item)
     result = json.loads(self_correction.run_tool(expected["name"], expected["arguments"], {}))
     named = [item_id, result.get("status") or expected["arguments"].get("priority", "")]
