@@ -1,7 +1,8 @@
 """What the benchmarks share: running one OPD job in-process on the local Ray, and writing results.
 
 `run_job` starts a `JobDriverActor` exactly as `opd train` does and returns the job's metric records
-and summary, with the wall time of the whole run and of its start-up (everything before step 1).
+and summary, with the wall time of the whole run and of its start-up (everything before step 1), and
+each student validation's per-sample outcomes by step (`RunDir.validation_outcomes`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import json
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,12 @@ class JobRun:
     records: list[dict[str, Any]]
     summary: dict[str, Any]
     wall_s: float
+    # Step -> the student validation's per-sample outcomes (`driver/validation.validation_outcomes`).
+    outcomes: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+
+    def outcomes_at(self, step: int) -> list[dict[str, Any]]:
+        """The per-sample outcomes of the validation at `step` (empty where none ran)."""
+        return self.outcomes.get(step, [])
 
     @property
     def train(self) -> list[dict[str, Any]]:
@@ -49,6 +56,28 @@ class JobRun:
             {"step": r["step"], "exact_match": r["exact_match"], "train_s": self.train_s_until(r["step"])}
             for r in self.evals
         ]
+
+
+def outcomes_by_step(
+    records: list[dict[str, Any]], passes: list[dict[str, Any]]
+) -> dict[int, list[dict[str, Any]]]:
+    """Each student validation pass's outcomes (`RunDir.validation_outcomes`) under the step of its eval
+    record, by the driver's labels: `student before` is step 0, `step N` step N, `student after` the last
+    validated step. A pass redone after a recovery replaces the earlier one."""
+    evals = [r["step"] for r in records if r["kind"] == "eval"]
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for found in passes:
+        label = str(found.get("label") or "")
+        if label == "student before":
+            step = 0
+        elif label == "student after" and evals:
+            step = evals[-1]
+        elif label.startswith("step ") and label[5:].isdigit():
+            step = int(label[5:])
+        else:
+            continue
+        by_step[step] = found["outcomes"]
+    return by_step
 
 
 def example_rewards() -> list[dict[str, Any]]:
@@ -106,10 +135,12 @@ def run_job(spec: Any, keep_dir: Path | None = None) -> JobRun:
     finally:
         ray.kill(driver)
     wall_s = time.perf_counter() - started
-    records = RunDir(run_dir).records()
+    log = RunDir(run_dir)
+    records = log.records()
+    outcomes = outcomes_by_step(records, log.validation_outcomes())
     if keep_dir is None:
         shutil.rmtree(run_dir, ignore_errors=True)
-    return JobRun(records, summary or {}, wall_s)
+    return JobRun(records, summary or {}, wall_s, outcomes)
 
 
 CUDA_MAX_MODEL_LEN = 2048

@@ -6,7 +6,9 @@ and evaluator components run on one greedy rollout per validation sample, for th
 baseline, for the teacher (through a gateway of its own). A sample that fails, is cut off or cannot be
 scored counts as wrong (`rollout.runner.validation_metrics`) and is named in an event; the job goes on.
 The first rollouts of each pass are recorded for the console; the student's with the teacher's view of
-every token it wrote (`validation_records`).
+every token it wrote (`validation_records`). Every sample's outcome in the student's greedy pass
+(`validation_outcomes`: success, score, turns, tool calls, format) goes out in an `eval_outcomes`
+event, so two runs on the same samples can be compared sample by sample (`RunDir.validation_outcomes`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,16 @@ from opd_trainer.driver.seeds import request_seed
 from opd_trainer.driver.step import reverse_kl_metrics, teacher_segments
 from opd_trainer.jobspec.dataset import Sample
 from opd_trainer.records import LLMCall
-from opd_trainer.rollout.agent_eval import agent_metrics, pass_at_k, success_by_threshold
+from opd_trainer.rollout.agent_eval import (
+    Succeeded,
+    _made_calls,
+    _tool_results,
+    _turn_succeeded,
+    agent_metrics,
+    is_tool_error,
+    pass_at_k,
+    success_by_threshold,
+)
 from opd_trainer.rollout.runner import RolloutResult, scoring_failures, validation_metrics
 from opd_trainer.rollout.trajectory_view import scored_trajectories
 
@@ -77,6 +88,44 @@ def validation_records(
     return records
 
 
+def validation_outcomes(results: list[RolloutResult], succeeded: Succeeded) -> list[dict[str, Any]]:
+    """One record per rollout of a greedy pass, in sample order, by the rules of `agent_metrics`:
+
+    - `sample_id`; `success`: `succeeded` (the pass's `eval_success_threshold` on the evaluator's score,
+      else the reward), False for a failed rollout, as `agent/task_success` counts it; `failed`;
+    - `score`: the value judged (`eval_score`, else `reward`; None for a failed rollout), `reward`;
+    - `turns` (LLM calls with a completion), `turns_succeeded` and `turns_format_valid` of them (the
+      numerators of `agent/turn_success` and `agent/format_valid_turns`), `format_valid` (it has turns
+      and every one is well formed);
+    - `tool_calls` (the agent's own), `wrong_history`: the sample's given history holds a tool error
+      (the subset of `agent/self_correction_success`)."""
+    outcomes = []
+    for result in results:
+        verdict = succeeded(result)
+        turns = [call for call in result.calls if call.completion_token_ids] if not result.failed else []
+        answers = _tool_results(result) if not result.failed else {}
+        outcomes.append(
+            {
+                "sample_id": result.sample.sample_id,
+                "success": bool(verdict),
+                "failed": result.failed,
+                "score": None
+                if verdict is None
+                else (result.eval_score if result.eval_score is not None else result.reward),
+                "reward": None if result.failed else result.reward,
+                "turns": len(turns),
+                "turns_succeeded": sum(_turn_succeeded(call, answers) for call in turns),
+                "turns_format_valid": sum(call.format_valid for call in turns),
+                "format_valid": bool(turns) and all(call.format_valid for call in turns),
+                "tool_calls": len(_made_calls(result)) if not result.failed else 0,
+                "wrong_history": any(
+                    m.get("role") == "tool" and is_tool_error(m) for m in result.sample.messages
+                ),
+            }
+        )
+    return outcomes
+
+
 async def teacher_view(c: Components, results: list[RolloutResult]) -> list[LLMCall]:
     """The calls of the student's recorded validation rollouts scored by the teacher each sample is
     routed to (its top-k where the job asks for it), on the exact tokens, without hindsight notes."""
@@ -96,7 +145,8 @@ async def evaluate(
     record: Recorder | None = None,
 ) -> dict[str, float]:
     """One validation pass of the student (or with `teacher`, the teacher's baseline) over `samples`;
-    emits an `eval` event (and `eval_failures` naming the samples that failed) and returns the metrics.
+    emits an `eval` event (and `eval_failures` naming the samples that failed; for the student's pass,
+    `eval_outcomes` with `validation_outcomes`) and returns the metrics.
     `record` is handed the pass's greedy rollouts (not pass@k's samples) as soon as they are scored,
     with, for the student's pass, its first rollouts' calls as the teacher scored them."""
     if not samples:
@@ -141,6 +191,11 @@ async def evaluate(
             failures=failures[:REPORTED_FAILURES],
             count=len(failures),
         )
+    if not teacher:
+        outcomes = validation_outcomes(results, succeeded)
+        won = sum(o["success"] for o in outcomes)
+        message = f"{label}: {won}/{len(outcomes)} validation samples succeeded (per-sample outcomes)"
+        emit("eval_outcomes", message, label=label, outcomes=outcomes)
     emit(
         "eval",
         f"{label}: " + ", ".join(f"{k}={v:.3f}" for k, v in sorted(metrics.items())),

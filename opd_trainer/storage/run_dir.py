@@ -1,7 +1,9 @@
 """A job's run directory, the one definition of its layout: the driver writes it, the server and CLI read it.
 
     metrics.jsonl       one record per training step (`kind: train`) and per validation (`kind: eval`)
-    events.jsonl        the driver's events (status, progress, errors), in order
+    events.jsonl        the driver's events (status, progress, errors), in order; each student
+                        validation pass's per-sample outcomes in an `eval_outcomes` event
+                        (`driver/validation.py`: `validation_outcomes`; read by `validation_outcomes`)
     trajectories.jsonl  rollouts as the user's agent saw them (messages, tool calls, rewards, spans) and
                         the teacher's view of each trained token (`RolloutResult.trajectory`)
     validation_trajectories.jsonl   the first rollouts of each validation pass (`step`, `label`,
@@ -53,6 +55,20 @@ class RunDir:
 
     def events(self) -> list[dict[str, Any]]:
         return read_jsonl(self.events_path)
+
+    def validation_outcomes(self) -> list[dict[str, Any]]:
+        """Each student validation pass's per-sample outcomes, in the order run: `{label, time,
+        outcomes}` (`outcomes`: one dict per validation sample, `driver/validation.validation_outcomes`).
+        A pass redone after a recovery appears again, under the same label."""
+        return [
+            {
+                "label": e["data"].get("label"),
+                "time": e.get("time"),
+                "outcomes": e["data"].get("outcomes", []),
+            }
+            for e in self.events()
+            if e.get("type") == "eval_outcomes"
+        ]
 
     def recent_trajectories(self, limit: int) -> list[dict[str, Any]]:
         return read_jsonl(self.trajectories_path, tail=limit)
