@@ -12,7 +12,9 @@ A record says what ran and what came out, so that any published figure can be re
 - `runs`: every run's raw values (one dict per run: its side, setting, seed and measurements);
 - `figures`: per figure name, `summarize`'s summary of its per-run (or per-pair) values: `values`,
   `median`, `min`, `max`, `runs` (values present), `missing` (runs that had none, e.g. a target not
-  reached), `publishable` (at least `MIN_RUNS` values);
+  reached), `publishable` (at least `MIN_RUNS` values); a figure computed once over all runs together (a
+  `Pooled` value, e.g. a bootstrap interval's bound over every seed's episodes) has that one value as
+  its median, min and max, `runs` the runs it pools and `pooled: true`;
 - `headline`: the figures a script reads, by name (e.g. `time_to_target_ratio_median`), each the median
   of its figure (None when the figure has no value);
 - `notes`: free text (how the pairs were run, what a rule was).
@@ -102,6 +104,10 @@ TARGETS: dict[tuple[str, str], Target] = {
     # The same on the lookup chains, whose wrong early turns are the agent's own (`--task lookup`).
     ("lookup_chain", "task_success_ratio/opd_turn_preference"): Target(">=", 1.1),
     ("lookup_chain", "task_success_ratio/opd_turn_preference_beacons"): Target(">=", 1.1),
+    # Issue 54: the paired absolute difference against OPD (same seeds and episodes, equal steps), pooled
+    # over episodes x seeds; its bootstrap interval (`..._ci_low/...`) must exclude 0 as well.
+    ("lookup_chain", "task_success_diff/opd_turn_preference"): Target(">=", 0.05, ""),
+    ("lookup_chain", "task_success_diff/opd_turn_preference_beacons"): Target(">=", 0.05, ""),
     # Cost against model size (`scale.py`): LoRA moves and keeps far less than full training, the memory
     # plan is within 20 % of each role's measured peak, and learner time grows at most linearly in
     # parameters x tokens.
@@ -153,6 +159,33 @@ def summarize(values: Sequence[float | None]) -> dict[str, Any]:
         "runs": len(present),
         "missing": len(values) - len(present),
         "publishable": len(present) >= MIN_RUNS,
+    }
+
+
+@dataclass(frozen=True)
+class Pooled:
+    """A figure computed once over `runs` runs together (not one value per run), e.g. a paired
+    bootstrap's estimate or interval bound over every seed's episodes."""
+
+    value: float | None
+    runs: int
+
+
+def summarize_pooled(pooled: Pooled) -> dict[str, Any]:
+    """`summarize`'s fields for a `Pooled` figure: its one value as median, min and max; publishable
+    when it pools at least `MIN_RUNS` runs."""
+    value = pooled.value
+    present = value is not None and not math.isnan(float(value))
+    number = float(value) if present else None  # type: ignore[arg-type]
+    return {
+        "values": [number],
+        "median": number,
+        "min": number,
+        "max": number,
+        "runs": pooled.runs if present else 0,
+        "missing": 0 if present else 1,
+        "publishable": present and pooled.runs >= MIN_RUNS,
+        "pooled": True,
     }
 
 
@@ -269,16 +302,19 @@ def new_record(
     args: argparse.Namespace | dict[str, Any],
     seeds: Sequence[int],
     runs: list[dict[str, Any]],
-    figures: dict[str, Sequence[float | None]],
+    figures: dict[str, Sequence[float | None] | Pooled],
     headline: Sequence[str] = (),
     models_dir: Path | None = None,
     notes: Sequence[str] = (),
     argv: Sequence[str] | None = None,
 ) -> Record:
-    """A record of `runs`, with each figure's values summarized and `headline` figures' medians named
-    `<figure>_median`."""
+    """A record of `runs`, with each figure's values summarized (a `Pooled` figure by
+    `summarize_pooled`) and `headline` figures' medians named `<figure>_median`."""
     arg_dict = vars(args) if isinstance(args, argparse.Namespace) else dict(args)
-    summaries = {name: summarize(values) for name, values in figures.items()}
+    summaries = {
+        name: summarize_pooled(values) if isinstance(values, Pooled) else summarize(values)
+        for name, values in figures.items()
+    }
     return Record(
         benchmark=benchmark,
         inputs={"command": command_line(argv), "args": _jsonable(arg_dict)},

@@ -54,6 +54,34 @@ def test_fewer_than_three_runs_is_not_publishable() -> None:
     assert empty["median"] is None and empty["min"] is None and not empty["publishable"]
 
 
+def test_a_pooled_figure_is_one_value_over_the_runs_it_pools() -> None:
+    record = records.new_record(
+        "unit_bench",
+        {},
+        seeds=[0, 1, 2],
+        runs=[],
+        figures={
+            "diff": records.Pooled(0.06, runs=3),
+            "few": records.Pooled(0.1, 2),
+            "none": records.Pooled(None, 3),
+        },
+        headline=["diff"],
+        argv=["benchmarks/unit_bench.py"],
+    )
+    diff = record.figures["diff"]
+    assert (diff["median"], diff["min"], diff["max"], diff["runs"], diff["pooled"]) == (
+        0.06,
+        0.06,
+        0.06,
+        3,
+        True,
+    )
+    assert diff["publishable"] and record.publishable and record.headline == {"diff_median": 0.06}
+    assert not record.figures["few"]["publishable"]
+    none = record.figures["none"]
+    assert none["median"] is None and none["missing"] == 1 and not none["publishable"]
+
+
 def _record(values: list[float | None]) -> records.Record:
     return records.new_record(
         "unit_bench",
