@@ -98,7 +98,7 @@ bench-agentic: setup
 # are the agent's own and must be repaired): its own models and its own record, `lookup_chain`.
 bench-agentic-lookup: setup
 	$(BIN)/opd make-tiny-models .cache/tiny-models-lookup --variant lookup
-	$(BIN)/python benchmarks/self_correction.py --task lookup --steps 10 --eval-every 5 --seeds 0 1 2 --pass-k 2 --settings opd opd_outcome_preference opd_turn_preference opd_turn_preference_beacons --publish
+	$(BIN)/python benchmarks/self_correction.py --task lookup --stage main --steps 20 --eval-every 5 --seeds 0 1 2 3 4 --publish
 	$(BIN)/python benchmarks/report.py --write
 
 clean:
