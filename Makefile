@@ -94,8 +94,9 @@ bench-agentic: setup
 	$(BIN)/python benchmarks/self_correction.py --steps 10 --eval-every 5 --seeds 0 1 2 --pass-k 2 --settings opd opd_outcome_preference opd_turn_preference opd_turn_preference_beacons --out benchmarks/results/agentic_study.json --plot docs/images/agentic_study.png --publish
 	$(BIN)/python benchmarks/report.py --write
 
-# The same four arms on the lookup chains (find_item, then the call on the returned id; wrong early turns
-# are the agent's own and must be repaired): its own models and its own record, `lookup_chain`.
+# The issue-54 study (main stage: seed 003's four arms and two controls) on the lookup chains (find_item,
+# then the call on the returned id; wrong early turns are the agent's own and must be repaired): its own
+# models and its own record, `lookup_chain`.
 bench-agentic-lookup: setup
 	$(BIN)/opd make-tiny-models .cache/tiny-models-lookup --variant lookup
 	$(BIN)/python benchmarks/self_correction.py --task lookup --stage main --steps 20 --eval-every 5 --seeds 0 1 2 3 4 --publish
