@@ -62,6 +62,8 @@ __all__ = [
     "BeaconInput",
     "BeaconOutput",
     "BeaconTurn",
+    "BeaconVerdict",
+    "BeaconVerifyInput",
     "ModelResource",
     "RequestMetadata",
     "Reward",
@@ -249,6 +251,40 @@ class BeaconInput(_Input):
     turns: list[BeaconTurn] = Field(description="The rollout's trained turns, in order.")
 
 
+class BeaconVerifyInput(_Input):
+    """What a beacon processor's `verify` receives: one rewrite of a beaconed turn, to be checked against
+    the episode's own tools before it is trained."""
+
+    ground_truth: JsonValue = Field(
+        default=None, description="The sample's reference answer as stored (string, number, object, ...)."
+    )
+    request_metadata: RequestMetadata | None = Field(default=None, description="Ids of the rollout.")
+    rollout_extra: dict[str, Any] = Field(
+        default_factory=dict, description="The sample's extra data (what its tool backend reads)."
+    )
+    tools: list[dict[str, Any]] | None = Field(default=None, description="The turn's tool schemas.")
+    agent_output: AgentOutput = Field(description="The rollout's conversation.")
+    turn: BeaconTurn = Field(description="The turn that was rewritten, as `process` was given it.")
+    feedback: str = Field(description="The beacon the rewrite was written with (header included).")
+    rewrite: dict[str, Any] = Field(
+        description="The rewrite as an assistant message: `content` and `tool_calls` (OpenAI's shape, "
+        "arguments a JSON string), parsed from its text by the job's tool-call parser as the gateway "
+        "parses the student's replies."
+    )
+
+
+class BeaconVerdict(BaseModel):
+    """What a `verify` call comes back as (the worker wraps the processor's bool or None)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    verified: bool | None = Field(
+        default=None, description="True: the rewrite works; False: it still fails; None: not checked."
+    )
+    status: TaskStatus = Field(default=TaskStatus.SUCCESS, description="SUCCESS or FAILED.")
+    error: str | None = Field(default=None, description="Why the call failed.")
+
+
 class AbstractRolloutProcessor(abc.ABC):
     """Base of user rollout code: one instance per worker, `process` called concurrently."""
 
@@ -282,6 +318,14 @@ class AbstractBeaconProcessor(abc.ABC):
     async def process(self, beacon_input: BeaconInput) -> BeaconOutput:
         """Feedback for the turns that went wrong. May be overridden as `async def` or plain `def`."""
 
+    async def verify(self, verify_input: BeaconVerifyInput) -> bool | None:
+        """Whether a turn's rewrite works, replayed against the episode's tools: True (it does), False
+        (it still fails: dropped, `beacons/unverified`) or None (cannot tell: kept,
+        `beacons/unverifiable`). Called once per rewrite that survived the other filters, in the same
+        sandboxed worker as `process`. May be overridden as `async def` or plain `def`; by default
+        nothing is checked (None)."""
+        return None
+
 
 # Each processor kind's input, output and base class: the one table the workers and the loader read.
 PROCESSOR_KINDS: dict[str, tuple[type[BaseModel], type[BaseModel], type[abc.ABC]]] = {
@@ -291,34 +335,58 @@ PROCESSOR_KINDS: dict[str, tuple[type[BaseModel], type[BaseModel], type[abc.ABC]
 }
 
 
-def _expected_output(payload: object) -> type[BaseModel] | None:
+# A kind's methods besides `process`, by name: (input, output). The sandboxed host serves a call by its
+# method name (`processor_host`), the worker validates the answer with the output (`pool`).
+EXTRA_METHODS: dict[str, dict[str, tuple[type[BaseModel], type[BaseModel]]]] = {
+    "beacon": {"verify": (BeaconVerifyInput, BeaconVerdict)},
+}
+
+
+def method_types(kind: str, method: str) -> tuple[type[BaseModel], type[BaseModel]]:
+    """(input, output) of `kind`'s `method`; KeyError for a method the kind does not have."""
+    if method == "process":
+        input_type, output_type, _ = PROCESSOR_KINDS[kind]
+        return input_type, output_type
+    return EXTRA_METHODS[kind][method]
+
+
+def method_of(payload: object) -> tuple[str, type[BaseModel] | None]:
+    """(the method a payload is for, its output model; None for a payload of no known kind)."""
+    for methods in EXTRA_METHODS.values():
+        for method, (input_type, output_type) in methods.items():
+            if isinstance(payload, input_type):
+                return method, output_type
     for input_type, output_type, _ in PROCESSOR_KINDS.values():
         if isinstance(payload, input_type):
-            return output_type
-    return None
+            return "process", output_type
+    return "process", None
 
 
 async def call_processor(processor: Any, payload: Any) -> Any:
-    """Calls `processor.process(payload)`: awaited if async, else in a worker thread.
+    """Calls `processor.process(payload)` (for a `BeaconVerifyInput`, `processor.verify(payload)`):
+    awaited if async, else in a worker thread.
 
     A plain-`def` processor runs via `asyncio.to_thread` (which copies the context, so tracing spans
     still nest) and so cannot block the event loop the worker uses for its other calls. For a
     `RolloutInput`/`RewardInput`/`BeaconInput` payload a returned dict is validated into the output model,
-    and any other return type raises `TypeError` naming the processor class.
+    and any other return type raises `TypeError` naming the processor class; `verify`'s bool or None
+    comes back as a `BeaconVerdict`.
     """
-    process = processor.process
-    if inspect.iscoroutinefunction(process):
-        result = await process(payload)
+    method, expected = method_of(payload)
+    function = getattr(processor, method)
+    if inspect.iscoroutinefunction(function):
+        result = await function(payload)
     else:
-        result = await asyncio.to_thread(process, payload)
+        result = await asyncio.to_thread(function, payload)
         if inspect.isawaitable(result):  # a sync wrapper around an async implementation
             result = await result
-    expected = _expected_output(payload)
+    if expected is BeaconVerdict and (result is None or isinstance(result, bool)):
+        return BeaconVerdict(verified=result)
     if expected is None or isinstance(result, expected):
         return result
-    if isinstance(result, dict):
+    if isinstance(result, dict) and expected is not BeaconVerdict:
         return expected.model_validate(result)
     raise TypeError(
-        f"{type(processor).__qualname__}.process returned {type(result).__qualname__}, "
-        f"expected {expected.__name__}"
+        f"{type(processor).__qualname__}.{method} returned {type(result).__qualname__}, "
+        f"expected {'True, False or None' if expected is BeaconVerdict else expected.__name__}"
     )

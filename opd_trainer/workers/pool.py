@@ -45,7 +45,7 @@ from opd_trainer.cluster.process_usage import process_tree_cpu_seconds
 from opd_trainer.errors import ProcessorLoadError
 from opd_trainer.jobspec.job_spec import FunctionComponent
 from opd_trainer.sdk import TaskStatus
-from opd_trainer.sdk.types import PROCESSOR_KINDS
+from opd_trainer.sdk.types import PROCESSOR_KINDS, method_of
 from opd_trainer.storage.zips import pack_workspace
 from opd_trainer.workers.autoscaler import Autoscaler, AutoscalerSettings, PoolSnapshot
 from opd_trainer.workers.classpath import Kind
@@ -140,11 +140,13 @@ class ProcessorWorker:
         return await self.sandboxed.start()
 
     async def call(self, payload: Any, rollout_id: str) -> dict[str, Any]:
-        """One `process` call; returns {"output", "spans", "seconds"} (+ "lost", "retry" when the
-        sandbox is gone), never raises for user faults."""
+        """One `process` call (or, for a `BeaconVerifyInput`, `verify`); returns {"output", "spans",
+        "seconds"} (+ "lost", "retry" when the sandbox is gone), never raises for user faults."""
 
-        _, output_type, _ = PROCESSOR_KINDS[self.kind]
-        return await self.sandboxed.call(payload, rollout_id, output_type)
+        method, output_type = method_of(payload)
+        if output_type is None:  # not one of the SDK's inputs: validated as the kind's output
+            output_type = PROCESSOR_KINDS[self.kind][1]
+        return await self.sandboxed.call(payload, rollout_id, output_type, method)
 
     async def confinement(self) -> str:
         """What holds the user's code (sandbox, network, user, limits), for the job's events."""

@@ -339,8 +339,11 @@ class SandboxedProcessor:
         except RuntimeError as exc:  # a transport closed under the write
             raise ConnectionError(self.lost or "its process exited") from exc
 
-    async def call(self, payload: BaseModel, rollout_id: str, output_type: type[BaseModel]) -> dict[str, Any]:
-        """One `process` call. Returns {"output", "spans", "seconds"} and, when the sandbox is gone,
+    async def call(
+        self, payload: BaseModel, rollout_id: str, output_type: type[BaseModel], method: str = "process"
+    ) -> dict[str, Any]:
+        """One call of the processor's `method` (`process`; a beacon processor's `verify`). Returns
+        {"output", "spans", "seconds"} and, when the sandbox is gone,
         "lost" (why) and "retry" (whether the call may be sent to another worker: the sandbox exited,
         or never received it; not after a timeout, the memory limit or an invalid answer)."""
         started = time.perf_counter()
@@ -357,7 +360,8 @@ class SandboxedProcessor:
             reason = self.lost or "its process exited"
             return self._failure(output_type, reason, started, retry=self.retryable)
         try:
-            self._send({"type": "call", "id": call_id, "rollout_id": rollout_id, "payload": wire})
+            call = {"type": "call", "id": call_id, "rollout_id": rollout_id, "method": method}
+            self._send({**call, "payload": wire})
         except ConnectionError:  # it never received the call: another worker may take it
             self._pending.pop(call_id, None)
             return self._failure(output_type, self.lost or "its process exited", started, retry=True)

@@ -7,7 +7,8 @@ classpath, runs `setup()`, and then serves calls, up to `concurrency` at once, e
 component's `timeout`.
 
 Standard input carries the worker's requests, one JSON object a line:
-`{"type": "call", "id": N, "rollout_id": ..., "payload": {RolloutInput, RewardInput or BeaconInput}}` and
+`{"type": "call", "id": N, "rollout_id": ..., "method": "process", "payload": {RolloutInput, RewardInput or
+BeaconInput}}` (a beacon processor also serves `"method": "verify"`, its payload a BeaconVerifyInput) and
 `{"type": "forward", "port": P, "socket": PATH}` (listen on 127.0.0.1:P, relay to the gateway socket).
 Standard output carries the answers: `{"type": "ready", "class_name": ...}` or
 `{"type": "load_error", "message": ...}` once, then `{"type": "result", "id": N, "output": {...},
@@ -77,11 +78,11 @@ class ProcessorHost:
         self._processor = ensure_observed(instantiate_processor(cls, component=self.component))
         return type(self._processor).__name__
 
-    def _payload(self, data: dict[str, Any]) -> Any:
+    def _payload(self, data: dict[str, Any], method: str) -> Any:
         # Lazy: sandbox child: its import set stays minimal until the host is told what to load.
-        from opd_trainer.sdk.types import PROCESSOR_KINDS
+        from opd_trainer.sdk.types import method_types
 
-        input_type, _, _ = PROCESSOR_KINDS[self.kind]
+        input_type, _ = method_types(self.kind, method)
         return input_type.model_validate(data)
 
     def _failed(self, message: str) -> dict[str, Any]:
@@ -95,9 +96,8 @@ class ProcessorHost:
         started = time.perf_counter()
         async with self._slots:
             try:
-                result = await asyncio.wait_for(
-                    call_processor(self._processor, self._payload(request["payload"])), self.timeout_s
-                )
+                payload = self._payload(request["payload"], request.get("method", "process"))
+                result = await asyncio.wait_for(call_processor(self._processor, payload), self.timeout_s)
                 output = result.model_dump(mode="json")
             except TimeoutError:
                 output = self._failed(f"{self.component}: timed out after {self.timeout_s:g}s")
