@@ -20,9 +20,14 @@ cannot be rebuilt exactly from its messages (the rendering differs from the ids 
 one whose template refuses the note's system message, and one the note would push past
 `max_length`, are scored without it and counted.
 
-Leakage check (seed 003): a rollout whose trained reply carries a note's own wording (`LEAK_WORDS`
-words in a row of its fixed text) learned the note, not the task; the signal phase drops it from the
-step's training (`without_leaks`, `hindsight/leaked_rollouts` per step).
+Leakage check (seed 003, section 5.2): a trained reply that carries a note's own wording (`LEAK_WORDS`
+words in a row of its fixed header) or the seed's hindsight wording (`HINDSIGHT_PHRASES`: talk of the
+final result or outcome, of what "turned out", of a failure the turn could not have seen; English and
+Chinese) learned the note, not the task. The signal phase drops such a rollout from the step's training
+(`without_leaks`, `hindsight/leaked_rollouts` per step) and the beacons drop such a rewrite
+(`beacons/leaked`). The list is phrases, not the seed's bare "成功" / "失败" / "应该" (success, failure,
+should): an agent's ordinary reply says "已成功更新" or "the call failed" after reading an error, which
+is what the context shows, not hindsight; only the compounds that speak of the outcome are flagged.
 """
 
 from __future__ import annotations
@@ -68,11 +73,72 @@ NOTE_RUNS = frozenset(
 )
 
 
+# Seed 003's hindsight wording (its beacon template, "最终结果证明该动作导致后续查询失败", and section 5.2's
+# scan for "最终结果" / "成功" / "失败"), as phrases a reply written without hindsight has no reason to use;
+# English ones match whole words (case, spacing and apostrophes aside), Chinese ones as written.
+HINDSIGHT_PHRASES: tuple[str, ...] = (
+    "hindsight",
+    "the final result",
+    "the final results",
+    "the final outcome",
+    "the outcome shows",
+    "the outcome showed",
+    "according to the final",
+    "turned out",
+    "the episode failed",
+    "the episode succeeded",
+    "the task failed",
+    "led to failure",
+    "leads to failure",
+    "ended in failure",
+    "eventually failed",
+    "an earlier attempt",
+    "the reference expects",
+    "the reference expected",
+)
+HINDSIGHT_PHRASES_ZH: tuple[str, ...] = (
+    "最终结果",
+    "事后",
+    "结果证明",
+    "事实证明",
+    "最终证明",
+    "后来证明",
+    "根据最终",
+    "最终成功",
+    "最终失败",
+    "最后成功",
+    "最后失败",
+    "任务成功",
+    "任务失败",
+    "导致后续",
+)
+# And the template's "导致后续查询失败": what an action led to, a few characters on.
+LED_TO = r"导致[^。！？!?\n]{0,12}(?:成功|失败)"
+_HINDSIGHT = re.compile(
+    "|".join(
+        [rf"\b{re.escape(p)}\b" for p in HINDSIGHT_PHRASES]
+        + [re.escape(p) for p in HINDSIGHT_PHRASES_ZH]
+        + [LED_TO]
+    )
+)
+
+
+def hindsight_wording(text: str) -> str | None:
+    """The first of seed 003's hindsight phrases (`HINDSIGHT_PHRASES`, `HINDSIGHT_PHRASES_ZH`) in
+    `text`, None when it has none."""
+    plain = re.sub(r"\s+", " ", text.lower().replace("\u2019", "'"))
+    found = _HINDSIGHT.search(plain)
+    return found.group(0) if found else None
+
+
 def carries_note_wording(text: str) -> bool:
     """`text` holds `LEAK_WORDS` consecutive words of the hindsight notes' or beacons' header (not of
-    what a note reports: a reply may well state the reference answer, never "hindsight for scoring ...")."""
+    what a note reports: a reply may well state the reference answer, never "hindsight for scoring ..."),
+    or one of seed 003's hindsight phrases (`hindsight_wording`)."""
     words = _words(text)
-    return any(tuple(words[i : i + LEAK_WORDS]) in NOTE_RUNS for i in range(len(words) - LEAK_WORDS + 1))
+    if any(tuple(words[i : i + LEAK_WORDS]) in NOTE_RUNS for i in range(len(words) - LEAK_WORDS + 1)):
+        return True
+    return hindsight_wording(text) is not None
 
 
 def without_leaks(segments: list[LLMCall]) -> tuple[list[LLMCall], int]:
