@@ -21,7 +21,10 @@ from chatml_tokenizer import chatml_tokenizer
 from opd_trainer.driver.beacons import (
     REWRITE_SEED_OFFSET,
     USER_BEACON,
+    Reply,
     beacon_for,
+    beacons_by_turn,
+    reference_progress,
     rewrite_with_beacons,
 )
 from opd_trainer.driver.seeds import request_seed
@@ -37,7 +40,7 @@ from opd_trainer.learner.turn_preference import CHOSEN, REJECTED
 from opd_trainer.records import LLMCall
 from opd_trainer.rollout.chat import prompt_token_ids
 from opd_trainer.rollout.runner import RolloutResult
-from opd_trainer.sdk import Beacon, BeaconOutput, BeaconTurn, TaskStatus
+from opd_trainer.sdk import Beacon, BeaconOutput, BeaconTurn, BeaconVerdict, TaskStatus
 
 QUESTION = [{"role": "user", "content": "what is 2 + 3"}]
 CALL = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
@@ -173,9 +176,11 @@ def test_the_rewrite_is_chosen_for_the_turns_own_prompt_and_never_distilled(toke
 
     marked, rewrites, metrics = asyncio.run(rewrite_with_beacons(c, [erred, fine], segments, 3))  # type: ignore[arg-type]
 
+    # No reference lists tool calls here: nothing can check the rewrite, so it is kept as unverifiable.
     assert metrics == {
         "beacons/turns": 1.0, "beacons/pairs": 1.0, "beacons/unchanged": 0.0,
-        "beacons/cut_off": 0.0, "beacons/leaked": 0.0, "beacons/skipped": 0.0,
+        "beacons/cut_off": 0.0, "beacons/leaked": 0.0, "beacons/unverified": 0.0, "beacons/skipped": 0.0,
+        "beacons/verified": 0.0, "beacons/unverifiable": 1.0, "beacons/outcome": 0.0,
     }  # fmt: skip
     # The rewriting model read the turn's conversation with the beacon, greedily.
     [asked] = teacher.prompts
@@ -262,15 +267,23 @@ def test_sampled_rewrites_have_a_seed_per_step_and_turn(tokenizer: Any) -> None:
 
 
 class FakeBeaconPool:
-    """A beacon component's pool: answers each rollout with `answer(turns)`, recording what it was given."""
+    """A beacon component's pool: answers each rollout with `answer(turns)` and each rewrite with
+    `verdict(call)` (default: not checked), recording what it was given."""
 
-    def __init__(self, answer: Any) -> None:
+    def __init__(self, answer: Any, verdict: Any = None) -> None:
         self.answer = answer
+        self.verdict = verdict or (lambda call: BeaconVerdict())
         self.calls: list[dict[str, Any]] = []
+        self.verify_calls: list[dict[str, Any]] = []
 
     async def beacons(self, **call: Any) -> BeaconOutput:
         self.calls.append(call)
         result: BeaconOutput = self.answer(call["rollout_id"], call["turns"])
+        return result
+
+    async def verify(self, **call: Any) -> BeaconVerdict:
+        self.verify_calls.append(call)
+        result: BeaconVerdict = self.verdict(call)
         return result
 
 
@@ -353,3 +366,151 @@ def test_a_beacon_component_needs_beacon_rewrite_and_is_the_only_one() -> None:
         parse_job_spec(_job(hp, [AGENT, coach, second]))
     # With a beacon component, no agent is needed: the component decides which turns get feedback.
     assert parse_job_spec(_job(hp, [coach])).beacon_components[0].name == "coach"
+
+
+# -- the outcome rule and the check of each rewrite -------------------------------------------------
+
+EXPECTED = {"name": "add", "arguments": {"x": 2, "y": 3}}  # what the episode's reference lists
+
+
+def _referenced(tokenizer: Any, index: int, reward: float, answer: dict[str, Any] = GOOD) -> RolloutResult:
+    """`_rollout` whose sample's reference lists `EXPECTED` and whose reward is `reward`: its first turn
+    calls add(a, b), which departs from the reference (and gets `answer`, no error by default)."""
+    result = _rollout(tokenizer, index, answer, [7 + index])
+    sample = Sample("train.jsonl", index, QUESTION, None, {"solution": {"tool_calls": [EXPECTED]}})
+    return dataclasses.replace(result, sample=sample, reward=reward)
+
+
+def _parse_json(turn: LLMCall, rewrite: LLMCall) -> Reply | None:
+    """A stand-in for the model's tool-call parser: 'CALL <json>' is a call, 'BROKEN' unreadable markup,
+    anything else plain text."""
+    if rewrite.text == "BROKEN":
+        return Reply("<tool_call>{", [], well_formed=False)
+    if not rewrite.text.startswith("CALL "):
+        return Reply(rewrite.text, [])
+    function = json.loads(rewrite.text[len("CALL ") :])
+    call = {
+        "id": "r",
+        "type": "function",
+        "function": {**function, "arguments": json.dumps(function["arguments"])},
+    }
+    return Reply(None, [call])
+
+
+def test_reference_progress_finds_the_first_call_that_departs() -> None:
+    find = {"name": "find", "arguments": {"name": "lamp"}}
+    call = {"name": "query", "arguments": {"item_id": "K-1"}}
+
+    def calls(*replies: dict[str, Any]) -> list[LLMCall]:
+        return [LLMCall([1], [2], [-1.0], response_message=r) for r in replies]
+
+    def made(*tool_calls: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "role": "assistant",
+            "tool_calls": [{"function": {**c, "arguments": json.dumps(c["arguments"])}} for c in tool_calls],
+        }
+
+    answer = {"role": "assistant", "content": "K-1 is open"}
+    assert reference_progress(calls(made(find), made(call), answer), [find, call]) == (
+        [[find, call], [call], []],
+        None,
+    )
+    # Arguments compared canonically: key order and JSON spacing do not matter.
+    wrong = made({"name": "query", "arguments": {"item_id": "K-2"}})
+    assert reference_progress(calls(made(find), wrong, made(call)), [find, call]) == (
+        [[find, call], [call], None],
+        1,
+    )
+    assert reference_progress(calls(answer), [find, call])[1] == 0  # a plain reply while calls are due
+    assert reference_progress(calls(made(find), made(call), made(call)), [find, call])[1] == 2  # one too many
+
+
+def test_a_failed_episode_gets_an_outcome_beacon_without_a_tool_error(tokenizer: Any) -> None:
+    failed = _referenced(tokenizer, 0, reward=0.0)
+    found = beacons_by_turn([failed], threshold=1.0)
+    [beaconed] = found.values()
+    assert beaconed.outcome and beaconed.turn == 0 and beaconed.due == [EXPECTED]
+    assert beaconed.beacon.startswith(BEACON_HEADER)
+    assert 'add({"a": 2, "b": 3})' in beaconed.beacon and 'add({"x": 2, "y": 3})' in beaconed.beacon
+    assert "reward 0 < 1" in beaconed.beacon
+    # A turn that got a tool error keeps the error beacon, in a failed episode too.
+    erred = _referenced(tokenizer, 1, reward=0.0, answer=ERROR)
+    [error_beacon] = beacons_by_turn([erred], threshold=1.0).values()
+    assert not error_beacon.outcome and error_beacon.beacon == beacon_for(erred.calls[0], [ERROR])
+
+
+def test_a_successful_episode_gets_no_outcome_beacon(tokenizer: Any) -> None:
+    assert beacons_by_turn([_referenced(tokenizer, 0, reward=1.0)], threshold=1.0) == {}
+    # Success is the job's eval_success_threshold: 0.5 is a success at 0.5, a failure at 0.75.
+    assert beacons_by_turn([_referenced(tokenizer, 0, reward=0.5)], threshold=0.5) == {}
+    assert len(beacons_by_turn([_referenced(tokenizer, 0, reward=0.5)], threshold=0.75)) == 1
+    # No reference tool calls: nothing to depart from.
+    assert beacons_by_turn([_rollout(tokenizer, 0, GOOD, [7])], threshold=1.0) == {}
+
+
+def test_the_rule_verifies_rewrites_against_the_reference_and_drops_those_that_still_fail(
+    tokenizer: Any,
+) -> None:
+    results = [_referenced(tokenizer, i, reward=0.0) for i in range(4)]
+    student = FakeGroup(
+        [
+            ([6], 'CALL {"name": "add", "arguments": {"y": 3, "x": 2}}', "stop"),  # the reference's call
+            ([5], 'CALL {"name": "add", "arguments": {"a": 3, "b": 2}}', "stop"),  # still departs
+            ([4], "it is 5", "stop"),  # a plain reply while the call is due
+            ([3], "BROKEN", "stop"),  # markup the parser cannot read
+        ]
+    )
+    c = FakeComponents(_spec("student"), tokenizer, FakeTeachers({}), student)
+    segments = _segments(results)
+    marked, rewrites, metrics = asyncio.run(rewrite_with_beacons(c, results, segments, 0, parse=_parse_json))  # type: ignore[arg-type]
+    assert metrics["beacons/turns"] == 4.0 and metrics["beacons/outcome"] == 4.0
+    assert metrics["beacons/verified"] == 1.0 and metrics["beacons/unverified"] == 3.0
+    assert metrics["beacons/unverifiable"] == 0.0 and metrics["beacons/pairs"] == 1.0
+    # Only the kept rewrite is a row, and it alone carries the beacon (what beacon_sft_coef trains).
+    [row] = rewrites
+    assert row.completion_token_ids == [6] and row.beacon.startswith(BEACON_HEADER)
+    assert [s.beacon for s in marked] == [""] * len(marked)
+    assert [bool(s.preference_pairs) for s in marked] == [True] + [False] * (len(marked) - 1)
+
+
+def test_a_rewrite_nothing_can_check_is_kept_as_unverifiable(tokenizer: Any) -> None:
+    # A tool error with no reference: the rule knows nothing due there.
+    erred = _rollout(tokenizer, 0, ERROR, [7])
+    student = FakeGroup([([6], 'CALL {"name": "add", "arguments": {"x": 2, "y": 3}}', "stop")])
+    c = FakeComponents(_spec("student"), tokenizer, FakeTeachers({}), student)
+    _, rewrites, metrics = asyncio.run(
+        rewrite_with_beacons(c, [erred], _segments([erred]), 0, parse=_parse_json)
+    )  # type: ignore[arg-type]
+    assert (
+        len(rewrites) == 1 and metrics["beacons/unverifiable"] == 1.0 and metrics["beacons/verified"] == 0.0
+    )
+
+
+def test_a_beacon_components_verify_decides_and_its_failure_keeps_the_rewrite(tokenizer: Any) -> None:
+    def answer(rollout_id: str, turns: list[BeaconTurn]) -> BeaconOutput:
+        return BeaconOutput(beacons=[Beacon(turn=0, feedback="use x and y.")])
+
+    def verdict(call: dict[str, Any]) -> BeaconVerdict:
+        return {
+            "r0": BeaconVerdict(verified=True),
+            "r1": BeaconVerdict(verified=False),
+            "r2": BeaconVerdict(status=TaskStatus.FAILED, error="coach: raised KeyError"),
+        }[call["rollout_id"]]
+
+    pool = FakeBeaconPool(answer, verdict)
+    c = _with_pool(tokenizer, pool)
+    results = [_rollout(tokenizer, i, ERROR, [7 + i]) for i in range(3)]
+    results[0].sample.rollout_extra["items"] = {"lamp": "K-1"}
+    segments = _segments(results)
+    marked, rewrites, metrics = asyncio.run(rewrite_with_beacons(c, results, segments, 0, parse=_parse_json))  # type: ignore[arg-type]
+    assert metrics["beacons/verified"] == 1.0 and metrics["beacons/unverified"] == 1.0
+    assert metrics["beacons/unverifiable"] == 1.0 and metrics["beacons/failed"] == 1.0
+    assert [r.rollout_id for r in rewrites] == [0, 2] and all(r.beacon for r in rewrites)
+    assert sum(bool(s.preference_pairs) for s in marked) == 2
+    # What verify was given: the turn as process got it, the sample's extras, the parsed rewrite.
+    first = pool.verify_calls[0]
+    assert first["rollout_extra"] == {"items": {"lamp": "K-1"}} and first["feedback"].endswith(
+        "use x and y. " + "Write a better reply for this point of the conversation."
+    )
+    assert first["turn"].turn == 0 and first["turn"].reply == REPLY and first["turn"].tool_answers == [ERROR]
+    assert first["rewrite"] == {"role": "assistant", "content": "add(x=2, y=3)"}
