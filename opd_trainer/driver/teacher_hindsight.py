@@ -77,7 +77,10 @@ NOTE_RUNS = frozenset(
 # scan for "最终结果" / "成功" / "失败"), as phrases a reply written without hindsight has no reason to use;
 # English ones match whole words (case, spacing and apostrophes aside), Chinese ones as written.
 HINDSIGHT_PHRASES: tuple[str, ...] = (
-    "hindsight",
+    "in hindsight",
+    "with hindsight",
+    "benefit of hindsight",
+    "hindsight shows",
     "the final result",
     "the final results",
     "the final outcome",
