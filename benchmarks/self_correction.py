@@ -35,9 +35,10 @@ the study can resolve. `task_success_ratio/<arm>` only where OPD's rate on that 
 run's record holds its per-step `preference/*`, `beacons/*`, `grad_norm/*`, reverse KL and reward.
 
 Launch: `.venv/bin/python benchmarks/self_correction.py --task lookup --stage pilot --steps 40`
-(after `opd make-tiny-models .cache/tiny-models-lookup --variant lookup`; CPU, about a minute a step
-with a 320-episode validation on the tiny models); the `self_correction` task (the default, its models
-from `--variant self_correction`) validates on its build's own episodes.
+(after `opd make-tiny-models .cache/tiny-models-lookup --variant lookup`; CPU, the tiny models; a
+320-episode validation with pass@4 costs far more than a step, so keep `--eval-every` coarse); the
+`self_correction` task (the default, its models from `--variant self_correction`) validates on its
+build's own episodes.
 """
 
 from __future__ import annotations
