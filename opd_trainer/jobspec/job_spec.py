@@ -954,6 +954,17 @@ class JobSpec(_Strict):
                 "hyper_parameters.beacon_rewrite rewrites turns whose tool calls got an error: it needs a "
                 "rollout component whose agent runs tools (or a beacon component that writes the beacons)"
             )
+        hp = self.hyper_parameters
+        if (
+            hp.turn_preference_coef > 0
+            and hp.turn_preference_reference == "rolling"
+            and hp.lora is not None
+            and self.resources.zero_stage == 3
+        ):
+            raise ValueError(
+                "hyper_parameters.turn_preference_reference 'rolling' keeps a copy of the LoRA adapter, "
+                "which ZeRO-3 partitions: use 'initial', or resources.zero_stage 0-2"
+            )
         if self.hyper_parameters.teacher_hindsight == "outcome" and not self.rollout_components:
             raise ValueError(
                 "hyper_parameters.teacher_hindsight 'outcome' notes what the tools answered after each call: "

@@ -14,7 +14,8 @@ and dtypes, no tensor is read) and the `JobSpec`. Roles:
   ZeRO's flat buffers under ZeRO), AdamW's two moments (trained parameters only: the adapter with LoRA;
   partitioned by ZeRO over the ranks, on the host with `optimizer_offload`), activations, the
   full-vocabulary logits, the weight export (one tensor at a time, or the adapter's files), a frozen
-  reference with `kl_loss_coef > 0` (none with LoRA: the base with the adapter off), and the runtime.
+  reference with `kl_loss_coef > 0` or the preference term's 'initial'/'rolling' reference (none with
+  LoRA: the base with the adapter off), and the runtime.
 
 The budget (`placement_budget`): on CPU every role shares this node's available memory; on a Ray
 cluster of several nodes each role is held against the largest node's memory (the job server cannot
@@ -500,8 +501,12 @@ def learner_plan(shape: ModelShape, spec: JobSpec, max_length: int, budget: Budg
         Term("logits", logits, device),
         Term("weight export", export, "host"),
     ]
-    if hp.kl_loss_coef > 0 and hp.lora is None:
-        # Under LoRA the reference is the base with the adapter switched off: no copy.
+    frozen_student = hp.kl_loss_coef > 0 or (
+        hp.turn_preference_coef > 0 and hp.turn_preference_reference != "teacher"
+    )
+    if frozen_student and hp.lora is None:
+        # The KL to the initial student, or the preference term's initial / rolling reference. Under
+        # LoRA the reference is the base with the adapter switched off: no copy.
         terms.append(Term("reference model", params * weight_bytes, device))
     terms.append(Term("runtime", LEARNER_RUNTIME_BYTES, "host"))
     if on_gpu:

@@ -68,6 +68,8 @@ class LearnerBatch:
     preference_sides_B_P: Tensor
     """[B, P] +1 / −1 on each turn-level preference pair's chosen / rejected row, for the P pairs with
     both rows in this batch (`learner/turn_preference.py`; P = 0 when the job mines none)."""
+    beacon_rows_B: Tensor
+    """True on the rows that are kept beacon rewrites (`LLMCall.beacon`: `beacon_sft_coef`'s targets)."""
     prompt_lengths: tuple[int, ...]
     lengths: tuple[int, ...]
     """Each row's prompt + completion length."""
@@ -143,6 +145,7 @@ def pad_segments(segments: list[LLMCall], teacher_top_k: int, device: Any) -> Le
         rollout_ids_B=torch.tensor([s.rollout_id for s in segments], device=device),
         hindsight_B=torch.tensor([s.hindsight for s in segments], device=device),
         preference_sides_B_P=pair_sides([s.preference_pairs for s in segments], device),
+        beacon_rows_B=torch.tensor([bool(s.beacon) for s in segments], device=device),
         prompt_lengths=tuple(len(s.prompt_token_ids) for s in segments),
         lengths=tuple(len(s.prompt_token_ids) + len(s.completion_token_ids) for s in segments),
         top_ids_B_T_K=None if top_ids is None else top_ids.to(device),

@@ -39,7 +39,7 @@ from opd_trainer.learner.estimators import distillation_loss
 from opd_trainer.learner.loss import group_reward_advantages, kl_to_reference
 from opd_trainer.learner.settings import LearnerSettings, lr_schedule
 from opd_trainer.learner.shared_prefix import PrefixPlan, causal_keys, model_calls
-from opd_trainer.learner.turn_preference import preference_loss
+from opd_trainer.learner.turn_preference import beacon_sft_loss, preference_loss
 from opd_trainer.records import LLMCall
 from opd_trainer.storage.shared import check_probe
 from opd_trainer.weight_sync import transports
@@ -60,6 +60,9 @@ class Learner:
         self._master = master or f"127.0.0.1:{free_port()}"
         self._engine: Any = None
         self._reference: Any = None
+        self._reference_adapter: dict[str, torch.Tensor] | None = None
+        """Under LoRA with a 'rolling' reference: the adapter's weights at the last refresh."""
+        self._steps_since_refresh = 0
         self._device: torch.device | None = None
         self._zero_stage = settings.zero_stage
 
@@ -98,9 +101,14 @@ class Learner:
         self._engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self._deepspeed_config(on_gpu)
         )
-        if self.settings.kl_loss_coef > 0 and self.settings.lora is None:
+        if self.settings.frozen_student and self.settings.lora is None:
             # Under LoRA the initial student is the base model with the adapter switched off: no copy.
             self._reference = self._frozen_reference(dtype)
+        if self._rolling and self.settings.lora is not None and self._zero_stage == 3:
+            raise ValueError(
+                "hyper_parameters.turn_preference_reference 'rolling' keeps a copy of the LoRA adapter, "
+                "which ZeRO-3 partitions: use 'initial', or resources.zero_stage 0-2"
+            )
         logger.info("learner rank %d/%d ready (ZeRO-%d)", self.rank, self.world_size, self._zero_stage)
 
     def _effective_zero_stage(self, on_gpu: bool) -> int:
@@ -199,6 +207,23 @@ class Learner:
         reference.to(self._device).eval().requires_grad_(False)
         return reference
 
+    @property
+    def _rolling(self) -> bool:
+        return self.settings.turn_preference_coef > 0 and self.settings.turn_preference_reference == "rolling"
+
+    def _refresh_reference(self) -> None:
+        """A 'rolling' reference becomes the learner's weights now (seed 003's per-round reference):
+        the frozen copy loads them (gathered under ZeRO-3), or under LoRA the adapter's are kept."""
+        if self.settings.lora is not None:
+            self._reference_adapter = {
+                name: parameter.detach().clone()
+                for name, parameter in self._engine.module.named_parameters()
+                if parameter.requires_grad
+            }
+        else:
+            self._reference.load_state_dict(dict(self.named_weights()), strict=False)
+        self._steps_since_refresh = 0
+
     # -- forward ------------------------------------------------------------------------------
 
     def _forward_plan(self, batch: LearnerBatch) -> PrefixPlan | None:
@@ -252,6 +277,9 @@ class Learner:
         self.initialize()
         if not minibatches or not all(minibatches):
             raise ValueError("train_step needs non-empty mini-batches")
+        if self._rolling and self._steps_since_refresh % self.settings.turn_preference_reference_steps == 0:
+            self._refresh_reference()
+        self._steps_since_refresh += 1
         totals: dict[str, float] = {}
         counts: dict[str, int] = {}
         ratio_max = 0.0
@@ -297,11 +325,20 @@ class Learner:
         self, batch: LearnerBatch, plan: PrefixPlan | None, num_tokens: float | None
     ) -> dict[str, float]:
         """One optimizer update on `batch`: forward, the estimator's loss (+ the turn-level preference
-        term, + the KL to the initial student), backward, step. Returns `loss`, `kl_to_initial` and the
-        `preference/*` stats when used, and the estimator's stats."""
+        term, + the kept beacon rewrites' NLL, + the KL to the initial student), backward, step.
+        Returns `loss`, `kl_to_initial`, the `preference/*` and `beacons/sft_*` stats when used, the
+        two gradient norms (`_split_grad_norms`) and the estimator's stats."""
         settings = self.settings
         reward_adv_B = group_reward_advantages(
             batch.rewards_B, batch.group_ids_B, batch.rollout_ids_B, settings.normalize_reward_by_std
+        )
+        # The frozen student first: a LoRA 'rolling' reference swaps the adapter's weights in and out,
+        # which must not happen under a forward whose graph is waiting for its backward.
+        has_pairs = settings.turn_preference_coef > 0 and batch.preference_sides_B_P.shape[1] > 0
+        reference_logits = (
+            self._reference_logits(batch, plan)
+            if settings.kl_loss_coef > 0 or (has_pairs and settings.turn_preference_reference != "teacher")
+            else None
         )
         logits_B_S_V = scored_logits(self._engine, batch, plan, self._device)
         learner_B_T = logprobs_of_targets(logits_B_S_V, batch, settings.temperature)
@@ -315,46 +352,125 @@ class Learner:
         logged = {
             name: float(stats[name]) for name in (*TOKEN_WEIGHTED_METRICS, "ratio_max") if name in stats
         }
-        if settings.turn_preference_coef > 0:
-            # Both sides at temperature 1, as the teacher's scores are (vLLM's prompt logprobs).
-            plain_B_T = (
-                learner_B_T if settings.temperature == 1.0 else logprobs_of_targets(logits_B_S_V, batch, 1.0)
-            )
-            preference, preference_stats = preference_loss(
-                plain_B_T,
-                batch.teacher_B_T,
-                batch.completion_mask_B_T,
-                batch.preference_sides_B_P,
-                settings.turn_preference_beta,
-            )
-            total = total + settings.turn_preference_coef * preference
+        # The preference and SFT terms read logprobs at temperature 1, as the teacher's scores are
+        # (vLLM's prompt logprobs) and as the rewrites were written.
+        plain_B_T = (
+            learner_B_T if settings.temperature == 1.0 else logprobs_of_targets(logits_B_S_V, batch, 1.0)
+        )
+        preference: torch.Tensor | None = None
+        if has_pairs:
+            preference, preference_stats = self._preference_term(batch, plain_B_T, reference_logits)
+            weighted_preference = settings.turn_preference_coef * preference
+            total = total + weighted_preference
             logged.update(preference_stats)
+        if settings.beacon_sft_coef > 0:
+            sft, sft_stats = beacon_sft_loss(plain_B_T, batch.completion_mask_B_T, batch.beacon_rows_B)
+            total = total + settings.beacon_sft_coef * sft
+            logged.update(sft_stats)
         if settings.kl_loss_coef > 0:
-            reference_B_T = self._reference_logprobs(batch, plan)
+            assert reference_logits is not None
+            reference_B_T = logprobs_of_targets(reference_logits, batch, settings.temperature)
             kl_ref = kl_to_reference(learner_B_T, reference_B_T, batch.mask_B_T, num_tokens)
             total = total + settings.kl_loss_coef * kl_ref
             logged["kl_to_initial"] = float(kl_ref.detach())
-        self._engine.backward(total)
+        preference_grads = self._preference_gradients(preference)
+        self._engine.backward(total if preference_grads is None else total - weighted_preference)
         if self._zero_stage == 0:
             # Without ZeRO, DeepSpeed clips with torch's clip_grad_norm_ and keeps no norm
             # (`get_global_grad_norm` is None): the norm before clipping, as ZeRO reports it.
             gradients = [p.grad for p in self._engine.module.parameters() if p.grad is not None]
             logged["grad_norm"] = float(torch.nn.utils.get_total_norm(gradients)) if gradients else 0.0
+        if preference_grads is not None:
+            logged.update(self._split_grad_norms(preference_grads))
         self._engine.step()
         logged["loss"] = float(total.detach())
         return logged
 
-    def _reference_logprobs(self, batch: LearnerBatch, plan: PrefixPlan | None) -> torch.Tensor:
-        """[B, T] logprobs of the initial student (KL to it, `kl_loss_coef`): the frozen copy, or under
-        LoRA the base model itself with the adapter switched off."""
+    def _preference_term(
+        self, batch: LearnerBatch, plain_B_T: torch.Tensor, reference_logits: torch.Tensor | None
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The DPO term over the batch's pairs against the job's reference (the frozen or rolling
+        student's logprobs, or the teacher's), reduced per prompt or per pair, sides swapped for the
+        negative control."""
+        settings = self.settings
+        if settings.turn_preference_reference == "teacher" or reference_logits is None:
+            reference_B_T = batch.teacher_B_T
+        else:
+            reference_B_T = logprobs_of_targets(reference_logits, batch, 1.0)
+        sides_B_P = (
+            -batch.preference_sides_B_P if settings.turn_preference_swap else batch.preference_sides_B_P
+        )
+        prompts = len(set(batch.group_ids_B.tolist()))
+        return preference_loss(
+            plain_B_T,
+            reference_B_T,
+            batch.completion_mask_B_T,
+            sides_B_P,
+            settings.turn_preference_beta,
+            per=prompts if settings.turn_preference_reduction == "prompts" else None,
+        )
+
+    def _preference_gradients(self, preference: torch.Tensor | None) -> list[torch.Tensor] | None:
+        """Without ZeRO, back-propagates the weighted preference term alone first (the graph kept for
+        the rest of the update) and returns a copy of the gradients it left, for `_split_grad_norms`;
+        the caller then back-propagates the other terms into the same gradients. Under ZeRO (whose
+        gradients live in partitioned buffers) None: the update is one backward and the two norms are
+        not reported."""
+        if preference is None or self._zero_stage != 0 or not preference.requires_grad:
+            return None
+        self._engine.backward(self.settings.turn_preference_coef * preference, retain_graph=True)
+        return [
+            p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+            for p in self._engine.module.parameters()
+            if p.requires_grad
+        ]
+
+    def _split_grad_norms(self, preference_grads: list[torch.Tensor]) -> dict[str, float]:
+        """`grad_norm/preference`: the norm of the preference term's gradient per unit of
+        `turn_preference_coef`; `grad_norm/distillation`: the norm of everything else in the update
+        (the distillation, reward, SFT and KL terms). Their ratio is how to pick the coefficient:
+        coef ≈ wanted share × distillation / preference."""
+        coef = self.settings.turn_preference_coef
+        rest_sq = preference_sq = 0.0
+        trained = [p for p in self._engine.module.parameters() if p.requires_grad]
+        for parameter, weighted in zip(trained, preference_grads, strict=True):
+            preference_sq += float(weighted.pow(2).sum())
+            if parameter.grad is not None:
+                rest_sq += float((parameter.grad - weighted).pow(2).sum())
+        return {
+            "grad_norm/distillation": rest_sq**0.5,
+            "grad_norm/preference": preference_sq**0.5 / coef,
+        }
+
+    def _reference_logits(self, batch: LearnerBatch, plan: PrefixPlan | None) -> torch.Tensor:
+        """`scored_logits` of the frozen student on `batch` (the KL to the initial student, and the
+        preference term's 'initial' or 'rolling' reference): the frozen copy, or under LoRA the base
+        model with the adapter switched off (a 'rolling' reference: with the adapter's weights of the
+        last refresh swapped in for the forward)."""
         with torch.no_grad():
             if self._reference is not None:
-                logits_B_S_V = scored_logits(self._reference, batch, plan, self._device)
-            else:
-                module = self._engine.module
+                return scored_logits(self._reference, batch, plan, self._device)
+            module = self._engine.module
+            if self._reference_adapter is None:
                 with module.disable_adapter(), _eval_mode(module):
-                    logits_B_S_V = scored_logits(module, batch, plan, self._device)
-            return logprobs_of_targets(logits_B_S_V, batch, self.settings.temperature)
+                    return scored_logits(module, batch, plan, self._device)
+            with self._adapter_swapped(self._reference_adapter), _eval_mode(module):
+                return scored_logits(module, batch, plan, self._device)
+
+    @contextlib.contextmanager
+    def _adapter_swapped(self, weights: dict[str, torch.Tensor]) -> Any:
+        """The LoRA adapter holding `weights` for the block, its own after."""
+        parameters = dict(self._engine.module.named_parameters())
+        own = {name: parameters[name].detach().clone() for name in weights}
+        with torch.no_grad():
+            for name, tensor in weights.items():
+                parameters[name].copy_(tensor)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, tensor in own.items():
+                    parameters[name].copy_(tensor)
 
     # -- weights and checkpoints ----------------------------------------------------------------
 

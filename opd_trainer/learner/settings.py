@@ -58,6 +58,25 @@ class LearnerSettings:
     """Recompute each decoder layer's activations in the backward pass instead of keeping them."""
     optimizer_offload: bool = False
     """DeepSpeed's `offload_optimizer` to host memory with its CPU Adam (ZeRO 2 or 3)."""
+    turn_preference_reference: str = "initial"
+    """The preference term's reference: 'initial', 'rolling' or 'teacher'
+    (`hyper_parameters.turn_preference_reference`)."""
+    turn_preference_reference_steps: int = 1
+    """Steps between two refreshes of a 'rolling' reference."""
+    turn_preference_reduction: str = "prompts"
+    """'prompts': pair losses summed over the mini-batch's prompts; 'pairs': their mean."""
+    turn_preference_swap: bool = False
+    """Chosen and rejected swapped (a negative control)."""
+    beacon_sft_coef: float = 0.0
+    """Weight of the kept beacon rewrites' negative log-likelihood."""
+
+    @property
+    def frozen_student(self) -> bool:
+        """A loss term reads the starting (or rolling) student's logprobs: the KL to it, or the
+        preference term's reference."""
+        return self.kl_loss_coef > 0 or (
+            self.turn_preference_coef > 0 and self.turn_preference_reference != "teacher"
+        )
 
     @classmethod
     def from_spec(cls, spec: JobSpec, total_updates: int) -> LearnerSettings:
@@ -78,6 +97,11 @@ class LearnerSettings:
             hindsight_coef=hp.hindsight_coef,
             turn_preference_coef=hp.turn_preference_coef,
             turn_preference_beta=hp.turn_preference_beta,
+            turn_preference_reference=hp.turn_preference_reference,
+            turn_preference_reference_steps=hp.turn_preference_reference_steps,
+            turn_preference_reduction=hp.turn_preference_reduction,
+            turn_preference_swap=hp.turn_preference_swap,
+            beacon_sft_coef=hp.beacon_sft_coef,
             zero_stage=spec.resources.zero_stage,
             seed=hp.seed,
             distillation=DistillationSettings(

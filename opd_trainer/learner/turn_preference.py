@@ -219,20 +219,41 @@ def pairs_split_across(minibatches: list[list[LLMCall]]) -> int:
 
 
 def preference_loss(
-    learner_B_T: Tensor, reference_B_T: Tensor, mask_B_T: Tensor, sides_B_P: Tensor, beta: float
+    learner_B_T: Tensor,
+    reference_B_T: Tensor,
+    mask_B_T: Tensor,
+    sides_B_P: Tensor,
+    beta: float,
+    per: int | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Mean over the P pairs of −log σ(β (r_chosen − r_rejected)), r = Σ_t mask (learner − reference)
-    summed over the side's rows (`sides_B_P`); with the share of pairs already ordered right
-    (`preference/accuracy`) and the mean margin r_chosen − r_rejected (`preference/margin`). Zero (with
-    the graph kept) when P is 0."""
+    """−log σ(β (r_chosen − r_rejected)) over the P pairs, r = Σ_t mask (learner − reference) summed
+    over the side's rows (`sides_B_P`): their mean, or with `per` their sum divided by `per` (the
+    mini-batch's prompts: `turn_preference_reduction: prompts`, so that a step with two pairs does not
+    hand them the whole term); with the share of pairs already ordered right (`preference/accuracy`)
+    and the mean margin r_chosen − r_rejected (`preference/margin`). Zero (with the graph kept) when P
+    is 0."""
     if sides_B_P.shape[1] == 0:
         return learner_B_T.sum() * 0.0, {}
     implicit_B = ((learner_B_T - reference_B_T) * mask_B_T).sum(dim=1)
     margin_P = sides_B_P.transpose(0, 1) @ implicit_B
-    loss = -torch.nn.functional.logsigmoid(beta * margin_P).mean()
+    losses_P = -torch.nn.functional.logsigmoid(beta * margin_P)
+    loss = losses_P.mean() if per is None else losses_P.sum() / max(per, 1)
     stats = {
         "preference/loss": float(loss.detach()),
         "preference/accuracy": float((margin_P.detach() > 0).float().mean()),
         "preference/margin": float(margin_P.detach().mean()),
+        "preference/margin_abs_max": float(margin_P.detach().abs().max()),
     }
     return loss, stats
+
+
+def beacon_sft_loss(learner_B_T: Tensor, mask_B_T: Tensor, rows_B: Tensor) -> tuple[Tensor, dict[str, float]]:
+    """The kept beacon rewrites' (`rows_B`) mean negative log-likelihood per token (`beacon_sft_coef`:
+    the improved action as a supervised target, seed 003's SFT positive). Zero (with the graph kept)
+    when the batch holds none."""
+    weights_B_T = mask_B_T * rows_B.to(mask_B_T.dtype).unsqueeze(1)
+    tokens = weights_B_T.sum()
+    if float(tokens) == 0:
+        return learner_B_T.sum() * 0.0, {}
+    loss = -(learner_B_T * weights_B_T).sum() / tokens
+    return loss, {"beacons/sft_nll": float(loss.detach()), "beacons/sft_tokens": float(tokens)}
