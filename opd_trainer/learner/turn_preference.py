@@ -1,28 +1,36 @@
 """Turn-level preference pairs (seed 003's TurnSight signal) and their DPO-style loss.
 
 Mining (`mine_preference_pairs`, the driver, per step): per prompt, every pair of a trajectory with the
-group's highest reward and one with its lowest (when they differ) is walked turn by turn; at the first
+group's highest reward and one with its lowest (when they differ; with `turn_preference_min_chosen_reward`
+only where the highest reaches it, else counted in `low_reward`) is walked turn by turn; at the first
 turn where both saw the same context (identical prompt tokens) and answered differently, the better
-trajectory's action is *chosen* and the worse one's *rejected*. A pair whose contexts part before its
-answers do (a tool answered differently, say) gives no pair and is counted as skipped for context.
-Conflicts are removed: an action (context + completion) chosen in one pair and rejected in another
-keeps none of its pairs; a pair repeating a kept one's context and both answers is dropped (another
-best trajectory that acted the same). Each pair is marked on its two segments
-(`LLMCall.preference_pairs`: (pair id, +1 chosen / −1 rejected)).
+trajectory's action is *chosen* and the worse one's *rejected*, provided the two answers are different
+actions (`actions.action_of`: tool names and canonical arguments, else normalised reply text; answers
+that differ only in wording are counted in `same_action`, seed 003 section 5.4). A pair whose contexts
+part before its answers do (a tool answered differently, say) gives no pair and is counted as skipped
+for context. Conflicts are removed: an action (context + completion) chosen in one pair and rejected in
+another keeps none of its pairs; a pair repeating a kept one's context and both answers is dropped
+(another best trajectory that acted the same). Each kept pair's turn index is logged. Each pair is
+marked on its two segments (`LLMCall.preference_pairs`: (pair id, +1 chosen / −1 rejected)).
 
 With `preference_level: outcome` (`mine_outcome_pairs`, the ablation's baseline) a pair is the whole
 better trajectory against the whole worse one: every trained turn of each.
 
 Loss (`preference_loss`, the learner, per mini-batch): with r = Σ over the side's trained tokens of
 (log π_θ − log π_ref), the pair's term is −log σ(β (r_chosen − r_rejected)) (DPO, no reward model),
-weighted by `turn_preference_coef`. The reference π_ref is the job's teacher scoring of the same tokens
-(with `teacher_model: self`, the frozen starting student: DPO's own reference). Only the turn's
-completion tokens count (tool-call tokens included; tool output is the next turn's prompt, never
-trained). A pair whose two rows fall in different mini-batches is not trained (`preference/split_pairs`);
-the driver's mini-batches keep a prompt's rollouts together whenever `ppo_mini_batch_size` is a
-multiple of `n_rollouts`, and learner ranks split mini-batches by prompt, so a pair never straddles
-two ranks. With several learner ranks each rank averages the pairs of its own shard (the ranks'
-gradients are then averaged, as for the other terms).
+summed over the mini-batch's pairs and divided by its prompts (`turn_preference_reduction: prompts`, so
+that a step with two pairs among 32 prompts gives them 2/32 of the weight a pair per prompt would have;
+'pairs' takes their mean), weighted by `turn_preference_coef`. The reference π_ref is
+`turn_preference_reference`: the frozen starting student (default: seed 003's `ref_model=None`, every
+margin 0 at step 1), that copy refreshed every K steps ('rolling'), or the teacher's scoring of the same
+tokens. Only the turn's completion tokens count (tool-call tokens included; tool output is the next
+turn's prompt, never trained). A pair whose two rows fall in different mini-batches is not trained
+(`preference/split_pairs`); the driver's mini-batches keep a prompt's rollouts together whenever
+`ppo_mini_batch_size` is a multiple of `n_rollouts`, and learner ranks split mini-batches by prompt, so a
+pair never straddles two ranks. With several learner ranks each rank divides by the prompts of its own
+shard (the ranks' gradients are then averaged, as for the other terms).
+
+`beacon_sft_loss`: the kept beacon rewrites' mean token NLL (`beacon_sft_coef`, seed 003's SFT positive).
 """
 
 from __future__ import annotations
