@@ -221,7 +221,16 @@ class Learner:
                 if parameter.requires_grad
             }
         else:
-            self._reference.load_state_dict(dict(self.named_weights()), strict=False)
+            # strict=False: a tied tensor is named once (`named_weights`); nothing else may be missing.
+            result = self._reference.load_state_dict(dict(self.named_weights()), strict=False)
+            tied = {name for name, _ in self._reference.named_parameters(remove_duplicate=False)} - {
+                name for name, _ in self._reference.named_parameters()
+            }
+            if result.unexpected_keys or set(result.missing_keys) - tied:
+                raise RuntimeError(
+                    f"the rolling reference could not take the learner's weights: missing "
+                    f"{sorted(set(result.missing_keys) - tied)}, unexpected {result.unexpected_keys}"
+                )
         self._steps_since_refresh = 0
 
     # -- forward ------------------------------------------------------------------------------
@@ -307,11 +316,17 @@ class Learner:
             share = 1.0 if num_tokens is None else float(batch.mask_B_T.sum()) / num_tokens
             for name, value in stats.items():
                 weight = share if name in TOKEN_WEIGHTED_METRICS else 1.0
-                totals[name] = totals.get(name, 0.0) + weight * value
+                if name in MAXED_METRICS:
+                    totals[name] = max(totals.get(name, value), value)
+                else:
+                    totals[name] = totals.get(name, 0.0) + weight * value
                 counts[name] = counts.get(name, 0) + 1
         # Each metric's mean over the mini-batches that report it (the preference term's only where a
-        # mini-batch holds a whole pair).
-        metrics = {name: value / counts[name] for name, value in totals.items()}
+        # mini-batch holds a whole pair); counts summed, maxima maxed.
+        metrics = {
+            name: value if name in SUMMED_METRICS | MAXED_METRICS else value / counts[name]
+            for name, value in totals.items()
+        }
         metrics["ratio_max"] = ratio_max
         metrics["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
         metrics["lr"] = float(self._engine.get_lr()[0])
@@ -335,10 +350,9 @@ class Learner:
         # The frozen student first: a LoRA 'rolling' reference swaps the adapter's weights in and out,
         # which must not happen under a forward whose graph is waiting for its backward.
         has_pairs = settings.turn_preference_coef > 0 and batch.preference_sides_B_P.shape[1] > 0
-        reference_logits = (
-            self._reference_logits(batch, plan)
-            if settings.kl_loss_coef > 0 or (has_pairs and settings.turn_preference_reference != "teacher")
-            else None
+        frozen_for_pairs = settings.turn_preference_reference != "teacher" and self._on_any_rank(has_pairs)
+        kl_reference_B_T, preference_reference_B_T = self._reference_logprobs(
+            batch, plan, kl=settings.kl_loss_coef > 0, preference=frozen_for_pairs
         )
         logits_B_S_V = scored_logits(self._engine, batch, plan, self._device)
         learner_B_T = logprobs_of_targets(logits_B_S_V, batch, settings.temperature)
@@ -359,7 +373,9 @@ class Learner:
         )
         preference: torch.Tensor | None = None
         if has_pairs:
-            preference, preference_stats = self._preference_term(batch, plain_B_T, reference_logits)
+            preference, preference_stats = self._preference_term(
+                batch, plain_B_T, preference_reference_B_T if frozen_for_pairs else batch.teacher_B_T
+            )
             weighted_preference = settings.turn_preference_coef * preference
             total = total + weighted_preference
             logged.update(preference_stats)
@@ -367,10 +383,8 @@ class Learner:
             sft, sft_stats = beacon_sft_loss(plain_B_T, batch.completion_mask_B_T, batch.beacon_rows_B)
             total = total + settings.beacon_sft_coef * sft
             logged.update(sft_stats)
-        if settings.kl_loss_coef > 0:
-            assert reference_logits is not None
-            reference_B_T = logprobs_of_targets(reference_logits, batch, settings.temperature)
-            kl_ref = kl_to_reference(learner_B_T, reference_B_T, batch.mask_B_T, num_tokens)
+        if kl_reference_B_T is not None:
+            kl_ref = kl_to_reference(learner_B_T, kl_reference_B_T, batch.mask_B_T, num_tokens)
             total = total + settings.kl_loss_coef * kl_ref
             logged["kl_to_initial"] = float(kl_ref.detach())
         preference_grads = self._preference_gradients(preference)
@@ -387,16 +401,12 @@ class Learner:
         return logged
 
     def _preference_term(
-        self, batch: LearnerBatch, plain_B_T: torch.Tensor, reference_logits: torch.Tensor | None
+        self, batch: LearnerBatch, plain_B_T: torch.Tensor, reference_B_T: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """The DPO term over the batch's pairs against the job's reference (the frozen or rolling
-        student's logprobs, or the teacher's), reduced per prompt or per pair, sides swapped for the
-        negative control."""
+        """The DPO term over the batch's pairs against the job's reference (`reference_B_T`: the frozen
+        or rolling student's logprobs, or the teacher's), reduced per prompt or per pair, sides swapped
+        for the negative control."""
         settings = self.settings
-        if settings.turn_preference_reference == "teacher" or reference_logits is None:
-            reference_B_T = batch.teacher_B_T
-        else:
-            reference_B_T = logprobs_of_targets(reference_logits, batch, 1.0)
         sides_B_P = (
             -batch.preference_sides_B_P if settings.turn_preference_swap else batch.preference_sides_B_P
         )
@@ -411,12 +421,14 @@ class Learner:
         )
 
     def _preference_gradients(self, preference: torch.Tensor | None) -> list[torch.Tensor] | None:
-        """Without ZeRO, back-propagates the weighted preference term alone first (the graph kept for
-        the rest of the update) and returns a copy of the gradients it left, for `_split_grad_norms`;
-        the caller then back-propagates the other terms into the same gradients. Under ZeRO (whose
-        gradients live in partitioned buffers) None: the update is one backward and the two norms are
-        not reported."""
-        if preference is None or self._zero_stage != 0 or not preference.requires_grad:
+        """On one rank without ZeRO, back-propagates the weighted preference term alone first (the
+        graph kept for the rest of the update) and returns a copy of the gradients it left, for
+        `_split_grad_norms`; the caller then back-propagates the other terms into the same gradients.
+        Under ZeRO (whose gradients live in partitioned buffers) or with several ranks, None: the
+        update is one backward and the two norms are not reported."""
+        if preference is None or self._zero_stage != 0 or self.world_size > 1 or not preference.requires_grad:
+            # Several ranks: each engine.backward all-reduces the gradients, and a rank whose shard holds
+            # no pair would make one all-reduce fewer than the others.
             return None
         self._engine.backward(self.settings.turn_preference_coef * preference, retain_graph=True)
         return [
@@ -442,20 +454,45 @@ class Learner:
             "grad_norm/preference": preference_sq**0.5 / coef,
         }
 
-    def _reference_logits(self, batch: LearnerBatch, plan: PrefixPlan | None) -> torch.Tensor:
-        """`scored_logits` of the frozen student on `batch` (the KL to the initial student, and the
-        preference term's 'initial' or 'rolling' reference): the frozen copy, or under LoRA the base
-        model with the adapter switched off (a 'rolling' reference: with the adapter's weights of the
-        last refresh swapped in for the forward)."""
+    def _on_any_rank(self, flag: bool) -> bool:
+        """`flag` on this rank or any other. Under ZeRO-3 with several ranks every module call is a
+        collective (it gathers the partitioned parameters), so whether the frozen student's forward
+        runs must be decided together; elsewhere this rank's own `flag`."""
+        if self._zero_stage != 3 or self.world_size == 1:
+            return flag
+        found = torch.tensor([float(flag)], device=self._device)
+        torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
+        return bool(found.item())
+
+    def _reference_logprobs(
+        self, batch: LearnerBatch, plan: PrefixPlan | None, kl: bool, preference: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """[B, T] logprobs of the frozen student on `batch`: at the sampling temperature for the KL to
+        the initial student (`kl`), at temperature 1 for the preference term's 'initial' or 'rolling'
+        reference (`preference`); None where not asked. One forward: the frozen copy, or under LoRA
+        the base model with the adapter switched off (a 'rolling' reference: with the adapter's
+        weights of the last refresh swapped in). Its full-vocabulary logits are dropped before the
+        learner's own forward."""
+        if not (kl or preference):
+            return None, None
         with torch.no_grad():
-            if self._reference is not None:
-                return scored_logits(self._reference, batch, plan, self._device)
-            module = self._engine.module
-            if self._reference_adapter is None:
-                with module.disable_adapter(), _eval_mode(module):
-                    return scored_logits(module, batch, plan, self._device)
-            with self._adapter_swapped(self._reference_adapter), _eval_mode(module):
+            logits_B_S_V = self._frozen_logits(batch, plan)
+            temperature = self.settings.temperature
+            kl_B_T = logprobs_of_targets(logits_B_S_V, batch, temperature) if kl else None
+            if preference and kl and temperature == 1.0:
+                return kl_B_T, kl_B_T
+            preference_B_T = logprobs_of_targets(logits_B_S_V, batch, 1.0) if preference else None
+            return kl_B_T, preference_B_T
+
+    def _frozen_logits(self, batch: LearnerBatch, plan: PrefixPlan | None) -> torch.Tensor:
+        if self._reference is not None:
+            return scored_logits(self._reference, batch, plan, self._device)
+        module = self._engine.module
+        if self._reference_adapter is None:
+            with module.disable_adapter(), _eval_mode(module):
                 return scored_logits(module, batch, plan, self._device)
+        with self._adapter_swapped(self._reference_adapter), _eval_mode(module):
+            return scored_logits(module, batch, plan, self._device)
 
     @contextlib.contextmanager
     def _adapter_swapped(self, weights: dict[str, torch.Tensor]) -> Any:
@@ -621,8 +658,8 @@ TOKEN_WEIGHTED_METRICS = (
 # loss terms by the mini-batch's tokens over the ranks and weights its per-token statistics by its
 # share of those tokens, so the plain mean over ranks is the whole mini-batch's value (`signal_std`,
 # a spread, is combined the same way: an approximation); counts add up.
-SUMMED_METRICS = frozenset({"learner_tokens", "learner_attended_keys"})
-MAXED_METRICS = frozenset({"ratio_max"})
+SUMMED_METRICS = frozenset({"learner_tokens", "learner_attended_keys", "beacons/sft_tokens"})
+MAXED_METRICS = frozenset({"ratio_max", "preference/margin_abs_max"})
 SHARED_METRICS = frozenset({"grad_norm", "lr", "optimizer_updates"})  # equal on every rank
 
 
