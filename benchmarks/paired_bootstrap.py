@@ -8,11 +8,15 @@ what validation reports (`agent/turn_success` is over turns, not episodes). The 
 
     diff = sum(arm_num) / sum(arm_den) - sum(base_num) / sum(base_den)
 
-over every (seed, episode). One resample draws the seeds with replacement, then within each drawn seed
-its episodes with replacement (both arms together: the pairing is kept), and recomputes `diff`; the
-interval is the `level` percentile interval of `resamples` such draws from a fixed RNG seed, so the same
-data always gives the same interval. With one seed only episodes vary (the interval then says nothing of
-seed-to-seed variation).
+over every (seed, episode). One resample draws the seeds with replacement, then episodes with
+replacement (both arms together: the pairing is kept), and recomputes `diff`. Where every seed ran the
+same episodes (the study validates each seed on one generated set: the pairs carry the episode's `key`,
+and the keys agree), one draw of episodes serves every seed of a resample (a crossed bootstrap: an
+episode that always gains counts as one episode, not as one per seed, so the interval is not narrowed by
+treating the seeds' shared episodes as independent); otherwise each drawn seed's episodes are drawn on
+their own. The interval is the `level` percentile interval of `resamples` such draws from a fixed RNG
+seed, so the same data always gives the same interval. With one seed only episodes vary (the interval
+then says nothing of seed-to-seed variation).
 """
 
 from __future__ import annotations
@@ -36,6 +40,9 @@ class Pair:
     arm_den: float
     base_num: float
     base_den: float
+    key: str = ""
+    """The episode (its sample_id): seeds whose pairs have the same keys in the same order ran the same
+    episodes."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +92,11 @@ def paired_difference(
     rng = np.random.default_rng(rng_seed)
     seeds = list(parts)
     drawn = rng.integers(0, len(seeds), size=(resamples, len(seeds)))  # seeds, with replacement
+    keys = {tuple(p.key for p in pairs_by_seed[seed]) for seed in seeds}
+    crossed = len(keys) == 1 and all(next(iter(keys)))
+    shared = (
+        rng.integers(0, len(parts[seeds[0]]), size=(resamples, len(parts[seeds[0]]))) if crossed else None
+    )
     sums = np.zeros((resamples, 4))
     for slot in range(len(seeds)):
         for index, seed in enumerate(seeds):
@@ -92,7 +104,12 @@ def paired_difference(
             if rows.size == 0:
                 continue
             data = parts[seed]
-            picks = rng.integers(0, len(data), size=(rows.size, len(data)))  # its episodes, with replacement
+            # Its episodes, with replacement: the resample's one draw when the seeds share episodes.
+            picks = (
+                shared[rows]
+                if shared is not None
+                else rng.integers(0, len(data), size=(rows.size, len(data)))
+            )
             sums[rows] += data[picks].sum(axis=1)
     stats = _ratio(sums[:, 0], sums[:, 1]) - _ratio(sums[:, 2], sums[:, 3])
     stats = stats[~np.isnan(stats)]
@@ -115,4 +132,5 @@ def pairs_of(
     def parts(o: Mapping[str, Any]) -> tuple[float, float]:
         return float(o[num] or 0), 1.0 if den is None else float(o[den] or 0)
 
-    return [Pair(*parts(o), *parts(by_id[o["sample_id"]])) for o in arm if o["sample_id"] in by_id]
+    matched = sorted((o for o in arm if o["sample_id"] in by_id), key=lambda o: str(o["sample_id"]))
+    return [Pair(*parts(o), *parts(by_id[o["sample_id"]]), key=str(o["sample_id"])) for o in matched]

@@ -69,6 +69,22 @@ def test_a_rate_over_turns_pools_numerators_and_denominators() -> None:
 def test_outcomes_pair_by_sample_id() -> None:
     arm = [{"sample_id": "a", "success": True, "turns": 3, "ok": 2}, {"sample_id": "b", "success": False}]
     base = [{"sample_id": "b", "success": True}, {"sample_id": "a", "success": False, "turns": 2, "ok": 2}]
-    assert pairs_of(arm, base, "success") == [Pair(1, 1, 0, 1), Pair(0, 1, 1, 1)]
-    assert pairs_of(arm[:1], base, "ok", "turns") == [Pair(2, 3, 2, 2)]
-    assert pairs_of(arm, base[:1], "success") == [Pair(0, 1, 1, 1)]  # only the episodes both have
+    assert pairs_of(arm, base, "success") == [Pair(1, 1, 0, 1, key="a"), Pair(0, 1, 1, 1, key="b")]
+    assert pairs_of(arm[:1], base, "ok", "turns") == [Pair(2, 3, 2, 2, key="a")]
+    assert pairs_of(arm, base[:1], "success") == [Pair(0, 1, 1, 1, key="b")]  # only the episodes both have
+    assert [p.key for p in pairs_of(arm[::-1], base, "success")] == ["a", "b"]  # in sample_id order
+
+
+def test_seeds_that_ran_the_same_episodes_share_each_resamples_episode_draw() -> None:
+    # The same episode gains on every seed: drawn independently per seed the seeds would look like
+    # independent evidence; drawn once per resample the interval is as wide as one seed's.
+    rng = random.Random(7)
+    gains = [int(rng.random() < 0.3) for _ in range(60)]
+    keyed = [Pair(g, 1.0, 0.0, 1.0, key=f"e{i:03d}") for i, g in enumerate(gains)]
+    unkeyed = [Pair(g, 1.0, 0.0, 1.0) for g in gains]
+    crossed = paired_difference({s: keyed for s in range(5)})
+    independent = paired_difference({s: unkeyed for s in range(5)})
+    one_seed = paired_difference({0: keyed})
+    assert crossed.estimate == independent.estimate == one_seed.estimate
+    assert crossed.half_width == pytest.approx(one_seed.half_width, rel=0.25)  # type: ignore[arg-type]
+    assert independent.half_width < 0.7 * crossed.half_width  # type: ignore[operator]
