@@ -15,7 +15,8 @@ and dtypes, no tensor is read) and the `JobSpec`. Roles:
   partitioned by ZeRO over the ranks, on the host with `optimizer_offload`), activations, the
   full-vocabulary logits, the weight export (one tensor at a time, or the adapter's files), a frozen
   reference with `kl_loss_coef > 0` or the preference term's 'initial'/'rolling' reference (none with
-  LoRA: the base with the adapter off), and the runtime.
+  LoRA: the base with the adapter off), a copy of the trained parameters' gradients with the preference
+  term on one ZeRO-0 rank (the split gradient norms), and the runtime.
 
 The budget (`placement_budget`): on CPU every role shares this node's available memory; on a Ray
 cluster of several nodes each role is held against the largest node's memory (the job server cannot
@@ -508,6 +509,10 @@ def learner_plan(shape: ModelShape, spec: JobSpec, max_length: int, budget: Budg
         # The KL to the initial student, or the preference term's initial / rolling reference. Under
         # LoRA the reference is the base with the adapter switched off: no copy.
         terms.append(Term("reference model", params * weight_bytes, device))
+    if hp.turn_preference_coef > 0 and zero == 0 and ranks == 1:
+        # The preference term's own gradient, copied to split the update's norm in two
+        # (`Learner._preference_gradients`).
+        terms.append(Term("preference gradient copy", autograd, device))
     terms.append(Term("runtime", LEARNER_RUNTIME_BYTES, "host"))
     if on_gpu:
         terms.append(Term("CUDA context", GPU_LEARNER_CONTEXT_BYTES, "device"))
