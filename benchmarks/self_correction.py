@@ -37,8 +37,9 @@ run's record holds its per-step `preference/*`, `beacons/*`, `grad_norm/*`, reve
 Launch: `.venv/bin/python benchmarks/self_correction.py --task lookup --stage pilot --steps 40`
 (after `opd make-tiny-models .cache/tiny-models-lookup --variant lookup`; CPU, the tiny models; a
 320-episode validation with pass@4 costs far more than a step, so keep `--eval-every` coarse); the
-`self_correction` task (the default, its models from `--variant self_correction`) validates on its
-build's own episodes.
+`self_correction` task (the default, its models from `--variant self_correction`) generates its set the
+same way (`self_correction.make_episodes`, about half hitting a moved item, and
+`self_correction.make_injected_episodes`, the first call and the moved error already in the history).
 """
 
 from __future__ import annotations
@@ -76,11 +77,31 @@ def lookup_validation(folder: Path, plain: int, injected: int, seed: int) -> lis
     episodes and `injected` episodes whose history holds a wrong call and its error."""
     from opd_trainer.demo.tool_routing import lookup
 
+    return _validation_files(
+        folder,
+        lookup.make_episodes("validation", plain, seed) if plain else [],
+        lookup.make_injected_episodes("validation", injected, seed) if injected else [],
+    )
+
+
+def self_correction_validation(folder: Path, plain: int, injected: int, seed: int) -> list[Path]:
+    """The self-correction study's validation files, generated into `folder` (no model rebuild): `plain`
+    episodes (about half hit a moved item) and `injected` ones whose history already holds the first
+    call and the moved item's error."""
+    from opd_trainer.demo.tool_routing import self_correction
+
+    return _validation_files(
+        folder,
+        self_correction.make_episodes("validation", plain, seed) if plain else [],
+        self_correction.make_injected_episodes("validation", injected, seed) if injected else [],
+    )
+
+
+def _validation_files(
+    folder: Path, plain: list[dict[str, Any]], injected: list[dict[str, Any]]
+) -> list[Path]:
     files = []
-    for name, records in (
-        ("episodes", lookup.make_episodes("validation", plain, seed) if plain else []),
-        ("injected", lookup.make_injected_episodes("validation", injected, seed) if injected else []),
-    ):
+    for name, records in (("episodes", plain), ("injected", injected)):
         if records:
             path = folder / f"validation_{name}.jsonl"
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -108,6 +129,7 @@ TASKS = {
         Path(".cache/tiny-models-self-correction"),
         "self_correction",
         ("self_corrected", "reward/episode/self_corrected"),
+        validation=self_correction_validation,
     ),
     "lookup": Task(
         Path("examples/lookup_agentic/job.yaml"),

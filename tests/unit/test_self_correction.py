@@ -129,3 +129,40 @@ def test_right_calls_without_a_final_answer_are_not_a_success() -> None:
     # An answer naming another item is not the answer either.
     wrong = [*messages, {"role": "assistant", "content": "Item K-2000 is open."}]
     assert not score_episode(wrong, len(opening), solution).answered
+
+
+def test_injected_episodes_hold_the_moved_error_and_succeed_only_on_the_correction() -> None:
+    from opd_trainer.demo.tool_routing import self_correction
+    from opd_trainer.rollout.agent_eval import is_tool_error
+
+    records = self_correction.make_injected_episodes("validation", 12)
+    assert len({r["rollout_extra"]["sample_id"] for r in records}) == 12
+    for record in records:
+        messages, extra = record["messages"], record["rollout_extra"]
+        assert messages[-2]["role"] == "assistant" and is_tool_error(messages[-1])
+        (remaining,) = json.loads(extra["solution"])["tool_calls"]
+        assert remaining["arguments"]["item_id"] in messages[-1]["content"]  # the error names the new id
+        start = len(messages)
+
+        def reply(*calls: dict[str, object], text: str = "") -> dict[str, object]:
+            tool_calls = [
+                {
+                    "id": f"c{i}",
+                    "type": "function",
+                    "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])},
+                }
+                for i, c in enumerate(calls)
+            ]
+            return {"role": "assistant", "content": text, "tool_calls": tool_calls}
+
+        summary = {"role": "assistant", "content": f"Done: {remaining['arguments']['item_id']}."}
+        corrected = [*messages, reply(remaining), {"role": "tool", "content": "{}"}, summary]
+        assert self_correction.score_episode(corrected, start, extra["solution"]).success
+        first = json.loads(messages[-2]["tool_calls"][0]["function"]["arguments"])
+        repeated = [
+            *messages,
+            reply({"name": remaining["name"], "arguments": first}),
+            {"role": "tool", "content": "{}"},
+            summary,
+        ]
+        assert not self_correction.score_episode(repeated, start, extra["solution"]).success

@@ -125,3 +125,48 @@ def score_episode(messages: list[dict[str, Any]], start: int, solution: str | di
         hit_moved_error=moved_at is not None,
         self_corrected=corrected,
     )
+
+
+def make_injected_episodes(split: task.Split, n: int, seed: int = 0) -> list[dict[str, Any]]:
+    """`n` distinct moved-item episodes of `split` whose opening already holds the first call and the
+    moved item's error (seed 003's self-correction subset: a history holding a tool error, which
+    validation's `agent/self_correction_success` reads). The agent's part is the correction: the same
+    call on the new id, then the summary; `solution` lists that one remaining call, and `score_episode`
+    judges only what follows the opening, so the injected call is never counted as the agent's."""
+    records: list[dict[str, Any]] = []
+    # Moved episodes of a larger draw of this split (about half are moved), in their own sample ids.
+    for record in make_episodes(split, 4 * n + 16, seed=seed + 7919):
+        if len(records) == n:
+            return records
+        extra = record["rollout_extra"]
+        first, *rest = json.loads(extra["solution"])["tool_calls"]
+        if not rest:
+            continue
+        call_id = "call_injected_0"
+        function = {"name": first["name"], "arguments": json.dumps(first["arguments"], ensure_ascii=False)}
+        history = [
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"id": call_id, "type": "function", "function": function}],
+            },
+            {
+                "role": "tool",
+                "tool_call_id": call_id,
+                "content": run_tool(first["name"], first["arguments"], extra["moved"]),
+            },
+        ]
+        solution = {"decision": "tool_call", "tool_calls": rest}
+        records.append(
+            {
+                "messages": [*record["messages"], *history],
+                "tools": record["tools"],
+                "rollout_extra": {
+                    **extra,
+                    "sample_id": f"{split}-injected-{len(records):06d}",
+                    "category": "injected",
+                    "solution": json.dumps(solution, ensure_ascii=False, sort_keys=True),
+                },
+            }
+        )
+    raise ValueError(f"could not generate {n} injected {split} episodes")
