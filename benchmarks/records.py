@@ -106,6 +106,8 @@ TARGETS: dict[tuple[str, str], Target] = {
     ("lookup_chain", "task_success_ratio/opd_turn_preference_beacons"): Target(">=", 1.1),
     # Issue 54: the paired absolute difference against OPD (same seeds and episodes, equal steps), pooled
     # over episodes x seeds; its bootstrap interval (`..._ci_low/...`) must exclude 0 as well.
+    ("self_correction", "task_success_diff/opd_turn_preference"): Target(">=", 0.05, ""),
+    ("self_correction", "task_success_diff/opd_turn_preference_beacons"): Target(">=", 0.05, ""),
     ("lookup_chain", "task_success_diff/opd_turn_preference"): Target(">=", 0.05, ""),
     ("lookup_chain", "task_success_diff/opd_turn_preference_beacons"): Target(">=", 0.05, ""),
     # Cost against model size (`scale.py`): LoRA moves and keeps far less than full training, the memory
