@@ -521,13 +521,17 @@ def write_study_record(
             if task.validation is not None
             else "validation: the job's own episodes, greedy",
             f"paired differences against {BASE}: same seed, same episodes (by sample_id), pooled over "
-            f"episodes x seeds; 95% bootstrap interval ({args.resamples} resamples, seeds then episodes "
-            f"within each, RNG seed 0); '{EQUAL_S}' at each run's last validation within the shortest "
+            f"episodes x seeds; 95% bootstrap interval ({args.resamples} resamples, seeds then episodes, "
+            f"one episode draw for every seed that ran the same episodes, RNG seed 0); '{EQUAL_S}' at each "
+            "run's last validation within the shortest "
             "run's training seconds, else at the last validation (equal steps)",
             f"task_success_ratio only where {BASE}'s task success on the seed is >= {RATIO_MIN_BASE}",
             *detectable,
             *(
-                [f"runs re-read from {args.from_results}, written by the command above"]
+                [
+                    f"runs re-read from {', '.join(map(str, args.from_results))}, written by the command "
+                    "above (or by runs of it over parts of its arms and seeds)"
+                ]
                 if args.from_results
                 else []
             ),
@@ -569,7 +573,9 @@ def main() -> None:
     parser.add_argument(
         "--from-results",
         type=Path,
-        help="run nothing: record the runs of an earlier run's --out file (given the same arguments)",
+        nargs="+",
+        help="run nothing: record the runs of earlier runs' --out files, together (given the arguments "
+        "that cover them: every arm and seed they hold)",
     )
     add_publish_arguments(parser)
     args = parser.parse_args()
@@ -585,8 +591,8 @@ def main() -> None:
     argv = list(sys.argv)
     if args.from_results is not None:
         at = argv.index("--from-results")
-        argv = argv[:at] + argv[at + 2 :]  # the command that made the runs
-        runs = json.loads(args.from_results.read_text())["runs"]
+        argv = argv[:at] + argv[at + 1 + len(args.from_results) :]  # the command that covers the runs
+        runs = [run for path in args.from_results for run in json.loads(path.read_text())["runs"]]
         write_study_record(task, args, runs, argv)
         plot(task, runs, args.plot)
         return
