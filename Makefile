@@ -86,20 +86,24 @@ bench-efficacy: setup
 	$(BIN)/python benchmarks/repeat.py efficacy --runs 1 --publish -- --arms opd --rl-learning-rates 5e-5 1e-4 2e-4 --rl-steps 60 --seeds 0 1 2
 	$(BIN)/python benchmarks/report.py --write
 
-# Seed 003's four-arm ablation on the self-correction episodes: agentic OPD alone, + outcome-level
-# preference, + turn-level preference, + turn-level preference and hindsight beacons; 3 seeds x 10 steps,
-# 12 runs of ~2.2 minutes each on 2 cores (28 minutes, 2026-12-05); publishes its record.
+# Issue 54's study of turn-level hindsight on the self-correction episodes (a generated validation set
+# of 256 episodes + 64 with the moved item's error already in the history): agentic OPD, + turn-level
+# preference, + turn-level preference with verified beacons and their SFT, and the two controls (the
+# teacher as reference, chosen/rejected swapped) on seeds 0-2, the three main arms also on seeds 3-4;
+# 21 runs of ~3.5 minutes on 2 cores; records them together and publishes the record.
 bench-agentic: setup
 	$(BIN)/opd make-tiny-models .cache/tiny-models-self-correction --variant self_correction
-	$(BIN)/python benchmarks/self_correction.py --steps 10 --eval-every 5 --seeds 0 1 2 --pass-k 2 --settings opd opd_outcome_preference opd_turn_preference opd_turn_preference_beacons --out benchmarks/results/agentic_study.json --plot docs/images/agentic_study.png --publish
+	$(BIN)/python benchmarks/self_correction.py --task self_correction --settings opd opd_turn_preference opd_turn_preference_beacons opd_turn_preference_swapped opd_turn_preference_teacher_ref --steps 10 --eval-every 5 --seeds 0 1 2 --pass-k 2 --learning-rate 1e-4 --turn-preference-coef 0.1 --out benchmarks/results/self_correction_a.json
+	$(BIN)/python benchmarks/self_correction.py --task self_correction --settings opd opd_turn_preference opd_turn_preference_beacons --steps 10 --eval-every 5 --seeds 3 4 --pass-k 2 --learning-rate 1e-4 --turn-preference-coef 0.1 --out benchmarks/results/self_correction_b.json
+	$(BIN)/python benchmarks/self_correction.py --task self_correction --settings opd opd_turn_preference opd_turn_preference_beacons opd_turn_preference_swapped opd_turn_preference_teacher_ref --steps 10 --eval-every 5 --seeds 0 1 2 3 4 --pass-k 2 --learning-rate 1e-4 --turn-preference-coef 0.1 --from-results benchmarks/results/self_correction_a.json benchmarks/results/self_correction_b.json --publish
 	$(BIN)/python benchmarks/report.py --write
 
-# The issue-54 study (main stage: seed 003's four arms and two controls) on the lookup chains (find_item,
-# then the call on the returned id; wrong early turns are the agent's own and must be repaired): its own
-# models and its own record, `lookup_chain`.
+# The pilot on the lookup chains (find_item, then the call on the returned id; wrong early turns are the
+# agent's own): OPD alone and + turn-level preference, one seed. It is where issue 54's study stopped on
+# this task: OPD's task success fell instead of rising, so no arm was run on it (`docs/benchmarks.md`).
 bench-agentic-lookup: setup
 	$(BIN)/opd make-tiny-models .cache/tiny-models-lookup --variant lookup
-	$(BIN)/python benchmarks/self_correction.py --task lookup --stage main --steps 20 --eval-every 5 --seeds 0 1 2 3 4 --publish
+	$(BIN)/python benchmarks/self_correction.py --task lookup --stage mechanism --steps 20 --eval-every 10 --seeds 0 --pass-k 2 --learning-rate 1e-3 --ppo-mini-batch-size 16 --publish
 	$(BIN)/python benchmarks/report.py --write
 
 clean:
