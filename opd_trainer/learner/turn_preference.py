@@ -258,7 +258,9 @@ def preference_loss(
 def beacon_sft_loss(learner_B_T: Tensor, mask_B_T: Tensor, rows_B: Tensor) -> tuple[Tensor, dict[str, float]]:
     """The kept beacon rewrites' (`rows_B`) mean negative log-likelihood per token (`beacon_sft_coef`:
     the improved action as a supervised target, seed 003's SFT positive). Zero (with the graph kept)
-    when the batch holds none."""
+    when the batch holds none. With several learner ranks each normalises by its own shard's rewrite
+    tokens (the ranks' gradients are then averaged, so a rank without rewrites dilutes the term: an
+    approximation, as the per-prompt reduction's)."""
     weights_B_T = mask_B_T * rows_B.to(mask_B_T.dtype).unsqueeze(1)
     tokens = weights_B_T.sum()
     if float(tokens) == 0:
