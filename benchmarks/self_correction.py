@@ -401,8 +401,9 @@ def _colours() -> dict[str, str]:
 
 
 def plot(task: Task, runs: list[dict[str, Any]], path: Path) -> None:
-    """Task success against step and against training seconds per arm and seed, turn success against
-    step, and the per-step preference accuracy, margin and pairs (beacon pairs dashed)."""
+    """Task success against step and against training seconds per arm and seed (an arm's seeds in its
+    colour, one legend entry an arm), turn success against step, and the per-step preference accuracy,
+    margin and pairs (beacon pairs dashed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -410,9 +411,11 @@ def plot(task: Task, runs: list[dict[str, Any]], path: Path) -> None:
 
     colours = _colours()
     fig, axes = plt.subplots(2, 3, figsize=(17, 8.4))
+    first_of_arm = {run["setting"]: run["seed"] for run in reversed(runs)}
     for run in runs:
         style = {"color": colours[run["setting"]], "alpha": 0.45 + 0.15 * (run["seed"] % 4)}
-        label = f"{run['setting']} seed {run['seed']}"
+        # One legend entry per arm (its seeds share its colour); "_" hides the others' labels.
+        label = run["setting"] if first_of_arm[run["setting"]] == run["seed"] else f"_{run['setting']}"
         for ax, x, name in (
             (axes[0][0], "step", "task_success"),
             (axes[0][1], "train_s", "task_success"),
