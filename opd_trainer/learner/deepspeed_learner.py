@@ -350,7 +350,11 @@ class Learner:
         # The frozen student first: a LoRA 'rolling' reference swaps the adapter's weights in and out,
         # which must not happen under a forward whose graph is waiting for its backward.
         has_pairs = settings.turn_preference_coef > 0 and batch.preference_sides_B_P.shape[1] > 0
-        frozen_for_pairs = settings.turn_preference_reference != "teacher" and self._on_any_rank(has_pairs)
+        frozen_for_pairs = (
+            settings.turn_preference_coef > 0
+            and settings.turn_preference_reference != "teacher"
+            and self._on_any_rank(has_pairs)
+        )
         kl_reference_B_T, preference_reference_B_T = self._reference_logprobs(
             batch, plan, kl=settings.kl_loss_coef > 0, preference=frozen_for_pairs
         )
