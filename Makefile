@@ -89,13 +89,15 @@ bench-efficacy: setup
 # Issue 54's study of turn-level hindsight on the self-correction episodes (a generated validation set
 # of 256 episodes + 64 with the moved item's error already in the history): agentic OPD, + turn-level
 # preference, + turn-level preference with verified beacons and their SFT, and the two controls (the
-# teacher as reference, chosen/rejected swapped) on seeds 0-2, the three main arms also on seeds 3-4;
-# 21 runs of ~3.5 minutes on 2 cores; records them together and publishes the record.
+# teacher as reference, chosen/rejected swapped) on seeds 0-2, the three main arms also on seeds 3-4, OPD
+# and the beacon arm also on seeds 5-7; 27 runs of ~3.5 minutes on 2 cores; records them together and
+# publishes the record.
 bench-agentic: setup
 	$(BIN)/opd make-tiny-models .cache/tiny-models-self-correction --variant self_correction
 	$(BIN)/python benchmarks/self_correction.py --task self_correction --settings opd opd_turn_preference opd_turn_preference_beacons opd_turn_preference_swapped opd_turn_preference_teacher_ref --steps 10 --eval-every 5 --seeds 0 1 2 --pass-k 2 --learning-rate 1e-4 --turn-preference-coef 0.1 --out benchmarks/results/self_correction_a.json
 	$(BIN)/python benchmarks/self_correction.py --task self_correction --settings opd opd_turn_preference opd_turn_preference_beacons --steps 10 --eval-every 5 --seeds 3 4 --pass-k 2 --learning-rate 1e-4 --turn-preference-coef 0.1 --out benchmarks/results/self_correction_b.json
-	$(BIN)/python benchmarks/self_correction.py --task self_correction --settings opd opd_turn_preference opd_turn_preference_beacons opd_turn_preference_swapped opd_turn_preference_teacher_ref --steps 10 --eval-every 5 --seeds 0 1 2 3 4 --pass-k 2 --learning-rate 1e-4 --turn-preference-coef 0.1 --from-results benchmarks/results/self_correction_a.json benchmarks/results/self_correction_b.json --publish
+	$(BIN)/python benchmarks/self_correction.py --task self_correction --settings opd opd_turn_preference_beacons --steps 10 --eval-every 5 --seeds 5 6 7 --pass-k 2 --learning-rate 1e-4 --turn-preference-coef 0.1 --out benchmarks/results/self_correction_c.json
+	$(BIN)/python benchmarks/self_correction.py --task self_correction --settings opd opd_turn_preference opd_turn_preference_beacons opd_turn_preference_swapped opd_turn_preference_teacher_ref --steps 10 --eval-every 5 --seeds 0 1 2 3 4 5 6 7 --pass-k 2 --learning-rate 1e-4 --turn-preference-coef 0.1 --from-results benchmarks/results/self_correction_a.json benchmarks/results/self_correction_b.json benchmarks/results/self_correction_c.json --publish
 	$(BIN)/python benchmarks/report.py --write
 
 # The pilot on the lookup chains (find_item, then the call on the returned id; wrong early turns are the
