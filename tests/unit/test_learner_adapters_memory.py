@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 import torch
-from chatml_tokenizer import save_chatml_tokenizer
 from learner_settings import learner_settings
+from tiny_student import VOCAB, save_tiny_student
 
 from opd_trainer.errors import WeightSyncError
 from opd_trainer.learner.adapters import merged_model, write_adapter_files
@@ -19,29 +19,12 @@ from opd_trainer.records import LLMCall
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is first imported
 
-VOCAB = 64
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 
 
 @pytest.fixture(scope="module")
 def student(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    folder = tmp_path_factory.mktemp("student")
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-    )
-    Qwen2ForCausalLM(config).save_pretrained(folder)
-    save_chatml_tokenizer(folder)
-    return str(folder)
+    return save_tiny_student(tmp_path_factory.mktemp("student"))
 
 
 def _segments() -> list[LLMCall]:
