@@ -34,12 +34,12 @@ from make_random_model import open_models_dir
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
+from opd_trainer.chat import prompt_token_ids
 from opd_trainer.cluster.ray_runtime import init_ray
 from opd_trainer.demo.tiny_models import build_tiny_models
 from opd_trainer.engine.vllm_engine import EngineConfig, start_engines
 from opd_trainer.jobspec.job_spec import DEFAULT_TEACHER_TOP_K
 from opd_trainer.jsonl import read_jsonl
-from opd_trainer.rollout.chat import prompt_token_ids
 from opd_trainer.weight_sync.transports import ShmTransfer
 
 # --device cuda: the engine actor and the raw vllm.LLM are both up at once on the one GPU, since rounds

@@ -8,7 +8,7 @@ as the adapter folder (which must hold `adapter_config.json` + `adapter_model.sa
 `merged=True`. The merged folder is loaded with `transformers.AutoModelForCausalLM`, and each recorded
 validation rollout of the checkpoint's pass (`GET /v1/opd/jobs/{id}/validation_trajectories`, the pass
 at the checkpoint's step: `student after`) is generated again, greedily, from the same prompt token ids
-(`rollout/chat.py` `prompt_token_ids` on the sample's messages and tools, as the job rendered it) with
+(`chat.py` `prompt_token_ids` on the sample's messages and tools, as the job rendered it) with
 the same max tokens. An answer is reproduced when its tokens' texts equal the recorded ones token for
 token; for one that is not, the first differing position and, under transformers at that position, the
 logprob of its own greedy token minus that of the token vLLM chose (`logprob_gap`: a near-tie explains a
@@ -218,7 +218,7 @@ def compare(merged: Path, records: list[dict[str, Any]], samples: dict[str, Any]
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from opd_trainer.rollout.chat import prompt_token_ids
+    from opd_trainer.chat import prompt_token_ids
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     started = time.perf_counter()

@@ -43,13 +43,13 @@ import ray
 from make_random_model import open_models_dir
 from transformers import AutoTokenizer
 
+from opd_trainer.chat import prompt_token_ids
 from opd_trainer.cluster.ray_runtime import init_ray
 from opd_trainer.demo.tiny_models import build_tiny_models
 from opd_trainer.engine.vllm_engine import EngineConfig, start_engines
 from opd_trainer.jobspec.dataset import Sample
 from opd_trainer.jobspec.job_spec import FunctionComponent
 from opd_trainer.jsonl import read_jsonl
-from opd_trainer.rollout.chat import prompt_token_ids
 from opd_trainer.rollout.gateway import RolloutKeyRequest
 from opd_trainer.rollout.gateway_host import GatewayHostActor, GatewayRef
 from opd_trainer.rollout.runner import RolloutRunner

@@ -49,9 +49,9 @@ from transformers import (
     TrainingArguments,
 )
 
+from opd_trainer.chat import prompt_token_ids
 from opd_trainer.demo.tool_routing import evaluator
 from opd_trainer.jsonl import read_jsonl
-from opd_trainer.rollout.chat import prompt_token_ids
 
 if TYPE_CHECKING:
     from datasets import Dataset

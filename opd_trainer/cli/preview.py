@@ -27,7 +27,7 @@ def _prompt_lengths(tokenizer_path: str, samples: list[Any]) -> list[int | None]
     from transformers import AutoTokenizer
 
     # Lazy: CLI start-up (`opd --help`) loads no command's stack; this one loads when it runs.
-    from opd_trainer.rollout.chat import prompt_token_ids
+    from opd_trainer.chat import prompt_token_ids
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=False)

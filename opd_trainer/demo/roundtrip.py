@@ -17,12 +17,12 @@ import ray
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
+from opd_trainer.chat import prompt_token_ids
 from opd_trainer.demo.tiny_models import TinyModels
 from opd_trainer.demo.tiny_models.serving import tiny_engine_config
 from opd_trainer.demo.tool_routing import evaluator
 from opd_trainer.engine.vllm_engine import start_engines
 from opd_trainer.jsonl import read_jsonl
-from opd_trainer.rollout.chat import prompt_token_ids
 from opd_trainer.stats import mean
 from opd_trainer.weight_sync.transports import ShmTransfer
 

@@ -21,6 +21,7 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from transformers import AutoTokenizer
 
+from opd_trainer.chat import prompt_token_ids
 from opd_trainer.driver.publish import publish_adapter, publish_weights
 from opd_trainer.driver.teachers import TeacherEngines
 from opd_trainer.engine.adapters import BASE_MODEL_CLIENT, OWN_JOB
@@ -35,7 +36,6 @@ from opd_trainer.jobspec.memory_plan import check_memory_plan, unplannable
 from opd_trainer.jobspec.preflight import preflight_models
 from opd_trainer.learner.deepspeed_learner import LearnerGroup
 from opd_trainer.learner.settings import LearnerSettings
-from opd_trainer.rollout.chat import prompt_token_ids
 from opd_trainer.rollout.gateway_host import EngineWithGatewaysActor, GatewayHostActor, GatewayRef
 from opd_trainer.rollout.runner import STUDENT_MODEL_NAME, TEACHER_MODEL_NAME, AuxiliaryModel, RolloutRunner
 from opd_trainer.weight_sync.transports import check_transfer_available

@@ -39,10 +39,10 @@ from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError
 
+from opd_trainer.chat import prompt_token_ids
 from opd_trainer.engine.lengths import completion_room
 from opd_trainer.jobspec.dataset import ground_truth_of
 from opd_trainer.records import LLMCall
-from opd_trainer.rollout.chat import prompt_token_ids
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

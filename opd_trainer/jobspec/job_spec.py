@@ -911,7 +911,7 @@ class JobSpec(_Strict):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _not_reserved(cls, value: dict[str, Any]) -> dict[str, Any]:
-        from opd_trainer.rollout.chat import RESERVED_TEMPLATE_KWARGS
+        from opd_trainer.chat import RESERVED_TEMPLATE_KWARGS
 
         reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(value))
         if reserved:

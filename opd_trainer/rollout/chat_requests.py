@@ -6,7 +6,7 @@ into `SamplingParams` by its `to_sampling_params`. On top, the gateway refuses w
 with an `InvalidRequest` naming the field (a 400), never ignoring it: `NOT_SERVED` fields set to
 anything but their default, fields outside vLLM's model but for `IGNORED_EXTRAS`, `n` > 1, template
 arguments it sets itself, token ids the model does not have. The conversation is rendered with the
-model's chat template (`rollout/chat.py`), each distinct one once (`RenderedPrompts`).
+model's chat template (`opd_trainer/chat.py`), each distinct one once (`RenderedPrompts`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from opd_trainer.rollout.chat import RESERVED_TEMPLATE_KWARGS, prompt_token_ids
+from opd_trainer.chat import RESERVED_TEMPLATE_KWARGS, prompt_token_ids
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

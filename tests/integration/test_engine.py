@@ -10,10 +10,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import PreTrainedTokenizerBase
 
+from opd_trainer.chat import prompt_token_ids
 from opd_trainer.demo.tiny_models import TinyModels
 from opd_trainer.errors import WeightSyncError
 from opd_trainer.jsonl import read_jsonl
-from opd_trainer.rollout.chat import prompt_token_ids
 from opd_trainer.weight_sync.transports import ShmHandoff, ShmTransfer, transfer
 
 pytestmark = pytest.mark.integration

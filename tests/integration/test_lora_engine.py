@@ -15,13 +15,13 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
+from opd_trainer.chat import prompt_token_ids
 from opd_trainer.demo.tiny_models import TinyModels
 from opd_trainer.demo.tiny_models.serving import tiny_engine_config
 from opd_trainer.engine.adapters import BASE_MODEL_CLIENT, OWN_JOB
 from opd_trainer.engine.vllm_engine import ClientEngineGroup, start_engines
 from opd_trainer.errors import WeightSyncError
 from opd_trainer.jsonl import read_jsonl
-from opd_trainer.rollout.chat import prompt_token_ids
 from opd_trainer.weight_sync import AdapterTransfer
 
 pytestmark = pytest.mark.integration

@@ -16,13 +16,13 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
+from opd_trainer.chat import prompt_token_ids
 from opd_trainer.demo.tiny_models import TinyModels
 from opd_trainer.demo.tiny_models.serving import tiny_engine_config
 from opd_trainer.engine.engine_sharing import EngineSharing
 from opd_trainer.engine.shared_engines import acquire_shared, registry
 from opd_trainer.jsonl import read_jsonl
 from opd_trainer.records import LLMCall
-from opd_trainer.rollout.chat import prompt_token_ids
 from opd_trainer.weight_sync import AdapterTransfer
 
 pytestmark = pytest.mark.integration

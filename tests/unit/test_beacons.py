@@ -18,6 +18,7 @@ import pytest
 import torch
 from chatml_tokenizer import chatml_tokenizer
 
+from opd_trainer.chat import prompt_token_ids
 from opd_trainer.driver.beacons import (
     REWRITE_SEED_OFFSET,
     USER_BEACON,
@@ -38,7 +39,6 @@ from opd_trainer.learner.batch import pad_segments
 from opd_trainer.learner.deepspeed_learner import trained_tokens
 from opd_trainer.learner.turn_preference import CHOSEN, REJECTED
 from opd_trainer.records import LLMCall
-from opd_trainer.rollout.chat import prompt_token_ids
 from opd_trainer.rollout.runner import RolloutResult
 from opd_trainer.sdk import Beacon, BeaconOutput, BeaconTurn, BeaconVerdict, TaskStatus
 

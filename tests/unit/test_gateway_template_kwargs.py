@@ -8,7 +8,7 @@ import pytest
 from chatml_tokenizer import save_chatml_tokenizer
 from fastapi.testclient import TestClient
 
-from opd_trainer.rollout.chat import RESERVED_TEMPLATE_KWARGS
+from opd_trainer.chat import RESERVED_TEMPLATE_KWARGS
 from opd_trainer.rollout.chat_requests import chat_request
 from opd_trainer.rollout.gateway import Gateway
 
@@ -92,7 +92,7 @@ def test_reserved_names_cover_apply_chat_template_arguments() -> None:
 
 
 def test_prompt_token_ids_passes_template_kwargs(gateway: Gateway) -> None:
-    from opd_trainer.rollout.chat import prompt_token_ids
+    from opd_trainer.chat import prompt_token_ids
 
     expected = prompt(gateway, enable_thinking=False)  # also loads the gateway's tokenizer
     assert prompt_token_ids(gateway._tokenizer, MESSAGES, None, {"enable_thinking": False}) == expected

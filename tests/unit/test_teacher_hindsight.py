@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from chatml_tokenizer import TEMPLATE, chatml_tokenizer
 
+from opd_trainer.chat import prompt_token_ids
 from opd_trainer.driver.teacher_hindsight import (
     hindsight_notes,
     outcome_notes,
@@ -27,7 +28,6 @@ from opd_trainer.driver.teacher_hindsight import (
 from opd_trainer.jobspec.dataset import Sample
 from opd_trainer.jobspec.job_spec import parse_job_spec
 from opd_trainer.records import LLMCall
-from opd_trainer.rollout.chat import prompt_token_ids
 
 NO_SYSTEM_TEMPLATE = (
     "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
