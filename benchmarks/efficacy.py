@@ -34,8 +34,9 @@ from typing import Any
 
 from harness import JobRun, example_rewards, job_spec, run_job, save_figure, write_json
 
+from opd_trainer.jobspec.estimators import DEFAULT_TEACHER_TOP_K
 from opd_trainer.jobspec.job_spec import DEFAULT_DISTILL_LOSS
-from opd_trainer.learner.estimators import DEFAULT_TEACHER_TOP_K, ESTIMATORS
+from opd_trainer.learner.estimators import ESTIMATORS
 
 ARMS: dict[str, dict[str, Any]] = {
     "opd": {"kl_coef": 1.0, "reward_coef": 0.0, "rewards": False},

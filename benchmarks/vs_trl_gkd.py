@@ -53,9 +53,10 @@ from interleave import add_one_run_arguments, ratio, run_child, write_one_run
 from records import add_publish_arguments, new_record, write_record
 
 from opd_trainer.jobspec.dataset import EpochCursor
+from opd_trainer.jobspec.estimators import DEFAULT_TEACHER_TOP_K
 from opd_trainer.jobspec.job_spec import DEFAULT_DISTILL_LOSS
 from opd_trainer.jsonl import read_jsonl, write_jsonl
-from opd_trainer.learner.estimators import DEFAULT_TEACHER_TOP_K, ESTIMATORS
+from opd_trainer.learner.estimators import ESTIMATORS
 
 SCRIPT = Path(__file__).resolve()
 TRL_BETAS = [0.0, 0.5, 1.0]

@@ -43,7 +43,7 @@ from pydantic import (
 )
 
 from opd_trainer.errors import ConfigError
-from opd_trainer.learner.estimators import DEFAULT_TEACHER_TOP_K, ESTIMATOR_NAMES, ESTIMATORS
+from opd_trainer.jobspec.estimators import DECLARED_ESTIMATORS, DEFAULT_TEACHER_TOP_K, ESTIMATOR_NAMES
 
 
 class _Strict(BaseModel):
@@ -255,7 +255,7 @@ DEFAULT_DISTILL_LOSS = "topk_forward"
 def _distill_loss_description() -> str:
     choices = " ".join(
         f"{e.name}: {e.summary}{' Needs teacher_top_k >= 1.' if e.needs_top_k else ''}"
-        for e in ESTIMATORS.values()
+        for e in DECLARED_ESTIMATORS.values()
     )
     return (
         f"Distillation estimator (learner/estimators.py; formulas in learner/loss.py), weighted by "
@@ -535,7 +535,7 @@ class HyperParameters(_Strict):
     @classmethod
     def _top_k_default_follows_the_estimator(cls, data: Any) -> Any:
         if isinstance(data, dict) and data.get("teacher_top_k") is None:
-            estimator = ESTIMATORS.get(data.get("distill_loss", DEFAULT_DISTILL_LOSS))
+            estimator = DECLARED_ESTIMATORS.get(data.get("distill_loss", DEFAULT_DISTILL_LOSS))
             # An unknown name keeps the field's default; the distill_loss field reports the name.
             if estimator is not None:
                 data = {**data, "teacher_top_k": estimator.default_top_k}
@@ -544,7 +544,7 @@ class HyperParameters(_Strict):
     @field_validator("teacher_top_k")
     @classmethod
     def _top_k_for_the_estimator(cls, value: int, info: ValidationInfo) -> int:
-        estimator = ESTIMATORS.get(info.data.get("distill_loss", ""))
+        estimator = DECLARED_ESTIMATORS.get(info.data.get("distill_loss", ""))
         if estimator is not None:  # None: distill_loss already failed, and says so
             estimator.check_top_k(value)
         return value

@@ -1,6 +1,6 @@
-"""The distillation estimators, each declared once: its function, whether it reads the teacher's top-k,
-and its defaults. The job spec (`hyper_parameters.distill_loss`, `teacher_top_k`), the learner, the
-benchmarks and the docs all read `ESTIMATORS`.
+"""The distillation estimators: each declaration of `jobspec/estimators.py` (its name, whether it reads
+the teacher's top-k) paired with the function the learner applies (`ESTIMATORS`). The job spec reads the
+declarations alone; the learner and the benchmarks read `ESTIMATORS`.
 
 An estimator is a function of one `DistillationInputs` (what it reads of a mini-batch, typed) and the
 job's `DistillationSettings`; it returns its loss, the per-token signal whose spread is logged as
@@ -8,8 +8,8 @@ job's `DistillationSettings`; it returns its loss, the per-token signal whose sp
 tensor functions they combine; `distillation_loss` applies the job's estimator and adds the metrics
 every estimator logs.
 
-torch is imported where an estimator runs, not at the top: the job spec reads this table, and the API
-server that validates job specs has no torch (the Dockerfile's api target).
+torch is imported where an estimator runs, not at the top: benchmarks and tools read this table in
+processes that may have no torch.
 """
 
 from __future__ import annotations
@@ -18,11 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from opd_trainer.jobspec.estimators import DECLARED_ESTIMATORS, EstimatorDeclaration, declared_estimator
+
 if TYPE_CHECKING:
     from torch import Tensor
-
-DEFAULT_TEACHER_TOP_K = 8
-"""`hyper_parameters.teacher_top_k` when unset, for an estimator that reads the teacher's top-k."""
 
 
 @dataclass(frozen=True)
@@ -42,7 +41,7 @@ class DistillationSettings:
     """`sampled`'s log-ratio on stale rows: under the learner's student now, or the sampler's."""
 
     def __post_init__(self) -> None:
-        estimator_named(self.distill_loss).check_top_k(self.teacher_top_k)
+        declared_estimator(self.distill_loss).check_top_k(self.teacher_top_k)
 
     @property
     def estimator(self) -> Estimator:
@@ -125,26 +124,26 @@ EstimatorFunction = Callable[[DistillationInputs, DistillationSettings], Estimat
 
 @dataclass(frozen=True)
 class Estimator:
-    """One value of `hyper_parameters.distill_loss`."""
+    """One value of `hyper_parameters.distill_loss`: its declaration and the function that computes it."""
 
-    name: str
+    declaration: EstimatorDeclaration
     function: EstimatorFunction
-    needs_top_k: bool
-    """Whether it reads the teacher's top-k (then `teacher_top_k` >= 1)."""
-    summary: str
-    """What it computes, in a sentence (the job spec's field description and the docs)."""
+
+    @property
+    def name(self) -> str:
+        return self.declaration.name
+
+    @property
+    def needs_top_k(self) -> bool:
+        return self.declaration.needs_top_k
+
+    @property
+    def summary(self) -> str:
+        return self.declaration.summary
 
     @property
     def default_top_k(self) -> int:
-        """`teacher_top_k` when the job leaves it unset: not paid for where nothing reads it."""
-        return DEFAULT_TEACHER_TOP_K if self.needs_top_k else 0
-
-    def check_top_k(self, top_k: int) -> None:
-        """Raises ValueError, in the job spec's words, unless `top_k` gives this estimator what it reads."""
-        if self.needs_top_k and top_k < 1:
-            raise ValueError(
-                f"distill_loss {self.name} needs hyper_parameters.teacher_top_k >= 1, got {top_k}"
-            )
+        return self.declaration.default_top_k
 
 
 # -- the estimators ----------------------------------------------------------------------------------
@@ -248,56 +247,18 @@ def sampled_baseline(inputs: DistillationInputs, settings: DistillationSettings)
     return EstimatorResult(policy, student_B_T - inputs.teacher_B_T - baseline_B_T, stats)
 
 
-ESTIMATORS: dict[str, Estimator] = {
-    estimator.name: estimator
-    for estimator in (
-        Estimator(
-            "topk_forward",
-            topk_forward,
-            needs_top_k=True,
-            summary="KL(teacher ‖ student) over the teacher's top-k tokens plus one tail bucket, "
-            "differentiated through the student's logits (mass-covering).",
-        ),
-        Estimator(
-            "topk_reverse",
-            topk_reverse,
-            needs_top_k=True,
-            summary="KL(student ‖ teacher) over the same buckets, differentiated through the student's "
-            "logits (mode-seeking).",
-        ),
-        Estimator(
-            "jsd",
-            jsd,
-            needs_top_k=True,
-            summary="GKD's generalized JSD over the same buckets (β = jsd_beta).",
-        ),
-        Estimator(
-            "sampled",
-            sampled,
-            needs_top_k=False,
-            summary="the sampled token's log-ratio logp_student − logp_teacher as a policy-gradient "
-            "advantage (a one-sample reverse KL).",
-        ),
-        Estimator(
-            "sampled_baseline",
-            sampled_baseline,
-            needs_top_k=True,
-            summary="sampled minus a per-position baseline computed from the teacher's top-k (unbiased, "
-            "lower variance).",
-        ),
-    )
+_FUNCTIONS: dict[str, EstimatorFunction] = {
+    "topk_forward": topk_forward,
+    "topk_reverse": topk_reverse,
+    "jsd": jsd,
+    "sampled": sampled,
+    "sampled_baseline": sampled_baseline,
 }
-"""Every estimator, by its `distill_loss` name."""
 
-ESTIMATOR_NAMES: tuple[str, ...] = tuple(ESTIMATORS)
-
-
-def estimator_named(name: str) -> Estimator:
-    """The estimator called `name`; ValueError naming the choices otherwise."""
-    try:
-        return ESTIMATORS[name]
-    except KeyError:
-        raise ValueError(f"unknown distill_loss {name!r}; one of {', '.join(ESTIMATOR_NAMES)}") from None
+ESTIMATORS: dict[str, Estimator] = {
+    name: Estimator(declaration, _FUNCTIONS[name]) for name, declaration in DECLARED_ESTIMATORS.items()
+}
+"""Every estimator, by its `distill_loss` name, in the declarations' order."""
 
 
 def distillation_loss(

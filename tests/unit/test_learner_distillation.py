@@ -186,6 +186,7 @@ def test_the_spec_reads_the_table_without_torch_and_the_pure_learner_without_ray
         "import sys\n"
         "import opd_trainer.jobspec.job_spec\n"
         "assert 'torch' not in sys.modules, 'the job spec imported torch'\n"
+        "assert 'opd_trainer.learner' not in sys.modules, 'the job spec imported the learner'\n"
         "import opd_trainer.learner.batch, opd_trainer.learner.estimators, opd_trainer.learner.settings\n"
         "assert 'ray' not in sys.modules, 'a pure learner module imported ray'\n"
     )
