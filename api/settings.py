@@ -13,7 +13,7 @@ from typing import Annotated
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from api.services.webhooks_urls import parse_allowed_hosts
+from api.webhooks_urls import parse_allowed_hosts
 from opd_trainer.driver.trackers import parse_allowed_uris
 
 MIB = 1024 * 1024

@@ -20,7 +20,7 @@ from api.errors import APIError, not_found
 from api.models import Job, WebhookAttempt, WebhookDelivery, WebhookEndpoint
 from api.services import server_paths
 from api.services.ids import new_id
-from api.services.webhooks_urls import AllowedHosts, UrlRefused, vet
+from api.webhooks_urls import AllowedHosts, UrlRefused, vet
 from opd_trainer.client.webhooks import new_secret
 from opd_trainer.storage.run_dir import RunDir
 from opd_trainer.wire.schemas import (

@@ -29,8 +29,8 @@ import httpx
 
 from api.db import Database, database_unavailable
 from api.services import webhooks
-from api.services.webhooks_urls import AllowedHosts, Unresolvable, UrlRefused, parse_allowed_hosts, vet_async
 from api.settings import Settings
+from api.webhooks_urls import AllowedHosts, Unresolvable, UrlRefused, parse_allowed_hosts, vet_async
 from opd_trainer.client.webhooks import sign
 
 logger = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from api.services.webhooks_delivery import backoff, retryable
-from api.services.webhooks_urls import (
+from api.webhooks_urls import (
     AllowedHosts,
     Unresolvable,
     UrlRefused,
