@@ -92,6 +92,11 @@ FIGURES: dict[str, dict[str, Extract]] = {
         "pool_to_processor_max_ms": lambda r: r["pool_timeline_ms"]["to_processor_max"],
         "pool_http_p50_ms": lambda r: r["pool_timeline_ms"]["http_p50"],
     },
+    "job_startup": {
+        "submit_to_first_step_s": lambda r: r["submit_to_first_step_s"],
+        "submit_to_training_s": lambda r: r["submit_to_training_s"],
+        "first_step_s": lambda r: r["first_step_s"],
+    },
     "step_breakdown": {
         "other_percent": lambda r: r["parts_percent"]["other"],
         "teacher_percent": lambda r: r["parts_percent"]["teacher"],
@@ -126,6 +131,7 @@ FIGURES: dict[str, dict[str, Extract]] = {
 HEADLINE = {
     "engine_throughput": ["generate_ratio", "score_ratio"],
     "rollout_gateway": ["throughput_ratio"],
+    "job_startup": ["submit_to_first_step_s"],
     "step_breakdown": ["other_percent", "teacher_percent", "record_percent"],
     "learner_step": ["train_step_s"],
     "api_load": ["read_p99_ms"],
