@@ -1,8 +1,8 @@
 """Database engine and sessions: SQLite under the data dir by default, PostgreSQL via `DATABASE_URL`.
 
 The schema is Alembic's (`api/migrations`): `migrate` brings any database to the newest revision at
-server start, including one created before migrations existed (the releases up to 2026-12-01 made
-their tables with `create_all`; such a database is stamped with the revision its tables match first).
+server start, including one created before migrations existed (made with `create_all`; such a database is stamped
+with the revision its tables match first).
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ def make_engine(url: str) -> Engine:
     # a connection can leave every thread waiting on a thread-less request: the overflow is
     # unbounded for SQLite (connections beyond the pool are closed when returned) and ample for
     # PostgreSQL. Pooling SQLite matters: opening a connection (and its PRAGMAs) and closing it
-    # (the last close checkpoints the WAL) was ~30 % of a status read's CPU (py-spy, 2026-12-01).
-    # 20 kept (64 measured worse: reads stalled more after a burst of submissions, 2026-12-01).
+    # (the last close checkpoints the WAL) is ~30 % of a status read's CPU unpooled (py-spy).
+    # 20 kept (64 measured worse: reads stalled more after a burst of submissions).
     if not url.startswith("sqlite"):
         parsed = make_url(url)
         connect_args: dict[str, int] = {}

@@ -1,8 +1,7 @@
 """FastAPI dependencies as `Annotated` aliases: settings, a database session, the calling tenant or admin.
 
 Dependencies that do no I/O are `async def`: FastAPI runs a plain `def` dependency in its thread
-pool, and a status read used to make seven thread hops (py-spy under 200 pollers, 2026-12-01); now it
-makes two (the handler, and closing its session). The tenant lookup leaves the event loop only when
+pool, where each is a thread hop; a status read makes two (the handler, and closing its session). The tenant lookup leaves the event loop only when
 its key is not cached.
 """
 

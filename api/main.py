@@ -42,7 +42,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # Pre-flight's transformers, imported now rather than by the first submission; then everything
         # alive after start-up (transformers, Ray: millions of objects) leaves the garbage collector's
         # view. A full collection walked them all, stalling every request 250-470 ms a few times a
-        # minute under 200 pollers (gc.callbacks, 2026-12-01).
+        # minute under 200 pollers (measured with gc.callbacks).
         await anyio.to_thread.run_sync(import_tokenizer_support)
         gc.freeze()
         if scheduler is not None:

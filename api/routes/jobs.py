@@ -56,7 +56,7 @@ Cursor = Annotated[int, Query(ge=0, le=2**62, description="Return events with id
 
 # Submissions run at most this many at a time. Pre-flight is CPU-bound Python: 20 submissions in 20
 # threads at once made every status read wait its turn for the GIL behind them (poll p99 470 ms in
-# that second vs 25 ms without; benchmarks/api_load.py, 2026-12-01); queued submissions wait here,
+# that second vs 25 ms without; benchmarks/api_load.py); queued submissions wait here,
 # holding no thread, and reads go on.
 SUBMISSIONS_AT_ONCE = 2
 _submissions = anyio.CapacityLimiter(SUBMISSIONS_AT_ONCE)

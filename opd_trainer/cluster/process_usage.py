@@ -28,8 +28,8 @@ def descendants(root: psutil.Process) -> list[psutil.Process]:
 
     Read from each task's `children` file, walking down from `root` only: psutil's
     `children(recursive=True)` reads every process's `/proc/<pid>/stat` on the node instead, which a
-    processor worker did every second for metering and the memory check (17 % of a rollout worker's
-    busy samples in py-spy, 2026-12-06, ~80 processes on the node; 3.3 ms a listing in a Ray actor
+    processor worker would do every second for metering and the memory check (17 % of a rollout
+    worker's busy samples in py-spy with ~80 processes on the node; 3.3 ms a listing in a Ray actor
     there, 1.1 ms walked down), and which grows with everything else the node runs. Elsewhere (no such
     files) it is psutil's scan."""
     if not _CHILDREN_FILES:

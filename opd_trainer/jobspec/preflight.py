@@ -102,8 +102,8 @@ def _folder_state(path: Path) -> tuple[tuple[str, int, int], ...]:
 
 
 # transformers resolves `AutoTokenizer` through a lazy module that is not thread-safe on first use:
-# 21 submissions pre-flighting at once in a fresh server failed with "cannot import name
-# 'AutoTokenizer' from 'transformers'" (2026-12-01). The job server pre-flights in threads.
+# submissions pre-flighting at once in a fresh server fail with "cannot import name 'AutoTokenizer'
+# from 'transformers'". The job server pre-flights in threads.
 _IMPORT_LOCK = threading.Lock()
 
 

@@ -120,9 +120,9 @@ class ModelResource(_Input):
 def _describe_platform_once(client: Any) -> None:
     """Fills in the platform description (`X-Stainless-*` headers) openai computes on a client's first
     request, off the event loop in a new thread (`asyncify(get_platform)`). A copy made by
-    `with_options` starts without it, so every per-rollout client paid that thread hop on its one call:
-    ~7 % of a one-call rollout processor's busy samples in py-spy (2026-12-06). Best effort: an openai without
-    these private names just computes it per client, as before."""
+    `with_options` starts without it, so every per-rollout client would pay that thread hop on its one
+    call (~7 % of a one-call rollout processor's busy samples in py-spy). Best effort: an openai without
+    these private names just computes it per client."""
     if not hasattr(client, "_platform") or client._platform is not None:
         return
     with contextlib.suppress(ImportError, AttributeError):

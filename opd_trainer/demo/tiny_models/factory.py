@@ -111,8 +111,8 @@ class Targets:
 
 
 # The lookup chains' call turn must carry the priority over two turns back from the user's request: the
-# 2-layer teacher levels off near 0.90 there (call turns ~0.72, the other three categories >= 0.94;
-# measured 2026-12-05), so its build stops at 0.88, a margin below that plateau for other CPUs. An
+# 2-layer teacher levels off near 0.90 there (call turns ~0.72, the other three categories >= 0.94),
+# so its build stops at 0.88, a margin below that plateau for other CPUs. An
 # episode needs three right turns in a row, so a student at the usual third of the teacher's turns
 # solves none (0 of 64 episodes, and still 0 after 10 OPD steps, where the teacher solves 56 %); it is
 # taken from the band 0.5-0.7 instead.
