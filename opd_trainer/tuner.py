@@ -1,4 +1,4 @@
-"""`tune(...)`: an OPD job from a Python script on the embedded Ray, like AgentScope's tuner (seed 002).
+"""`tune(...)`: an OPD job from a Python script on the embedded Ray, like AgentScope's tuner.
 
     from opd_trainer.tuner import AlgorithmConfig, DatasetConfig, TunerModelConfig, tune
     from opd_trainer.tuner import JudgeOutput, WorkflowOutput

@@ -364,7 +364,7 @@ class HyperParameters(_Strict):
         description="The DPO reference of the preference term: 'initial' (default), the frozen starting "
         "student (the margin is 0 at step 1; under LoRA the base with the adapter off, else a frozen copy "
         "of the student on the learner); 'rolling', that copy refreshed to the learner's weights every "
-        "`turn_preference_reference_steps` steps (seed 003's per-round reference); 'teacher', the "
+        "`turn_preference_reference_steps` steps (TurnSight's per-round reference); 'teacher', the "
         "teacher's logprobs of the same tokens.",
     )
     turn_preference_reference_steps: int = Field(
@@ -392,7 +392,7 @@ class HyperParameters(_Strict):
     preference_level: Literal["turn", "outcome"] = Field(
         default="turn",
         description="What `turn_preference_coef` prefers: 'turn' (default), the two answers at the turn "
-        "where a best and a worst trajectory parted (seed 003); 'outcome', the whole better trajectory "
+        "where a best and a worst trajectory parted (TurnSight's turn-level pairs); 'outcome', the whole better trajectory "
         "over the whole worse one, every trained turn of each (the ablation's baseline: turns both share "
         "cancel in the margin).",
     )
@@ -404,7 +404,7 @@ class HyperParameters(_Strict):
     )
     beacon_rewrite: Literal["off", "teacher", "student"] = Field(
         default="off",
-        description="Hindsight beacons (opd_trainer/driver/beacons.py, seed 003): each trained turn whose "
+        description="Hindsight beacons (TurnSight's): each trained turn whose "
         "tool calls got an error answer (or, with a `beacon` component, each turn it writes feedback for) "
         "is written again by the teacher ('teacher') or the student's engines ('student'), with a beacon "
         "saying what the turn did and what the tools answered (or the component's feedback) in its "
@@ -421,7 +421,7 @@ class HyperParameters(_Strict):
         default=0.0,
         ge=0,
         description="Weight of a supervised term on the kept beacon rewrites (`beacon_rewrite`): their "
-        "tokens' mean negative log-likelihood, the improved action as a target (seed 003's SFT "
+        "tokens' mean negative log-likelihood, the improved action as a target (TurnSight's SFT "
         "positive) besides its place as a pair's chosen side. 0 (default): off.",
     )
     beacon_temperature: float = Field(

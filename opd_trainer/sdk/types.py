@@ -308,7 +308,7 @@ class AbstractRewardProcessor(abc.ABC):
 
 
 class AbstractBeaconProcessor(abc.ABC):
-    """Base of user beacon code (a `beacon` component, seed 003's hindsight beacons): one instance per
+    """Base of user beacon code (a `beacon` component, TurnSight's hindsight beacons): one instance per
     worker, `process` called concurrently, once per finished rollout of a step."""
 
     def setup(self) -> None:  # noqa: B027 -- an optional hook, deliberately a no-op

@@ -1,4 +1,4 @@
-"""Workflow and judge *functions* (AgentScope tuner's signatures, seed 002) as rollout and reward processors.
+"""Workflow and judge *functions* (AgentScope tuner's signatures) as rollout and reward processors.
 
 A component's classpath may name an `async def` instead of a processor class:
 

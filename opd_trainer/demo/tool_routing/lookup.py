@@ -20,7 +20,7 @@ right state without that answer 0.25, anything else 0 (`EpisodeScore.reward`).
 
 `make_episodes` writes the records (the opening only; the agent plays the rest against `run_tool`);
 `make_injected_episodes` writes records whose opening already holds one of `MISTAKES` made and answered
-with the backend's error (seed 003's self-correction subset: the agent is judged on the turns after it);
+with the backend's error (TurnSight's self-correction subset: the agent is judged on the turns after it);
 `make_samples` writes the training turns of the `lookup` tiny-model variant: the lookup, the call with
 the returned id, the repair after an error and the summary (`LOOKUP_CATEGORIES`). Both bucket a
 conversation by its opening (system prompt and first user turn) into the task's splits, so no
@@ -228,7 +228,7 @@ def make_injected_episodes(
     split: task.Split, n: int, seed: int = 0, mistakes: tuple[str, ...] = MISTAKES
 ) -> list[dict[str, Any]]:
     """`n` distinct episode records of `split` whose opening already holds a wrong turn answered with
-    the backend's error (`mistakes` cycle evenly; `rollout_extra.mistake` names it): seed 003's
+    the backend's error (`mistakes` cycle evenly; `rollout_extra.mistake` names it): TurnSight's
     self-correction subset, which validation's `agent/self_correction_success` reads (a history holding
     a tool error).
 

@@ -1,4 +1,4 @@
-"""Self-correction episodes on the tool-routing tools (seed 003's self-correction test, built on disk).
+"""Self-correction episodes on the tool-routing tools (TurnSight's self-correction test, built on disk).
 
 An episode is a user request for a movable tool (`task.MOVABLE_TOOLS`) with every argument given. In
 about half of them the item has moved: the agent's first, correct-looking call gets an error naming the
@@ -129,7 +129,7 @@ def score_episode(messages: list[dict[str, Any]], start: int, solution: str | di
 
 def make_injected_episodes(split: task.Split, n: int, seed: int = 0) -> list[dict[str, Any]]:
     """`n` distinct moved-item episodes of `split` whose opening already holds the first call and the
-    moved item's error (seed 003's self-correction subset: a history holding a tool error, which
+    moved item's error (TurnSight's self-correction subset: a history holding a tool error, which
     validation's `agent/self_correction_success` reads). The agent's part is the correction: the same
     call on the new id, then the summary; `solution` lists that one remaining call, and `score_episode`
     judges only what follows the opening, so the injected call is never counted as the agent's."""
