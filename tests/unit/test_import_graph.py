@@ -8,6 +8,7 @@ including under `try:`/`if`, but not inside a function and not under `if TYPE_CH
 from __future__ import annotations
 
 import ast
+import itertools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -151,6 +152,53 @@ def test_no_cycle_hidden_in_a_function() -> None:
     # other: the shared piece belongs to one of them (or to a third).
     cycle = _find_cycle(_graph("runtime"))
     assert cycle is None, "import cycle through a function-local import: " + " -> ".join(cycle or [])
+
+
+def _unit(module: str, packages: set[str]) -> str:
+    """The part of the code a module belongs to: its subpackage of `opd_trainer`/`api` (`opd_trainer.engine`)
+    when it sits in one, else the module itself (`opd_trainer.records`, `api.settings`)."""
+    parts = module.split(".")
+    top = ".".join(parts[:2])
+    return top if top in packages else module
+
+
+def _package_graph(kind: str = "all") -> tuple[dict[str, set[str]], dict[tuple[str, str], list[str]]]:
+    """Subpackage (or top-level module) -> those it imports, and for each edge the module imports behind
+    it. `kind` as `_graph`'s; by default every import counts, lazy and type-checking ones included."""
+    modules = _modules()
+    packages = {name for name, path in modules.items() if path.name == "__init__.py"}
+    graph: dict[str, set[str]] = {}
+    behind: dict[tuple[str, str], list[str]] = {}
+    for name, targets in _graph(kind).items():
+        source = _unit(name, packages)
+        graph.setdefault(source, set())
+        for target in targets:
+            unit = _unit(target, packages)
+            if unit != source:
+                graph[source].add(unit)
+                behind.setdefault((source, unit), []).append(f"{name} -> {target}")
+    return graph, behind
+
+
+def test_no_loop_between_packages() -> None:
+    # Packages sit in layers: no import of any kind (lazy, or for type checkers) may lead from a
+    # package back to itself through another. A module-level graph without cycles can still hide one
+    # (learner.a -> engine.b -> learner.c), and then neither package can be read, tested or moved alone.
+    graph, behind = _package_graph()
+    assert {"opd_trainer.engine", "opd_trainer.jobspec", "api.services"} <= set(graph), "units not found"
+    cycle = _find_cycle(graph)
+    if cycle:
+        edges = [f"{a} -> {b} ({'; '.join(behind[(a, b)][:3])})" for a, b in itertools.pairwise(cycle)]
+        raise AssertionError("package loop: " + " | ".join(edges))
+
+
+def test_the_package_loop_check_sees_a_loop() -> None:
+    # One import from the spec up to the driver (which reads the spec) is a loop the check must name.
+    graph, _ = _package_graph()
+    assert "opd_trainer.jobspec" in graph["opd_trainer.driver"]
+    graph["opd_trainer.jobspec"].add("opd_trainer.driver")
+    cycle = _find_cycle(graph)
+    assert cycle is not None and {"opd_trainer.jobspec", "opd_trainer.driver"} <= set(cycle)
 
 
 def test_client_imports_nothing_from_the_server() -> None:
