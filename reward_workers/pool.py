@@ -17,7 +17,7 @@ from opd_trainer.workers.pool import WorkerPool
 class RewardPool(WorkerPool):
     component_types = ("reward", "evaluator")
 
-    async def score(
+    async def reward(
         self,
         *,
         sample_id: str,
@@ -26,6 +26,9 @@ class RewardPool(WorkerPool):
         agent_output: AgentOutput,
         auxiliary_models: dict[str, ModelResource] | None = None,
     ) -> tuple[RewardOutput, list[dict[str, Any]]]:
+        """The component's reward of one finished rollout (its output, FAILED with the reason when the
+        call failed) and its trace spans."""
+
         def payload(attempt_id: int) -> RewardInput:
             return RewardInput(
                 ground_truth=ground_truth,

@@ -33,7 +33,7 @@ from opd_trainer.rollout.agent_eval import (
     pass_at_k,
     success_by_threshold,
 )
-from opd_trainer.rollout.runner import RolloutResult, scoring_failures, validation_metrics
+from opd_trainer.rollout.runner import RolloutResult, reward_failures, validation_metrics
 from opd_trainer.rollout.trajectory_view import scored_trajectories
 
 # Samples named in one validation's failure event (the count is always complete).
@@ -181,7 +181,7 @@ async def evaluate(
         )
         groups = [sampled[i * k : (i + 1) * k] for i in range(len(samples))]
         metrics[f"agent/pass_at_{k}"] = pass_at_k(groups, succeeded)
-    failures = scoring_failures(results)
+    failures = reward_failures(results)
     if failures:
         shown = ", ".join(f"{f['sample_id']} ({f['error'][:120]})" for f in failures[:REPORTED_FAILURES])
         emit(

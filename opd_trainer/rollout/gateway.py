@@ -3,7 +3,9 @@
 User rollout code talks to the student with any OpenAI client (openai, LangChain, ...) through this
 gateway. Each rollout gets its own API key; every call made with it is answered normally and
 recorded with the exact prompt token ids, completion token ids and sampler logprobs, which become
-that rollout's training segments. Unknown or closed keys get 401.
+that rollout's training segments. Unknown or closed keys get 401. Whoever ran the rollout closes its
+key at `POST /v1/rollouts/close` with the gateway's close secret, and the answer carries the record
+(`opd_trainer/recorded_calls.py`); a rollout key cannot close keys or read records.
 
 It speaks vLLM's own protocol: requests are parsed and validated by vLLM's `ChatCompletionRequest`
 and translated into sampling parameters by its `to_sampling_params`, as `vllm serve` does; answers,
@@ -66,6 +68,7 @@ from opd_trainer.cluster.ports import free_port
 from opd_trainer.cluster.process_usage import actor_usage
 from opd_trainer.engine.lengths import completion_room
 from opd_trainer.errors import ConfigError, EngineError
+from opd_trainer.recorded_calls import CLOSE_ROUTE, CLOSE_SECRET_HEADER, encode_recorded
 from opd_trainer.records import LLMCall
 from opd_trainer.rollout.chat_requests import (
     InvalidRequest,
@@ -266,6 +269,9 @@ class Gateway:
         self._server: uvicorn.Server | None = None
         self.base_url = ""
         self.calls_served = 0
+        self.close_secret = secrets.token_urlsafe(32)
+        """What closes keys over HTTP (`recorded_calls`): held by the driver and the workers it hands
+        a rollout to, never by user code."""
 
     # -- keys -----------------------------------------------------------------------------------
 
@@ -293,7 +299,8 @@ class Gateway:
         return [self.open_rollout(r.rollout_id, temperature=r.temperature, seed=r.seed) for r in rollouts]
 
     def close_rollout(self, key: str) -> list[LLMCall]:
-        """Ends the key (later calls get 401) and returns what it recorded, in call order."""
+        """Ends the key (later calls get 401) and returns what it recorded, in call order (the close
+        route's work, `app`)."""
         session = self._sessions.pop(key, None)
         return [] if session is None else session.calls
 
@@ -606,6 +613,22 @@ class Gateway:
 
             card = ModelCard(id=self.model_name, owned_by="opd", max_model_len=self.max_length)
             return JSONResponse(ModelList(data=[card]).model_dump())
+
+        @app.post(f"/v1{CLOSE_ROUTE}")
+        async def close_rollouts(raw: Request) -> Response:
+            """Closes the body's `keys` and answers what each recorded (`recorded_calls`); only for
+            the holder of the close secret: a rollout key is no credential here."""
+            given = raw.headers.get(CLOSE_SECRET_HEADER, "").encode()
+            if not secrets.compare_digest(given, self.close_secret.encode()):
+                return _error(HTTPStatus.UNAUTHORIZED, "closing keys takes the gateway's close secret")
+            try:
+                keys = (await raw.json())["keys"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                keys = None
+            if not (isinstance(keys, list) and all(isinstance(k, str) for k in keys)):
+                return _error(HTTPStatus.BAD_REQUEST, "the body must be {\"keys\": [str, ...]}", "keys")
+            recorded = encode_recorded([self.close_rollout(key) for key in keys])
+            return Response(recorded, media_type="application/json")
 
         @app.get("/health")
         async def health() -> dict[str, int | str]:

@@ -10,13 +10,13 @@ port, keys and records), so nothing a processor or the driver sees changes but t
 teacher engine puts its gateways there (the teacher's process has imported vLLM already, and it is idle
 while the student samples, which is when the gateways are busy), so a job start pays one vLLM import less.
 
-`GatewayRef` is one model's gateway as the rollout runner uses it: open a step's keys, close one.
+`GatewayRef` is one model's gateway as the rollout runner uses it: open a step's keys, and the secret
+that closes them over HTTP (`opd_trainer/recorded_calls.py`: whoever ran a rollout closes its key).
 """
 
 from __future__ import annotations
 
-import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -24,7 +24,6 @@ from ray.actor import ActorHandle
 
 from opd_trainer.cluster.process_usage import actor_usage
 from opd_trainer.engine.vllm_engine import Engine, EngineConfig
-from opd_trainer.records import LLMCall
 from opd_trainer.rollout.gateway import Gateway, RolloutKeyRequest
 
 
@@ -67,10 +66,9 @@ class GatewayHost:
     def open_rollouts(self, model_name: str, rollouts: list[RolloutKeyRequest]) -> list[str]:
         return self._gateway(model_name).open_rollouts(rollouts)
 
-    def close_rollouts(self, model_name: str, keys: list[str]) -> list[list[LLMCall]]:
-        """`Gateway.close_rollout` for each key, in one call; each key's calls, in the order asked."""
-        gateway = self._gateway(model_name)
-        return [gateway.close_rollout(key) for key in keys]
+    def close_secret(self, model_name: str) -> str:
+        """What closes `model_name`'s keys over HTTP (`Gateway.close_secret`)."""
+        return self._gateway(model_name).close_secret
 
     async def usage(self) -> dict[str, float]:
         """This process's CPU-seconds so far (all its gateways'), for metering."""
@@ -112,69 +110,19 @@ EngineWithGatewaysActor = ray.remote(EngineWithGateways)
 """`EngineWithGateways` as a Ray actor (started like `EngineActor`, `vllm_engine.start_located_engines`)."""
 
 
-# How long a closed key waits for others to close with it in one Ray call. A Ray call costs about
-# 0.5 ms of CPU on each side (measured on the 2-core box); a step's rollouts end in bursts (an engine
-# step finishes many at once), so one call per burst instead of one per rollout, for 2 ms of latency on
-# a rollout that lasts hundreds.
-CLOSE_WINDOW_S = 0.002
-
-
-@dataclass
-class _KeyCloser:
-    """Keys waiting to be closed together, the futures their callers await, and the running closes."""
-
-    waiting: dict[str, asyncio.Future[list[LLMCall]]] = field(default_factory=dict)
-    closing: set[asyncio.Task[None]] = field(default_factory=set)
-    loop: asyncio.AbstractEventLoop | None = None  # the loop the waiting futures belong to
-
-
 @dataclass(frozen=True)
 class GatewayRef:
     """One model's gateway inside a `GatewayHost` actor: the calls a rollout runner makes on it."""
 
     host: Any  # the GatewayHost actor's handle
     model_name: str
-    _closing: _KeyCloser = field(default_factory=_KeyCloser, init=False, repr=False, compare=False)
 
     async def open_rollouts(self, rollouts: list[RolloutKeyRequest]) -> list[str]:
         """A fresh key per rollout, in the order asked, in one Ray call (`Gateway.open_rollouts`)."""
         keys: list[str] = await self.host.open_rollouts.remote(self.model_name, rollouts)
         return keys
 
-    async def close_rollout(self, key: str) -> list[LLMCall]:
-        """Ends `key` and returns what it recorded (`Gateway.close_rollout`). Keys closed within
-        `CLOSE_WINDOW_S` of each other go in one Ray call (`GatewayHost.close_rollouts`)."""
-        closer = self._closing
-        loop = asyncio.get_running_loop()
-        if closer.loop is not loop:  # a ref used again from a new loop: the old loop's waits are gone
-            closer.waiting, closer.loop = {}, loop
-        if not closer.waiting:
-            loop.call_later(CLOSE_WINDOW_S, self._start_close, loop)
-        future = closer.waiting.get(key)
-        if future is None:
-            future = closer.waiting[key] = loop.create_future()
-        return await asyncio.shield(future)  # a caller cancelled must not cancel the others' close
-
-    def _start_close(self, loop: asyncio.AbstractEventLoop) -> None:
-        closer = self._closing
-        batch, closer.waiting = closer.waiting, {}
-        task = loop.create_task(self._close(batch))
-        closer.closing.add(task)  # held until done: the loop keeps only a weak reference
-        task.add_done_callback(closer.closing.discard)
-
-    async def _close(self, batch: dict[str, asyncio.Future[list[LLMCall]]]) -> None:
-        try:
-            keys = list(batch)
-            recorded: list[list[LLMCall]] = await self.host.close_rollouts.remote(self.model_name, keys)
-        except asyncio.CancelledError:
-            for future in batch.values():
-                future.cancel()
-            raise
-        except Exception as exc:  # every caller of the batch sees the call's failure
-            for future in batch.values():
-                if not future.done():
-                    future.set_exception(exc)
-            return
-        for future, calls in zip(batch.values(), recorded, strict=True):
-            if not future.done():
-                future.set_result(calls)
+    async def close_secret(self) -> str:
+        """The gateway's close secret (`GatewayHost.close_secret`)."""
+        secret: str = await self.host.close_secret.remote(self.model_name)
+        return secret

@@ -1,10 +1,13 @@
-"""A step's rollouts: sampled through the recording gateway, then scored by the reward components.
+"""A step's rollouts: sampled through the recording gateway, then rewarded by the reward components.
 
 Model OPD (no rollout component): the built-in rollout is one chat completion per (prompt, rollout)
 with the sample's messages and tools, sent to the gateway like any client would — one sampling path.
 Agentic OPD: the user's rollout processor runs in the rollout pool and calls the gateway itself, any
-number of times, with the per-rollout key it was given. Either way the gateway's record of each call
-becomes one training segment.
+number of times, with the per-rollout key it was given; the step's rollouts go to the pool together
+(one Ray call per worker) and each comes back as it ends, with the calls its key recorded (its worker
+closed the key, `opd_trainer/recorded_calls.py`). Either way the gateway's record of each call
+becomes one training segment; keys nobody closed yet (the built-in rollout's, the auxiliary models',
+a rollout whose worker was lost) the runner closes over the same HTTP route.
 
 Task reward R = Σ_c weight_c · (reward_score_c + Σ_m reward_metric_weight_c[m] · reward_metrics_c[m]);
 `ground_truth` is `rollout_extra.ground_truth`, else `rollout_extra.solution`. Failed rollouts
@@ -13,7 +16,7 @@ are counted and carry no loss.
 
 Validation runs the same rollouts (one per sample, greedy) and, when the job has an evaluator
 component, scores each with it too; `validation_metrics` aggregates what every job has (rewards,
-the evaluator's metrics) and `scoring_failures` names the samples that could not be scored.
+the evaluator's metrics) and `reward_failures` names the samples that could not be rewarded or scored.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import asyncio
 import json
 import logging
 import math
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -29,18 +33,20 @@ import aiohttp
 
 from opd_trainer.jobspec.dataset import Sample, ground_truth_of
 from opd_trainer.jobspec.job_spec import FunctionComponent
+from opd_trainer.recorded_calls import close_keys
 from opd_trainer.records import LLMCall
 from opd_trainer.rollout.gateway import RolloutKeyRequest
 from opd_trainer.rollout.gateway_host import GatewayRef
 from opd_trainer.rollout.trajectory_view import CallTokens, mean_log_ratio
 from opd_trainer.sdk import PROMPT_MESSAGES_KEY, AgentOutput, ModelResource, TaskStatus, is_rollout_failure
 from opd_trainer.stats import mean
+from rollout_workers.pool import RolloutRequest
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from reward_workers.pool import RewardPool
-    from rollout_workers.pool import RolloutPool
+    from rollout_workers.pool import RolloutAnswer, RolloutPool
 
 logger = logging.getLogger(__name__)
 
@@ -197,6 +203,7 @@ class RolloutRunner:
         self.evaluator_pool = evaluator_pool
         self.auxiliary_models = auxiliary_models or {}
         self._http: aiohttp.ClientSession | None = None
+        self._close_secrets: dict[str, str] = {}  # each gateway's (by base URL), asked once
 
     def _session(self) -> aiohttp.ClientSession:
         """The built-in rollout's HTTP client, made on the driver's event loop at first use. aiohttp, not
@@ -215,7 +222,8 @@ class RolloutRunner:
             await self._http.close()
             self._http = None
 
-    async def _builtin(self, result: RolloutResult, key: str, seed: int) -> None:
+    async def _builtin(self, result: RolloutResult, key: str, seed: int) -> list[LLMCall] | None:
+        """One chat completion; its key's calls are left to `_sample_and_reward` to collect (None)."""
         sample = result.sample
         body: dict[str, Any] = {
             "model": STUDENT_MODEL_NAME,
@@ -230,7 +238,7 @@ class RolloutRunner:
         )
         if status != 200:
             result.error = f"gateway answered {status}: {answer.decode(errors='replace')[:500]}"
-            return
+            return None
         # vLLM's message lists every field, most of them null (refusal, audio, ...): the conversation
         # keeps those that are set, as an OpenAI client's `model_dump(exclude_none=True)` does.
         message = {k: v for k, v in json.loads(answer)["choices"][0]["message"].items() if v is not None}
@@ -241,36 +249,83 @@ class RolloutRunner:
             messages=result.messages,
             rollout_extra={**sample.rollout_extra, PROMPT_MESSAGES_KEY: len(sample.messages)},
         )
+        return None
 
-    async def _agentic(
-        self, result: RolloutResult, key: str, seed: int, auxiliary: dict[str, ModelResource]
-    ) -> None:
+    def _agentic(
+        self, results: list[RolloutResult], seeds: list[int], keys: list[RolloutKeys]
+    ) -> list[Awaitable[RolloutAnswer]]:
+        """The rollouts of `results`, submitted to the rollout pool together (`RolloutPool.rollouts`)."""
         assert self.rollout_pool is not None
-        sample = result.sample
-        output, spans, attempt = await self.rollout_pool.rollout(
-            sample_id=sample.sample_id,
-            rollout_id=result.rollout_id,
-            messages=sample.messages,
-            tools=sample.tools,
-            ground_truth=ground_truth_of(sample),
-            rollout_extra=sample.rollout_extra,
-            sampling_params={"temperature": self.temperature, "max_tokens": self.max_tokens, "seed": seed},
-            model_resource=ModelResource(model_name=STUDENT_MODEL_NAME, base_url=self.base_url, api_key=key),
-            auxiliary_models=auxiliary,
-        )
-        result.spans, result.attempt_id = spans, attempt
+        requests = [
+            RolloutRequest(
+                sample_id=result.sample.sample_id,
+                rollout_id=result.rollout_id,
+                messages=result.sample.messages,
+                tools=result.sample.tools,
+                ground_truth=ground_truth_of(result.sample),
+                rollout_extra=result.sample.rollout_extra,
+                sampling_params={
+                    "temperature": self.temperature,
+                    "max_tokens": self.max_tokens,
+                    "seed": seed,
+                },
+                model_resource=ModelResource(
+                    model_name=STUDENT_MODEL_NAME, base_url=self.base_url, api_key=key
+                ),
+                auxiliary_models=auxiliary,
+            )
+            for result, seed, (key, auxiliary) in zip(results, seeds, keys, strict=True)
+        ]
+        return self.rollout_pool.rollouts(requests, self._close_secrets[self.base_url])
+
+    @staticmethod
+    async def _agentic_result(
+        result: RolloutResult, answer: Awaitable[RolloutAnswer]
+    ) -> list[LLMCall] | None:
+        """Fills `result` with its rollout's answer; returns the calls its worker collected, if any."""
+        rollout = await answer
+        output = rollout.output
+        result.spans, result.attempt_id = rollout.spans, rollout.attempt_id
         result.agent_output = output.agent_output
         if output.agent_output is not None:
             result.messages = output.agent_output.messages
             result.rollout_metrics = dict(output.agent_output.rollout_metrics)
         if is_rollout_failure(output):
             result.error = output.error or "rollout reported failure"
+        return rollout.calls
+
+    def _sample(
+        self, results: list[RolloutResult], seeds: list[int], keys: list[RolloutKeys]
+    ) -> list[Awaitable[list[LLMCall] | None]]:
+        """Starts each rollout: one awaitable per result that fills it and returns the calls its key
+        recorded when it has them already (an agentic rollout's worker closed the key), else None."""
+        if self.rollout_pool is None:
+            return [
+                self._builtin(r, key, seed) for r, seed, (key, _) in zip(results, seeds, keys, strict=True)
+            ]
+        answers = self._agentic(results, seeds, keys)
+        return [self._agentic_result(r, answer) for r, answer in zip(results, answers, strict=True)]
+
+    async def _learn_close_secrets(self) -> None:
+        """Each gateway's close secret (`GatewayRef.close_secret`), asked once."""
+        gateways = {self.base_url: self.gateway}
+        gateways |= {model.base_url: model.gateway for model in self.auxiliary_models.values()}
+        for base_url, gateway in gateways.items():
+            if base_url not in self._close_secrets:
+                self._close_secrets[base_url] = await gateway.close_secret()
+
+    async def _close(self, base_url: str, key: str) -> list[LLMCall]:
+        """Closes `key` on the gateway at `base_url`; its recorded calls (`recorded_calls.close_keys`)."""
+        [calls] = await close_keys(self._session(), base_url, self._close_secrets[base_url], [key])
+        return calls
 
     async def _open_keys(
         self, rollout_ids: list[str], seeds: list[int], temperature: float | None
     ) -> list[RolloutKeys]:
         """For each rollout, its student key (sampling at `temperature`, None: the job's) and a greedy key
-        per auxiliary model, opened in one Ray call per gateway rather than one per rollout."""
+        per auxiliary model, opened in one Ray call per gateway rather than one per rollout (and, the
+        first time, each gateway's close secret)."""
+        await self._learn_close_secrets()
         student = await self.gateway.open_rollouts(
             [RolloutKeyRequest(r, temperature, seed) for r, seed in zip(rollout_ids, seeds, strict=True)]
         )
@@ -288,55 +343,53 @@ class RolloutRunner:
     async def _one(
         self,
         result: RolloutResult,
-        seed: int,
+        sampling: Awaitable[list[LLMCall] | None],
         keys: RolloutKeys,
         *,
         validating: bool = False,
     ) -> RolloutResult:
-        """One rollout with its keys (see `_open_keys`), rewarded (and, when validating, evaluated); its
-        keys are closed when it ends."""
+        """One rollout under way (`_sample`) with its keys (see `_open_keys`), rewarded (and, when
+        validating, evaluated); its keys are closed when it ends."""
         key, auxiliary = keys
         try:
-            await self._sample_and_score(result, key, seed, auxiliary, validating)
+            await self._sample_and_reward(result, sampling, key, auxiliary, validating)
         finally:
             result.auxiliary_calls = await self._close_auxiliary(auxiliary)
         return result
 
-    async def _sample_and_score(
+    async def _sample_and_reward(
         self,
         result: RolloutResult,
+        sampling: Awaitable[list[LLMCall] | None],
         key: str,
-        seed: int,
         auxiliary: dict[str, ModelResource],
         validating: bool,
     ) -> None:
+        recorded: list[LLMCall] | None = None
         try:
-            if self.rollout_pool is None:
-                await self._builtin(result, key, seed)
-            else:
-                await self._agentic(result, key, seed, auxiliary)
+            recorded = await sampling
         except Exception as exc:  # one broken rollout must not fail the step
             result.error = f"{type(exc).__name__}: {exc}"
         finally:
-            result.calls = await self.gateway.close_rollout(key)
+            result.calls = recorded if recorded is not None else await self._close(self.base_url, key)
         if result.failed:
             return
         # The evaluator first: a reward that fails must not hide the sample from the evaluator.
         if validating and self.evaluator_pool is not None:
             await self._evaluate(result, auxiliary)
-        await self._score(result, auxiliary)
+        await self._reward(result, auxiliary)
 
     async def _close_auxiliary(self, resources: dict[str, ModelResource]) -> int:
         """Ends the auxiliary keys; their recorded calls are counted and dropped."""
         calls = 0
         for name, resource in resources.items():
-            gateway = self.auxiliary_models[name].gateway
-            calls += len(await gateway.close_rollout(resource.api_key.get_secret_value()))
+            base_url = self.auxiliary_models[name].base_url
+            calls += len(await self._close(base_url, resource.api_key.get_secret_value()))
         return calls
 
     async def _evaluate(self, result: RolloutResult, auxiliary: dict[str, ModelResource]) -> None:
         assert self.evaluator_pool is not None
-        output, spans = await self.evaluator_pool.score(
+        output, spans = await self.evaluator_pool.reward(
             sample_id=result.sample.sample_id,
             rollout_id=result.rollout_id,
             ground_truth=ground_truth_of(result.sample),
@@ -357,15 +410,15 @@ class RolloutRunner:
         result.eval_score = values.pop("eval_score")
         result.eval_metrics = values
 
-    async def _score(self, result: RolloutResult, auxiliary: dict[str, ModelResource]) -> None:
+    async def _reward(self, result: RolloutResult, auxiliary: dict[str, ModelResource]) -> None:
         agent_output = result.agent_output or AgentOutput(messages=result.messages)
         if not self.reward_pools:
-            # A rollout processor may score itself (Bailian's AgentOutput.reward_score).
+            # A rollout processor may reward itself (Bailian's AgentOutput.reward_score).
             result.reward = float(agent_output.reward_score or 0.0)
             return
         outputs = await asyncio.gather(
             *(
-                pool.score(
+                pool.reward(
                     sample_id=result.sample.sample_id,
                     rollout_id=result.rollout_id,
                     ground_truth=ground_truth_of(result.sample),
@@ -382,14 +435,14 @@ class RolloutRunner:
             if output.status == TaskStatus.FAILED or output.reward is None:
                 result.error = f"reward {name} failed: {output.error or 'no reward'}"
                 return
-            score = float(output.reward.reward_score)
-            if not math.isfinite(score):
-                result.error = f"reward {name} returned a non-finite score {score}"
+            value = float(output.reward.reward_score)
+            if not math.isfinite(value):
+                result.error = f"reward {name} returned a non-finite reward_score {value}"
                 return
             metrics = {k: float(v) for k, v in output.reward.reward_metrics.items()}
-            result.component_rewards[name] = score
+            result.component_rewards[name] = value
             result.reward_metrics.update({f"{name}/{k}": v for k, v in metrics.items()})
-            total += component_reward(pool.component, score, metrics)
+            total += component_reward(pool.component, value, metrics)
         result.reward = total
 
     async def run(
@@ -408,14 +461,17 @@ class RolloutRunner:
         results = self._results(samples, n_rollouts, f"s{step}")
         seeds = seeds[: len(results)]
         keys = await self._open_keys([r.rollout_id for r in results], seeds, None)
+        sampling = self._sample(results, seeds, keys)
 
-        async def one(result: RolloutResult, seed: int, rollout_keys: RolloutKeys) -> RolloutResult:
-            await self._one(result, seed, rollout_keys)
+        async def one(
+            result: RolloutResult, sampled: Awaitable[list[LLMCall] | None], rollout_keys: RolloutKeys
+        ) -> RolloutResult:
+            await self._one(result, sampled, rollout_keys)
             if on_result is not None:
                 on_result(result)
             return result
 
-        return list(await asyncio.gather(*(one(*job) for job in zip(results, seeds, keys, strict=True))))
+        return list(await asyncio.gather(*(one(*job) for job in zip(results, sampling, keys, strict=True))))
 
     async def validate(
         self,
@@ -426,15 +482,16 @@ class RolloutRunner:
         per_sample: int = 1,
         temperature: float = 0.0,
     ) -> list[RolloutResult]:
-        """`per_sample` rollouts of each sample (in sample order; group id = sample position), scored by
-        the rewards and the evaluator (if any). Greedy by default, so the same weights always give the
+        """`per_sample` rollouts of each sample (in sample order; group id = sample position), rewarded
+        and scored by the evaluator (if any). Greedy by default, so the same weights always give the
         same validation numbers; pass@k samples at a temperature."""
         results = self._results(samples, per_sample, tag)
         seeds = seeds[: len(results)]
         keys = await self._open_keys([r.rollout_id for r in results], seeds, temperature)
+        sampling = self._sample(results, seeds, keys)
         return list(
             await asyncio.gather(
-                *(self._one(*job, validating=True) for job in zip(results, seeds, keys, strict=True))
+                *(self._one(*job, validating=True) for job in zip(results, sampling, keys, strict=True))
             )
         )
 
@@ -512,7 +569,7 @@ def _scored(result: RolloutResult, value: float | None) -> float:
     return 0.0 if result.failed or result.eval_error or value is None else float(value)
 
 
-def scoring_failures(results: list[RolloutResult]) -> list[dict[str, str]]:
+def reward_failures(results: list[RolloutResult]) -> list[dict[str, str]]:
     """Each sample that failed its rollout, a reward or the evaluator: its id and the first error."""
     failures = []
     for r in results:

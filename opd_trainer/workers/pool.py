@@ -24,26 +24,36 @@ resource its user-code worker group advertises), every worker requires one unit 
 so user code runs only on those pods, which mount no data volume. Unset (the embedded default), workers
 go wherever Ray has room.
 
-`WorkerPool` places workers, dispatches calls to the least-loaded one, queues when all are full, and asks
-the shared `Autoscaler` every `autoscale_interval_s` how many workers it should have.
+`WorkerPool` places workers, hands queued calls to the least-loaded ones with a free slot (each worker
+runs at most `concurrency` at once; the rest wait in the pool), and asks the shared `Autoscaler` every
+`autoscale_interval_s` how many workers it should have. The calls dispatched in one loop turn (a step's
+rollouts, submitted together) go to each worker in one Ray call, a streaming generator
+(`ProcessorWorker.calls`) that yields each call's answer as it ends, so the driver still reacts to each
+rollout on its own and timeouts, retries and the autoscaler's count stay per call. A rollout's worker
+closes its gateway key once the user's `process` returned and returns the recorded calls with the
+answer (`opd_trainer/recorded_calls.py`): the driver makes no call of its own to collect them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, TaskCancelledError
 
 from opd_trainer.cluster.process_usage import process_tree_cpu_seconds
 from opd_trainer.errors import ProcessorLoadError
 from opd_trainer.jobspec.job_spec import FunctionComponent
+from opd_trainer.recorded_calls import GatewayKey, close_key
 from opd_trainer.sdk import TaskStatus
 from opd_trainer.sdk.types import PROCESSOR_KINDS, method_of
 from opd_trainer.storage.zips import pack_workspace
@@ -88,6 +98,17 @@ def grace_s(timeout_s: float) -> float:
     return max(TIMEOUT_GRACE_S, TIMEOUT_GRACE_FRACTION * timeout_s)
 
 
+@dataclass(frozen=True)
+class WorkerCall:
+    """One call as a worker gets it: the input, the rollout it is for, and (a rollout's) the gateway
+    key whose recorded calls the worker returns with the answer. The key's secret stays in the
+    worker: the sandbox gets the payload only."""
+
+    payload: Any
+    rollout_id: str
+    record_key: GatewayKey | None = None
+
+
 class ProcessorWorker:
     """A trusted worker: holds one sandboxed processor process and relays calls to it."""
 
@@ -112,6 +133,7 @@ class ProcessorWorker:
         self.server = server
         self.memory_limit_mb = component.runtime.memory_size
         self.sandboxed: Any = None  # the SandboxedProcessor, once `load` has chosen its mode
+        self._client: aiohttp.ClientSession | None = None
 
     async def load(self) -> str:
         """Starts the sandbox and the user's `setup()`; raises `ProcessorLoadError` naming the cause."""
@@ -139,14 +161,38 @@ class ProcessorWorker:
         )
         return await self.sandboxed.start()
 
-    async def call(self, payload: Any, rollout_id: str) -> dict[str, Any]:
-        """One `process` call (or, for a `BeaconVerifyInput`, `verify`); returns {"output", "spans",
-        "seconds"} (+ "lost", "retry" when the sandbox is gone), never raises for user faults."""
+    async def calls(self, batch: list[WorkerCall]) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+        """Runs a batch of calls at once and yields `(index in batch, answer)` as each ends (a Ray
+        streaming generator: `num_returns="streaming"`). Cancelling it cancels the calls still running."""
+        running = [asyncio.ensure_future(self._call(index, call)) for index, call in enumerate(batch)]
+        try:
+            for answer in asyncio.as_completed(running):
+                yield await answer
+        finally:
+            for task in running:
+                task.cancel()
 
-        method, output_type = method_of(payload)
+    async def _call(self, index: int, call: WorkerCall) -> tuple[int, dict[str, Any]]:
+        """One `process` call (or, for a `BeaconVerifyInput`, `verify`): {"output", "spans", "seconds"}
+        (+ "lost", "retry" when the sandbox is gone), never raising for user faults. With a
+        `record_key`, the key is closed once the call has answered and its recorded calls come along
+        as "calls" (left out when the gateway could not be asked: the driver closes the key then)."""
+        method, output_type = method_of(call.payload)
         if output_type is None:  # not one of the SDK's inputs: validated as the kind's output
             output_type = PROCESSOR_KINDS[self.kind][1]
-        return await self.sandboxed.call(payload, rollout_id, output_type, method)
+        answer = await self.sandboxed.call(call.payload, call.rollout_id, output_type, method)
+        if call.record_key is not None and "lost" not in answer:
+            try:
+                answer["calls"] = await close_key(self._http(), call.record_key)
+            except (aiohttp.ClientError, ConnectionError, TimeoutError) as exc:
+                logger.warning("%s: closing its gateway key failed (%r)", call.rollout_id, exc)
+        return index, answer
+
+    def _http(self) -> aiohttp.ClientSession:
+        """The client that closes rollout keys on their gateway, made on the actor's loop at first use."""
+        if self._client is None:
+            self._client = aiohttp.ClientSession()
+        return self._client
 
     async def confinement(self) -> str:
         """What holds the user's code (sandbox, network, user, limits), for the job's events."""
@@ -162,11 +208,43 @@ class ProcessorWorker:
         }
 
     async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
         if self.sandboxed is not None:
             await self.sandboxed.close()
 
 
 ProcessorWorkerActor = ray.remote(ProcessorWorker)
+
+
+@dataclass(frozen=True)
+class ProcessorCall:
+    """One call a pool runs: `make_payload(attempt_id)` builds its input (an attempt after a worker
+    died gets a higher id); `record_key` as in `WorkerCall`."""
+
+    make_payload: Callable[[int], Any]
+    rollout_id: str
+    record_key: GatewayKey | None = None
+
+
+@dataclass(eq=False)
+class _Queued:
+    """A submitted call, from the queue to its answer."""
+
+    call: ProcessorCall
+    answer: asyncio.Future[dict[str, Any]]
+    attempt: int = 0
+    started: float = 0.0  # when it was last sent
+    timer: asyncio.TimerHandle | None = None  # its `call_timeout_s`, while it is on a worker
+
+
+@dataclass(eq=False)
+class _Batch:
+    """Calls sent to one worker in one streaming call; `open`: those not settled yet, by index."""
+
+    worker: Any
+    open: dict[int, _Queued]
+    stream: Any = None  # the ObjectRefGenerator, once sent
 
 
 class WorkerPool:
@@ -206,7 +284,7 @@ class WorkerPool:
             on_event=on_event,
         )
         self._workers: list[Any] = []
-        self._in_flight: dict[Any, int] = {}
+        self._in_flight: dict[Any, int] = {}  # calls sent to each worker and not answered yet
         # Workers the pool killed on purpose, and why: their calls fail with that reason, not a retry.
         self._killed: dict[Any, str] = {}
         self._starting = 0  # workers being started: they count against max_capacity
@@ -216,8 +294,9 @@ class WorkerPool:
         self.confinement: str | None = None  # what the first worker reported, for the job's events
         self._requirements: list[str] = []
         self._resources = user_code_resources()
-        self._queued = 0
-        self._free = asyncio.Condition()
+        self._queue: collections.deque[_Queued] = collections.deque()  # calls waiting for a free slot
+        self._dispatching: asyncio.Handle | None = None  # the dispatch this loop turn has scheduled
+        self._tasks: set[asyncio.Task[None]] = set()  # batches in flight, workers being replaced
         self._workspace_ref: Any = None
         self._autoscale_task: asyncio.Task[None] | None = None
         self.calls = 0
@@ -284,100 +363,202 @@ class WorkerPool:
         await asyncio.gather(*(self._new_worker() for _ in range(initial)))
         self._autoscale_task = asyncio.get_running_loop().create_task(self._autoscale_loop())
 
-    async def _acquire(self) -> Any:
-        concurrency = self.component.runtime.concurrency
-        async with self._free:
-            self._queued += 1
-            try:
-                while True:
-                    ready = [w for w in self._workers if self._in_flight[w] < concurrency]
-                    if ready:
-                        worker = min(ready, key=self._in_flight.__getitem__)
-                        self._in_flight[worker] += 1
-                        return worker
-                    await self._free.wait()
-            finally:
-                self._queued -= 1
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)  # held until done: the loop keeps only a weak reference
+        task.add_done_callback(self._tasks.discard)
 
-    async def _release(self, worker: Any) -> None:
-        async with self._free:
-            if worker in self._in_flight:
-                self._in_flight[worker] -= 1
-            self._free.notify_all()
+    def _dispatch_soon(self) -> None:
+        """Dispatches at the end of this loop turn, so that calls submitted or slots freed in one turn
+        go out together: one Ray call per worker."""
+        if self._dispatching is None:
+            self._dispatching = asyncio.get_running_loop().call_soon(self._dispatch)
+
+    def _dispatch(self) -> None:
+        """Hands the queued calls to the least-loaded workers with a free slot (`concurrency` calls in
+        flight each) and sends each worker its share in one streaming call (`_run_batch`)."""
+        self._dispatching = None
+        concurrency = self.component.runtime.concurrency
+        batches: dict[Any, list[_Queued]] = {}
+        while self._queue:
+            ready = [w for w in self._workers if self._in_flight[w] < concurrency]
+            if not ready:
+                break
+            queued = self._queue.popleft()
+            if queued.answer.done():  # cancelled while it waited
+                continue
+            worker = min(ready, key=self._in_flight.__getitem__)
+            self._in_flight[worker] += 1
+            batches.setdefault(worker, []).append(queued)
+        for worker, batch in batches.items():
+            self._spawn(self._run_batch(_Batch(worker, dict(enumerate(batch)))))
+
+    def _release(self, worker: Any) -> None:
+        if worker in self._in_flight:
+            self._in_flight[worker] -= 1
+            self._dispatch_soon()
 
     async def _add_worker_within_max(self) -> bool:
         """Starts one worker unless running + starting workers already reach `max_capacity`."""
-        async with self._free:
-            if len(self._workers) + self._starting >= self.autoscaler.settings.max_capacity:
-                return False
-            self._starting += 1
+        if len(self._workers) + self._starting >= self.autoscaler.settings.max_capacity:
+            return False
+        self._starting += 1
         try:
             await self._new_worker()
         finally:
             self._starting -= 1
-        async with self._free:
-            self._free.notify_all()
+        self._dispatch_soon()
         return True
 
-    async def _replace(self, dead: Any, reason: str = "died") -> None:
-        """Drops `dead` and starts one replacement; calls that lost the same worker start none."""
-        async with self._free:
-            if dead not in self._in_flight:
-                return
-            self._workers.remove(dead)
-            del self._in_flight[dead]
-            self.replaced += 1
-        logger.warning("[%s] %s worker %s; starting a replacement", self.job_id, self.component.name, reason)
+    async def _add_replacement(self) -> None:
         try:
             await self._add_worker_within_max()
         except Exception as exc:  # the autoscaler retries from min_capacity on its next tick
             logger.error("[%s] replacing a %s worker failed: %s", self.job_id, self.component.name, exc)
 
-    async def _kill(self, worker: Any, reason: str) -> None:
-        """Kills a worker on purpose (blocked or over its memory), records why, and replaces it."""
+    def _replace(self, dead: Any, reason: str = "died") -> None:
+        """Drops `dead` and starts one replacement; calls that lost the same worker start none."""
+        if dead not in self._in_flight:
+            return
+        self._workers.remove(dead)
+        del self._in_flight[dead]
+        self.replaced += 1
+        logger.warning("[%s] %s worker %s; starting a replacement", self.job_id, self.component.name, reason)
+        self._spawn(self._add_replacement())
+
+    def _kill(self, worker: Any, reason: str) -> None:
+        """Kills a worker on purpose (blocked or over its memory), records why, and replaces it: its
+        calls fail with that reason instead of being retried."""
         self._killed[worker] = reason
         ray.kill(worker)
-        await self._replace(worker, reason)
+        self._replace(worker, reason)
+
+    def submit(self, calls: list[ProcessorCall]) -> list[asyncio.Future[dict[str, Any]]]:
+        """Queues `calls`; each future gets its call's answer: {"output", "spans", "seconds",
+        "attempt_id"} (+ "calls": a rollout's recorded calls, when its worker returned them).
+
+        Calls submitted in one loop turn go out together, each worker's share in one Ray call whose
+        answers stream back as each call ends. A call runs at most `call_timeout_s` on its worker; a
+        worker that dies takes its unanswered calls to other workers (`attempt_id + 1`, at most
+        `MAX_ATTEMPTS` times). Failures come as a FAILED output naming the cause, never as an
+        exception. Cancelling a future gives up its call (the worker's batch is cancelled once none of
+        its calls is wanted)."""
+        loop = asyncio.get_running_loop()
+        queued = [_Queued(call, loop.create_future()) for call in calls]
+        self._queue.extend(queued)
+        self._dispatch_soon()
+        return [q.answer for q in queued]
 
     async def run(self, make_payload: Callable[[int], Any], rollout_id: str) -> dict[str, Any]:
-        """Runs one call; `make_payload(attempt_id)` builds the input. Retries on worker death."""
-        for attempt in range(MAX_ATTEMPTS):
-            worker = await self._acquire()
-            started = time.perf_counter()
-            try:
-                result = await asyncio.wait_for(
-                    worker.call.remote(make_payload(attempt), rollout_id), self.call_timeout_s
-                )
-            except TimeoutError:
-                await self._release(worker)
-                reason = (
-                    f"timed out after {self.component.timeout:g}s and its worker did not answer "
-                    "(synchronous code blocking the event loop?); the worker was restarted"
-                )
-                await self._kill(worker, reason)
-                return self._failure(reason, attempt, time.perf_counter() - started)
-            except RayActorError:
-                await self._release(worker)
-                if worker in self._killed:  # killed on purpose: the call caused it, do not retry
-                    return self._failure(self._killed[worker], attempt, time.perf_counter() - started)
-                self.retries += 1
-                await self._replace(worker)
+        """One call (`submit`); `make_payload(attempt_id)` builds its input."""
+        [answer] = self.submit([ProcessorCall(make_payload, rollout_id)])
+        return await answer
+
+    async def _run_batch(self, batch: _Batch) -> None:
+        """Sends `batch` to its worker in one streaming call and settles each call as its answer comes
+        (`_settle`), or when it times out (`_timed_out`); a worker lost under the batch fails or retries
+        what it still owed (`_lost_worker`)."""
+        loop = asyncio.get_running_loop()
+        requests = []
+        for index, queued in batch.open.items():
+            queued.started = time.perf_counter()
+            queued.timer = loop.call_later(self.call_timeout_s, self._timed_out, batch, index)
+            queued.answer.add_done_callback(lambda _, b=batch: self._abandon_if_unwanted(b))
+            payload = queued.call.make_payload(queued.attempt)
+            requests.append(WorkerCall(payload, queued.call.rollout_id, queued.call.record_key))
+        batch.stream = batch.worker.calls.options(num_returns="streaming").remote(requests)
+        try:
+            async for ref in batch.stream:
+                index, answer = await ref
+                self._settle(batch, index, answer)
+        except TaskCancelledError:  # no caller wanted its calls any more (`_abandon_if_unwanted`)
+            pass
+        except RayActorError:
+            self._lost_worker(batch)
+        except asyncio.CancelledError:  # the pool shuts down
+            for index in list(batch.open):
+                self._take(batch, index).answer.cancel()
+            raise
+        except Exception:  # a fault of the worker's own code: its calls fail, naming it
+            logger.exception("[%s] a %s batch failed", self.job_id, self.component.name)
+        for index in list(batch.open):
+            queued = self._take(batch, index)
+            if not queued.answer.done():
+                self._fail(queued, "its worker ended the batch without answering it (see the job's log)")
+
+    def _take(self, batch: _Batch, index: int) -> _Queued:
+        """Removes a call from its batch (it is settled now): its timer stops, its slot is free."""
+        queued = batch.open.pop(index)
+        if queued.timer is not None:
+            queued.timer.cancel()
+        self._release(batch.worker)
+        return queued
+
+    def _settle(self, batch: _Batch, index: int, answer: dict[str, Any]) -> None:
+        if index not in batch.open:  # timed out already
+            return
+        queued = self._take(batch, index)
+        if queued.answer.done():  # its caller gave up on it
+            return
+        lost = answer.pop("lost", None)
+        if lost is not None:  # the sandbox is gone: replace its worker
+            if answer.pop("retry"):  # it exited, as a dying worker would: send the call again
+                ray.kill(batch.worker)  # its other calls see a dead worker and are retried too
+                self._replace(batch.worker, lost)
+                self._retry(queued)
+            else:
+                self._kill(batch.worker, lost)
+                self._fail(queued, lost, answer["seconds"])
+            return
+        self.calls += 1
+        self.call_seconds += float(answer.get("seconds", 0.0))
+        answer["attempt_id"] = queued.attempt
+        queued.answer.set_result(answer)
+
+    def _timed_out(self, batch: _Batch, index: int) -> None:
+        """A call's answer is `call_timeout_s` late: its worker is taken to be blocked and killed."""
+        queued = self._take(batch, index)
+        queued.timer = None
+        reason = (
+            f"timed out after {self.component.timeout:g}s and its worker did not answer "
+            "(synchronous code blocking the event loop?); the worker was restarted"
+        )
+        self._kill(batch.worker, reason)
+        if not queued.answer.done():
+            self._fail(queued, reason, time.perf_counter() - queued.started)
+
+    def _lost_worker(self, batch: _Batch) -> None:
+        """The worker died (or the pool killed it) with calls of `batch` unanswered: calls of a worker
+        killed on purpose fail with its reason; the others go to another worker."""
+        killed = self._killed.get(batch.worker)
+        if killed is None and batch.open:
+            self._replace(batch.worker)
+        for index in list(batch.open):
+            queued = self._take(batch, index)
+            if queued.answer.done():
                 continue
-            await self._release(worker)
-            lost = result.pop("lost", None)
-            if lost is not None:  # the sandbox is gone: replace its worker
-                if result.pop("retry"):  # it exited, as a dying worker would: send the call again
-                    self.retries += 1
-                    ray.kill(worker)  # its other calls see a dead worker and are retried too
-                    await self._replace(worker, lost)
-                    continue
-                await self._kill(worker, lost)
-                return self._failure(lost, attempt, result["seconds"])
-            self.calls += 1
-            self.call_seconds += float(result.get("seconds", 0.0))
-            result["attempt_id"] = attempt
-            return result
-        return self._failure(f"worker died {MAX_ATTEMPTS} times", MAX_ATTEMPTS - 1, 0.0)
+            if killed is not None:
+                self._fail(queued, killed, time.perf_counter() - queued.started)
+            else:
+                self._retry(queued)
+
+    def _retry(self, queued: _Queued) -> None:
+        self.retries += 1
+        if queued.attempt + 1 >= MAX_ATTEMPTS:
+            self._fail(queued, f"worker died {MAX_ATTEMPTS} times")
+            return
+        queued.attempt += 1
+        self._queue.appendleft(queued)
+        self._dispatch_soon()
+
+    def _abandon_if_unwanted(self, batch: _Batch) -> None:
+        """Cancels a batch on its worker once no caller waits for any of its calls (a step that failed
+        or was stopped): the worker cancels them in its sandbox."""
+        if batch.stream is not None and batch.open and all(q.answer.done() for q in batch.open.values()):
+            ray.cancel(batch.stream)
+
+    def _fail(self, queued: _Queued, reason: str, seconds: float = 0.0) -> None:
+        queued.answer.set_result(self._failure(reason, queued.attempt, seconds))
 
     def _failure(self, reason: str, attempt: int, seconds: float) -> dict[str, Any]:
 
@@ -416,15 +597,13 @@ class WorkerPool:
             "cpu_s": float(sum(self._cpu_seconds.values())),
         }
 
-    async def _enforce_memory(self, stats: dict[Any, dict[str, float] | None]) -> None:
+    def _enforce_memory(self, stats: dict[Any, dict[str, float] | None]) -> None:
         """Kills (and replaces) every worker whose resident memory exceeds the component's memory_size."""
         limit = self.component.runtime.memory_size
         for worker, stat in stats.items():
-            if stat is not None and stat["memory_fraction"] > 1.0:
+            if stat is not None and stat["memory_fraction"] > 1.0 and worker in self._in_flight:
                 used = stat["memory_fraction"] * limit
-                await self._kill(
-                    worker, f"exceeded memory_size {limit} MB (resident {used:.0f} MB); worker killed"
-                )
+                self._kill(worker, f"exceeded memory_size {limit} MB (resident {used:.0f} MB); worker killed")
 
     def _snapshot(self, stats: dict[Any, dict[str, float] | None]) -> PoolSnapshot:
         memory = [s["memory_fraction"] for w, s in stats.items() if s is not None and w in self._in_flight]
@@ -433,7 +612,7 @@ class WorkerPool:
         return PoolSnapshot(
             len(self._workers),
             in_flight,
-            self._queued,
+            len(self._queue),
             idle,
             max(memory) if memory else None,
             starting=self._starting,
@@ -441,7 +620,7 @@ class WorkerPool:
 
     async def autoscale_once(self) -> None:
         stats = await self._worker_stats()
-        await self._enforce_memory(stats)
+        self._enforce_memory(stats)
         decision = self.autoscaler.decide(self._snapshot(stats))
         self.history.append(
             {
@@ -458,12 +637,10 @@ class WorkerPool:
                 return_exceptions=True,
             )
         elif decision.action == "down":
-            async with self._free:
-                idle = [w for w in self._workers if self._in_flight[w] == 0][: decision.remove]
-                for worker in idle:
-                    self._workers.remove(worker)
-                    del self._in_flight[worker]
+            idle = [w for w in self._workers if self._in_flight[w] == 0][: decision.remove]
             for worker in idle:
+                self._workers.remove(worker)
+                del self._in_flight[worker]
                 ray.kill(worker)
 
     async def _autoscale_loop(self) -> None:
@@ -481,6 +658,10 @@ class WorkerPool:
     async def shutdown(self) -> None:
         if self._autoscale_task is not None:
             self._autoscale_task.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        while self._queue:
+            self._queue.popleft().answer.cancel()
         # Each worker removes its sandbox's folder and groups first; one that does not answer is
         # killed anyway (the next worker on its node removes what it left).
         closing = [asyncio.wait_for(worker.close.remote(), CLOSE_TIMEOUT_S) for worker in self._workers]

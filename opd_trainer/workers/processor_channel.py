@@ -380,6 +380,11 @@ class SandboxedProcessor:
             self._pending.pop(call_id, None)
             reason = self.lost or "its process exited"
             return self._failure(output_type, reason, started, retry=self.retryable)
+        except asyncio.CancelledError:  # nobody waits for it: the sandbox stops it, freeing its slot
+            self._pending.pop(call_id, None)
+            with contextlib.suppress(ConnectionError):
+                self._send({"type": "cancel", "id": call_id})
+            raise
         return self._validated(answer, output_type, started)
 
     def _validated(

@@ -9,7 +9,8 @@ component's `timeout`.
 Standard input carries the worker's requests, one JSON object a line:
 `{"type": "call", "id": N, "rollout_id": ..., "method": "process", "payload": {RolloutInput, RewardInput or
 BeaconInput}}` (a beacon processor also serves `"method": "verify"`, its payload a BeaconVerifyInput) and
-`{"type": "forward", "port": P, "socket": PATH}` (listen on 127.0.0.1:P, relay to the gateway socket).
+`{"type": "forward", "port": P, "socket": PATH}` (listen on 127.0.0.1:P, relay to the gateway socket)
+and `{"type": "cancel", "id": N}` (stop call N: nobody waits for its answer; none is sent).
 Standard output carries the answers: `{"type": "ready", "class_name": ...}` or
 `{"type": "load_error", "message": ...}` once, then `{"type": "result", "id": N, "output": {...},
 "spans": [...], "seconds": S}` per call. The user's own prints go to standard error (the worker's log):
@@ -55,6 +56,7 @@ class ProcessorHost:
         self._servers: list[asyncio.Server] = []
         self._relay_loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._calls: dict[int, asyncio.Task[None]] = {}  # running calls by id, for `cancel`
 
     def send(self, message: dict[str, Any]) -> None:
         self._out.write(json.dumps(message, default=str).encode() + b"\n")
@@ -140,10 +142,18 @@ class ProcessorHost:
         await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
         while line := await reader.readline():
             request = json.loads(line)
+            if request["type"] == "cancel":
+                running = self._calls.pop(request["id"], None)
+                if running is not None:
+                    running.cancel()
+                continue
             handler = self.call if request["type"] == "call" else self.forward
             task = loop.create_task(handler(request))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+            if request["type"] == "call":
+                self._calls[request["id"]] = task
+                task.add_done_callback(lambda _, call_id=request["id"]: self._calls.pop(call_id, None))
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ from opd_trainer.errors import ProcessorLoadError
 from opd_trainer.jobspec.job_spec import FunctionComponent
 from opd_trainer.sdk import AgentOutput, ModelResource, RewardOutput, RolloutOutput, TaskStatus
 from reward_workers.pool import RewardPool
-from rollout_workers.pool import RolloutPool
+from rollout_workers.pool import RolloutPool, RolloutRequest
 
 pytestmark = pytest.mark.integration
 
@@ -152,7 +152,9 @@ def _component(
 
 
 async def _rollout(pool: RolloutPool, index: int) -> tuple[RolloutOutput, list[Any], int]:
-    return await pool.rollout(
+    """One rollout; those started in one loop turn go to the pool together (`RolloutPool.rollouts`).
+    No gateway listens at its base URL: its worker cannot close the key and returns no calls."""
+    request = RolloutRequest(
         sample_id=f"s{index}",
         rollout_id=f"r{index}",
         messages=[{"role": "user", "content": "hi"}],
@@ -162,6 +164,10 @@ async def _rollout(pool: RolloutPool, index: int) -> tuple[RolloutOutput, list[A
         sampling_params={},
         model_resource=ModelResource(model_name="m", base_url="http://127.0.0.1:1/v1", api_key="k"),
     )
+    [answer] = pool.rollouts([request], close_secret="unused")
+    rollout = await answer
+    assert rollout.calls is None
+    return rollout.output, rollout.spans, rollout.attempt_id
 
 
 def _run_pool(pool: Any, body: Any) -> Any:
@@ -276,11 +282,11 @@ def test_user_code_runs_confined_to_its_workspace_and_scratch(
     assert seen["big_write"] == "No space left on device", seen  # /tmp is disk_size (32 MB)
 
 
-def test_reward_pool_scores(ray_session: None, workspace: Path) -> None:
+def test_reward_pool_rewards(ray_session: None, workspace: Path) -> None:
     pool = RewardPool("job", _component("functions.procs.Constant", kind="reward"), workspace)
 
     async def body(p: RewardPool) -> tuple[RewardOutput, list[Any]]:
-        return await p.score(
+        return await p.reward(
             sample_id="s", rollout_id="r", ground_truth="g", agent_output=AgentOutput(messages=[])
         )
 

@@ -1,8 +1,9 @@
 """A step's rollout keys: opened in one gateway call per model (`Gateway.open_rollouts`), each with its
-rollout's seed and temperature, handed to that rollout only, and closed when it ends.
+rollout's seed and temperature, handed to that rollout only, and closed when it ends: by the rollout's
+worker, or else by the runner, over the gateway's close route (`opd_trainer/recorded_calls.py`).
 
-The gateways are real `Gateway` objects in real `GatewayHost`s, called in-process; a fake rollout pool
-stands in for the Ray workers (the real path: tests/integration).
+The gateways are real `Gateway` objects in real `GatewayHost`s, called in-process and served over HTTP;
+a fake rollout pool stands in for the Ray workers (the real path: tests/integration).
 """
 
 from __future__ import annotations
@@ -12,18 +13,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from chatml_tokenizer import save_chatml_tokenizer
 
 from opd_trainer.engine import vllm_engine
 from opd_trainer.engine.vllm_engine import EngineConfig
 from opd_trainer.jobspec.dataset import Sample
+from opd_trainer.recorded_calls import close_keys
 from opd_trainer.records import LLMCall
 from opd_trainer.rollout import gateway_host
 from opd_trainer.rollout.gateway import Gateway, RolloutKeyRequest
 from opd_trainer.rollout.gateway_host import EngineWithGateways, GatewayHost, GatewayRef
 from opd_trainer.rollout.runner import AuxiliaryModel, RolloutRunner
-from opd_trainer.sdk import AgentOutput, ModelResource, RolloutOutput
+from opd_trainer.sdk import AgentOutput, RolloutOutput
+from rollout_workers.pool import RolloutAnswer, RolloutRequest
 
 
 class InProcessActor:
@@ -47,36 +51,39 @@ class InProcessActor:
 
 
 class RecordingPool:
-    """Records what each rollout was given and makes one student call with its key."""
+    """Records what each rollout was given and makes one student call with its key; as a worker does,
+    it closes the even rollouts' keys and returns their calls (the runner closes the others)."""
 
     def __init__(self, student: Gateway) -> None:
         self.student = student
         self.given: list[dict[str, Any]] = []
+        self.submissions = 0
 
-    async def rollout(
-        self,
-        *,
-        rollout_id: str,
-        sampling_params: dict[str, Any],
-        model_resource: ModelResource,
-        auxiliary_models: dict[str, ModelResource],
-        **_: Any,
-    ) -> tuple[RolloutOutput, list[Any], int]:
-        key = model_resource.api_key.get_secret_value()
+    def rollouts(self, requests: list[RolloutRequest], close_secret: str) -> list[Any]:
+        self.submissions += 1
+        return [self._rollout(i, request, close_secret) for i, request in enumerate(requests)]
+
+    async def _rollout(self, index: int, request: RolloutRequest, close_secret: str) -> RolloutAnswer:
+        key = request.model_resource.api_key.get_secret_value()
         session = self.student._sessions[key]
         self.given.append(
             {
-                "rollout_id": rollout_id,
+                "rollout_id": request.rollout_id,
                 "session_rollout_id": session.rollout_id,
-                "seed": sampling_params["seed"],
+                "seed": request.sampling_params["seed"],
                 "session_seed": session.seed,
                 "temperature": session.temperature,
-                "auxiliary": {n: r.api_key.get_secret_value() for n, r in auxiliary_models.items()},
+                "auxiliary": {n: r.api_key.get_secret_value() for n, r in request.auxiliary_models.items()},
             }
         )
         session.calls.append(LLMCall(prompt_token_ids=[1], completion_token_ids=[2], sampler_logprobs=[-0.1]))
         messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
-        return RolloutOutput(agent_output=AgentOutput(messages=messages, reward_score=1.0)), [], 0
+        output = RolloutOutput(agent_output=AgentOutput(messages=messages, reward_score=1.0))
+        calls = None
+        if index % 2 == 0:
+            async with aiohttp.ClientSession() as http:
+                [calls] = await close_keys(http, request.model_resource.base_url, close_secret, [key])
+        return RolloutAnswer(output, [], 0, calls)
 
 
 def gateway(name: str) -> Gateway:
@@ -111,27 +118,37 @@ def test_a_step_opens_its_keys_in_one_call_per_gateway_and_closes_each(validatin
         hosted("teacher"),
     )
     pool = RecordingPool(student)
-    runner = RolloutRunner(
-        "job",
-        student_ref,
-        "http://student/v1",
-        max_tokens=8,
-        temperature=1.0,
-        rollout_pool=pool,  # type: ignore[arg-type]
-        auxiliary_models={"judge": AuxiliaryModel(judge_ref, "http://teacher/v1", "teacher")},
-    )
     samples = [Sample("train.jsonl", i, [{"role": "user", "content": f"q{i}"}], None) for i in range(3)]
     seeds = [10, 11, 12, 13, 14, 15, 99]  # longer than needed: the extra seed is not used
-    if validating:
-        results = asyncio.run(runner.validate(samples, "v0", seeds, per_sample=2, temperature=0.5))
-    else:
-        results = asyncio.run(runner.run(samples, 2, 3, seeds))
 
+    async def step() -> list[Any]:
+        student_url, judge_url = await student.serve(), await judge.serve()
+        runner = RolloutRunner(
+            "job",
+            student_ref,
+            student_url,
+            max_tokens=8,
+            temperature=1.0,
+            rollout_pool=pool,  # type: ignore[arg-type]
+            auxiliary_models={"judge": AuxiliaryModel(judge_ref, judge_url, "teacher")},
+        )
+        try:
+            if validating:
+                return await runner.validate(samples, "v0", seeds, per_sample=2, temperature=0.5)
+            return await runner.run(samples, 2, 3, seeds)
+        finally:
+            await runner.close()
+            await student.shutdown()
+            await judge.shutdown()
+
+    results = asyncio.run(step())
     assert [r.group_id for r in results] == [0, 0, 1, 1, 2, 2]
     assert not any(r.failed for r in results) and [len(r.calls) for r in results] == [1] * 6
-    # The six rollouts end in the same loop turn: their keys close in one call per gateway.
-    assert student_actor.calls == {"open_rollouts": 1, "close_rollouts": 1}
-    assert judge_actor.calls == {"open_rollouts": 1, "close_rollouts": 1}
+    # The step's rollouts go to the pool together; no Ray call closes a key (HTTP does), and each
+    # gateway's close secret is asked once.
+    assert pool.submissions == 1
+    assert student_actor.calls == {"close_secret": 1, "open_rollouts": 1}
+    assert judge_actor.calls == {"close_secret": 1, "open_rollouts": 1}
     assert student._sessions == {} and judge._sessions == {}  # every key was closed
     given = sorted(pool.given, key=lambda g: g["seed"])
     tag = "v0" if validating else "s3"
@@ -152,8 +169,8 @@ def test_an_engine_hosts_gateways_in_its_own_process_and_stops_them_first(
     options = {"max_tokens": 8, "temperature": 1.0, "max_length": 64}
     tokenizer = str(save_chatml_tokenizer(tmp_path))
     asyncio.run(engine.host_gateways({"student": tokenizer, "teacher": tokenizer}, **options))
-    keys = engine.open_rollouts("student", [RolloutKeyRequest("a")])
-    assert engine.close_rollouts("student", keys[:1]) == [[]]
+    engine.open_rollouts("student", [RolloutKeyRequest("a")])
+    assert engine.close_secret("student") == engine._gateway("student").close_secret
     with pytest.raises(ValueError, match="already here"):
         asyncio.run(engine.host_gateways({"teacher": tokenizer}, **options))
     with pytest.raises(ValueError, match="no gateway for 'judge'"):
@@ -175,40 +192,3 @@ def test_an_engine_hosts_gateways_in_its_own_process_and_stops_them_first(
         hosted_gateway.shutdown = shutdown  # type: ignore[method-assign]
     asyncio.run(engine.shutdown())
     assert stopped == ["student", "teacher"]
-
-
-def test_keys_closed_together_go_in_one_call_and_each_caller_gets_its_own_calls() -> None:
-    student, actor, ref = hosted("student")
-    keys = student.open_rollouts([RolloutKeyRequest(f"r{i}") for i in range(4)])
-    for i, key in enumerate(keys):
-        student._sessions[key].calls.append(
-            LLMCall(prompt_token_ids=[i], completion_token_ids=[i], sampler_logprobs=[0.0])
-        )
-
-    async def close_all() -> list[list[LLMCall]]:
-        together = await asyncio.gather(*(ref.close_rollout(k) for k in keys[:3]))
-        later = await ref.close_rollout(keys[3])  # after the first batch: a call of its own
-        return [*together, later]
-
-    closed = asyncio.run(close_all())
-    assert [[c.prompt_token_ids for c in calls] for calls in closed] == [[[0]], [[1]], [[2]], [[3]]]
-    assert actor.calls == {"close_rollouts": 2}
-    assert student._sessions == {}
-    # The same ref from a new event loop (a second `asyncio.run`) closes as before.
-    assert asyncio.run(ref.close_rollout(keys[0])) == []
-
-
-def test_a_failed_close_call_reaches_every_caller_of_its_batch() -> None:
-    class Broken:
-        class close_rollouts:  # stands in for a Ray actor method
-            @staticmethod
-            async def remote(*_: Any) -> Any:
-                raise ConnectionError("gateway host died")
-
-    ref = GatewayRef(Broken(), "student")
-
-    async def close_two() -> list[Any]:
-        return await asyncio.gather(ref.close_rollout("a"), ref.close_rollout("b"), return_exceptions=True)
-
-    errors = asyncio.run(close_two())
-    assert [type(e) for e in errors] == [ConnectionError, ConnectionError]

@@ -10,7 +10,7 @@ from opd_trainer.cli.train import format_final_table
 from opd_trainer.driver.plots import plot_curves, signal_panels, validation_curve_keys
 from opd_trainer.jobspec.dataset import Sample
 from opd_trainer.records import LLMCall
-from opd_trainer.rollout.runner import RolloutResult, scoring_failures, validation_metrics
+from opd_trainer.rollout.runner import RolloutResult, reward_failures, validation_metrics
 
 
 def _result(index: int, **fields: object) -> RolloutResult:
@@ -40,7 +40,7 @@ def test_a_sample_that_failed_or_went_unscored_counts_as_wrong() -> None:
     # The evaluator's numbers: over all five, the three it could not score (or whose rollout failed,
     # even with a score) as 0.
     assert metrics["eval_score"] == pytest.approx(1.5 / 5) and metrics["accuracy"] == pytest.approx(1.5 / 5)
-    failures = {f["sample_id"]: f["error"] for f in scoring_failures(results)}
+    failures = {f["sample_id"]: f["error"] for f in reward_failures(results)}
     assert set(failures) == {"v1", "v2", "v3"}
     assert "KeyError" in failures["v1"] and "TypeError" in failures["v2"]
     assert failures["v3"] == "no completion recorded"

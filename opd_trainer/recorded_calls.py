@@ -1,0 +1,95 @@
+"""A rollout key's recorded calls as the gateway hands them over: closing keys over HTTP.
+
+The recording gateway (`rollout/gateway.py`) records every call made with a rollout's key. Whoever ran
+the rollout closes the key when it ends, and the answer carries what the key recorded: the rollout
+worker, outside the sandbox, as soon as the user's `process` returns, so the calls travel back to the
+driver with the rollout's result (`workers/pool.py`); the driver for its built-in rollout, for the
+auxiliary models' keys and for a rollout whose worker did not return them (`rollout/runner.py`).
+
+Closing takes the gateway's close secret (header `X-OPD-Close-Secret`), which only trusted processes
+hold: the driver, and the workers it hands a rollout's `GatewayKey` to (never the sandbox, whose
+payload carries the rollout key alone). A rollout key is no credential here, so user code can neither
+close a key nor read a record, its own or another rollout's, and the records the driver trains on
+come from the gateway, never through user code.
+
+The answer is JSON (not pickle: the peer is a network address): per key, its calls' recorded fields
+(`RECORDED_FIELDS`; the others are filled later, by the driver). JSON floats are written with their
+shortest round-trip form, so token ids and logprobs arrive bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from opd_trainer.records import LLMCall
+
+CLOSE_ROUTE = "/rollouts/close"
+"""The close route, under the gateway's `/v1` base URL; its body: `{"keys": [...]}`."""
+CLOSE_SECRET_HEADER = "X-OPD-Close-Secret"
+CLOSE_TIMEOUT_S = 60.0
+RECORDED_FIELDS = (
+    # sampled (the engine)
+    "prompt_token_ids",
+    "completion_token_ids",
+    "sampler_logprobs",
+    "weight_version",
+    "finish_reason",
+    "text",
+    # served (the gateway)
+    "messages",
+    "tools",
+    "template_kwargs",
+    "response_message",
+    "format_valid",
+    "latency_s",
+)
+"""The fields of `LLMCall` a gateway fills; the rest keep their defaults until the driver sets them."""
+
+
+@dataclass(frozen=True)
+class GatewayKey:
+    """A rollout key and what closes it: its gateway's base URL and close secret."""
+
+    base_url: str
+    key: str = field(repr=False)
+    secret: str = field(repr=False)
+
+
+def encode_recorded(recorded: list[list[LLMCall]]) -> bytes:
+    """The close route's answer: for each key, its calls' `RECORDED_FIELDS`."""
+    return json.dumps(
+        [[{name: getattr(call, name) for name in RECORDED_FIELDS} for call in calls] for calls in recorded]
+    ).encode()
+
+
+def decode_recorded(answer: bytes) -> list[list[LLMCall]]:
+    """What `encode_recorded` wrote, as calls."""
+    keys: list[list[dict[str, Any]]] = json.loads(answer)
+    return [[LLMCall(**{name: call[name] for name in RECORDED_FIELDS}) for call in calls] for calls in keys]
+
+
+async def close_keys(
+    http: aiohttp.ClientSession, base_url: str, secret: str, keys: list[str]
+) -> list[list[LLMCall]]:
+    """Closes `keys` on the gateway at `base_url` in one request; each key's calls, in the order asked
+    (none for a key already closed or expired). Raises `ConnectionError` when the gateway refuses."""
+    async with http.post(
+        f"{base_url}{CLOSE_ROUTE}",
+        json={"keys": keys},
+        headers={CLOSE_SECRET_HEADER: secret},
+        timeout=aiohttp.ClientTimeout(total=CLOSE_TIMEOUT_S),
+    ) as response:
+        answer = await response.read()
+        if response.status != 200:
+            raise ConnectionError(f"closing rollout keys: the gateway answered {response.status}")
+    return decode_recorded(answer)
+
+
+async def close_key(http: aiohttp.ClientSession, key: GatewayKey) -> list[LLMCall]:
+    """`close_keys` for one key."""
+    [calls] = await close_keys(http, key.base_url, key.secret, [key.key])
+    return calls
