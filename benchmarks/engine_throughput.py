@@ -37,7 +37,8 @@ from transformers import AutoTokenizer
 from opd_trainer.chat import prompt_token_ids
 from opd_trainer.cluster.ray_runtime import init_ray
 from opd_trainer.demo.tiny_models import build_tiny_models
-from opd_trainer.engine.vllm_engine import EngineConfig, start_engines
+from opd_trainer.engine.fleet import start_replicas
+from opd_trainer.engine.vllm_engine import EngineConfig
 from opd_trainer.jobspec.job_spec import DEFAULT_TEACHER_TOP_K
 from opd_trainer.jsonl import read_jsonl
 from opd_trainer.weight_sync.transports import ShmTransfer
@@ -152,7 +153,7 @@ async def run(
     prompts = [prompt_token_ids(tokenizer, r["messages"], r["tools"]) for r in records]
 
     init_ray()
-    [actor] = await start_engines(config, "bench")
+    [actor], _ = await start_replicas(config, "bench")
     llm = _raw_llm(config, device)
     # Warm both once (first calls allocate and JIT), then alternate measured rounds.
     _raw_generate_tokens_per_s(llm, prompts[:4], 8)

@@ -2,22 +2,24 @@
 
 - throughput: completion tokens/s of a step's rollouts (`--prompts` × `--n-rollouts`, the example
   job's shape) run as the job driver runs them (`RolloutRunner`: a key per rollout, then a one-call
-  rollout processor in the rollout pool: OpenAI client → gateway → engine, tokens recorded) over the
+  rollout processor in the rollout pool: OpenAI client → gateway → engine, tokens recorded; the gateway
+  in the engine's process, as a job places it: `rollout/gateway_placement.py`) over the
   engine actor's `generate` called directly with the same sampling settings and seeds (target >= 0.9);
   also the built-in rollout of Model OPD jobs (the driver's own request to the gateway, no pool). Each
   path gets fresh training prompts every round, so the gateway renders each prompt group once, as in
   a job, and never reuses a render from an earlier round;
 - CPU: milliseconds of CPU each process on the path (driver, rollout worker, the sandboxed processor
-  it runs, gateway, engine actor, vLLM's engine core) spends per rollout on each path (median of the
-  rounds);
+  it runs, engine actor with the gateway in it, vLLM's engine core) spends per rollout on each path
+  (median of the rounds);
 - where a pool round's time goes (`pool_timeline_ms`, median of the rounds; each round's median and
   slowest rollout): from the round's start until the processor's `process` begins (the driver's call,
   the worker, the sandbox's pipe and event loop), the HTTP leg (the processor's client call minus
   the gateway's own time: client, relays, the gateway's HTTP server, both ways), and the gateway's
   time from a request's arrival to its answer (render, engine, record). Read from the processor's
   trace spans (`llm.call`) and the recorded call's `latency_s`; one clock (one machine). Beside it,
-  the CPU of every process on the pool path but the engine's, in cores kept busy over the round
-  (`pool_chain_cpu_cores`): with the engine's thread on one core, what the chain leaves of the others;
+  the CPU of every process on the pool path but the engine's (whose figure holds the gateway's), in
+  cores kept busy over the round (`pool_chain_cpu_cores`): with the engine's thread on one core, what
+  the chain leaves of the others;
 - overhead: per-call latency of a 1-token completion through the gateway (HTTP + chat template +
   recording) minus the same request sent straight to the engine actor, in milliseconds.
 
@@ -39,19 +41,19 @@ from typing import Any
 import harness
 import httpx
 import psutil
-import ray
 from make_random_model import open_models_dir
 from transformers import AutoTokenizer
 
 from opd_trainer.chat import prompt_token_ids
 from opd_trainer.cluster.ray_runtime import init_ray
 from opd_trainer.demo.tiny_models import build_tiny_models
-from opd_trainer.engine.vllm_engine import EngineConfig, start_engines
+from opd_trainer.engine.fleet import start_replicas, stop_replicas
+from opd_trainer.engine.vllm_engine import EngineConfig, EngineGroup
 from opd_trainer.jobspec.dataset import Sample
 from opd_trainer.jobspec.job_spec import FunctionComponent
 from opd_trainer.jsonl import read_jsonl
 from opd_trainer.rollout.gateway import RolloutKeyRequest
-from opd_trainer.rollout.gateway_host import GatewayHostActor, GatewayRef
+from opd_trainer.rollout.gateway_placement import place_gateways
 from opd_trainer.rollout.runner import RolloutRunner
 from rollout_workers.pool import RolloutPool
 
@@ -73,17 +75,17 @@ class OneCall(AbstractRolloutProcessor):
 
 
 # The processes on a rollout's path, by the title Ray / vLLM give them (None: this process, the runner
-# as the job driver runs it). On a CPU node the engine core runs inside the engine actor
-# (`engine/inproc_llm.py`): no "engine core" process is found, and the actor's figure holds both.
+# as the job driver runs it). The gateway runs in the engine actor's process; on a CPU node so does the
+# engine core (`engine/inproc_llm.py`): no "engine core" process is found, and the actor's figure holds
+# all three.
 PROCESS_TITLES = {
     "driver": None,
     "rollout worker": "ray::ProcessorWorker",
-    "gateway": "ray::GatewayHost",
     "engine actor": "ray::Engine",
     "engine core": "VLLM::EngineCore",
 }
-# The engine's processes; every other one on the pool path (driver, worker, sandbox, gateway) is "the
-# chain", whose CPU is reported in cores kept busy over a round (`pool_chain_cpu_cores`).
+# The engine's processes; every other one on the pool path (driver, worker, sandbox) is "the chain",
+# whose CPU is reported in cores kept busy over a round (`pool_chain_cpu_cores`).
 ENGINE_PROCESSES = ("engine actor", "engine core")
 # The user's processor runs in a sandboxed child process tree of the rollout worker (limits launcher,
 # bubblewrap, `processor_host`): counted as one figure.
@@ -166,15 +168,15 @@ async def run(
 
     init_ray()
     config = engine_config(models.student, device)
-    [engine] = await start_engines(config, "bench")
+    [engine], _ = await start_replicas(config, "bench")
     max_len = 1024 if device == "cpu" else config.max_model_len
-    # The job's gateway host, with the student's gateway only (as a job that does not validate).
-    host = GatewayHostActor.remote(  # type: ignore[attr-defined]
-        {"student": str(models.student)}, max_tokens=max_tokens, temperature=1.0, max_length=max_len
-    )
-    gateway = GatewayRef(host, "student")
-    await host.set_engines.remote("student", [engine])
-    base_url = await host.serve.remote("student")
+    # The job's gateways, with the student's only (as a job that does not validate), where a job puts
+    # them: in the student engine's process.
+    options = {"max_tokens": max_tokens, "temperature": 1.0, "max_length": max_len}
+    student = EngineGroup([engine])
+    placed = await place_gateways({"student": str(models.student)}, options, student, None)
+    gateway = placed.ref("student")
+    base_url = await placed.serve("student", student)
     workspace = Path(tempfile.mkdtemp(prefix="opd-bench-ws-"))
     (workspace / "functions").mkdir()
     (workspace / "functions" / "__init__.py").write_text("")
@@ -274,13 +276,10 @@ async def run(
             started = time.perf_counter()
             await engine.generate.remote(overhead_prompt, max_tokens=1, temperature=1.0)
             engine_ms.append(1000 * (time.perf_counter() - started))
-    await gateway.close_rollout(key)
     await agentic.close()
     await builtin.close()
     await pool.shutdown()
-    await host.shutdown.remote()
-    await engine.shutdown.remote()
-    ray.kill(engine)
+    await stop_replicas([engine])  # the gateway with it
 
     pooled_tps, raw_tps, builtin_tps = (
         statistics.median(pooled),

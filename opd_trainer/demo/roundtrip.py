@@ -13,7 +13,6 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-import ray
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
@@ -21,7 +20,7 @@ from opd_trainer.chat import prompt_token_ids
 from opd_trainer.demo.tiny_models import TinyModels
 from opd_trainer.demo.tiny_models.serving import tiny_engine_config
 from opd_trainer.demo.tool_routing import evaluator
-from opd_trainer.engine.vllm_engine import start_engines
+from opd_trainer.engine.fleet import start_replicas, stop_replicas
 from opd_trainer.jsonl import read_jsonl
 from opd_trainer.stats import mean
 from opd_trainer.weight_sync.transports import ShmTransfer
@@ -56,9 +55,9 @@ class RoundTripReport:
 
 async def run_roundtrip(models: TinyModels, num_prompts: int = 8, max_tokens: int = 64) -> RoundTripReport:
     started = time.perf_counter()
-    [student], [teacher] = await asyncio.gather(
-        start_engines(tiny_engine_config(models.student), "student"),
-        start_engines(tiny_engine_config(models.teacher), "teacher"),
+    ([student], _), ([teacher], _) = await asyncio.gather(
+        start_replicas(tiny_engine_config(models.student), "student"),
+        start_replicas(tiny_engine_config(models.teacher), "teacher"),
     )
     engine_start_s = time.perf_counter() - started
     try:
@@ -105,9 +104,7 @@ async def run_roundtrip(models: TinyModels, num_prompts: int = 8, max_tokens: in
         )
         return RoundTripReport(rows, engine_start_s, generate_s, score_s, sync_s, weight_version, max_diff)
     finally:
-        for actor in (student, teacher):
-            await actor.shutdown.remote()
-            ray.kill(actor)
+        await stop_replicas([student, teacher])
 
 
 def format_report(report: RoundTripReport) -> str:

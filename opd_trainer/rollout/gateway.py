@@ -35,14 +35,16 @@ function it constrains sampling (vLLM's structured outputs) so that a call is ma
 `parallel_tool_calls: false` keeps the first call, as vLLM does.
 `response_format` (`json_object`, `json_schema`) and vLLM's `structured_outputs` constrain sampling
 the same way. `tool_choice: "none"` renders no tools and parses none.
-Streaming responses send text as the engine generates it (a Ray streaming generator from the engine
-actor); a reply with tools to parse is sent once complete, as content and tool-call chunks.
+Streaming responses send text as the engine generates it (the engine's `sample_stream`: in-process
+where the gateway runs in that engine's process, else a Ray streaming generator, `EngineReplica`); a
+reply with tools to parse is sent once complete, as content and tool-call chunks.
 Template variables reach the chat template as they do on vLLM and Bailian: `chat_template_kwargs`
 (vLLM's field), `reasoning_effort` (as vLLM passes it) and a top-level `enable_thinking` (what
 `extra_body={"enable_thinking": False}` sends, Bailian's convention); an entry in
 `chat_template_kwargs` wins over the others.
 
-Launch: started by the job driver as `GatewayActor` (uvicorn inside the actor's event loop).
+Launch: hosted by a `GatewayHost` (`rollout/gateway_host.py`) where `rollout/gateway_placement.py` puts
+it, uvicorn on that process's event loop.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import ray
 from fastapi import FastAPI, Request
@@ -86,7 +88,6 @@ from opd_trainer.rollout.tool_calls import ToolCallParsing
 # driver and the rollout runner import this module for `RolloutKeyRequest` alone.
 if TYPE_CHECKING:
     import uvicorn
-    from ray.actor import ActorHandle
     from transformers import PreTrainedTokenizerBase
     from vllm import SamplingParams
     from vllm.entrypoints.openai.chat_completion.protocol import (
@@ -108,6 +109,23 @@ default). Longer than the idle timeout of the pools that call it (the built-in r
 15 s, `runner.CLIENT_KEEPALIVE_S`; httpx's, under the OpenAI SDK: 5 s), so a client drops an idle
 connection before the server closes it, and never writes a request into a connection the server has
 just closed."""
+
+
+class EngineReplica(Protocol):
+    """One engine replica as a gateway samples on it: `Engine.sample` / `Engine.sample_stream`, called
+    in-process where the gateway runs in that engine's process, else by Ray (`gateway_host`)."""
+
+    async def sample(
+        self, prompt_token_ids: list[int], params: SamplingParams, client: str | None
+    ) -> Sampled:
+        """The whole completion (`Engine.sample`)."""
+        ...
+
+    def sample_stream(
+        self, prompt_token_ids: list[int], params: SamplingParams, client: str | None
+    ) -> AsyncIterator[SampledText | Sampled]:
+        """Its pieces as generated, then the whole completion (`Engine.sample_stream`)."""
+        ...
 
 
 class RolloutKeyRequest(NamedTuple):
@@ -240,7 +258,7 @@ class Gateway:
         self,
         model_name: str,
         tokenizer_path: str,
-        engines: list[ActorHandle],
+        engines: list[EngineReplica],
         *,
         max_tokens: int,
         temperature: float,
@@ -311,7 +329,7 @@ class Gateway:
             return None
         return session
 
-    def set_engines(self, engines: list[ActorHandle], client: str | None = None) -> None:
+    def set_engines(self, engines: list[EngineReplica], client: str | None = None) -> None:
         """The engines calls go to; `client`: the job's name on engines shared with other jobs
         (`EngineGroup.client`), which every call then passes (its own adapter, fair admission, its own
         counts)."""
@@ -486,7 +504,7 @@ class Gateway:
         self._in_flight[replica] += 1
         try:
             engine = self.engines[replica]
-            sampled = await engine.sample.remote(prepared.rendered.prompt_ids, prepared.sampling, self.client)
+            sampled = await engine.sample(prepared.rendered.prompt_ids, prepared.sampling, self.client)
         except ValueError as exc:  # vLLM's own input checks, in the engine (Ray raises the cause's type)
             cause = getattr(exc, "cause", exc)
             raise InvalidRequest(str(cause), getattr(cause, "parameter", None) or "body") from None
@@ -514,13 +532,10 @@ class Gateway:
         self._in_flight[replica] += 1
         sampled: Sampled | None = None
         try:
-            pieces = (
-                self.engines[replica]
-                .sample_stream.options(num_returns="streaming")
-                .remote(prepared.rendered.prompt_ids, prepared.sampling, self.client)
+            pieces = self.engines[replica].sample_stream(
+                prepared.rendered.prompt_ids, prepared.sampling, self.client
             )
-            async for ref in pieces:
-                piece: SampledText | Sampled = await ref
+            async for piece in pieces:
                 if isinstance(piece, Sampled):  # the last item: the whole completion
                     sampled = piece
                 elif prepared.parsing is None and (piece.text or prepared.request.logprobs or with_ids):
@@ -626,7 +641,7 @@ class Gateway:
             except (json.JSONDecodeError, KeyError, TypeError):
                 keys = None
             if not (isinstance(keys, list) and all(isinstance(k, str) for k in keys)):
-                return _error(HTTPStatus.BAD_REQUEST, "the body must be {\"keys\": [str, ...]}", "keys")
+                return _error(HTTPStatus.BAD_REQUEST, 'the body must be {"keys": [str, ...]}', "keys")
             recorded = encode_recorded([self.close_rollout(key) for key in keys])
             return Response(recorded, media_type="application/json")
 

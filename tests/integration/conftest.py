@@ -15,7 +15,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from opd_trainer.cluster.ray_runtime import init_ray, shutdown_ray
 from opd_trainer.demo.tiny_models.serving import tiny_engine_config
-from opd_trainer.engine.vllm_engine import EngineConfig, start_engines
+from opd_trainer.engine.fleet import start_replicas
+from opd_trainer.engine.vllm_engine import EngineConfig
 
 if TYPE_CHECKING:
     from opd_trainer.demo.tiny_models import TinyModels
@@ -29,7 +30,7 @@ def ray_session() -> Iterator[None]:
 
 
 def _start(config: EngineConfig, role: str) -> Any:
-    [actor] = asyncio.run(start_engines(config, role))
+    [actor], _ = asyncio.run(start_replicas(config, role))
     return actor
 
 

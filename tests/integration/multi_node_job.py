@@ -139,15 +139,15 @@ def wait_for_first_step(run: Path, finished: ray.ObjectRef, timeout_s: float = 9
 
 
 def wait_for_engine_placed(
-    class_name: str, earlier: set[str], finished: ray.ObjectRef, timeout_s: float = 600
+    class_name: str, earlier: set[str], finished: ray.ObjectRef, count: int = 1, timeout_s: float = 600
 ) -> None:
-    """Until Ray has given a node to an actor of `class_name` created after `earlier`."""
+    """Until Ray has given a node to `count` actors of `class_name` created after `earlier`."""
     from ray.util.state import list_actors
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         actors = list_actors(filters=[("class_name", "=", class_name)], detail=True, limit=10_000)
-        if any(actor.node_id and actor.actor_id not in earlier for actor in actors):
+        if sum(1 for actor in actors if actor.node_id and actor.actor_id not in earlier) >= count:
             return
         ready, _ = ray.wait([finished], timeout=1.0)
         if ready:
@@ -186,9 +186,10 @@ def main(
             cluster.remove_node(nodes["pools"], allow_graceful=False)
             steps_when_killed = sum(1 for r in RunDir(work / "run").records() if r["kind"] == "train")
         elif mode == "engine-node-kill":
-            # Once the student engine has its node (else Ray could place it on the replacement), while
-            # the job still starts: adding a node takes many seconds on a loaded box.
-            wait_for_engine_placed("Engine", earlier, finished)
+            # Once the student's and the teacher's engines have their nodes (else Ray could place the
+            # student on the replacement), while the job still starts: adding a node takes many
+            # seconds on a loaded box.
+            wait_for_engine_placed("Engine", earlier, finished, count=2)
             cluster.add_node(
                 num_cpus=NODES["student"], resources={"student_node": 100, "student_spare_node": 1}
             )

@@ -19,7 +19,8 @@ from opd_trainer.chat import prompt_token_ids
 from opd_trainer.demo.tiny_models import TinyModels
 from opd_trainer.demo.tiny_models.serving import tiny_engine_config
 from opd_trainer.engine.adapters import BASE_MODEL_CLIENT, OWN_JOB
-from opd_trainer.engine.vllm_engine import ClientEngineGroup, start_engines
+from opd_trainer.engine.fleet import start_replicas
+from opd_trainer.engine.vllm_engine import ClientEngineGroup
 from opd_trainer.errors import WeightSyncError
 from opd_trainer.jsonl import read_jsonl
 from opd_trainer.weight_sync import AdapterTransfer
@@ -58,7 +59,7 @@ def _peft_logprobs(
 @pytest.fixture(scope="module")
 def lora_engine(ray_session: None, tiny_models: TinyModels) -> Any:
     config = tiny_engine_config(tiny_models.student).model_copy(update={"lora_rank": 8})
-    [actor] = asyncio.run(start_engines(config, "student"))
+    [actor], _ = asyncio.run(start_replicas(config, "student"))
     yield actor
     ray.get(actor.shutdown.remote())
     ray.kill(actor)

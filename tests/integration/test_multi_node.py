@@ -77,11 +77,11 @@ def test_an_agentic_job_runs_across_five_nodes(results: dict[str, Any]) -> None:
     assert result["weight_transfers"] == [["ray"]]
     placed = result["placed"]
     assert placed["MultiNodeJobDriver"] == ["head"]
-    # The gateways live in the teacher engine's process: no process of their own that Ray could put
+    # The gateways live in the student engine's process: no process of their own that Ray could put
     # on a node the job may lose.
     assert "GatewayHost" not in placed, placed
     assert placed["Learner"] == ["learner"]
-    assert placed["Engine"] == ["student"] and placed["EngineWithGateways"] == ["teacher"], placed
+    assert placed["Engine"] == ["student", "teacher"], placed
     workers = [name for name in placed if "Worker" in name and name != "WorkerPool"]
     assert workers and all(placed[name] == ["pools"] for name in workers), placed
     assert _sampled_with_the_learners_weights(result["ratio_mean"]), result["ratio_mean"]
@@ -99,8 +99,8 @@ def test_a_model_opd_job_survives_losing_its_pool_node(results: dict[str, Any]) 
     assert result["weight_transfers"] == [["ray"]]
     assert result["placed"]["ProcessorWorker"] == ["pools", "spare"], result["placed"]
     # CI once lost the job with the pool node: Ray had put the (zero-CPU) gateway actor there. The
-    # gateways now live in the teacher engine's process.
-    assert result["placed"]["EngineWithGateways"] == ["teacher"], result["placed"]
+    # gateways live in the student engine's process.
+    assert result["placed"]["Engine"] == ["student", "teacher"], result["placed"]
     assert "GatewayHost" not in result["placed"], result["placed"]
     # A replacement started just as the node went may never be placed (seen once: one such worker,
     # dead, beside the replacement that served); none may be left alive.
@@ -127,9 +127,9 @@ def test_a_job_survives_losing_its_student_engines_node(results: dict[str, Any])
     assert recovery["resumes_from"] == recovery["step"], recovery  # only the step under way is redone
     assert result["resumed"], result
     placed = result["placed"]
-    # The first engine on the lost node, its replacement on the node that joined.
-    assert placed["Engine"] == ["student", "student_spare"], placed
-    assert placed["Learner"] == ["learner"] and placed["EngineWithGateways"] == ["teacher"], placed
+    # The first student engine on the lost node, its replacement on the node that joined.
+    assert placed["Engine"] == ["student", "student_spare", "teacher"], placed
+    assert placed["Learner"] == ["learner"], placed
     assert not result["never_placed"], result
     # The new engine samples with the weights of the checkpoint resumed from and of every step after.
     assert result["weight_transfers"] == [["ray"], ["ray"]], result

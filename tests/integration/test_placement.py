@@ -10,7 +10,7 @@ from test_learner_ranks import _settings
 
 from opd_trainer.demo.tiny_models import TinyModels
 from opd_trainer.demo.tiny_models.serving import tiny_engine_config
-from opd_trainer.engine.vllm_engine import EngineGroup
+from opd_trainer.engine.fleet import start_replicas
 from opd_trainer.errors import ConfigError
 from opd_trainer.learner.deepspeed_learner import LearnerGroup
 
@@ -24,7 +24,7 @@ def test_engines_that_cannot_be_placed_fail_naming_their_resources(
         update={"num_cpus": 4096.0, "role": "teacher", "placement_timeout_s": 3.0}
     )
     with pytest.raises(ConfigError) as error:
-        asyncio.run(EngineGroup.start(config, "unplaceable"))
+        asyncio.run(start_replicas(config, "unplaceable"))
     assert error.value.field == "resources.teacher"
     assert "4096 CPU" in error.value.message and "CPU free" in error.value.message
 

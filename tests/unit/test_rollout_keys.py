@@ -10,21 +10,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-from chatml_tokenizer import save_chatml_tokenizer
 
-from opd_trainer.engine import vllm_engine
-from opd_trainer.engine.vllm_engine import EngineConfig
 from opd_trainer.jobspec.dataset import Sample
 from opd_trainer.recorded_calls import close_keys
 from opd_trainer.records import LLMCall
-from opd_trainer.rollout import gateway_host
 from opd_trainer.rollout.gateway import Gateway, RolloutKeyRequest
-from opd_trainer.rollout.gateway_host import EngineWithGateways, GatewayHost, GatewayRef
+from opd_trainer.rollout.gateway_host import GatewayHost, GatewayRef
 from opd_trainer.rollout.runner import AuxiliaryModel, RolloutRunner
 from opd_trainer.sdk import AgentOutput, RolloutOutput
 from rollout_workers.pool import RolloutAnswer, RolloutRequest
@@ -157,38 +152,3 @@ def test_a_step_opens_its_keys_in_one_call_per_gateway_and_closes_each(validatin
     assert [g["session_seed"] for g in given] == [10, 11, 12, 13, 14, 15]
     assert {g["temperature"] for g in given} == {0.5 if validating else None}
     assert len({g["auxiliary"]["judge"] for g in given}) == 6
-
-
-def test_an_engine_hosts_gateways_in_its_own_process_and_stops_them_first(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """`EngineWithGateways`: the job's gateways on a teacher engine's event loop (no engine started
-    here: hosting needs none). Metered once, as the engine's process; a second gateway of a name is
-    refused; shutdown stops the gateways' servers, then the engine."""
-    engine = EngineWithGateways(EngineConfig(model="unused", role="teacher"), "teacher-0")
-    options = {"max_tokens": 8, "temperature": 1.0, "max_length": 64}
-    tokenizer = str(save_chatml_tokenizer(tmp_path))
-    asyncio.run(engine.host_gateways({"student": tokenizer, "teacher": tokenizer}, **options))
-    engine.open_rollouts("student", [RolloutKeyRequest("a")])
-    assert engine.close_secret("student") == engine._gateway("student").close_secret
-    with pytest.raises(ValueError, match="already here"):
-        asyncio.run(engine.host_gateways({"teacher": tokenizer}, **options))
-    with pytest.raises(ValueError, match="no gateway for 'judge'"):
-        engine.open_rollouts("judge", [])
-    # Metered once: the engine's usage (its tokens and its process), not the gateway host's as well.
-    monkeypatch.setattr(vllm_engine, "actor_usage", lambda: {"cpu_s": 7.0, "gpus": 0.0})
-    monkeypatch.setattr(gateway_host, "actor_usage", lambda: {"cpu_s": 99.0, "gpus": 0.0})
-    usage = asyncio.run(engine.usage())
-    assert usage["cpu_s"] == 7.0 and "prompt_tokens" in usage
-    stopped: list[str] = []
-    for name in ("student", "teacher"):
-        hosted_gateway = engine._gateway(name)
-        real_shutdown = hosted_gateway.shutdown
-
-        async def shutdown(name: str = name, real: Any = real_shutdown) -> None:
-            stopped.append(name)
-            await real()
-
-        hosted_gateway.shutdown = shutdown  # type: ignore[method-assign]
-    asyncio.run(engine.shutdown())
-    assert stopped == ["student", "teacher"]

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from ray.exceptions import ActorDiedError
 
-from opd_trainer.engine import shared_engines
+from opd_trainer.engine import fleet
 from opd_trainer.engine.engine_sharing import EngineSharing, LoadStreak
 from opd_trainer.engine.fair_gate import FairGate
 from opd_trainer.engine.shared_engines import SharedEngines, shared_config, sharing_key
@@ -191,12 +191,12 @@ def test_a_group_with_a_dead_replica_is_never_handed_out_again(monkeypatch: pyte
         )
         return started[-2:], ["node", "node"]
 
-    monkeypatch.setattr(shared_engines, "start_located_engines", start)
-    monkeypatch.setattr(shared_engines.ray, "kill", lambda actor: calls.append((actor.name, "kill", ())))
+    monkeypatch.setattr(fleet.ray, "kill", lambda actor: calls.append((actor.name, "kill", ())))
     config = EngineConfig(model="/models/teacher")
 
     async def scenario() -> None:
-        registry = SharedEngines(EngineSharing(idle_s=3600, check_s=3600), "teacher")
+        sharing = EngineSharing(idle_s=3600, check_s=3600)
+        registry = SharedEngines(sharing, "teacher", start=start, stop=fleet.stop_replicas)
         first = await registry.acquire("a", config, None)
         assert (await registry.acquire("b", config, None))[0] == first[0]  # alive: shared
         started[0].dead = True
@@ -209,7 +209,7 @@ def test_a_group_with_a_dead_replica_is_never_handed_out_again(monkeypatch: pyte
 
 
 def test_lora_jobs_fill_a_student_group_then_start_another_and_release_unloads_their_adapter(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
     calls: list[tuple[str, str, Any]] = []
     configs: list[EngineConfig] = []
@@ -218,12 +218,12 @@ def test_lora_jobs_fill_a_student_group_then_start_another_and_release_unloads_t
         configs.append(config)
         return [_Replica(f"{role}-{len(configs)}", calls)], ["node"]
 
-    monkeypatch.setattr(shared_engines, "start_located_engines", start)
     (tmp_path / "student").mkdir()
     config = EngineConfig(model=str(tmp_path / "student"), lora_rank=8)
 
     async def scenario() -> dict[str, Any]:
-        registry = SharedEngines(EngineSharing(idle_s=3600, max_jobs=2, check_s=3600), "student")
+        sharing = EngineSharing(idle_s=3600, max_jobs=2, check_s=3600)
+        registry = SharedEngines(sharing, "student", start=start, stop=fleet.stop_replicas)
         a, b, c = [await registry.acquire(job, config, None) for job in ("a", "b", "c")]
         assert a[0] == b[0] != c[0]  # two jobs per group: the third starts another
         assert (await registry.acquire("a", config, None))[0] == a[0]  # a holder acquiring again stays
