@@ -55,11 +55,14 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from harness import EXAMPLE_JOB, job_spec, write_json
 from interleave import run_child, write_one_run
 from records import add_publish_arguments, new_record, write_record
+
+if TYPE_CHECKING:
+    from opd_trainer.wire.driver import DriverEvent
 
 SCRIPT = Path(__file__).resolve()
 ARMS = ("calm", "chaos")
@@ -149,61 +152,57 @@ class Faults(threading.Thread):
             time.sleep(POLL_S)
 
 
-def step_intervals(events: list[dict[str, Any]]) -> list[float]:
+def step_intervals(events: list[DriverEvent]) -> list[float]:
     """Seconds between consecutive step records (step k-1, then k) with no recovery between them."""
     out, previous = [], None
     for event in events:
-        if event["type"] == "recovery":
+        if event.type == "recovery":
             previous = None
-        elif event["type"] == "step":
-            step = event["data"]["step"]
+        elif event.type == "step":
+            step = event.data["step"]
             if previous is not None and step == previous[0] + 1:
-                out.append(event["time"] - previous[1])
-            previous = (step, event["time"])
+                out.append(event.time - previous[1])
+            previous = (step, event.time)
     return out
 
 
-def recoveries_of(events: list[dict[str, Any]], kills: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def recoveries_of(events: list[DriverEvent], kills: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each recovery's raw times (seconds, see the module's docstring), in order."""
     out = []
-    indices = [i for i, e in enumerate(events) if e["type"] == "recovery"]
+    indices = [i for i, e in enumerate(events) if e.type == "recovery"]
     for n, index in enumerate(indices):
         event = events[index]
-        step, until = event["data"]["step"], (indices[n + 1] if n + 1 < len(indices) else len(events))
-        before = [e for e in events[:index] if e["type"] == "step" and e["data"]["step"] == step]
+        step, until = event.data["step"], (indices[n + 1] if n + 1 < len(indices) else len(events))
+        before = [e for e in events[:index] if e.type == "step" and e.data["step"] == step]
         after = events[index + 1 : until]
-        training = next(
-            (e for e in after if e["type"] == "status" and e["message"].startswith("training ")), None
-        )
-        steps_after = [e for e in after if e["type"] == "step"]
-        past = next((e for e in steps_after if e["data"]["step"] == step + 1), None)
-        t_last = before[-1]["time"] if before else None
+        training = next((e for e in after if e.type == "status" and e.message.startswith("training ")), None)
+        steps_after = [e for e in after if e.type == "step"]
+        past = next((e for e in steps_after if e.data["step"] == step + 1), None)
+        t_last = before[-1].time if before else None
         kill = kills[n] if n < len(kills) else None
-        resumes_from = event["data"]["resumes_from"]
+        resumes_from = event.data["resumes_from"]
         # The checkpoint of the step the job was at, taken before the restart (engines lost only).
         rescued = any(
-            e["type"] == "checkpoint"
-            and e["data"].get("step") == step
-            and (kill is None or e["time"] > kill["time"])
+            e.type == "checkpoint" and e.data.get("step") == step and (kill is None or e.time > kill["time"])
             for e in events[:index]
         )
 
-        def since(later: dict[str, Any] | None, earlier: float | None) -> float | None:
-            return None if later is None or earlier is None else later["time"] - earlier
+        def since(later: DriverEvent | None, earlier: float | None) -> float | None:
+            return None if later is None or earlier is None else later.time - earlier
 
         first = steps_after[0] if steps_after else None
         out.append(
             {
                 "killed": kill["part"] if kill else None,
-                "lost": [item["name"] for item in event["data"]["lost"]],
+                "lost": [item["name"] for item in event.data["lost"]],
                 "step": step,
                 "resumes_from": resumes_from,
                 "rescue_checkpoint": rescued,
                 "steps_redone": step - (resumes_from or 0),
                 "into_step_s": None if kill is None or t_last is None else kill["time"] - t_last,
-                "kill_to_recovery_s": None if kill is None else event["time"] - kill["time"],
-                "start_s": since(training, event["time"]),
-                "first_step_s": since(first, None if training is None else training["time"]),
+                "kill_to_recovery_s": None if kill is None else event.time - kill["time"],
+                "start_s": since(training, event.time),
+                "first_step_s": since(first, None if training is None else training.time),
                 "fault_to_first_step_s": since(first, t_last),
                 "fault_to_past_s": since(past, t_last),
             }
@@ -249,11 +248,9 @@ def measure(job_file: Path, steps: int, arm: str, seed: int, every: int, save_st
     intervals = step_intervals(events)
     # A fresh start's first step (the warm-up a recovery's first step also pays): its record after the
     # first 'training N steps' status.
-    training = next(
-        (e for e in events if e["type"] == "status" and e["message"].startswith("training ")), None
-    )
-    first = next((e for e in events if e["type"] == "step"), None)
-    succeeded = error is None and any(e["type"] == "status" and e["message"] == "succeeded" for e in events)
+    training = next((e for e in events if e.type == "status" and e.message.startswith("training ")), None)
+    first = next((e for e in events if e.type == "step"), None)
+    succeeded = error is None and any(e.type == "status" and e.message == "succeeded" for e in events)
     return {
         "arm": arm,
         "seed": seed,
@@ -267,7 +264,7 @@ def measure(job_file: Path, steps: int, arm: str, seed: int, every: int, save_st
         "steps_recorded": len(train),
         "step_interval_s": statistics.median(intervals) if intervals else None,
         "step_s": statistics.median(r["time/step_s"] for r in train[1:]) if len(train) > 1 else None,
-        "first_step_s": None if training is None or first is None else first["time"] - training["time"],
+        "first_step_s": None if training is None or first is None else first.time - training.time,
         "recoveries": recoveries_of(events, faults.killed),
         "curve": [{"step": r["step"], "exact_match": r["exact_match"]} for r in evals],
         "final_exact_match": evals[-1]["exact_match"] if succeeded and evals else None,

@@ -6,6 +6,8 @@
 - `rollout`: one rollout step: the OpenAI-compatible gateway that records exact tokens, the runner.
 - `workers`: the autoscaled Ray pools that load user processors from an uploaded workspace.
 - `learner`: the DeepSpeed learner, the distillation losses and checkpoints.
+- `signal`: the training signal: the teacher's scores on the student's calls, shaped (staleness,
+  hindsight, preference pairs, beacons) into what the learner trains on.
 - `driver`: the job driver actor that runs a job's steps, its run directory and Ray runtime.
 - `client`: the Python client of the job server (and its Bailian-shaped `AgenticRL`).
 - `cli`: the `opd` command.

@@ -4,7 +4,7 @@ compared canonically), or, for a plain reply, its text normalised.
 Two replies that differ only in wording, spacing or the order of a JSON object's keys are the same
 action; TurnSight pairs turns on actions (its section 5.4: a pair whose sides differ only in wording
 teaches nothing but sharper probabilities). One definition, read by the preference mining
-(`learner/turn_preference.py`) and the agent metrics (`rollout/agent_eval.py`).
+(`signal/pairs.py`) and the agent metrics (`rollout/agent_eval.py`).
 """
 
 from __future__ import annotations

@@ -8,10 +8,10 @@ Each stage fills its part and passes a copy on (`dataclasses.replace`):
 - the rollout gateway (agentic rollouts): the OpenAI messages it was asked with (and the tools and
   chat-template variables they were rendered with), the reply message it returned and whether it
   was well formed, OpenAI's finish reason (`stop`, `length`, `tool_calls`) and the call's latency;
-- the job driver, for the learner: the teacher's logprob of each completion token (and with
+- the training signal (`signal/`), for the learner: the teacher's logprob of each completion token (and with
   `hyper_parameters.teacher_top_k` = K > 0 its K most likely tokens per position, [T, K] int32 /
   float32 arrays, else None), whether the teacher scored it with hindsight, the prompt group, the
-  rollout index and the rollout's reward.
+  rollout index and the rollout's reward; then staleness, hindsight values and preference pairs.
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+CHOSEN, REJECTED = 1, -1
+"""The two sides of a preference pair, as `LLMCall.preference_pairs` marks them."""
 
 
 @dataclass(frozen=True)
@@ -43,7 +46,7 @@ class LLMCall:
     """The reply was well formed: not cut off by max_tokens and, with tools offered, no call markup left
     unparsed and every call naming an offered tool with a JSON object of arguments."""
     latency_s: float = 0.0
-    # -- scored and grouped (the job driver, for the learner) --
+    # -- scored, grouped and shaped (the training signal, for the learner) --
     teacher_logprobs: list[float] | None = None
     teacher_top_ids: np.ndarray | None = None
     teacher_top_logprobs: np.ndarray | None = None
@@ -51,17 +54,17 @@ class LLMCall:
     rollout_id: int = 0
     reward: float = 0.0
     hindsight: float = 0.0
-    """Turn-level hindsight advantage of this call (learner/hindsight.py; 0 unless `hindsight_coef`)."""
+    """Turn-level hindsight advantage of this call (signal/hindsight.py; 0 unless `hindsight_coef`)."""
     preference_pairs: tuple[tuple[int, int], ...] = ()
-    """(pair id, +1 chosen / -1 rejected) of each turn-level preference pair this call is an action of
-    (learner/turn_preference.py; empty unless `turn_preference_coef`)."""
+    """(pair id, `CHOSEN` / `REJECTED`) of each preference pair this call is an action of (signal/pairs.py,
+    signal/beacons.py; empty unless `turn_preference_coef`)."""
     distilled: bool = True
     """The distillation loss trains on this call's tokens. False for a beacon's rewrite of a turn
-    (driver/beacons.py): not the student's own sample, trained only as its pair's chosen action."""
+    (signal/beacons.py): not the student's own sample, trained only as its pair's chosen action."""
     teacher_saw_note: bool = False
-    """The teacher scored this call with the reference in its context (driver/teacher_hindsight.py)."""
+    """The teacher scored this call with the reference in its context (signal/notes.py)."""
     beacon: str = ""
-    """A beacon's rewrite (driver/beacons.py): the beacon it was written with. Never trained; the
+    """A beacon's rewrite (signal/beacons.py): the beacon it was written with. Never trained; the
     trajectory view shows it beside the turn the rewrite is preferred over."""
     teacher_name: str = ""
     """The teacher that scored this call (`teacher_model`'s names; `teacher` for a job's only one)."""

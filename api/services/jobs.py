@@ -104,7 +104,7 @@ def public(job: Job) -> JobPublic:
             found.dry_run.estimate = _estimate(job, run_dir)
     else:
         found.promotion = run_dir.promoted()
-        found.best_checkpoint = (found.promotion or {}).get("checkpoint")
+        found.best_checkpoint = found.promotion.checkpoint if found.promotion is not None else None
         if job.status == JobStatus.SUCCEEDED:
             found.fine_tuned_model = run_dir.fine_tuned_model_id()
     if found.error is not None:
@@ -392,7 +392,8 @@ def checkpoints(session: Session, tenant_id: str, job_id: str) -> CheckpointList
     run_dir = RunDir(job.run_dir)
     records = finite(run_dir.records())
     by_step = {(r.get("kind"), r.get("step")): r for r in records}
-    promoted = (run_dir.promoted() or {}).get("checkpoint")
+    decision = run_dir.promoted()
+    promoted = decision.checkpoint if decision is not None else None
 
     def values(record: dict[str, Any] | None) -> dict[str, Any] | None:
         if record is None:

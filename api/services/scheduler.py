@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import re
 import threading
 import time
@@ -47,7 +48,7 @@ from collections import Counter, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -63,6 +64,13 @@ from opd_trainer.engine.engine_sharing import EngineSharing
 from opd_trainer.errors import OPDError
 from opd_trainer.storage.run_dir import RunDir
 from opd_trainer.storage.shared import write_probe
+from opd_trainer.wire.driver import DriverEvent, DriverProgress, DriverStatus
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+    from ray.actor import ActorHandle
+
+    from opd_trainer.jobspec.job_spec import JobSpec
 
 logger = logging.getLogger(__name__)
 
@@ -86,12 +94,12 @@ def actor_name(job_id: str) -> str:
 class DriverHandle:
     """One driver incarnation as the scheduler sees it."""
 
-    actor: Any = None  # None while `launch` runs
-    run_ref: Any = None  # None when re-attached: the previous server process held it
-    launch: Future[tuple[Any, Any]] | None = None  # (actor, run_ref), from `Scheduler._launch`
+    actor: ActorHandle | None = None  # None while `launch` runs
+    run_ref: ObjectRef | None = None  # None when re-attached: the previous server process held it
+    launch: Future[tuple[ActorHandle, ObjectRef]] | None = None  # (actor, run_ref), from `Scheduler._launch`
     reattached: bool = False
     stop_sent: bool = False
-    poll: list[Any] | None = None  # [request_stop?, progress, events] refs in flight
+    poll: list[ObjectRef] | None = None  # [request_stop?, progress, events] refs in flight
     answered: bool = False
     answered_at: float = field(default_factory=time.monotonic)  # or started, until it answers
     cancel_deadline: float | None = None  # wall-clock time past which a cancelling job is killed
@@ -317,14 +325,9 @@ class Scheduler:
         error: the job goes on from its checkpoint or fails as `driver_lost`. It is kept, as a
         `recovery` event that says so, so a job that then succeeds carries no error event.
         """
-        records = finite(RunDir(job.run_dir).events()[job.driver_events_offset :])
-        lost = [r for r in records if r.get("seq", -1) > job.driver_event_seq]
-        for record in lost:
-            if record.get("type") == "error":
-                record["type"] = "recovery"
-                record["data"] = {**(record.get("data") or {}), "driver_error": record.get("message", "")}
-                record["message"] = f"the driver stopped with an error: {record.get('message', '')}"
-        self._ingest(session, job, lost)
+        written = RunDir(job.run_dir).events()[job.driver_events_offset :]
+        lost = [event for event in written if event.seq > job.driver_event_seq]
+        self._ingest(session, job, [_recovery_note(e) if e.type == "error" else e for e in lost])
 
     def _driver_lost(self, session: Session, job: Job, *, counts: bool) -> None:
         handle = self._handles.pop(job.id, None)
@@ -423,14 +426,14 @@ class Scheduler:
         except Exception as exc:
             self.ray_status = f"error: {type(exc).__name__}"
 
-    def _ask(self, jobs: list[Job]) -> set[Any]:
+    def _ask(self, jobs: list[Job]) -> set[ObjectRef]:
         """Sends every driver with no call in flight its poll (first a stop request, once, if the user
         asked to pause or cancel), then waits at most `ANSWER_WAIT_S` for every driver's answer
         together; returns the refs answered. An answer still missing is looked for at the next poll."""
         # Lazy: the server module loads without Ray; Ray loads when the scheduler thread uses it.
         import ray
 
-        in_flight: list[Any] = []
+        in_flight: list[ObjectRef] = []
         for job in jobs:
             handle = self._handles.get(job.id)
             if handle is None or not handle.launched():
@@ -448,7 +451,7 @@ class Scheduler:
         ready, _ = ray.wait(in_flight, num_returns=len(in_flight), timeout=ANSWER_WAIT_S)
         return set(ready)
 
-    def _poll(self, session: Session, job: Job, answered: set[Any]) -> None:
+    def _poll(self, session: Session, job: Job, answered: set[ObjectRef]) -> None:
         handle = self._handles.get(job.id)
         if handle is None:
             # A job put in a driver status by someone else (another server): treat as lost.
@@ -488,7 +491,10 @@ class Scheduler:
         import ray
         from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
+        assert handle.actor is not None and handle.poll is not None  # answered: launched and polled
         refs, handle.poll = handle.poll, None
+        progress: DriverProgress
+        events: list[DriverEvent]
         try:
             *_, progress, events = ray.get(refs, timeout=ANSWER_WAIT_S)
         except (GetTimeoutError, ActorUnavailableError):
@@ -502,23 +508,21 @@ class Scheduler:
         handle.answered, handle.answered_at = True, time.monotonic()
         self._ingest(session, job, events)
         previous_step = job.step
-        job.step = int(progress["step"])
-        job.total_steps = int(progress["total_steps"]) or job.total_steps  # 0 until it read the data
-        job.eta_s = finite(progress.get("eta_s"))
-        metrics = {
-            k: v for k, v in finite(progress.get("metrics") or {}).items() if isinstance(v, int | float)
-        }
+        job.step = progress.step
+        job.total_steps = progress.total_steps or job.total_steps  # 0 until it read the data
+        job.eta_s = finite(progress.eta_s)
+        metrics = _finite_values(progress.metrics)
         if metrics:
             job.metrics = metrics
-        usage = {k: v for k, v in finite(progress.get("usage") or {}).items() if isinstance(v, int | float)}
+        usage = _finite_values(progress.usage)
         if usage:
             job.usage = usage
         if job.step != previous_step:
             job.trained_tokens = self._trained_tokens(job, metrics, job.step - previous_step)
-        if progress["status"] == "created" and handle.run_ref is None:
+        if progress.status == "created" and handle.run_ref is None:
             handle.run_ref = handle.actor.run.remote()  # the previous server died between create and run
-        if progress["status"] in ("succeeded", "failed", "stopped"):
-            self._finish(session, job, handle, progress["status"])
+        if progress.status in ("succeeded", "failed", "stopped"):
+            self._finish(session, job, handle, progress.status)
             return True
         return False
 
@@ -551,20 +555,13 @@ class Scheduler:
         # Run dir not visible from here (a remote cluster): estimate from the latest step.
         return job.trained_tokens + max(new_steps, 0) * float(metrics.get("trained_tokens", 0.0))
 
-    def _ingest(self, session: Session, job: Job, events: list[dict[str, Any]]) -> None:
-        for event in sorted(events, key=lambda e: e.get("seq", 0)):
-            at = event.get("time")
-            add_event(
-                session,
-                job.id,
-                str(event.get("type", "event")),
-                ANSI_ESCAPE.sub("", str(event.get("message", ""))),
-                finite(event.get("data") or {}),
-                at=float(at) if isinstance(at, int | float) else None,
-            )
-            job.driver_event_seq = int(event.get("seq", job.driver_event_seq))
+    def _ingest(self, session: Session, job: Job, events: list[DriverEvent]) -> None:
+        for event in sorted(events, key=lambda e: e.seq):
+            message = ANSI_ESCAPE.sub("", event.message)
+            add_event(session, job.id, event.type, message, finite(event.data), at=event.time)
+            job.driver_event_seq = event.seq
 
-    def _finish(self, session: Session, job: Job, handle: DriverHandle, driver_status: str) -> None:
+    def _finish(self, session: Session, job: Job, handle: DriverHandle, driver_status: DriverStatus) -> None:
         error = None
         if driver_status == "succeeded":
             new = "succeeded"
@@ -578,7 +575,7 @@ class Scheduler:
         # Its run() returns once it has shut the job's engines and pools down; then it is killed.
         self._retire(handle, FINISH_WAIT_S)
 
-    def _failure(self, session: Session, job: Job, handle: DriverHandle) -> dict[str, Any]:
+    def _failure(self, session: Session, job: Job, handle: DriverHandle) -> dict[str, str | None]:
         last = session.scalar(
             select(JobEvent)
             .where(JobEvent.job_id == job.id, JobEvent.type == "error")
@@ -688,12 +685,12 @@ class Scheduler:
     @classmethod
     def _launch(
         cls,
-        spec: Any,
+        spec: JobSpec,
         run_dir: str,
         job_id: str,
         storage_token: str,
         sharing: tuple[EngineSharing | None, EngineSharing | None],
-    ) -> Future[tuple[Any, Any]]:
+    ) -> Future[tuple[ActorHandle, ObjectRef]]:
         """The driver actor and its `run()` under way, made on a thread of its own: creating it waits
         for a Ray task that imports the training stack on the cluster (this process may not hold it:
         the api image), and this thread must not. A daemon thread, so that a launch Ray cannot place
@@ -701,7 +698,7 @@ class Scheduler:
         # Lazy: the server module loads without Ray; Ray loads when the scheduler thread uses it.
         from opd_trainer.driver.launch import launch_driver
 
-        made: Future[tuple[Any, Any]] = Future()
+        made: Future[tuple[ActorHandle, ObjectRef]] = Future()
 
         def launch() -> None:
             try:
@@ -732,3 +729,19 @@ class Scheduler:
             except ValueError:
                 return
             time.sleep(0.2)
+
+
+def _finite_values(values: dict[str, float]) -> dict[str, float]:
+    """`values` without its NaN and infinite entries: JSON responses and PostgreSQL reject them."""
+    return {k: v for k, v in values.items() if math.isfinite(v)}
+
+
+def _recovery_note(error: DriverEvent) -> DriverEvent:
+    """A lost driver's `error` event as a `recovery` note: what it saw while dying, not the job's error."""
+    return error.model_copy(
+        update={
+            "type": "recovery",
+            "message": f"the driver stopped with an error: {error.message}",
+            "data": {**error.data, "driver_error": error.message},
+        }
+    )

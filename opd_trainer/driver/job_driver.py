@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import json
 import logging
 import math
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from ray.actor import ActorHandle
 
 from opd_trainer.cluster.preemption import notices as preemption_notices
 from opd_trainer.driver.components import Components, Started, start_components
@@ -49,6 +49,14 @@ from opd_trainer.rollout.runner import RolloutResult
 from opd_trainer.storage.checkpoints import CheckpointStore
 from opd_trainer.storage.run_dir import RunDir
 from opd_trainer.storage.shared import check_probe
+from opd_trainer.wire.checkpoint import CheckpointState, CursorState
+from opd_trainer.wire.driver import (
+    DriverEvent,
+    DriverEventType,
+    DriverProgress,
+    DriverStatus,
+    ValidationSummary,
+)
 from opd_trainer.workers.pool import pool_metrics
 
 logger = logging.getLogger(__name__)
@@ -56,12 +64,12 @@ logger = logging.getLogger(__name__)
 RESCUE_CHECKPOINT_S = 300.0  # the most a checkpoint before a restart may take; past it the restart goes on
 
 
-def _node_of(_: Any) -> str:
+def _node_of(_: object) -> str:
     """Run inside an actor (`__ray_call__`): the Ray node it is on."""
     return ray.get_runtime_context().get_node_id()
 
 
-def error_event(exc: OPDError) -> tuple[str, dict[str, Any]]:
+def error_event(exc: OPDError) -> tuple[str, dict[str, str | None]]:
     """An error as one line (`field: first line of the message`) plus its details in `data`.
 
     `exc.message` is the error's own text even when Ray re-raised it from an actor, whose `str()` would
@@ -69,7 +77,7 @@ def error_event(exc: OPDError) -> tuple[str, dict[str, Any]]:
     that failed to import) goes to `data.detail`.
     """
     headline, _, detail = exc.message.strip().partition("\n")
-    data: dict[str, Any] = {"field": exc.field}
+    data: dict[str, str | None] = {"field": exc.field}
     if detail.strip():
         data["detail"] = detail.strip()
     return (f"{exc.field}: {headline}" if exc.field else headline), data
@@ -117,9 +125,9 @@ class JobDriver:
         self.validation_samples: list[Sample] = []
         self.total_steps = 0
         self.step = 0
-        self.status = "created"
+        self.status: DriverStatus = "created"
         self._stop_requested = False
-        self._events: list[dict[str, Any]] = []
+        self._events: list[DriverEvent] = []
         self._latest: dict[str, float] = {}
         self._started_at = time.time()
         self._started = Started()  # what start-up started: stopped at the end, whatever happened
@@ -127,7 +135,7 @@ class JobDriver:
         self._components: Components | None = None  # the running parts (None while starting)
         self._mark = StepMark()  # how far the step under way got (`_checkpoint_before_restart`)
         self._recoveries = RecoveryLog(self.run_dir)
-        self._notices_seen: set[tuple[str, Any]] = set()  # preemption notices already acted on
+        self._notices_seen: set[tuple[str, object]] = set()  # preemption notices (node, time) acted on
         self._trackers: list[BackgroundTracker] = []  # report_to (opened in run())
         self._promoter = Promoter.for_job(spec)  # None: no validation data, the model is the last checkpoint
         # What earlier runs of this job used (a resume) is where this run's meter starts.
@@ -140,35 +148,31 @@ class JobDriver:
     def checkpoints(self) -> CheckpointStore:
         return self.log.checkpoint_store()
 
-    def emit(self, kind: str, message: str, **data: Any) -> None:
-        event = {
-            "seq": len(self._events),
-            "time": time.time(),
-            "type": kind,
-            "message": message,
-            "data": data,
-        }
+    def emit(self, kind: DriverEventType, message: str, **data: Any) -> None:
+        """One job event: kept for `events()`, appended to events.jsonl and logged."""
+        event = DriverEvent(seq=len(self._events), time=time.time(), type=kind, message=message, data=data)
         self._events.append(event)
         if self._storage_error is None:  # else the run dir here is not the one the server reads
             self.log.event(event)
         logger.info("[%s] %s: %s", self.job_id, kind, message)
 
-    def events(self, after: int = -1) -> list[dict[str, Any]]:
-        return [e for e in self._events if e["seq"] > after]
+    def events(self, after: int = -1) -> list[DriverEvent]:
+        """This incarnation's events after `seq` `after`, in order."""
+        return [e for e in self._events if e.seq > after]
 
-    def progress(self) -> dict[str, Any]:
+    def progress(self) -> DriverProgress:
         elapsed = time.time() - self._started_at
         done = self.step
         eta = elapsed / done * (self.total_steps - done) if done and self.status == "running" else None
-        return {
-            "status": self.status,
-            "step": self.step,
-            "total_steps": self.total_steps,
+        return DriverProgress(
+            status=self.status,
+            step=self.step,
+            total_steps=self.total_steps,
             # The latest step's metrics, with the pools' live numbers (the server exports them).
-            "metrics": {**self._latest, **pool_metrics(self._started.pools)},
-            "eta_s": eta,
-            "usage": self._usage,  # as of the latest record (`driver/metering.py`)
-        }
+            metrics={**self._latest, **pool_metrics(self._started.pools)},
+            eta_s=eta,
+            usage=self._usage,  # as of the latest record (`driver/metering.py`)
+        )
 
     def request_stop(self) -> None:
         """Stops after the current step, with a checkpoint (pause / cancel)."""
@@ -176,7 +180,7 @@ class JobDriver:
 
     # -- the loop -------------------------------------------------------------------------------
 
-    async def run(self, stop_after: int | None = None) -> dict[str, Any]:
+    async def run(self, stop_after: int | None = None) -> ValidationSummary:
         """Trains to the end (or `stop_after` steps / a stop request) and returns the summary."""
         self.status = "running"
         self._started_at = time.time()
@@ -203,7 +207,7 @@ class JobDriver:
             await self._close_trackers()
             await self.shutdown()
 
-    async def _run_components(self, stop_after: int | None) -> dict[str, Any]:
+    async def _run_components(self, stop_after: int | None) -> ValidationSummary:
         """Starts the job's parts, resumes from the latest checkpoint (or runs the pre-flight of a fresh
         start) and trains; once per start, again after each recovery."""
         c = self._components = await start_components(
@@ -274,10 +278,10 @@ class JobDriver:
         self._meter = self._meter.carried_over(self._usage)
         return True
 
-    def _held_actors(self) -> dict[str, Any]:
+    def _held_actors(self) -> dict[str, ActorHandle]:
         """Every actor the job's parts run in, by what it is for the job (probed after a failure)."""
         c, started = self._components, self._started
-        held: dict[str, Any] = {}
+        held: dict[str, ActorHandle] = {}
         if c is not None:
             several = c.teachers.several
             teachers = {f"teacher {n}" if several else "teacher": g for n, g in c.teachers.groups.items()}
@@ -295,7 +299,7 @@ class JobDriver:
         for index, actor in enumerate(started.gateways):
             held[f"gateway host {index}"] = actor
         # One name per actor (a LoRA job's teacher may be its student's engines): the first given.
-        unique: dict[Any, tuple[str, Any]] = {}
+        unique: dict[object, tuple[str, ActorHandle]] = {}
         for name, actor in held.items():
             unique.setdefault(actor._actor_id, (name, actor))
         return dict(unique.values())
@@ -353,8 +357,8 @@ class JobDriver:
             self.emit("warning", f"no checkpoint of step {self.step} before the restart ({why})")
 
     async def _train(
-        self, c: Components, sampler: Sampler, summary: dict[str, Any], stop_after: int | None
-    ) -> dict[str, Any]:
+        self, c: Components, sampler: Sampler, summary: ValidationSummary, stop_after: int | None
+    ) -> ValidationSummary:
         hp = self.spec.hyper_parameters
         self.emit("status", f"training {self.total_steps} steps", total_steps=self.total_steps)
         clock = StepClock()
@@ -436,7 +440,7 @@ class JobDriver:
             await self.save_checkpoint(c, sampler)
             self._promote(final=False)
 
-    async def _finish(self, c: Components, sampler: Sampler, summary: dict[str, Any]) -> dict[str, Any]:
+    async def _finish(self, c: Components, sampler: Sampler, summary: ValidationSummary) -> ValidationSummary:
         """The last validation, the final checkpoint and the promotion decision."""
         if self.validation_samples:
             summary["student_after"] = await self._evaluate(c, "student after")
@@ -460,10 +464,11 @@ class JobDriver:
         best = self._promoter.best_step
         decision = self._promoter.decision(None if best is None else self.checkpoints.name(best), final=final)
         self.checkpoints.promote(decision)
-        if decision["checkpoint"] is not None:
-            self.emit("promotion", f"promoted {decision['checkpoint']}: {decision['reason']}", **decision)
+        if decision.checkpoint is not None:
+            message = f"promoted {decision.checkpoint}: {decision.reason}"
+            self.emit("promotion", message, **decision.model_dump())
         elif final:
-            self.emit("warning", f"no fine_tuned_model: {decision['reason']}", promotion=decision)
+            self.emit("warning", f"no fine_tuned_model: {decision.reason}", promotion=decision.model_dump())
 
     async def shutdown(self) -> None:
         """Stops everything this job started (also after a start-up that failed half-way)."""
@@ -490,13 +495,13 @@ class JobDriver:
         hp = self.spec.hyper_parameters
         return math.ceil(hp.batch_size * hp.n_rollouts / hp.ppo_mini_batch_size)
 
-    async def _preflight(self, c: Components) -> dict[str, Any]:
+    async def _preflight(self, c: Components) -> ValidationSummary:
         """A fresh run: the drift probe, then the teacher's and the starting student's validation."""
         probe = await drift_probe_segments(c, self.train_samples)
         drift = await check_drift(c.learner, probe, self.spec.hyper_parameters.max_drift)
         message = f"learner/sampler drift mean {drift['mean']:.2e} max {drift['max']:.2e}"
         self.emit("preflight", message, **drift)
-        summary: dict[str, Any] = {}
+        summary: ValidationSummary = {}
         if self.validation_samples:
             summary["teacher"] = await self._evaluate(c, "teacher", teacher=True)
             summary["student_before"] = await self._evaluate(c, "student before")
@@ -520,7 +525,7 @@ class JobDriver:
     # -- checkpoints ----------------------------------------------------------------------------
 
     async def save_checkpoint(
-        self, c: Components, sampler: Sampler, cursor: dict[str, Any] | None = None
+        self, c: Components, sampler: Sampler, cursor: dict[str, int] | None = None
     ) -> Path:
         """A checkpoint of the step the job is at. `cursor`: the data cursor to keep when it is not the
         sampler's (a step that failed: the state before its batch)."""
@@ -530,13 +535,13 @@ class JobDriver:
             await c.learner.save_checkpoint(str(staging))
             # With batches under way for the next steps the cursor is ahead of them: the checkpoint
             # keeps the state before the first, and a resume samples them again.
-            state = {
-                "step": self.step,
-                "cursor": cursor if cursor is not None else sampler.cursor_state(),
-                "total_steps": self.total_steps,
-                "promotion": None if self._promoter is None else self._promoter.state(),
-            }
-            path = self.checkpoints.commit(staging, self.step, state)
+            state = CheckpointState(
+                step=self.step,
+                cursor=CursorState.model_validate(cursor if cursor is not None else sampler.cursor_state()),
+                total_steps=self.total_steps,
+                promotion=None if self._promoter is None else self._promoter.state(),
+            )
+            path = self.checkpoints.commit(staging, state)
         self.emit("checkpoint", f"saved step {self.step}", step=self.step, path=str(path))
         keep_last_n = self.spec.hyper_parameters.keep_last_n
         if keep_last_n is not None:
@@ -546,17 +551,17 @@ class JobDriver:
                 self.emit("checkpoint", message, removed=removed)
         return path
 
-    async def _resume(self, c: Components, sampler: Sampler) -> dict[str, Any]:
+    async def _resume(self, c: Components, sampler: Sampler) -> ValidationSummary:
         """Continues from the latest checkpoint: learner state, data cursor, step, student weights."""
         latest = self.checkpoints.latest()
         if latest is None:
             raise OPDError("no checkpoint to resume from")
         path, state = latest
         await c.learner.load_checkpoint(str(path))
-        self.step = int(state["step"])
-        sampler.cursor.restore(state["cursor"])
+        self.step = state.step
+        sampler.cursor.restore(state.cursor.model_dump())
         if self._promoter is not None:
-            self._promoter.restore(state.get("promotion"))
+            self._promoter.restore(state.promotion)
         discarded = self.log.truncate_after(self.step)
         await c.publish_weights(self.step)
         # Step events of discarded steps stay in the event log (ids are never reused); this event names
@@ -602,9 +607,7 @@ class JobDriver:
         ignored = self.spec.ignored_fields
         if not ignored:
             return
-        path = self.log.events_path
-        lines = path.read_text().splitlines() if path.exists() else []
-        if any("ignored_fields" in json.loads(line).get("data", {}) for line in lines if line):
+        if any("ignored_fields" in event.data for event in self.log.events()):
             return
         self.emit(
             "warning",

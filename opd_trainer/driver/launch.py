@@ -4,27 +4,33 @@ The job server's pod (the Docker `api` target) has no torch, vLLM or DeepSpeed, 
 `opd_trainer.driver.job_driver` imports them. So the server never imports it: `launch_driver` runs a
 small Ray task on the cluster, whose workers have the full stack, that creates the named, detached
 driver actor there; the server then holds it by name (`ray.get_actor`), and calling its methods needs
-no class. This module imports nothing but Ray.
+no class. This module imports nothing but Ray (the rest only for type checkers).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import ray
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from opd_trainer.engine.engine_sharing import EngineSharing
+    from opd_trainer.jobspec.job_spec import JobSpec
 
 
 @ray.remote(num_cpus=0)
 def _create_driver(
-    spec: Any,
+    spec: JobSpec,
     run_dir: str,
     job_id: str,
     storage_token: str | None,
     name: str,
     namespace: str,
-    teacher_sharing: Any,
-    student_sharing: Any,
+    teacher_sharing: EngineSharing | None,
+    student_sharing: EngineSharing | None,
 ) -> None:
     # Lazy: runs in a Ray task on the cluster: the server that imports launch has no torch/vLLM.
     from opd_trainer.driver.job_driver import JobDriverActor
@@ -46,16 +52,17 @@ NAME_LOOKUP_S = 30.0
 
 
 def launch_driver(
-    spec: Any,
+    spec: JobSpec,
     run_dir: str,
     job_id: str,
     storage_token: str | None,
     name: str,
     namespace: str,
-    teacher_sharing: Any = None,
-    student_sharing: Any = None,
-) -> Any:
-    """A new detached driver actor named `name` in `namespace`; returns its handle.
+    teacher_sharing: EngineSharing | None = None,
+    student_sharing: EngineSharing | None = None,
+) -> ActorHandle:
+    """A new detached driver actor named `name` in `namespace`; returns its handle (a `JobDriver`'s
+    methods: `run`, `progress`, `events`, `request_stop`).
     `teacher_sharing`, `student_sharing`: the server's `EngineSharing` of each role
     (`engine/shared_engines.py`), None: off."""
     ray.get(

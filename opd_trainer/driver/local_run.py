@@ -12,9 +12,10 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
-from typing import Any
 
 import ray
+from ray import ObjectRef
+from ray.actor import ActorHandle
 from ray.exceptions import RayActorError
 from tqdm import tqdm
 
@@ -30,6 +31,7 @@ from opd_trainer.jobspec.preflight import check_references, check_task_records, 
 from opd_trainer.learner.merged_models import whole_model
 from opd_trainer.storage.run_dir import RunDir
 from opd_trainer.storage.shared import write_probe
+from opd_trainer.wire.driver import DriverEvent, DriverProgress, ValidationSummary
 
 __all__ = ["preflight_local", "prepare_spec", "train_spec"]
 
@@ -46,26 +48,28 @@ def preflight_local(spec: JobSpec) -> None:
     preflight_lora(spec.hyper_parameters.lora_targets(), spec.model)
 
 
-async def _follow(driver: Any, run: Any) -> Any:
-    """Polls the driver for progress and events until `run` finishes."""
+async def _follow(driver: ActorHandle, run: ObjectRef) -> ValidationSummary:
+    """Polls the driver for progress and events until `run` (its `run()`) finishes; returns its summary."""
     bar = tqdm(total=None, unit="step", dynamic_ncols=True)
     last_event = -1
     try:
         while True:
             done, _ = ray.wait([run], timeout=0)
+            progress: DriverProgress
+            events: list[DriverEvent]
             progress, events = await asyncio.gather(
                 driver.progress.remote(), driver.events.remote(last_event)
             )
             for event in events:
-                last_event = event["seq"]
-                if event["type"] in {"eval", "checkpoint", "preflight", "error", "status"}:
-                    bar.write(f"[{event['type']}] {event['message']}")
-            if progress["total_steps"] and bar.total != progress["total_steps"]:
-                bar.total = progress["total_steps"]  # known once the driver has read the datasets
+                last_event = event.seq
+                if event.type in {"eval", "checkpoint", "preflight", "error", "status"}:
+                    bar.write(f"[{event.type}] {event.message}")
+            if progress.total_steps and bar.total != progress.total_steps:
+                bar.total = progress.total_steps  # known once the driver has read the datasets
                 bar.refresh()
-            if progress["step"] > bar.n:
-                bar.update(progress["step"] - bar.n)
-            metrics = progress["metrics"]
+            if progress.step > bar.n:
+                bar.update(progress.step - bar.n)
+            metrics = progress.metrics
             if metrics:
                 postfix = {}
                 if "reverse_kl" in metrics:  # validation of task records alone reports none
@@ -118,7 +122,9 @@ def _restart_or_raise(spec: JobSpec, run_dir: Path, exc: RayActorError) -> None:
     print(f"(recovery {count} of at most {budget})")
 
 
-def train_spec(spec: JobSpec, run_dir: Path | None = None, stop_after: int | None = None) -> dict[str, Any]:
+def train_spec(
+    spec: JobSpec, run_dir: Path | None = None, stop_after: int | None = None
+) -> ValidationSummary:
     """Runs a prepared `spec` on the local (or `RAY_ADDRESS`) Ray cluster with progress on the terminal;
     returns the job's summary. Raises `OPDError` when the job fails."""
     # The driver actor's module imports torch, vLLM and DeepSpeed: loaded when a job starts, not when
@@ -135,7 +141,7 @@ def train_spec(spec: JobSpec, run_dir: Path | None = None, stop_after: int | Non
             spec, str(run_dir.resolve()), "local", token
         )
         try:
-            summary: dict[str, Any] = asyncio.run(_follow(driver, driver.run.remote(stop_after)))
+            summary = asyncio.run(_follow(driver, driver.run.remote(stop_after)))
             break
         except RayActorError as exc:  # the driver died: its engines, ranks and pools died with it
             _restart_or_raise(spec, run_dir, exc)

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
 from opd_trainer.errors import ConfigError
 from opd_trainer.jobspec.job_spec import JobSpec
+from opd_trainer.wire.checkpoint import PromotionDecision, PromotionState
 
 
 @dataclasses.dataclass
@@ -43,14 +43,16 @@ class Promoter:
             spec.promotion.threshold,
         )
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> PromotionState:
         """What a checkpoint keeps, so a resumed job keeps its best."""
-        return dataclasses.asdict(self)
+        return PromotionState(**dataclasses.asdict(self))
 
-    def restore(self, state: dict[str, Any] | None) -> None:
-        for field in ("start", "best_step", "best_value", "top_step", "top_value"):
-            if state and field in state:
-                setattr(self, field, state[field])
+    def restore(self, state: PromotionState | None) -> None:
+        """Takes up what a checkpoint kept (`state`); None (a checkpoint without it) keeps the present."""
+        if state is None:
+            return
+        self.start, self.best_step, self.best_value = state.start, state.best_step, state.best_value
+        self.top_step, self.top_value = state.top_step, state.top_value
 
     def value(self, metrics: dict[str, float]) -> float:
         """The metric's value in one validation; a name the validation does not report fails the job."""
@@ -93,27 +95,27 @@ class Promoter:
                 )
         return None
 
-    def decision(self, checkpoint: str | None, *, final: bool) -> dict[str, Any]:
+    def decision(self, checkpoint: str | None, *, final: bool) -> PromotionDecision:
         """The record `promoted.json` holds: the promoted checkpoint (None: no validation passed the
         gates, or none ran), the metric and its value, and why."""
         start = self.start if self.start is not None and math.isfinite(self.start) else None
-        record: dict[str, Any] = {
-            "checkpoint": checkpoint,
-            "metric": self.metric,
-            "higher_is_better": self.higher_is_better,
-            "start": start,
-            "step": self.best_step,
-            "value": self.best_value,
-            "final": final,
-        }
         if checkpoint is not None:
-            record["reason"] = f"best {self.metric} {self.best_value:.4g} at step {self.best_step}"
+            reason = f"best {self.metric} {self.best_value:.4g} at step {self.best_step}"
         elif self.top_value is None:
-            record["reason"] = "no validation of the trained student ran"
+            reason = "no validation of the trained student ran"
         else:
             failure = self.gate_failure(self.top_value)
-            record["reason"] = f"no validation met the gate; the best, at step {self.top_step}: {failure}"
-        return record
+            reason = f"no validation met the gate; the best, at step {self.top_step}: {failure}"
+        return PromotionDecision(
+            checkpoint=checkpoint,
+            metric=self.metric,
+            higher_is_better=self.higher_is_better,
+            start=start,
+            step=self.best_step,
+            value=self.best_value,
+            final=final,
+            reason=reason,
+        )
 
     def _beats(self, value: float, other: float) -> bool:
         return value > other if self.higher_is_better else value < other

@@ -21,7 +21,6 @@ import json
 import re
 import time
 from pathlib import Path
-from typing import Any
 
 from ray.actor import ActorHandle
 from ray.exceptions import (
@@ -35,6 +34,7 @@ from ray.exceptions import (
 )
 
 from opd_trainer.errors import exception_chain
+from opd_trainer.wire.driver import RecoveryRecord
 
 DEFAULT_MAX_RECOVERIES = 3
 """`resources.max_recoveries` when the job gives none and no server default applies (`opd train`)."""
@@ -117,7 +117,7 @@ class RecoveryLog:
     def __init__(self, run_dir: Path) -> None:
         self.path = run_dir / RECOVERIES_FILE
 
-    def entries(self) -> list[dict[str, Any]]:
+    def entries(self) -> list[RecoveryRecord]:
         if not self.path.is_file():
             return []
         found = []
@@ -127,7 +127,7 @@ class RecoveryLog:
             except json.JSONDecodeError:  # a line half-written when the process died
                 continue
             if isinstance(entry, dict):
-                found.append(entry)
+                found.append(RecoveryRecord.model_validate(entry))
         return found
 
     def refusal(self, step: int, cause: str, budget: int) -> str | None:
@@ -139,7 +139,7 @@ class RecoveryLog:
                 f"{len(entries)} recoveries already (resources.max_recoveries={budget}); the job fails "
                 "instead of recovering again"
             )
-        if any(e.get("step") == step and e.get("cause") == cause for e in entries):
+        if any(e.step == step and e.cause == cause for e in entries):
             return (
                 f"the same failure ({cause}) at the same step ({step + 1}) a second time: it would repeat, "
                 "so the job fails instead of recovering again"
@@ -148,9 +148,10 @@ class RecoveryLog:
 
     def add(self, step: int, cause: str, message: str, resumes_from: int | None) -> int:
         """Records one recovery; returns how many the job has had."""
-        entry = {"time": time.time(), "step": step, "cause": cause, "message": message}
-        entry["resumes_from"] = resumes_from
+        entry = RecoveryRecord(
+            time=time.time(), step=step, cause=cause, message=message, resumes_from=resumes_from
+        )
         torn = self.path.is_file() and not self.path.read_bytes().endswith(b"\n")
         with self.path.open("a") as out:  # after a line half-written when a process died, a new line
-            out.write(("\n" if torn else "") + json.dumps(entry) + "\n")
+            out.write(("\n" if torn else "") + json.dumps(entry.model_dump()) + "\n")
         return len(self.entries())

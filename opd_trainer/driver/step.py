@@ -1,24 +1,22 @@
-"""One training step, phase by phase: sample → score → reward → learn → publish.
+"""One training step, phase by phase: sample → score → shape → learn → publish.
 
 `train_step` is the whole step; each phase is a function of its own returning what the next needs and
 its metrics:
 
-- **sample** (`Sampler`): a batch of prompts from the data cursor, `n_rollouts` rollouts each through
-  the user's rollout code and the recording gateway, with the weights the engines hold. With
-  `max_staleness` k >= 1 the next k steps' batches are sampled while this step learns: k = 1 waits
-  for the next batch before publishing (it is exactly one version behind); k >= 2 publishes without
-  waiting, so sampling runs on through the updates and each call keeps the version it was sampled
-  with (at most k behind when it is trained).
-- **score** (`teacher_segments`): every recorded LLM call of a successful rollout becomes a segment the
-  teacher scores on exactly the student's tokens (its top-k too when the estimator needs it), as soon
-  as the rollout ends, not when the batch ends.
-- **reward** (`shape_signal`): drops segments staler than `max_staleness`, adds the hindsight signal
-  and the turn-level preference pairs; with `beacon_rewrite`, the turns that got a tool error (or the
-  beacon component's feedback) are written again with a hindsight beacon and paired against themselves
-  (`driver/beacons.py`).
-  The rollout's own reward came from the user's reward workers during sampling.
-- **learn**: the learner's update on mini-batches of whole rollouts (`minibatches`).
-- **publish**: the new weights to every student replica (`Components.publish_weights`).
+- **sample** (`Sampler`, `collect_rollouts`): a batch of prompts from the data cursor, `n_rollouts`
+  rollouts each through the user's rollout code and the recording gateway, with the weights the engines
+  hold; the rollout's reward comes from the user's reward workers. With `max_staleness` k >= 1 the next
+  k steps' batches are sampled while this step learns: k = 1 waits for the next batch before publishing
+  (it is exactly one version behind); k >= 2 publishes without waiting, so sampling runs on through the
+  updates and each call keeps the version it was sampled with (at most k behind when it is trained).
+- **score** (`score`): every recorded LLM call of a successful rollout becomes a segment the teacher
+  scored on exactly the student's tokens (`signal.scores.score_rollouts`), started as soon as each
+  rollout ends (`sample_and_score`), not when the batch ends; the phase waits for the last of them.
+- **shape** (`shape`): the training signal (`signal.shape.shape_signal`): drops stale segments and
+  rollouts leaking a hindsight note's wording, adds the hindsight values and the preference pairs, and
+  with `beacon_rewrite` the turns written again with a hindsight beacon, paired against themselves.
+- **learn** (`learn`): the learner's update on mini-batches of whole rollouts (`minibatches`).
+- **publish** (`publish`): the new weights to every student replica (`Components.publish_weights`).
 
 `StepClock` times a step from one step's start to the next's, so a step's bookkeeping is never left
 out of the clock that samples/s and tokens/s divide by.
@@ -34,24 +32,19 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
-from opd_trainer.driver.beacons import rewrite_with_beacons
 from opd_trainer.driver.components import Components
-from opd_trainer.driver.seeds import request_seed
-from opd_trainer.driver.teacher_hindsight import hindsight_notes, teacher_inputs, without_leaks
-from opd_trainer.driver.teachers import TeacherEngines
 from opd_trainer.errors import OPDError
 from opd_trainer.jobspec.dataset import EpochCursor, Sample
 from opd_trainer.jobspec.job_spec import HyperParameters
-from opd_trainer.learner.hindsight import hindsight_advantages
-from opd_trainer.learner.turn_preference import (
-    mark_pairs,
-    mine_outcome_pairs,
-    mine_preference_pairs,
-    pairs_split_across,
-)
 from opd_trainer.records import LLMCall
 from opd_trainer.rollout.runner import RolloutResult, failure_message, rollout_step_metrics
 from opd_trainer.rollout.trajectory_view import scored_trajectories
+from opd_trainer.seeds import request_seed
+from opd_trainer.signal.beacons import BeaconModels
+from opd_trainer.signal.pairs import pairs_split_across
+from opd_trainer.signal.scores import score_rollouts
+from opd_trainer.signal.shape import shape_signal
+from opd_trainer.signal.shaped import Shaped
 from opd_trainer.stats import mean
 from opd_trainer.storage.run_dir import RunDir
 from opd_trainer.workers.pool import pool_metrics
@@ -166,10 +159,10 @@ class Sampler:
         batch = [self.samples[i] for i in self.cursor.next_batch(hp.batch_size)]
         seeds = [request_seed(hp.seed, step, index) for index in range(len(batch) * hp.n_rollouts)]
 
-        async def score(results: list[RolloutResult]) -> list[LLMCall]:
-            return await teacher_segments(c.teachers, c.tokenizer, c.max_length, hp, results)
+        async def scored(results: list[RolloutResult]) -> list[LLMCall]:
+            return await score_rollouts(c.teachers, c.tokenizer, c.max_length, hp, results)
 
-        return Batch(step, cursor, *sample_and_score(c.runner, score, batch, step, seeds, hp.n_rollouts))
+        return Batch(step, cursor, *sample_and_score(c.runner, scored, batch, step, seeds, hp.n_rollouts))
 
     def take(self, step: int) -> Batch:
         """The batch sampled ahead for `step`, else a new one."""
@@ -222,42 +215,15 @@ async def collect_rollouts(
 # -- score ------------------------------------------------------------------------------------------
 
 
-async def teacher_segments(
-    teachers: TeacherEngines,
-    tokenizer: Any,
-    max_length: int,
-    hp: HyperParameters,
-    results: list[RolloutResult],
-) -> list[LLMCall]:
-    """One segment per recorded LLM call of every successful rollout, scored on the student's exact
-    tokens by the teacher its sample is routed to (with the hindsight note in its prompt where
-    `teacher_hindsight` asks)."""
-    calls = [(r, c) for r in results if not r.failed for c in r.calls if c.completion_token_ids]
-    top_k = hp.teacher_top_k
-    notes = [note for r in results if not r.failed for note in hindsight_notes(r, hp.teacher_hindsight)]
-    noted_calls = [(c, note) for (_, c), note in zip(calls, notes, strict=True)]
-    inputs = teacher_inputs(tokenizer, noted_calls, max_length)
-    scored = await teachers.score_top_k([teachers.name_for(r.sample) for r, _ in calls], inputs.pairs, top_k)
-    return [
-        dataclasses.replace(
-            c,
-            teacher_logprobs=one.scores.logprobs.tolist(),
-            group_id=r.group_id,
-            rollout_id=r.index,
-            reward=r.reward,
-            teacher_top_ids=one.scores.top_ids if top_k else None,
-            teacher_top_logprobs=one.scores.top_logprobs if top_k else None,
-            teacher_saw_note=noted,
-            teacher_name=one.teacher,
-            teacher_latency_s=one.latency_s,
-        )
-        for (r, c), one, noted in zip(calls, scored, inputs.noted, strict=True)
-    ]
+async def score(batch: Batch) -> list[LLMCall]:
+    """The batch's segments as the teacher scored them, in rollout order. Scoring started as each
+    rollout ended (`sample_and_score`): what is left to wait for here is the teacher's tail."""
+    return await batch.scored
 
 
 def per_teacher_metrics(segments: list[LLMCall]) -> dict[str, float]:
-    """`teacher/NAME/KEY` for each teacher that scored segments of this step: its `segments`,
-    `scored_tokens` (prompt + completion), `reverse_kl` over its segments' tokens and the mean
+    """`teacher/NAME/KEY` for each teacher that scored `segments` (the step's trained ones): its
+    `segments`, `scored_tokens` (prompt + completion), `reverse_kl` over its segments' tokens and the mean
     `latency_s` of its scoring requests (a step's records carry them when a job has several teachers)."""
     names = sorted({s.teacher_name for s in segments})
     metrics: dict[str, float] = {}
@@ -277,44 +243,28 @@ def per_teacher_metrics(segments: list[LLMCall]) -> dict[str, float]:
     return metrics
 
 
-# -- reward -----------------------------------------------------------------------------------------
+# -- shape ------------------------------------------------------------------------------------------
 
 
-def shape_signal(
-    segments: list[LLMCall], step: int, hp: HyperParameters
-) -> tuple[list[LLMCall], dict[str, float]]:
-    """Drops segments sampled more than `max_staleness` versions ago and, with `teacher_hindsight`, the
-    rollouts whose replies carry a hindsight note's wording (`without_leaks`); adds the hindsight signal
-    (`hindsight_coef`) and the turn-level preference pairs (`turn_preference_coef`); returns the
-    segments to train on and the staleness/hindsight/preference metrics."""
-    staleness = [step - s.weight_version for s in segments]
-    kept = segments
-    if hp.max_staleness > 0:
-        kept = [
-            dataclasses.replace(s, staleness=lag) if lag else s
-            for s, lag in zip(segments, staleness, strict=True)
-            if lag <= hp.max_staleness
-        ]
-    metrics = {
-        "staleness/mean": mean(staleness),
-        "staleness/max": float(max(staleness, default=0)),
-        "staleness/dropped_segments": float(len(segments) - len(kept)),
-    }
-    if hp.teacher_hindsight != "none":
-        metrics["hindsight/teacher_note_share"] = mean([s.teacher_saw_note for s in kept])
-        kept, leaked = without_leaks(kept)
-        metrics["hindsight/leaked_rollouts"] = float(leaked)
-    if hp.hindsight_coef > 0:
-        values = hindsight_advantages(kept)
-        kept = [dataclasses.replace(s, hindsight=v) for s, v in zip(kept, values, strict=True)]
-        metrics["hindsight/turns_up"] = float(sum(v > 0 for v in values))
-        metrics["hindsight/turns_down"] = float(sum(v < 0 for v in values))
-    if hp.turn_preference_coef > 0:
-        mine = mine_preference_pairs if hp.preference_level == "turn" else mine_outcome_pairs
-        mined = mine(kept, hp.turn_preference_min_chosen_reward)
-        kept = mark_pairs(kept, mined.pairs)
-        metrics.update(mined.metrics())
-    return kept, metrics
+async def shape(c: Components, results: list[RolloutResult], segments: list[LLMCall], step: int) -> Shaped:
+    """The step's training signal from its scored segments (`signal.shape.shape_signal`): the segments
+    to train on, the beacons' rewrites and the staleness/hindsight/preference/beacons metrics."""
+    hp = c.spec.hyper_parameters
+    models = None
+    if hp.beacon_rewrite != "off":
+        models = BeaconModels(
+            c.teachers, c.student, c.tokenizer, c.max_length, c.spec.tool_call_parser, c.beacon_pool
+        )
+    return await shape_signal(segments, step, hp, results, models)
+
+
+def record(log: RunDir, results: list[RolloutResult], shaped: Shaped, tokenizer: Any, step: int) -> None:
+    """The first trajectories with the teacher's view of each trained token (failed rollouts and calls
+    whose segment was dropped have none) and the beacons' rewrites beside their turns. Each distinct id
+    is decoded once: 16 trajectories of 3 x 512 tokens took 30-100 ms with the JSON written, on a busy
+    2-core CPU."""
+    shown = results[:TRAJECTORIES_PER_STEP]
+    log.trajectories(scored_trajectories(shown, shaped.segments, tokenizer, step + 1, shaped.rewrites))
 
 
 # -- learn ------------------------------------------------------------------------------------------
@@ -325,6 +275,27 @@ def minibatches(segments: list[LLMCall], size: int) -> list[list[LLMCall]]:
     rollouts = sorted({s.rollout_id for s in segments})
     chunks = [set(rollouts[i : i + size]) for i in range(0, len(rollouts), size)]
     return [[s for s in segments if s.rollout_id in chunk] for chunk in chunks]
+
+
+async def learn(c: Components, shaped: Shaped, mark: StepMark) -> dict[str, float]:
+    """The learner's update on the step's segments and rewrites, in mini-batches of whole rollouts; its
+    metrics, with `preference/split_pairs` where the job mines pairs."""
+    hp = c.spec.hyper_parameters
+    updates = minibatches(shaped.segments + shaped.rewrites, hp.ppo_mini_batch_size)
+    split: dict[str, float] = {}
+    if hp.turn_preference_coef > 0:
+        split["preference/split_pairs"] = float(pairs_split_across(updates))
+    mark.learner_started = True
+    return {**await c.learner.train_step(updates), **split}
+
+
+# -- publish ----------------------------------------------------------------------------------------
+
+
+async def publish(c: Components, step: int) -> dict[str, float]:
+    """The learner's new weights (version `step + 1`) to every student replica; `sync_bytes`: the
+    weights (or a LoRA job's adapter) handed to the engines."""
+    return {"sync_bytes": float(await c.publish_weights(step + 1))}
 
 
 # -- the step ---------------------------------------------------------------------------------------
@@ -383,52 +354,38 @@ async def train_step(
     )
     phases.done("rollout")
     sampler.sample_ahead(step, sample_ahead_to)
-    segments = await batch.scored  # scoring started as each rollout ended: this is the teacher's tail
+    segments = await score(batch)
     phases.done("teacher")
-    segments, signal_metrics = shape_signal(segments, step, hp)
-    if not segments:  # every segment stale, or every rollout leaking a hindsight note's wording
-        named = ("staleness/dropped_segments", "hindsight/leaked_rollouts")
-        dropped = {name: signal_metrics[name] for name in named if name in signal_metrics}
-        raise OPDError(f"step {step + 1}: no segment left to train; the signal phase dropped {dropped}")
-    rewrites: list[LLMCall] = []  # chosen actions the preference term trains, never distilled
+    shaped = await shape(c, results, segments, step)
     if hp.beacon_rewrite != "off":
-        segments, rewrites, beacon_metrics = await rewrite_with_beacons(c, results, segments, step)
-        signal_metrics.update(beacon_metrics)
         phases.done("beacons")
-    # The first trajectories with the teacher's view of each trained token (failed rollouts and calls
-    # whose segment was dropped have none). Each distinct id is decoded once: 16 trajectories of
-    # 3 x 512 tokens took 30-100 ms with the JSON written, on a busy 2-core CPU (2026-12-04).
-    shown = results[:TRAJECTORIES_PER_STEP]
-    log.trajectories(scored_trajectories(shown, segments, c.tokenizer, step + 1, rewrites))
+    record(log, results, shaped, c.tokenizer, step)
     phases.done("record")  # the signal phase and the recorded trajectories, apart from the learner's time
-    updates = minibatches(segments + rewrites, hp.ppo_mini_batch_size)
-    if hp.turn_preference_coef > 0:
-        signal_metrics["preference/split_pairs"] = float(pairs_split_across(updates))
-    mark.learner_started = True
-    learner_metrics = await c.learner.train_step(updates)
+    learner_metrics = await learn(c, shaped, mark)
     phases.done("learner")
     if sampler.ahead and hp.max_staleness == 1:  # new weights once the engines finished the next batch
         await asyncio.wait([sampler.ahead[0].rollouts])
     phases.done("next_rollouts_wait")
-    sync_bytes = await c.publish_weights(step + 1)
+    published = await publish(c, step)
     phases.done("sync")
     engine_metrics = await c.engine_metrics()
     step_s = clock.lap()
-    trained_tokens = sum(len(s.completion_token_ids) for s in segments)
-    forwarded_tokens = sum(len(s.prompt_token_ids) + len(s.completion_token_ids) for s in segments)
+    trained = shaped.segments
+    trained_tokens = sum(len(s.completion_token_ids) for s in trained)
+    forwarded_tokens = sum(len(s.prompt_token_ids) + len(s.completion_token_ids) for s in trained)
     metrics = {
         **reverse_kl_metrics(
-            [s.sampler_logprobs for s in segments], [s.teacher_logprobs or [] for s in segments]
+            [s.sampler_logprobs for s in trained], [s.teacher_logprobs or [] for s in trained]
         ),
         **rollout_metrics,
         **learner_metrics,
         **pool_metrics(c.pools),
         **engine_metrics,
-        **signal_metrics,
+        **shaped.metrics,
         "staleness/batches_ahead": float(len(sampler.ahead)),
-        **(per_teacher_metrics(segments) if c.teachers.several else {}),
-        "segments": float(len(segments)),
-        "sync_bytes": float(sync_bytes),  # the weights (or a LoRA job's adapter) handed to the engines
+        **(per_teacher_metrics(trained) if c.teachers.several else {}),
+        "segments": float(len(trained)),
+        **published,
         "trained_tokens": float(trained_tokens),
         "forwarded_tokens": float(forwarded_tokens),
         "tokens_per_s": trained_tokens / step_s,

@@ -19,8 +19,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from opd_trainer.driver.components import Components, Emit
-from opd_trainer.driver.seeds import request_seed
-from opd_trainer.driver.step import reverse_kl_metrics, teacher_segments
+from opd_trainer.driver.step import reverse_kl_metrics
 from opd_trainer.jobspec.dataset import Sample
 from opd_trainer.records import LLMCall
 from opd_trainer.rollout.agent_eval import (
@@ -35,6 +34,8 @@ from opd_trainer.rollout.agent_eval import (
 )
 from opd_trainer.rollout.runner import RolloutResult, reward_failures, validation_metrics
 from opd_trainer.rollout.trajectory_view import scored_trajectories
+from opd_trainer.seeds import request_seed
+from opd_trainer.signal.scores import score_rollouts
 
 # Samples named in one validation's failure event (the count is always complete).
 REPORTED_FAILURES = 20
@@ -62,7 +63,7 @@ def validation_records(
     `RolloutResult.trajectory` with the pass's `label` and `model` after its `step`, and the
     evaluator's `eval_score` (None where it did not score the sample), `eval_metrics` and `eval_error`.
 
-    `scored`: the student's calls as the teacher scored them (`teacher_segments`); each call then has
+    `scored`: the student's calls as the teacher scored them (`score_rollouts`); each call then has
     its per-token view (`trajectory_view.CallTokens`: the student's greedy logprob − the teacher's of
     every token it wrote) and the record its `divergence`, as a step's trajectories do, though nothing
     of a validation rollout is trained. Without them (the teacher's own pass) both are None."""
@@ -130,7 +131,7 @@ async def teacher_view(c: Components, results: list[RolloutResult]) -> list[LLMC
     """The calls of the student's recorded validation rollouts scored by the teacher each sample is
     routed to (its top-k where the job asks for it), on the exact tokens, without hindsight notes."""
     plain = c.spec.hyper_parameters.model_copy(update={"teacher_hindsight": "none"})
-    return await teacher_segments(
+    return await score_rollouts(
         c.teachers, c.tokenizer, c.max_length, plain, results[:VALIDATION_TRAJECTORIES_PER_PASS]
     )
 

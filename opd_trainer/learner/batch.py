@@ -18,13 +18,13 @@ from torch import Tensor
 from opd_trainer.learner.estimators import DistillationInputs
 from opd_trainer.learner.loss import gather_token_logprobs
 from opd_trainer.learner.packing import model_config, packed_scored_logits, packing_saves
+from opd_trainer.learner.preference_loss import pair_sides
 from opd_trainer.learner.shared_prefix import (
     PrefixPlan,
     completion_logits,
     plan_prefixes,
     shared_prefix_logits,
 )
-from opd_trainer.learner.turn_preference import pair_sides
 from opd_trainer.records import LLMCall
 
 if TYPE_CHECKING:
@@ -64,10 +64,10 @@ class LearnerBatch:
     group_ids_B: Tensor
     rollout_ids_B: Tensor
     hindsight_B: Tensor
-    """Each row's hindsight value (`learner/hindsight.py`)."""
+    """Each row's hindsight value (`signal/hindsight.py`)."""
     preference_sides_B_P: Tensor
     """[B, P] +1 / −1 on each turn-level preference pair's chosen / rejected row, for the P pairs with
-    both rows in this batch (`learner/turn_preference.py`; P = 0 when the job mines none)."""
+    both rows in this batch (`signal/pairs.py`; P = 0 when the job mines none)."""
     beacon_rows_B: Tensor
     """True on the rows that are kept beacon rewrites (`LLMCall.beacon`: `beacon_sft_coef`'s targets)."""
     prompt_lengths: tuple[int, ...]
@@ -228,7 +228,7 @@ def logprobs_of_targets(logits_B_S_V: Tensor, batch: LearnerBatch, temperature: 
 
 def row_advantages(settings: LearnerSettings, reward_adv_B: Tensor, hindsight_B: Tensor) -> Tensor | None:
     """Each row's weighted policy-gradient advantage: reward_coef × its group-baselined reward plus
-    hindsight_coef × its turn's hindsight value (learner/hindsight.py); None when both weights are 0."""
+    hindsight_coef × its turn's hindsight value (signal/hindsight.py); None when both weights are 0."""
     terms = [
         coef * values
         for coef, values in ((settings.reward_coef, reward_adv_B), (settings.hindsight_coef, hindsight_B))

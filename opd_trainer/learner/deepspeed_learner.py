@@ -37,9 +37,9 @@ from opd_trainer.learner.batch import (
 )
 from opd_trainer.learner.estimators import distillation_loss
 from opd_trainer.learner.loss import group_reward_advantages, kl_to_reference
+from opd_trainer.learner.preference_loss import beacon_sft_loss, preference_loss
 from opd_trainer.learner.settings import LearnerSettings, lr_schedule
 from opd_trainer.learner.shared_prefix import PrefixPlan, causal_keys, model_calls
-from opd_trainer.learner.turn_preference import beacon_sft_loss, preference_loss
 from opd_trainer.records import LLMCall
 from opd_trainer.storage.shared import check_probe
 from opd_trainer.weight_sync import transports

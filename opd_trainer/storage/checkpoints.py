@@ -20,7 +20,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from opd_trainer.errors import OPDError, exception_chain
+from opd_trainer.wire.checkpoint import CheckpointState, PromotionDecision
 
 STATE_FILE = "driver_state.json"
 # The promotion decision (`driver/promotion.py`): which checkpoint is the job's model, and why.
@@ -57,9 +60,10 @@ class CheckpointStore:
         path.mkdir(parents=True)
         return path
 
-    def commit(self, staging: Path, step: int, state: dict[str, Any]) -> Path:
-        (staging / STATE_FILE).write_text(json.dumps(state, indent=2))
-        final = self.root / self.name(step)
+    def commit(self, staging: Path, state: CheckpointState) -> Path:
+        """Makes `staging` checkpoint `state.step` (`state` its `driver_state.json`) and the latest."""
+        (staging / STATE_FILE).write_text(json.dumps(state.model_dump(), indent=2))
+        final = self.root / self.name(state.step)
         pointer = self.root / POINTER_STAGING
         pointer.write_text(final.name)  # written before the rename: a full disk fails it here
         shutil.rmtree(final, ignore_errors=True)
@@ -128,7 +132,8 @@ class CheckpointStore:
             f"The save failed with {type(reason).__name__}: {what}"
         )
 
-    def latest(self) -> tuple[Path, dict[str, Any]] | None:
+    def latest(self) -> tuple[Path, CheckpointState] | None:
+        """The latest committed checkpoint's folder and state; None before the first."""
         pointer = self.root / "latest"
         if not pointer.exists():
             return None
@@ -136,11 +141,11 @@ class CheckpointStore:
         state_file = path / STATE_FILE
         if not state_file.exists():
             return None
-        return path, json.loads(state_file.read_text())
+        return path, CheckpointState.model_validate_json(state_file.read_text())
 
     def latest_step(self) -> int | None:
         latest = self.latest()
-        return None if latest is None else int(latest[1]["step"])
+        return None if latest is None else latest[1].step
 
     def list(self) -> list[dict[str, Any]]:
         """Every committed checkpoint, oldest first: id (its folder name), step, when it was committed,
@@ -149,7 +154,7 @@ class CheckpointStore:
         for path in sorted(self.root.glob("step-*")):
             state_file = path / STATE_FILE
             if state_file.exists():
-                step = int(json.loads(state_file.read_text())["step"])
+                step = CheckpointState.model_validate_json(state_file.read_text()).step
                 found.append(
                     {
                         "id": path.name,
@@ -161,18 +166,18 @@ class CheckpointStore:
                 )
         return found
 
-    def promote(self, decision: dict[str, Any]) -> None:
+    def promote(self, decision: PromotionDecision) -> None:
         """Records the promotion decision (`checkpoint`: a checkpoint id, or None when no validation met
         the gate), replacing the previous one atomically."""
         staging = self.root / f"{PROMOTED_FILE}.tmp"
-        staging.write_text(json.dumps(decision, indent=2))
+        staging.write_text(json.dumps(decision.model_dump(), indent=2))
         os.replace(staging, self.root / PROMOTED_FILE)
 
     def prune(self, keep_last_n: int) -> list[str]:
         """Removes all but the newest `keep_last_n` checkpoints; the latest and the promoted one always
         stay. Returns the ids removed."""
         promoted = read_promoted(self.root)
-        keep = {promoted.get("checkpoint")} if promoted else set()
+        keep = {promoted.checkpoint} if promoted is not None else set()
         latest = self.latest()
         if latest is not None:
             keep.add(latest[0].name)
@@ -240,10 +245,9 @@ def _size(count: int) -> str:
     return f"{value:.1f} {unit} ({count} bytes)"
 
 
-def read_promoted(root: Path) -> dict[str, Any] | None:
+def read_promoted(root: Path) -> PromotionDecision | None:
     """The promotion decision under a checkpoints folder, or None when there is none (read-only)."""
     try:
-        found = json.loads((root / PROMOTED_FILE).read_text())
-    except (OSError, json.JSONDecodeError):
+        return PromotionDecision.model_validate_json((root / PROMOTED_FILE).read_text())
+    except (OSError, ValidationError):
         return None
-    return found if isinstance(found, dict) else None

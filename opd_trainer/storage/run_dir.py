@@ -1,8 +1,8 @@
 """A job's run directory, the one definition of its layout: the driver writes it, the server and CLI read it.
 
     metrics.jsonl       one record per training step (`kind: train`) and per validation (`kind: eval`)
-    events.jsonl        the driver's events (status, progress, errors), in order; each student
-                        validation pass's per-sample outcomes in an `eval_outcomes` event
+    events.jsonl        the driver's events (status, progress, errors: `wire.driver.DriverEvent`), in
+                        order; each student validation pass's per-sample outcomes in an `eval_outcomes` event
                         (`driver/validation.py`: `validation_outcomes`; read by `validation_outcomes`)
     trajectories.jsonl  rollouts as the user's agent saw them (messages, tool calls, rewards, spans) and
                         the teacher's view of each trained token (`RolloutResult.trajectory`)
@@ -10,7 +10,9 @@
                         `model`: student or teacher, the evaluator's score; `driver/validation.py`)
     summary.json        the final validation summary
     usage.json          what the job used so far, over all its runs (`driver/metering.py`)
-    checkpoints/        `step-N/` folders and a `latest` pointer (`learner.checkpoint.CheckpointStore`)
+    recoveries.jsonl    the job's recoveries from lost components (`driver/recovery.py`)
+    checkpoints/        `step-N/` folders (each with its `driver_state.json`), a `latest` pointer and the
+                        promotion decision, `promoted.json` (`storage/checkpoints.py`, `wire/checkpoint.py`)
     tensorboard/        the same metrics for TensorBoard (`report_to: [tensorboard]`, driver/trackers.py)
     mlflow.db, mlflow_run_id   `report_to: [mlflow]`: the default local store and the job's MLflow run
     curves.png          the plotted curves (`opd train`, `opd submit --follow`)
@@ -30,6 +32,8 @@ from typing import Any
 
 from opd_trainer.jsonl import read_jsonl, write_jsonl
 from opd_trainer.storage.checkpoints import CheckpointStore, read_promoted
+from opd_trainer.wire.checkpoint import PromotionDecision
+from opd_trainer.wire.driver import DriverEvent, ValidationSummary
 
 
 class RunDir:
@@ -53,21 +57,17 @@ class RunDir:
         """Every metrics record, training and validation, in the order written."""
         return read_jsonl(self.metrics_path)
 
-    def events(self) -> list[dict[str, Any]]:
-        return read_jsonl(self.events_path)
+    def events(self) -> list[DriverEvent]:
+        return [DriverEvent.model_validate(record) for record in read_jsonl(self.events_path)]
 
     def validation_outcomes(self) -> list[dict[str, Any]]:
         """Each student validation pass's per-sample outcomes, in the order run: `{label, time,
         outcomes}` (`outcomes`: one dict per validation sample, `driver/validation.validation_outcomes`).
         A pass redone after a recovery appears again, under the same label."""
         return [
-            {
-                "label": e["data"].get("label"),
-                "time": e.get("time"),
-                "outcomes": e["data"].get("outcomes", []),
-            }
+            {"label": e.data.get("label"), "time": e.time, "outcomes": e.data.get("outcomes", [])}
             for e in self.events()
-            if e.get("type") == "eval_outcomes"
+            if e.type == "eval_outcomes"
         ]
 
     def recent_trajectories(self, limit: int) -> list[dict[str, Any]]:
@@ -102,7 +102,7 @@ class RunDir:
         records = read_jsonl(self.validation_trajectories_path)
         return [r for r in records if step is None or r.get("step") == step]
 
-    def load_summary(self) -> dict[str, Any]:
+    def load_summary(self) -> ValidationSummary:
         """The final summary; empty while it is not written yet (or caught mid-write)."""
         try:
             return json.loads(self.summary_path.read_text())
@@ -125,16 +125,15 @@ class RunDir:
         pointer = self.checkpoints_path / "latest"
         return pointer.read_text().strip() or None if pointer.is_file() else None
 
-    def promoted(self) -> dict[str, Any] | None:
-        """The promotion decision so far (`checkpoint`, `metric`, `value`, `step`, `final`, `reason`), or
-        None for a job that does not promote (no validation data)."""
+    def promoted(self) -> PromotionDecision | None:
+        """The promotion decision so far, or None for a job that does not promote (no validation data)."""
         return read_promoted(self.checkpoints_path)
 
     def fine_tuned_model_id(self) -> str | None:
         """The checkpoint a finished job hands out: the promoted one when the job promotes (None when no
         validation met its gate), else the latest."""
         promoted = self.promoted()
-        return promoted.get("checkpoint") if promoted is not None else self.latest_checkpoint_id()
+        return promoted.checkpoint if promoted is not None else self.latest_checkpoint_id()
 
     def checkpoint_store(self) -> CheckpointStore:
         return CheckpointStore(self.checkpoints_path)
@@ -150,8 +149,8 @@ class RunDir:
     def _record(self, kind: str, step: int, metrics: dict[str, float]) -> None:
         write_jsonl(self.metrics_path, [{"kind": kind, "step": step, **metrics}], append=True)
 
-    def event(self, event: dict[str, Any]) -> None:
-        write_jsonl(self.events_path, [event], append=True)
+    def event(self, event: DriverEvent) -> None:
+        write_jsonl(self.events_path, [event.model_dump()], append=True)
 
     def trajectories(self, trajectories: list[dict[str, Any]]) -> None:
         write_jsonl(self.trajectories_path, trajectories, append=True)
@@ -172,7 +171,7 @@ class RunDir:
                 write_jsonl(path, [t for t in read_jsonl(path) if t["step"] <= step])
         return dropped
 
-    def save_summary(self, summary: dict[str, Any]) -> None:
+    def save_summary(self, summary: ValidationSummary) -> None:
         self.summary_path.write_text(json.dumps(summary, indent=2))
 
     def save_usage(self, usage: dict[str, float]) -> None:

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from opd_trainer.jobspec.job_spec import JobSpec
 from opd_trainer.jobspec.job_status import JobStatus
+from opd_trainer.wire.checkpoint import PromotionDecision
 
 FilePurpose = Literal["dataset", "workspace", "model"]
 
@@ -156,7 +157,7 @@ class JobPublic(_Public):
     best_checkpoint: str | None = Field(
         default=None, description="The promoted checkpoint so far (also while the job runs)."
     )
-    promotion: dict[str, Any] | None = Field(
+    promotion: PromotionDecision | None = Field(
         default=None,
         description="The promotion decision so far: metric, its direction, the starting student's value, "
         "the best step and value, whether it is final, and why (e.g. the gate no validation met).",

@@ -247,6 +247,7 @@ def test_checkpoints_list_with_their_metrics_and_download_as_model_folders(
     import zipfile
 
     from opd_trainer.storage.checkpoints import CheckpointStore
+    from opd_trainer.wire.checkpoint import CheckpointState, CursorState
 
     assert main(["submit", str(job_file), "-o", "json"]) == 0
     job_id = json.loads(capsys.readouterr().out)["id"]
@@ -257,7 +258,8 @@ def test_checkpoints_list_with_their_metrics_and_download_as_model_folders(
         staging = store.staging(step)
         shutil.copytree(student, staging / "student")
         (staging / "student" / "weights.bin").write_bytes(bytes(range(256)) * 4096 * step)  # 1-2 MB
-        store.commit(staging, step, {"step": step})
+        cursor = CursorState(epoch=0, position=step)
+        store.commit(staging, CheckpointState(step=step, cursor=cursor, total_steps=4))
     records = [{"kind": "train", "step": s, "reverse_kl": 1.0 / s, "note": "x"} for s in (1, 2, 3, 4)]
     records.append({"kind": "eval", "step": 4, "exact_match": 0.5})
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))

@@ -19,6 +19,7 @@ from api.models import Job, JobEvent, Tenant
 from api.services.scheduler import Scheduler
 from api.settings import Settings
 from opd_trainer.storage.run_dir import RunDir
+from opd_trainer.wire.driver import DriverEvent
 
 
 @pytest.fixture
@@ -39,7 +40,7 @@ def test_a_lost_drivers_error_becomes_a_recovery_note(tmp_path: Path, database: 
             ("error", "ActorDiedError: The actor died unexpectedly before finishing this task."),
         ]
     ):
-        run_dir.event({"seq": seq, "time": 1.0 + seq, "type": kind, "message": message, "data": {}})
+        run_dir.event(DriverEvent(seq=seq, time=1.0 + seq, type=kind, message=message))
     scheduler = Scheduler(Settings(data_dir=tmp_path / "data"), database)
     with database.session() as session:
         session.add(Tenant(id="tenant-1", name="t"))

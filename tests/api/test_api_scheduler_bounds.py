@@ -35,6 +35,7 @@ from api.services.jobs import add_event
 from api.services.scheduler import ANSWER_WAIT_S, NAMESPACE, DriverHandle, Scheduler, actor_name
 from api.settings import Settings
 from opd_trainer.cluster.ray_runtime import init_ray, shutdown_ray
+from opd_trainer.wire.driver import DriverEvent, DriverProgress
 
 GRACE_S = 3.0
 # A poll's own time on top of the bound: one poll interval, one answer wait, and the tick's work.
@@ -91,7 +92,7 @@ def stand_in_driver(mode: str) -> Any:
         def request_stop(self) -> None:
             self.stop_requested = True
 
-        def progress(self) -> dict[str, Any]:
+        def progress(self) -> DriverProgress:
             self.polls += 1
             if self.mode == "hung" and self.polls > 1:
                 time.sleep(3600)
@@ -99,13 +100,13 @@ def stand_in_driver(mode: str) -> Any:
                 status = "created"
             else:
                 status = "stopped" if self.stop_requested and self.mode == "obeys" else "running"
-            return {"status": status, "step": 0, "total_steps": 3, "metrics": {}}
+            return DriverProgress(status=status, step=0, total_steps=3)
 
-        def events(self, after: int) -> list[dict[str, Any]]:
-            events = [{"seq": 0, "time": self.started, "type": "status", "message": "starting", "data": {}}]
+        def events(self, after: int) -> list[DriverEvent]:
+            events = [DriverEvent(seq=0, time=self.started, type="status", message="starting")]
             if self.stop_requested:
-                events.append({"seq": 1, "time": self.started, "type": "status", "message": "stop asked"})
-            return [e for e in events if e["seq"] > after]
+                events.append(DriverEvent(seq=1, time=self.started, type="status", message="stop asked"))
+            return [e for e in events if e.seq > after]
 
     # Detached and named like the real driver (`launch_driver`): what a detached actor creates goes
     # with it, its placement groups included (those of an actor with an owner outlive it).
@@ -252,7 +253,7 @@ def test_a_driver_that_outlived_its_server_is_re_attached_and_started_if_it_neve
         scheduler.tick()
         time.sleep(0.2)
     assert ray.get(handle.run_ref, timeout=30) == "ran"
-    assert ray.get(driver.progress.remote(), timeout=30)["status"] == "running"
+    assert ray.get(driver.progress.remote(), timeout=30).status == "running"
     with database.session() as session:
         job = session.scalars(select(Job)).one()
         assert job.status == "running" and job.driver_restarts == 0 and job.driver_attempts == 0

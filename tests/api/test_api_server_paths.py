@@ -17,6 +17,7 @@ from api.models import Job, JobEvent, Tenant
 from api.services import jobs
 from api.services.server_paths import CHECKPOINT_MODEL, public_text
 from opd_trainer.storage.checkpoints import CheckpointStore
+from opd_trainer.wire.checkpoint import CheckpointState, CursorState
 
 JOB_ID = "opdjob-0123456789abcdef01234567"
 
@@ -74,7 +75,8 @@ def test_a_jobs_error_events_logs_and_checkpoints_name_no_server_path(
     store = CheckpointStore(run / "checkpoints")
     staging = store.staging(4)
     (staging / "student").mkdir()
-    checkpoint = store.commit(staging, 4, {"step": 4})
+    state = CheckpointState(step=4, cursor=CursorState(epoch=0, position=4), total_steps=4)
+    checkpoint = store.commit(staging, state)
     with database.session() as session:
         session.add(Tenant(id="tenant-1", name="t"))
         session.flush()

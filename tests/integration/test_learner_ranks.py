@@ -191,8 +191,8 @@ def test_a_two_rank_zero3_job_probes_checkpoints_and_resumes(
     spec, run_dir = _zero3_job(tiny_models), tmp_path / "run"
     _run(spec, run_dir, stop_after=1)
     first = RunDir(run_dir)
-    [probe] = [e for e in first.events() if e["type"] == "preflight"]
-    assert 0 <= probe["data"]["mean"] < spec.hyper_parameters.max_drift
+    [probe] = [e for e in first.events() if e.type == "preflight"]
+    assert 0 <= probe.data["mean"] < spec.hyper_parameters.max_drift
     assert [r["step"] for r in first.records() if r["kind"] == "train"] == [1]
     # The student as the engines load it: every tensor whole (ZeRO-3 keeps only shards in the
     # module), and moved by the step.
@@ -208,7 +208,7 @@ def test_a_two_rank_zero3_job_probes_checkpoints_and_resumes(
 
     _run(spec, run_dir)
     resumed = RunDir(run_dir)
-    assert any(e["message"].startswith("resumed from checkpoint at step 1") for e in resumed.events())
+    assert any(e.message.startswith("resumed from checkpoint at step 1") for e in resumed.events())
     assert [r["step"] for r in resumed.records() if r["kind"] == "train"] == [1, 2]
     after_two = _student_weights(run_dir)
     assert max(float((after_two[n] - after_one[n]).abs().max()) for n in initial) > 0

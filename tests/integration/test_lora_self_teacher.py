@@ -56,8 +56,8 @@ def test_the_job_starts_one_engine_group_and_its_teacher_is_the_student_base(
     self_taught_run: tuple[RunDir, Any],
 ) -> None:
     run, _ = self_taught_run
-    [shared] = [e for e in run.events() if e["data"].get("teacher_engines") == "student"]
-    assert shared["data"]["engine_groups"] == 1  # the student's; no teacher engine
+    [shared] = [e for e in run.events() if e.data.get("teacher_engines") == "student"]
+    assert shared.data["engine_groups"] == 1  # the student's; no teacher engine
     calls = [
         call
         for step in range(1, STEPS + 1)

@@ -100,15 +100,15 @@ def test_the_peak_is_promoted_and_kept_and_an_unmet_gate_leaves_no_model(
     evals = {r["step"]: r["eval_score"] for r in run.records() if r["kind"] == "eval"}
     assert evals == {0: 0.2, 1: 0.5, 2: 0.9, 3: 0.4}
     promoted = run.promoted()
-    assert promoted is not None and promoted["final"] and promoted["checkpoint"] == "step-000002"
-    assert promoted["metric"] == "eval_score" and promoted["value"] == 0.9 and promoted["start"] == 0.2
+    assert promoted is not None and promoted.final and promoted.checkpoint == "step-000002"
+    assert promoted.metric == "eval_score" and promoted.value == 0.9 and promoted.start == 0.2
     assert run.fine_tuned_model_id() == "step-000002"
     # Steps 1 and 2 were checkpointed for being the best so far (save_steps is 100), step 3 at the end;
     # keep_last_n=1 then kept the latest and the best, and removed step 1.
     assert [c["id"] for c in run.checkpoints()] == ["step-000002", "step-000003"]
-    saved = [e["data"]["step"] for e in run.events() if e["type"] == "checkpoint" and "step" in e["data"]]
+    saved = [e.data["step"] for e in run.events() if e.type == "checkpoint" and "step" in e.data]
     assert saved == [1, 2, 3]
-    assert any(e["type"] == "promotion" and "step-000002" in e["message"] for e in run.events())
+    assert any(e.type == "promotion" and "step-000002" in e.message for e in run.events())
 
     # Metering: the usage the job ends with is what its records add up to, and every role used CPU.
     usage = run.usage()
@@ -122,7 +122,7 @@ def test_the_peak_is_promoted_and_kept_and_an_unmet_gate_leaves_no_model(
     # The gateways ran in the teacher engine's process: their CPU is the teacher's, counted once.
     assert usage["cpu_s/gateways"] == 0.0, usage
     assert usage["gpu_s"] == 0.0 and usage["wall_s"] > 0
-    assert any(e["type"] == "usage" for e in run.events())
+    assert any(e.type == "usage" for e in run.events())
 
     # The same job, gated by a threshold no validation meets and with a teacher-token budget the first
     # job's second step crossed: it stops at the step whose record reaches the budget.
@@ -143,12 +143,12 @@ def test_the_peak_is_promoted_and_kept_and_an_unmet_gate_leaves_no_model(
             break
     assert stop_step is not None and steps[-1] == stop_step == 2  # one step past the first job's step 1
     events = gated.events()
-    [reached] = [e for e in events if e["type"] == "budget"]
-    assert reached["message"].startswith("budget.max_teacher_tokens reached") and reached["data"]["step"] == 2
+    [reached] = [e for e in events if e.type == "budget"]
+    assert reached.message.startswith("budget.max_teacher_tokens reached") and reached.data["step"] == 2
     promoted = gated.promoted()
-    assert promoted is not None and promoted["final"] and promoted["checkpoint"] is None
-    assert "threshold" in promoted["reason"]
+    assert promoted is not None and promoted.final and promoted.checkpoint is None
+    assert "threshold" in promoted.reason
     assert gated.fine_tuned_model_id() is None
-    assert events[-1]["type"] == "status" and events[-1]["message"] == "succeeded"
-    assert any(e["type"] == "warning" and e["message"].startswith("no fine_tuned_model") for e in events)
+    assert events[-1].type == "status" and events[-1].message == "succeeded"
+    assert any(e.type == "warning" and e.message.startswith("no fine_tuned_model") for e in events)
     assert [c["id"] for c in gated.checkpoints()] == ["step-000002"]  # the stop's checkpoint only

@@ -130,17 +130,17 @@ def test_a_job_survives_losing_an_engine_a_learner_rank_and_the_gateway_host(
 
     assert faults.killed == [part for _, part in plan]
     run = RunDir(run_dir)
-    recoveries = [e for e in run.events() if e["type"] == "recovery"]
-    assert [e["data"]["lost"][0]["name"] for e in recoveries] == faults.killed, recoveries
-    assert all(e["data"]["recovery"] == n for n, e in enumerate(recoveries, start=1))
+    recoveries = [e for e in run.events() if e.type == "recovery"]
+    assert [e.data["lost"][0]["name"] for e in recoveries] == faults.killed, recoveries
+    assert all(e.data["recovery"] == n for n, e in enumerate(recoveries, start=1))
     # Every step once, in order: the steps after each resumed checkpoint were redone, not doubled.
     assert [r["step"] for r in run.records() if r["kind"] == "train"] == list(range(1, 7))
     evaluated = [r["step"] for r in run.records() if r["kind"] == "eval"]
     assert evaluated == [0, 2, 4, 6], evaluated  # each validation once
-    resumed = [e for e in run.events() if e["message"].startswith("resumed from checkpoint")]
+    resumed = [e for e in run.events() if e.message.startswith("resumed from checkpoint")]
     assert len(resumed) >= 2, resumed  # the learner's loss at least resumes from the step-2 checkpoint
     assert run.latest_checkpoint_id() is not None and summary["student_after"]["reverse_kl"] >= 0
-    assert [r["step"] for r in RecoveryLog(run_dir).entries()] == [e["data"]["step"] for e in recoveries]
+    assert [r.step for r in RecoveryLog(run_dir).entries()] == [e.data["step"] for e in recoveries]
 
 
 def test_a_loss_beyond_max_recoveries_fails_the_job_naming_the_field(
@@ -151,8 +151,8 @@ def test_a_loss_beyond_max_recoveries_fails_the_job_naming_the_field(
         _run_with_faults(spec, run_dir, [(1, "student engine replica 0")])
     assert raised.value.field == "resources.max_recoveries", raised.value
     assert "student engine replica 0" in raised.value.message
-    [error] = [e for e in RunDir(run_dir).events() if e["type"] == "error"]
-    assert error["data"]["field"] == "resources.max_recoveries"
+    [error] = [e for e in RunDir(run_dir).events() if e.type == "error"]
+    assert error.data["field"] == "resources.max_recoveries"
 
 
 class LossAfterNotice(threading.Thread):
@@ -168,8 +168,8 @@ class LossAfterNotice(threading.Thread):
     def run(self) -> None:
         while not self.done.is_set() and not self.killed:
             events = RunDir(self.run_dir).events() if self.run_dir.exists() else []
-            noticed = [e["seq"] for e in events if e["type"] == "preemption"]
-            if noticed and any(e["type"] == "checkpoint" and e["seq"] > noticed[0] for e in events):
+            noticed = [e.seq for e in events if e.type == "preemption"]
+            if noticed and any(e.type == "checkpoint" and e.seq > noticed[0] for e in events):
                 os.kill(_pid_of(self.driver, "learner rank 0"), signal.SIGKILL)
                 self.killed = True
             time.sleep(0.05)
@@ -203,11 +203,11 @@ def test_a_preemption_notice_checkpoints_the_step_and_the_loss_resumes_from_it(
 
     assert watcher.killed
     events = RunDir(run_dir).events()
-    [preemption] = [e for e in events if e["type"] == "preemption"]
-    assert "learner rank 0" in preemption["data"]["parts"]
-    [recovery] = [e for e in events if e["type"] == "recovery"]
-    assert recovery["data"]["lost"][0]["name"] == "learner rank 0"
-    assert recovery["data"]["resumes_from"] == preemption["data"]["step"] >= 1
+    [preemption] = [e for e in events if e.type == "preemption"]
+    assert "learner rank 0" in preemption.data["parts"]
+    [recovery] = [e for e in events if e.type == "recovery"]
+    assert recovery.data["lost"][0]["name"] == "learner rank 0"
+    assert recovery.data["resumes_from"] == preemption.data["step"] >= 1
     assert [r["step"] for r in RunDir(run_dir).records() if r["kind"] == "train"] == list(range(1, 9))
 
 
@@ -246,7 +246,7 @@ def test_opd_train_starts_a_new_driver_when_its_driver_dies(
         done.set()
     assert killed and "student_after" in summary
     [entry] = RecoveryLog(run_dir).entries()
-    assert entry["cause"] == "job driver" and entry["resumes_from"] == 2
+    assert entry.cause == "job driver" and entry.resumes_from == 2
     assert [r["step"] for r in RunDir(run_dir).records() if r["kind"] == "train"] == list(range(1, 7))
 
 
@@ -301,5 +301,5 @@ def test_a_full_disk_at_a_checkpoint_fails_naming_it_and_the_previous_one_resume
     finally:
         ray.kill(driver)
     events = RunDir(run_dir).events()
-    assert any(e["message"].startswith(f"resumed from checkpoint at step {filled[0]}") for e in events)
+    assert any(e.message.startswith(f"resumed from checkpoint at step {filled[0]}") for e in events)
     assert [r["step"] for r in RunDir(run_dir).records() if r["kind"] == "train"] == list(range(1, 7))

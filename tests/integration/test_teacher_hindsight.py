@@ -12,8 +12,8 @@ import yaml
 
 from opd_trainer.cli.main import main
 from opd_trainer.demo.tiny_models import TinyModels
-from opd_trainer.driver.teacher_hindsight import NOTE
 from opd_trainer.jsonl import read_jsonl, write_jsonl
+from opd_trainer.signal.notes import NOTE
 from opd_trainer.storage.run_dir import RunDir
 
 

@@ -1,4 +1,4 @@
-"""Checking beacon rewrites (`driver/beacons.py`, seed 003): the beacon processor's `verify` hook, called
+"""Checking beacon rewrites (`signal/beacons.py`): the beacon processor's `verify` hook, called
 through the same sandboxed channel as `process`; the lookup example's beacon component on real lookup
 episodes; and the leakage scan's hindsight wording against the demo tasks' own replies."""
 
@@ -15,8 +15,6 @@ from typing import Any
 import pytest
 
 from opd_trainer.demo.tool_routing import lookup, self_correction, task
-from opd_trainer.driver.beacons import BEACON, OUTCOME_BEACON
-from opd_trainer.driver.teacher_hindsight import carries_note_wording, hindsight_wording
 from opd_trainer.sdk import (
     PROMPT_MESSAGES_KEY,
     AbstractBeaconProcessor,
@@ -30,6 +28,8 @@ from opd_trainer.sdk import (
     call_processor,
 )
 from opd_trainer.sdk.types import method_of, method_types
+from opd_trainer.signal.beacons import BEACON, OUTCOME_BEACON
+from opd_trainer.signal.leaks import carries_note_wording, hindsight_wording
 from opd_trainer.storage.zips import pack_workspace
 from opd_trainer.workers.processor_channel import SandboxedProcessor
 

@@ -1,4 +1,4 @@
-"""Hindsight beacons (`driver/beacons.py`, seed 003): a turn whose tool calls got an error is written again
+"""Hindsight beacons (`signal/beacons.py`): a turn whose tool calls got an error is written again
 by a model that reads what followed it, and the rewrite is trained as the chosen action for the turn's
 own context, never distilled, with the beacon nowhere in what is trained.
 
@@ -19,17 +19,6 @@ import torch
 from chatml_tokenizer import chatml_tokenizer
 
 from opd_trainer.chat import prompt_token_ids
-from opd_trainer.driver.beacons import (
-    REWRITE_SEED_OFFSET,
-    USER_BEACON,
-    Reply,
-    beacon_for,
-    beacons_by_turn,
-    reference_progress,
-    rewrite_with_beacons,
-)
-from opd_trainer.driver.seeds import request_seed
-from opd_trainer.driver.teacher_hindsight import BEACON_HEADER, with_note
 from opd_trainer.driver.teachers import Scored
 from opd_trainer.engine.vllm_engine import TeacherScores
 from opd_trainer.errors import ConfigError
@@ -37,10 +26,22 @@ from opd_trainer.jobspec.dataset import Sample
 from opd_trainer.jobspec.job_spec import parse_job_spec
 from opd_trainer.learner.batch import pad_segments
 from opd_trainer.learner.deepspeed_learner import trained_tokens
-from opd_trainer.learner.turn_preference import CHOSEN, REJECTED
-from opd_trainer.records import LLMCall
+from opd_trainer.records import CHOSEN, REJECTED, LLMCall
 from opd_trainer.rollout.runner import RolloutResult
 from opd_trainer.sdk import Beacon, BeaconOutput, BeaconTurn, BeaconVerdict, TaskStatus
+from opd_trainer.seeds import request_seed
+from opd_trainer.signal.beacons import (
+    REWRITE_SEED_OFFSET,
+    USER_BEACON,
+    BeaconModels,
+    ParseReply,
+    Reply,
+    beacon_for,
+    beacons_by_turn,
+    reference_progress,
+    rewrite_with_beacons,
+)
+from opd_trainer.signal.notes import BEACON_HEADER, with_note
 
 QUESTION = [{"role": "user", "content": "what is 2 + 3"}]
 CALL = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
@@ -112,13 +113,32 @@ class FakeTeachers:
 
 
 @dataclasses.dataclass
-class FakeComponents:
+class FakeJob:
+    """A job's spec and the fakes of the parts beacons use."""
+
     spec: Any
     tokenizer: Any
     teachers: FakeTeachers
     student: FakeGroup
     max_length: int = 512
     beacon_pool: Any = None
+
+
+def rewritten(
+    job: FakeJob,
+    results: list[RolloutResult],
+    segments: list[LLMCall],
+    step: int,
+    parse: ParseReply | None = None,
+) -> tuple[list[LLMCall], list[LLMCall], dict[str, float]]:
+    """`rewrite_with_beacons` for `job`: the marked segments, the rewrites and the metrics."""
+    models = BeaconModels(
+        job.teachers, job.student, job.tokenizer, job.max_length, job.spec.tool_call_parser, job.beacon_pool
+    )
+    shaped = asyncio.run(
+        rewrite_with_beacons(models, job.spec.hyper_parameters, results, segments, step, parse)
+    )
+    return shaped.segments, shaped.rewrites, shaped.metrics
 
 
 AGENT = {"name": "agent", "type": "rollout", "fcmodel": {"zipdir": "/w", "classpath": "a.B"}}
@@ -172,9 +192,9 @@ def test_the_rewrite_is_chosen_for_the_turns_own_prompt_and_never_distilled(toke
     segments = _segments([erred, fine])
     segments[3] = dataclasses.replace(segments[3], preference_pairs=((0, CHOSEN),))  # a mined pair's
     teacher = FakeGroup([([6, 6], "add(x=2, y=3)", "stop")])
-    c = FakeComponents(_spec("teacher"), tokenizer, FakeTeachers({"teacher": teacher}), FakeGroup([]))
+    c = FakeJob(_spec("teacher"), tokenizer, FakeTeachers({"teacher": teacher}), FakeGroup([]))
 
-    marked, rewrites, metrics = asyncio.run(rewrite_with_beacons(c, [erred, fine], segments, 3))  # type: ignore[arg-type]
+    marked, rewrites, metrics = rewritten(c, [erred, fine], segments, 3)
 
     # No reference lists tool calls here: nothing can check the rewrite, so it is kept as unverifiable.
     assert metrics == {
@@ -214,8 +234,8 @@ def test_a_rewrite_that_repeats_is_cut_off_or_leaks_the_beacon_is_dropped(
 ) -> None:
     erred = _rollout(tokenizer, 0, ERROR, [7])
     student = FakeGroup([completion])
-    c = FakeComponents(_spec("student"), tokenizer, FakeTeachers({"teacher": FakeGroup([])}), student)
-    marked, rewrites, metrics = asyncio.run(rewrite_with_beacons(c, [erred], _segments([erred]), 0))  # type: ignore[arg-type]
+    c = FakeJob(_spec("student"), tokenizer, FakeTeachers({"teacher": FakeGroup([])}), student)
+    marked, rewrites, metrics = rewritten(c, [erred], _segments([erred]), 0)
     assert len(student.prompts) == 1  # the student's engines rewrote it
     assert rewrites == [] and metrics[counted] == 1.0 and metrics["beacons/pairs"] == 0.0
     assert all(s.preference_pairs == () for s in marked)
@@ -228,8 +248,8 @@ def test_a_turn_already_chosen_or_whose_prompt_cannot_be_rebuilt_is_skipped(toke
     segments[2] = dataclasses.replace(segments[2], prompt_token_ids=[1, *segments[2].prompt_token_ids])
     erred.calls[0] = segments[0]  # the same ids the segment has, so it is found
     other.calls[0] = dataclasses.replace(other.calls[0], prompt_token_ids=segments[2].prompt_token_ids)
-    c = FakeComponents(_spec("teacher"), tokenizer, FakeTeachers({"teacher": FakeGroup([])}), FakeGroup([]))
-    _, rewrites, metrics = asyncio.run(rewrite_with_beacons(c, [erred, other], segments, 0))  # type: ignore[arg-type]
+    c = FakeJob(_spec("teacher"), tokenizer, FakeTeachers({"teacher": FakeGroup([])}), FakeGroup([]))
+    _, rewrites, metrics = rewritten(c, [erred, other], segments, 0)
     assert rewrites == [] and metrics["beacons/turns"] == 2.0 and metrics["beacons/skipped"] == 2.0
 
 
@@ -258,8 +278,8 @@ def test_beacon_rewrite_needs_the_preference_term_and_an_agent() -> None:
 def test_sampled_rewrites_have_a_seed_per_step_and_turn(tokenizer: Any) -> None:
     erred, other = _rollout(tokenizer, 0, ERROR, [7]), _rollout(tokenizer, 1, ERROR, [8])
     student = FakeGroup([([6], "x", "stop"), ([5], "y", "stop")])
-    c = FakeComponents(_spec("student", beacon_temperature=0.7, seed=4), tokenizer, FakeTeachers({}), student)
-    _, rewrites, _ = asyncio.run(rewrite_with_beacons(c, [erred, other], _segments([erred, other]), 2))  # type: ignore[arg-type]
+    c = FakeJob(_spec("student", beacon_temperature=0.7, seed=4), tokenizer, FakeTeachers({}), student)
+    _, rewrites, _ = rewritten(c, [erred, other], _segments([erred, other]), 2)
     assert student.sampling == {"max_tokens": 16, "temperature": 0.7}
     # Segments 0 and 2 are the two turns that got the error.
     assert student.seeds == [request_seed(4, 2, REWRITE_SEED_OFFSET + i) for i in (0, 2)]
@@ -287,7 +307,7 @@ class FakeBeaconPool:
         return result
 
 
-def _with_pool(tokenizer: Any, pool: FakeBeaconPool) -> FakeComponents:
+def _with_pool(tokenizer: Any, pool: FakeBeaconPool) -> FakeJob:
     spec = parse_job_spec(
         _job(
             {"turn_preference_coef": 0.5, "beacon_rewrite": "student", "max_tokens": 16},
@@ -295,7 +315,7 @@ def _with_pool(tokenizer: Any, pool: FakeBeaconPool) -> FakeComponents:
         )
     )
     student = FakeGroup([([6], "add(x=2, y=3)", "stop")] * 4)
-    return FakeComponents(spec, tokenizer, FakeTeachers({}), student, beacon_pool=pool)
+    return FakeJob(spec, tokenizer, FakeTeachers({}), student, beacon_pool=pool)
 
 
 def test_a_beacon_component_writes_the_beacons_instead_of_the_rule(tokenizer: Any) -> None:
@@ -312,7 +332,7 @@ def test_a_beacon_component_writes_the_beacons_instead_of_the_rule(tokenizer: An
     erred, fine = _rollout(tokenizer, 0, ERROR, [7]), _rollout(tokenizer, 1, GOOD, [8])
     erred.sample.rollout_extra["solution"] = {"sum": 5}
     segments = _segments([erred, fine])
-    marked, rewrites, metrics = asyncio.run(rewrite_with_beacons(c, [erred, fine], segments, 0))  # type: ignore[arg-type]
+    marked, rewrites, metrics = rewritten(c, [erred, fine], segments, 0)
 
     assert [call["rollout_id"] for call in pool.calls] == ["r0", "r1"]
     first = pool.calls[0]
@@ -348,7 +368,7 @@ def test_a_failing_or_stray_beacon_component_is_counted_and_the_step_goes_on(tok
     c = _with_pool(tokenizer, FakeBeaconPool(answer))
     erred, other = _rollout(tokenizer, 0, ERROR, [7]), _rollout(tokenizer, 1, ERROR, [8])
     segments = _segments([erred, other])
-    _, rewrites, metrics = asyncio.run(rewrite_with_beacons(c, [erred, other], segments, 0))  # type: ignore[arg-type]
+    _, rewrites, metrics = rewritten(c, [erred, other], segments, 0)
     assert metrics["beacons/failed"] == 1.0 and metrics["beacons/unknown_turn"] == 2.0
     assert metrics["beacons/turns"] == 1.0 and len(rewrites) == 1
     # Only r1's first turn was rewritten, with the component's first feedback for it.
@@ -460,9 +480,9 @@ def test_the_rule_verifies_rewrites_against_the_reference_and_drops_those_that_s
             ([3], "BROKEN", "stop"),  # markup the parser cannot read
         ]
     )
-    c = FakeComponents(_spec("student"), tokenizer, FakeTeachers({}), student)
+    c = FakeJob(_spec("student"), tokenizer, FakeTeachers({}), student)
     segments = _segments(results)
-    marked, rewrites, metrics = asyncio.run(rewrite_with_beacons(c, results, segments, 0, parse=_parse_json))  # type: ignore[arg-type]
+    marked, rewrites, metrics = rewritten(c, results, segments, 0, parse=_parse_json)
     assert metrics["beacons/turns"] == 4.0 and metrics["beacons/outcome"] == 4.0
     assert metrics["beacons/verified"] == 1.0 and metrics["beacons/unverified"] == 3.0
     assert metrics["beacons/unverifiable"] == 0.0 and metrics["beacons/pairs"] == 1.0
@@ -477,10 +497,8 @@ def test_a_rewrite_nothing_can_check_is_kept_as_unverifiable(tokenizer: Any) -> 
     # A tool error with no reference: the rule knows nothing due there.
     erred = _rollout(tokenizer, 0, ERROR, [7])
     student = FakeGroup([([6], 'CALL {"name": "add", "arguments": {"x": 2, "y": 3}}', "stop")])
-    c = FakeComponents(_spec("student"), tokenizer, FakeTeachers({}), student)
-    _, rewrites, metrics = asyncio.run(
-        rewrite_with_beacons(c, [erred], _segments([erred]), 0, parse=_parse_json)
-    )  # type: ignore[arg-type]
+    c = FakeJob(_spec("student"), tokenizer, FakeTeachers({}), student)
+    _, rewrites, metrics = rewritten(c, [erred], _segments([erred]), 0, parse=_parse_json)
     assert (
         len(rewrites) == 1 and metrics["beacons/unverifiable"] == 1.0 and metrics["beacons/verified"] == 0.0
     )
@@ -502,7 +520,7 @@ def test_a_beacon_components_verify_decides_and_its_failure_keeps_the_rewrite(to
     results = [_rollout(tokenizer, i, ERROR, [7 + i]) for i in range(3)]
     results[0].sample.rollout_extra["items"] = {"lamp": "K-1"}
     segments = _segments(results)
-    marked, rewrites, metrics = asyncio.run(rewrite_with_beacons(c, results, segments, 0, parse=_parse_json))  # type: ignore[arg-type]
+    marked, rewrites, metrics = rewritten(c, results, segments, 0, parse=_parse_json)
     assert metrics["beacons/verified"] == 1.0 and metrics["beacons/unverified"] == 1.0
     assert metrics["beacons/unverifiable"] == 1.0 and metrics["beacons/failed"] == 1.0
     assert [r.rollout_id for r in rewrites] == [0, 2] and all(r.beacon for r in rewrites)

@@ -9,6 +9,12 @@ import torch
 
 from opd_trainer.learner.settings import lr_schedule
 from opd_trainer.storage.checkpoints import CheckpointStore
+from opd_trainer.wire.checkpoint import CheckpointState, CursorState
+
+
+def _state(step: int) -> CheckpointState:
+    """A checkpoint's driver state at `step` (what the store writes beside the learner's files)."""
+    return CheckpointState(step=step, cursor=CursorState(epoch=0, position=step), total_steps=step)
 
 
 def test_latest_flips_only_on_commit(tmp_path: Path) -> None:
@@ -16,12 +22,12 @@ def test_latest_flips_only_on_commit(tmp_path: Path) -> None:
     assert store.latest() is None
     first = store.staging(2)
     (first / "weights").write_text("a")
-    store.commit(first, 2, {"step": 2})
+    store.commit(first, _state(2))
     half_written = store.staging(4)
     (half_written / "weights").write_text("b")  # a crash here must leave step 2 as latest
     latest = store.latest()
-    assert latest is not None and latest[1]["step"] == 2 and (latest[0] / "weights").read_text() == "a"
-    store.commit(half_written, 4, {"step": 4})
+    assert latest is not None and latest[1] == _state(2) and (latest[0] / "weights").read_text() == "a"
+    store.commit(half_written, _state(4))
     assert store.latest_step() == 4
     assert [c["step"] for c in store.list()] == [2, 4]
 

@@ -19,10 +19,16 @@ import pytest
 
 from opd_trainer.errors import OPDError
 from opd_trainer.storage.checkpoints import POINTER_STAGING, STAGING_PREFIX, CheckpointStore, tree_bytes
+from opd_trainer.wire.checkpoint import CheckpointState, CursorState
 
 DISK_BYTES = 4 * 1024 * 1024
 CHUNK = 64 * 1024
 LEFT_FREE = 256 * 1024  # what the filler leaves: the second save gets part-way, then the disk is full
+
+
+def _state(step: int) -> CheckpointState:
+    """A checkpoint's driver state at `step` (what the store writes beside the learner's files)."""
+    return CheckpointState(step=step, cursor=CursorState(epoch=0, position=step), total_steps=step)
 
 
 @pytest.fixture
@@ -115,7 +121,7 @@ def test_a_full_disk_at_a_checkpoint_is_a_clear_error_and_the_previous_checkpoin
     store = CheckpointStore(small_disk / "run" / "checkpoints")
     with store.saving(1) as staging:
         _write_until_full(staging, limit=8 * CHUNK)
-        store.commit(staging, 1, {"step": 1, "cursor": {"epoch": 0}})
+        store.commit(staging, _state(1))
     first, _ = store.latest() or (None, None)
     assert first is not None
     first_files = {p.relative_to(first): p.read_bytes() for p in first.rglob("*") if p.is_file()}
@@ -124,7 +130,7 @@ def test_a_full_disk_at_a_checkpoint_is_a_clear_error_and_the_previous_checkpoin
 
     with pytest.raises(OPDError) as raised, store.saving(2) as staging:
         save(staging)
-        store.commit(staging, 2, {"step": 2})
+        store.commit(staging, _state(2))
 
     error = raised.value
     headline, *rest = error.message.splitlines()
@@ -139,7 +145,7 @@ def test_a_full_disk_at_a_checkpoint_is_a_clear_error_and_the_previous_checkpoin
     assert not staging.exists()
     _no_leftovers(store)
     latest = store.latest()
-    assert latest is not None and latest[0] == first and latest[1]["step"] == 1
+    assert latest is not None and latest[0] == first and latest[1].step == 1
     assert {p.relative_to(first): p.read_bytes() for p in first.rglob("*") if p.is_file()} == first_files
     assert [c["step"] for c in store.list()] == [1]
 
@@ -147,7 +153,7 @@ def test_a_full_disk_at_a_checkpoint_is_a_clear_error_and_the_previous_checkpoin
     filler.unlink()
     with store.saving(2) as staging:
         _write_until_full(staging, limit=8 * CHUNK)
-        store.commit(staging, 2, {"step": 2})
+        store.commit(staging, _state(2))
     assert store.latest_step() == 2
     _no_leftovers(store)
 
@@ -169,7 +175,7 @@ def test_a_save_failing_for_another_reason_is_raised_as_it_was_and_leaves_nothin
     store = CheckpointStore(small_disk / "checkpoints")
     with store.saving(1) as staging:
         _write_until_full(staging, limit=4 * CHUNK)
-        store.commit(staging, 1, {"step": 1})
+        store.commit(staging, _state(1))
     with pytest.raises(ValueError, match="a rank failed"), store.saving(2) as staging:
         _write_until_full(staging, limit=4 * CHUNK)
         raise ValueError("a rank failed")
@@ -184,5 +190,5 @@ def test_a_staging_folder_left_by_a_killed_save_is_removed_by_the_next_one(tmp_p
     (left / "deepspeed" / "shard.pt").write_bytes(b"half")
     staging = store.staging(4)
     assert not left.exists() and staging.is_dir()
-    store.commit(staging, 4, {"step": 4})
+    store.commit(staging, _state(4))
     assert store.latest_step() == 4 and not list(store.root.glob(f"{STAGING_PREFIX}*"))

@@ -1,4 +1,4 @@
-"""Turn-level hindsight advantages (learner/hindsight.py) and how the learner weighs them."""
+"""Turn-level hindsight advantages (signal/hindsight.py) and how the learner weighs them."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from learner_settings import SETTINGS
 from turns import turn
 
 from opd_trainer.learner.batch import row_advantages
-from opd_trainer.learner.hindsight import diverging_turn, hindsight_advantages
+from opd_trainer.signal.hindsight import diverging_turn, hindsight_advantages
 
 
 def test_single_turn_best_up_worst_down_middle_and_ties_untouched() -> None:

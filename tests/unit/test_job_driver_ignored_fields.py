@@ -32,10 +32,10 @@ def test_ignored_fields_are_one_warning_per_job(tmp_path: Path) -> None:
     driver._report_ignored_fields()
     driver._report_ignored_fields()
     [event] = driver.events()
-    assert event["type"] == "warning"
+    assert event.type == "warning"
     for path in ("resources.charge_type", "resources.mtu_spec_code", "resources.mtu_capacity"):
-        assert path in event["message"]
-    assert event["data"]["ignored_fields"]["hyper_parameters.opd_teacher_replicas"] == 2
+        assert path in event.message
+    assert event.data["ignored_fields"]["hyper_parameters.opd_teacher_replicas"] == 2
 
     resumed = JobDriver(spec, str(tmp_path / "run"))  # a new driver on the same run dir (server restart)
     resumed._report_ignored_fields()

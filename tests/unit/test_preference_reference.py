@@ -12,7 +12,7 @@ import torch
 from learner_settings import learner_settings
 from tiny_student import VOCAB, save_tiny_student
 
-from opd_trainer.learner.turn_preference import beacon_sft_loss, preference_loss
+from opd_trainer.learner.preference_loss import beacon_sft_loss, preference_loss
 from opd_trainer.records import LLMCall
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is first imported

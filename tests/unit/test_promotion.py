@@ -13,6 +13,7 @@ from opd_trainer.errors import ConfigError
 from opd_trainer.jobspec.job_spec import parse_job_spec
 from opd_trainer.storage.checkpoints import CheckpointStore
 from opd_trainer.storage.run_dir import RunDir
+from opd_trainer.wire.checkpoint import CheckpointState, CursorState, PromotionDecision
 
 
 def _spec(**fields: Any) -> Any:
@@ -42,7 +43,7 @@ def test_the_best_validation_wins_in_the_metrics_direction() -> None:
         True,
         False,
     ]
-    assert lower.decision("step-000002", final=True)["reason"] == "best reverse_kl 0.3 at step 2"
+    assert lower.decision("step-000002", final=True).reason == "best reverse_kl 0.3 at step 2"
 
 
 def test_a_gate_no_validation_meets_leaves_no_model_and_says_why() -> None:
@@ -54,8 +55,8 @@ def test_a_gate_no_validation_meets_leaves_no_model_and_says_why() -> None:
     strict.observe_start({"exact_match": 0.3})
     assert not any(strict.consider(s, {"exact_match": v}) for s, v in [(1, 0.5), (2, 0.9), (3, 0.6)])
     decision = strict.decision(None, final=True)
-    assert decision["checkpoint"] is None and decision["step"] is None
-    assert decision["reason"] == (
+    assert decision.checkpoint is None and decision.step is None
+    assert decision.reason == (
         "no validation met the gate; the best, at step 2: exact_match 0.9 does not reach the threshold 0.95"
     )
 
@@ -89,10 +90,24 @@ def test_defaults_and_refusals_of_the_spec() -> None:
         _spec(promotion={"metric": "exact_match"})
 
 
+def _decision(checkpoint: str | None, *, final: bool) -> PromotionDecision:
+    reason = "best exact_match 0.9 at step 20" if checkpoint else "no validation met the gate"
+    return PromotionDecision(
+        checkpoint=checkpoint,
+        metric="exact_match",
+        higher_is_better=True,
+        start=0.2,
+        step=20 if checkpoint else None,
+        value=0.9 if checkpoint else None,
+        final=final,
+        reason=reason,
+    )
+
+
 def _checkpoint(store: CheckpointStore, step: int) -> None:
     staging = store.staging(step)
     (staging / "student").mkdir()
-    store.commit(staging, step, {"step": step})
+    store.commit(staging, CheckpointState(step=step, cursor=CursorState(epoch=0, position=0), total_steps=40))
 
 
 def test_retention_keeps_the_newest_the_latest_and_the_promoted(tmp_path: Path) -> None:
@@ -101,9 +116,9 @@ def test_retention_keeps_the_newest_the_latest_and_the_promoted(tmp_path: Path) 
         _checkpoint(store, step)
     run = RunDir(tmp_path)
     assert run.promoted() is None and run.fine_tuned_model_id() == "step-000040"  # no promotion: latest
-    store.promote({"checkpoint": "step-000020", "final": False})
+    store.promote(_decision("step-000020", final=False))
     assert store.prune(1) == ["step-000010", "step-000030"]
     assert [c["id"] for c in store.list()] == ["step-000020", "step-000040"]
     assert run.fine_tuned_model_id() == "step-000020"
-    store.promote({"checkpoint": None, "final": True, "reason": "no validation met the gate"})
+    store.promote(_decision(None, final=True))
     assert run.fine_tuned_model_id() is None

@@ -78,9 +78,10 @@ class FakeTeacher:
 
 def _phase(events: list[str], fail_batch: bool = False) -> Any:
     """The sample phase with a fake runner, scoring each rollout by the score phase with a fake
-    teacher (`step.teacher_segments`), as `Sampler.start` wires them."""
-    from opd_trainer.driver.step import sample_and_score, teacher_segments
+    teacher (`signal.scores.score_rollouts`), as `Sampler.start` wires them."""
+    from opd_trainer.driver.step import sample_and_score
     from opd_trainer.driver.teachers import TeacherEngines
+    from opd_trainer.signal.scores import score_rollouts
 
     spec = parse_job_spec(
         {
@@ -96,7 +97,7 @@ def _phase(events: list[str], fail_batch: bool = False) -> Any:
     teachers = TeacherEngines(spec, {"teacher": FakeTeacher(events)})  # type: ignore[dict-item]
 
     async def score(results: list[Any]) -> list[LLMCall]:
-        return await teacher_segments(teachers, None, 512, hp, results)
+        return await score_rollouts(teachers, None, 512, hp, results)
 
     return lambda samples, step, seeds: sample_and_score(runner, score, samples, step, seeds, hp.n_rollouts)
 

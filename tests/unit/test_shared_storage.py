@@ -57,7 +57,7 @@ def test_a_driver_that_cannot_see_its_run_dir_fails_the_job_with_that_error(tmp_
     driver = JobDriver(spec, str(run), "job-1", storage_token="written-by-the-server")
     with pytest.raises(ConfigError, match="job driver on host"):
         asyncio.run(driver.run())
-    assert driver.progress()["status"] == "failed"
-    [error] = [e for e in driver.events() if e["type"] == "error"]
-    assert error["data"]["field"] == "run_dir"
+    assert driver.progress().status == "failed"
+    [error] = [e for e in driver.events() if e.type == "error"]
+    assert error.data["field"] == "run_dir"
     assert not run.exists(), "nothing was written to a run dir the server does not read"

@@ -1,23 +1,18 @@
-"""The step's pure phases (`driver/step.py`): the step clock, the reward phase's staleness filter, and
-mini-batches of whole rollouts. The sample and score phases run with fakes in
-`test_scoring_per_rollout.py` and `test_teacher_hindsight.py`; the whole step in the integration jobs."""
+"""The step's pure phases (`driver/step.py`): the step clock, the shape phase's staleness filter
+(`signal/staleness.py`), and mini-batches of whole rollouts. The sample and score phases run with fakes
+in `test_scoring_per_rollout.py` and `test_teacher_hindsight.py`; the whole step in the integration
+jobs."""
 
 from __future__ import annotations
 
 import collections
-from typing import Any
 
 import pytest
 
 from opd_trainer.driver import step as step_module
-from opd_trainer.driver.step import StepClock, minibatches, shape_signal
-from opd_trainer.jobspec.job_spec import parse_job_spec
+from opd_trainer.driver.step import StepClock, minibatches
 from opd_trainer.records import LLMCall
-
-
-def _hp(**fields: Any) -> Any:
-    spec = {"job_name": "j", "model": "s", "teacher_model": "t", "training_datasets": ["t.jsonl"]}
-    return parse_job_spec({**spec, "hyper_parameters": fields}).hyper_parameters
+from opd_trainer.signal.staleness import drop_stale
 
 
 def _segment(rollout_id: int, version: int = 0) -> LLMCall:
@@ -43,12 +38,13 @@ def test_the_step_clock_runs_from_one_lap_to_the_next_leaving_out_only_what_is_e
 
 def test_segments_staler_than_max_staleness_are_dropped_and_counted() -> None:
     segments = [_segment(0, version=5), _segment(1, version=4), _segment(2, version=2)]
-    kept, metrics = shape_signal(segments, 5, _hp(max_staleness=1))
-    assert [s.rollout_id for s in kept] == [0, 1]
-    assert metrics["staleness/dropped_segments"] == 1.0 and metrics["staleness/max"] == 3.0
-    assert metrics["staleness/mean"] == pytest.approx(4 / 3)
-    kept, metrics = shape_signal(segments, 5, _hp(max_staleness=0))
-    assert len(kept) == 3 and metrics["staleness/dropped_segments"] == 0.0  # on-policy: nothing to drop
+    shaped = drop_stale(segments, 5, max_staleness=1)
+    assert [s.rollout_id for s in shaped.segments] == [0, 1]
+    assert shaped.metrics["staleness/dropped_segments"] == 1.0 and shaped.metrics["staleness/max"] == 3.0
+    assert shaped.metrics["staleness/mean"] == pytest.approx(4 / 3)
+    shaped = drop_stale(segments, 5, max_staleness=0)
+    assert len(shaped.segments) == 3  # on-policy: nothing to drop
+    assert shaped.metrics["staleness/dropped_segments"] == 0.0
 
 
 def test_minibatches_hold_whole_rollouts() -> None:
@@ -60,8 +56,8 @@ def test_minibatches_hold_whole_rollouts() -> None:
 
 def test_kept_segments_carry_their_staleness_for_the_learner() -> None:
     segments = [_segment(0, version=5), _segment(1, version=4), _segment(2, version=3)]
-    kept, _ = shape_signal(segments, 5, _hp(max_staleness=2))
-    assert [s.staleness for s in kept] == [0, 1, 2]
+    shaped = drop_stale(segments, 5, max_staleness=2)
+    assert [s.staleness for s in shaped.segments] == [0, 1, 2]
 
 
 class _QueuedSampler(step_module.Sampler):

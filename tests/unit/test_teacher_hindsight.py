@@ -18,16 +18,16 @@ import pytest
 from chatml_tokenizer import TEMPLATE, chatml_tokenizer
 
 from opd_trainer.chat import prompt_token_ids
-from opd_trainer.driver.teacher_hindsight import (
+from opd_trainer.jobspec.dataset import Sample
+from opd_trainer.jobspec.job_spec import parse_job_spec
+from opd_trainer.records import LLMCall
+from opd_trainer.signal.notes import (
     hindsight_notes,
     outcome_notes,
     reference_note,
     teacher_inputs,
     with_note,
 )
-from opd_trainer.jobspec.dataset import Sample
-from opd_trainer.jobspec.job_spec import parse_job_spec
-from opd_trainer.records import LLMCall
 
 NO_SYSTEM_TEMPLATE = (
     "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
@@ -99,9 +99,9 @@ class RecordingTeacher:
 def test_the_score_phase_scores_with_the_reference_and_trains_on_the_students_prompt(
     tokenizer: Any, tmp_path: Path
 ) -> None:
-    from opd_trainer.driver.step import teacher_segments
     from opd_trainer.driver.teachers import TeacherEngines
     from opd_trainer.rollout.runner import RolloutResult
+    from opd_trainer.signal.scores import score_rollouts
 
     train = tmp_path / "train.jsonl"
     train.write_text(json.dumps({"messages": MESSAGES, "rollout_extra": {"ground_truth": "5"}}) + "\n")
@@ -120,7 +120,7 @@ def test_the_score_phase_scores_with_the_reference_and_trains_on_the_students_pr
     call = _call(tokenizer, MESSAGES, [8])
     result = RolloutResult(0, 0, "r0", sample, calls=[call])
     teachers = TeacherEngines(spec, {"teacher": teacher})  # type: ignore[dict-item]
-    segments = asyncio.run(teacher_segments(teachers, tokenizer, 512, spec.hyper_parameters, [result]))
+    segments = asyncio.run(score_rollouts(teachers, tokenizer, 512, spec.hyper_parameters, [result]))
     [(teacher_prompt, completion)] = teacher.pairs
     note_ids = tokenizer.encode(reference_note("5"), add_special_tokens=False)
     assert completion == [8] and _holds(teacher_prompt, note_ids)
@@ -194,9 +194,10 @@ def _reply(text: str, rollout: int) -> LLMCall:
 
 
 def test_a_reply_carrying_the_notes_wording_drops_its_rollout_and_is_counted() -> None:
-    from opd_trainer.driver.step import shape_signal
-    from opd_trainer.driver.teacher_hindsight import NOTE_HEADER, carries_note_wording, without_leaks
     from opd_trainer.jobspec.job_spec import HyperParameters
+    from opd_trainer.signal.leaks import carries_note_wording, drop_leaks
+    from opd_trainer.signal.notes import NOTE_HEADER
+    from opd_trainer.signal.shape import shape_signal
 
     # The header's wording, whatever the case and punctuation, is a leak; what a note reports is not.
     assert carries_note_wording("Sure. (Never shown to the ASSISTANT being trained) the id is 7")
@@ -208,10 +209,12 @@ def test_a_reply_carrying_the_notes_wording_drops_its_rollout_and_is_counted() -
         _reply("hindsight for scoring never shown: refund", rollout=0),  # the rollout's second turn
         _reply("call refund", rollout=1),
     ]
-    kept, leaked = without_leaks(segments)
-    assert [s.rollout_id for s in kept] == [1] and leaked == 1
+    dropped = drop_leaks(segments)
+    assert [s.rollout_id for s in dropped.segments] == [1]
+    assert dropped.metrics["hindsight/leaked_rollouts"] == 1.0
     hp = HyperParameters.model_validate({"teacher_hindsight": "reference"})
-    kept, metrics = shape_signal(segments, 0, hp)
-    assert metrics["hindsight/leaked_rollouts"] == 1.0 and [s.rollout_id for s in kept] == [1]
-    _, plain = shape_signal(segments, 0, HyperParameters())
-    assert "hindsight/leaked_rollouts" not in plain
+    shaped = asyncio.run(shape_signal(segments, 0, hp))
+    assert shaped.metrics["hindsight/leaked_rollouts"] == 1.0
+    assert [s.rollout_id for s in shaped.segments] == [1]
+    plain = asyncio.run(shape_signal(segments, 0, HyperParameters()))
+    assert "hindsight/leaked_rollouts" not in plain.metrics

@@ -142,8 +142,8 @@ def test_the_driver_drops_a_failing_tracker_with_one_warning_and_keeps_the_other
     driver.status = "succeeded"
     asyncio.run(driver._close_trackers())
     assert kept.records == [("train", 1), ("eval", 1)] and kept.closed == "succeeded"
-    [warning] = [e for e in driver.events() if e["type"] == "warning"]
-    assert "report_to mlflow: ConnectionError: tracking server down" in warning["message"]
+    [warning] = [e for e in driver.events() if e.type == "warning"]
+    assert "report_to mlflow: ConnectionError: tracking server down" in warning.message
     assert [r["kind"] for r in driver.log.records()] == ["train", "eval"]  # metrics.jsonl regardless
 
 
@@ -306,8 +306,8 @@ def test_the_drivers_record_does_not_wait_for_a_stuck_tracker(tmp_path: Path) ->
     for step in range(1, 6):
         driver._record("train", step, {"loss": 1.0})
     assert time.monotonic() - started < 1.0
-    [warning] = [e for e in driver.events() if e["type"] == "warning"]
-    assert warning["message"].startswith("report_to mlflow is slow")
+    [warning] = [e for e in driver.events() if e.type == "warning"]
+    assert warning.message.startswith("report_to mlflow is slow")
     stuck.release.set()
     driver.status = "succeeded"
     asyncio.run(driver._close_trackers())

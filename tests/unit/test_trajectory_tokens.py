@@ -46,7 +46,7 @@ def _result(index: int, calls: list[LLMCall], error: str = "") -> RolloutResult:
 
 
 def _scored(call: LLMCall, rollout: int, teacher: list[float], top: tuple[Any, Any] | None = None) -> LLMCall:
-    """The segment `teacher_segments` makes of `call` (a copy with the teacher's scores)."""
+    """The segment `score_rollouts` makes of `call` (a copy with the teacher's scores)."""
     top_ids, top_logprobs = top if top is not None else (None, None)
     return dataclasses.replace(
         call,

@@ -1,23 +1,22 @@
-"""Turn-level preference pairs (learner/turn_preference.py): mining, conflict removal, the marks the
-learner reads, and the DPO-style loss; and how a step's signal phase and the job spec switch them on."""
+"""Turn-level preference pairs (signal/pairs.py): mining, conflict removal, the marks the learner reads,
+and the DPO-style loss (learner/preference_loss.py); and how a step's signal and the job spec switch
+them on."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import pytest
 import torch
 from turns import turn
 
-from opd_trainer.driver.step import minibatches, shape_signal
+from opd_trainer.driver.step import minibatches
 from opd_trainer.jobspec.job_spec import HyperParameters
-from opd_trainer.learner.turn_preference import (
-    mark_pairs,
-    mine_preference_pairs,
-    pair_sides,
-    pairs_split_across,
-    preference_loss,
-)
+from opd_trainer.learner.preference_loss import pair_sides, preference_loss
+from opd_trainer.records import LLMCall
+from opd_trainer.signal.pairs import mark_pairs, mine_preference_pairs, pairs_split_across
+from opd_trainer.signal.shape import shape_signal
 
 
 def test_single_turn_pairs_every_best_with_every_worst_and_drops_repeats() -> None:
@@ -180,11 +179,16 @@ def _hp(**fields: object) -> HyperParameters:
     return HyperParameters.model_validate(fields)
 
 
+def _shaped(segments: list[LLMCall], hp: HyperParameters) -> tuple[list[LLMCall], dict[str, float]]:
+    shaped = asyncio.run(shape_signal(segments, 0, hp))
+    return shaped.segments, shaped.metrics
+
+
 def test_the_signal_phase_mines_and_marks_pairs_only_when_asked() -> None:
     segments = [turn([1], [5], rollout=0, reward=1.0), turn([1], [6], rollout=1, reward=0.0)]
-    kept, metrics = shape_signal(segments, 0, _hp())
+    kept, metrics = _shaped(segments, _hp())
     assert "preference/pairs" not in metrics and all(s.preference_pairs == () for s in kept)
-    kept, metrics = shape_signal(segments, 0, _hp(turn_preference_coef=0.5))
+    kept, metrics = _shaped(segments, _hp(turn_preference_coef=0.5))
     assert metrics["preference/pairs"] == 1.0 and metrics["preference/conflicting"] == 0.0
     assert [s.preference_pairs for s in kept] == [((0, 1),), ((0, -1),)]
     # Mini-batches of whole prompt groups keep the pair together.
@@ -211,7 +215,7 @@ def test_ranks_reduce_the_preference_metrics_over_the_ranks_that_report_them() -
 
 
 def test_outcome_level_pairs_whole_trajectories_and_shared_turns_cancel() -> None:
-    from opd_trainer.learner.turn_preference import mine_outcome_pairs
+    from opd_trainer.signal.pairs import mine_outcome_pairs
 
     good = [turn([1], [10], rollout=0, reward=1.0), turn([1, 10, 90], [20], rollout=0, reward=1.0)]
     bad = [turn([1], [10], rollout=1, reward=0.0), turn([1, 10, 90], [21], rollout=1, reward=0.0)]
@@ -227,7 +231,7 @@ def test_outcome_level_pairs_whole_trajectories_and_shared_turns_cancel() -> Non
     learner_B_T = torch.tensor([[0.7], [0.5], [0.7], [0.2], [9.0], [9.0]])
     _, stats = preference_loss(learner_B_T, reference_B_T, mask_B_T, sides, beta=1.0)
     assert stats["preference/margin"] == pytest.approx(0.5 - 0.2)
-    kept, metrics = shape_signal(good + bad, 0, _hp(turn_preference_coef=1.0, preference_level="outcome"))
+    kept, metrics = _shaped(good + bad, _hp(turn_preference_coef=1.0, preference_level="outcome"))
     assert metrics["preference/pairs"] == 1.0 and [s.preference_pairs for s in kept] == [
         ((0, 1),),
         ((0, 1),),

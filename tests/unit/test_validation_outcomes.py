@@ -20,6 +20,7 @@ from opd_trainer.records import LLMCall
 from opd_trainer.rollout.agent_eval import agent_metrics, success_by_threshold
 from opd_trainer.rollout.runner import RolloutResult
 from opd_trainer.storage.run_dir import RunDir
+from opd_trainer.wire.driver import DriverEvent
 
 
 def _call(call_id: str | None, *, valid: bool = True) -> LLMCall:
@@ -120,7 +121,7 @@ def test_the_students_pass_emits_its_outcomes_and_the_run_dir_reads_them_back(tm
     log = RunDir(tmp_path)
     for seq, label in enumerate(("student before", "step 2", "student after")):
         for kind, data in _evaluate(results, label, teacher=False):
-            log.event({"seq": seq, "time": 1.0, "type": kind, "message": "", "data": data})
+            log.event(DriverEvent(seq=seq, time=1.0, type=kind, message="", data=data))
     passes = log.validation_outcomes()
     assert [p["label"] for p in passes] == ["student before", "step 2", "student after"]
     assert passes[1]["outcomes"] == validation_outcomes(results, success_by_threshold(0.75))

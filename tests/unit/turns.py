@@ -1,5 +1,5 @@
 """One recorded turn (an LLM call's segment) of a rollout, built by hand: what the turn-level signals
-(learner/hindsight.py, learner/turn_preference.py) read of a step's segments."""
+(signal/hindsight.py, signal/pairs.py) read of a step's segments."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ get nothing, and so do the turns after it (their contexts differ, so they are no
 pairs whose contexts differ before their answers do (e.g. a tool answered differently). A turn in
 several pairs gets the mean of its ±1s. The learner adds `hindsight_coef ×` this value to the
 advantage of every trained token of the turn (the policy-gradient term), beside the distillation
-signal and the reward (seed 003: the turn, not the token or the whole trajectory, is the unit).
+signal and the reward (the turn, not the token or the whole trajectory, is the unit).
 
 A single-turn job is the special case where every pair diverges at turn 0: the best completions of a
 prompt are pushed up and the worst down.
@@ -17,10 +17,12 @@ prompt are pushed up and the worst down.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
-from collections.abc import Iterator
 
 from opd_trainer.records import LLMCall
+from opd_trainer.signal.pairs import best_worst_pairs
+from opd_trainer.signal.shaped import Shaped
 
 
 def diverging_turn(better: list[LLMCall], worse: list[LLMCall]) -> int | None:
@@ -32,23 +34,6 @@ def diverging_turn(better: list[LLMCall], worse: list[LLMCall]) -> int | None:
         if good.completion_token_ids != bad.completion_token_ids:
             return turn
     return None
-
-
-def best_worst_pairs(segments: list[LLMCall]) -> Iterator[tuple[list[int], list[int]]]:
-    """Per prompt (`group_id`) whose trajectories' rewards differ, each (best, worst) pair of its
-    trajectories (`rollout_id`) as their segment indices in call order: the walk every turn-level
-    signal starts from (this module's advantages, `learner/turn_preference.py`'s pairs)."""
-    trajectories: dict[int, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
-    for index, segment in enumerate(segments):
-        trajectories[segment.group_id][segment.rollout_id].append(index)
-    for rollouts in trajectories.values():
-        rewards = {rollout: segments[turns[0]].reward for rollout, turns in rollouts.items()}
-        best, worst = max(rewards.values()), min(rewards.values())
-        if best == worst:
-            continue
-        for good in (r for r, reward in rewards.items() if reward == best):
-            for bad in (r for r, reward in rewards.items() if reward == worst):
-                yield rollouts[good], rollouts[bad]
 
 
 def hindsight_advantages(segments: list[LLMCall]) -> list[float]:
@@ -65,3 +50,15 @@ def hindsight_advantages(segments: list[LLMCall]) -> list[float]:
             totals[index] += sign
             counts[index] += 1
     return [totals[i] / counts[i] if counts[i] else 0.0 for i in range(len(segments))]
+
+
+def add_hindsight(segments: list[LLMCall]) -> Shaped:
+    """`segments` with their hindsight values (`LLMCall.hindsight`, `hindsight_advantages`). Metrics:
+    `hindsight/turns_up`, `hindsight/turns_down` (segments pushed up, down)."""
+    values = hindsight_advantages(segments)
+    marked = [dataclasses.replace(s, hindsight=v) for s, v in zip(segments, values, strict=True)]
+    metrics = {
+        "hindsight/turns_up": float(sum(v > 0 for v in values)),
+        "hindsight/turns_down": float(sum(v < 0 for v in values)),
+    }
+    return Shaped(marked, metrics)

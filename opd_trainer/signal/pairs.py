@@ -1,52 +1,35 @@
-"""Turn-level preference pairs (seed 003's TurnSight signal) and their DPO-style loss.
+"""Turn-level preference pairs (TurnSight's signal): where a better trajectory's action and a worse
+one's parted.
 
-Mining (`mine_preference_pairs`, the driver, per step): per prompt, every pair of a trajectory with the
-group's highest reward and one with its lowest (when they differ; with `turn_preference_min_chosen_reward`
-only where the highest reaches it, else counted in `low_reward`) is walked turn by turn; at the first
-turn where both saw the same context (identical prompt tokens) and answered differently, the better
+Mining (`mine_preference_pairs`, per step): per prompt, every pair of a trajectory with the group's
+highest reward and one with its lowest (when they differ; with `turn_preference_min_chosen_reward` only
+where the highest reaches it, else counted in `low_reward`) is walked turn by turn; at the first turn
+where both saw the same context (identical prompt tokens) and answered differently, the better
 trajectory's action is *chosen* and the worse one's *rejected*, provided the two answers are different
 actions (`actions.action_of`: tool names and canonical arguments, else normalised reply text; answers
-that differ only in wording are counted in `same_action`, seed 003 section 5.4). A pair whose contexts
-part before its answers do (a tool answered differently, say) gives no pair and is counted as skipped
-for context. Conflicts are removed: an action (context + completion) chosen in one pair and rejected in
-another keeps none of its pairs; a pair repeating a kept one's context and both answers is dropped
-(another best trajectory that acted the same). Each kept pair's turn index is logged. Each pair is
-marked on its two segments (`LLMCall.preference_pairs`: (pair id, +1 chosen / −1 rejected)).
+that differ only in wording are counted in `same_action`). A pair whose contexts part before its answers
+do (a tool answered differently, say) gives no pair and is counted as skipped for context. Conflicts are
+removed: an action (context + completion) chosen in one pair and rejected in another keeps none of its
+pairs; a pair repeating a kept one's context and both answers is dropped (another best trajectory that
+acted the same). Each kept pair's turn index is logged. Each pair is marked on its two segments
+(`LLMCall.preference_pairs`: (pair id, `CHOSEN` / `REJECTED`)).
 
 With `preference_level: outcome` (`mine_outcome_pairs`, the ablation's baseline) a pair is the whole
 better trajectory against the whole worse one: every trained turn of each.
 
-Loss (`preference_loss`, the learner, per mini-batch): with r = Σ over the side's trained tokens of
-(log π_θ − log π_ref), the pair's term is −log σ(β (r_chosen − r_rejected)) (DPO, no reward model),
-summed over the mini-batch's pairs and divided by its prompts (`turn_preference_reduction: prompts`, so
-that a step with two pairs among 32 prompts gives them 2/32 of the weight a pair per prompt would have;
-'pairs' takes their mean), weighted by `turn_preference_coef`. The reference π_ref is
-`turn_preference_reference`: the frozen starting student (default: seed 003's `ref_model=None`, every
-margin 0 at step 1), that copy refreshed every K steps ('rolling'), or the teacher's scoring of the same
-tokens. Only the turn's completion tokens count (tool-call tokens included; tool output is the next
-turn's prompt, never trained). A pair whose two rows fall in different mini-batches is not trained
-(`preference/split_pairs`); the driver's mini-batches keep a prompt's rollouts together whenever
-`ppo_mini_batch_size` is a multiple of `n_rollouts`, and learner ranks split mini-batches by prompt, so a
-pair never straddles two ranks. With several learner ranks each rank divides by the prompts of its own
-shard (the ranks' gradients are then averaged, as for the other terms).
-
-`beacon_sft_loss`: the kept beacon rewrites' mean token NLL (`beacon_sft_coef`, seed 003's SFT positive).
+The learner's loss on the marked pairs: `learner/preference_loss.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
-import torch
-from torch import Tensor
-
 from opd_trainer.actions import action_of
-from opd_trainer.learner.hindsight import best_worst_pairs
-from opd_trainer.records import LLMCall
-
-CHOSEN, REJECTED = 1, -1
+from opd_trainer.records import CHOSEN, REJECTED, LLMCall
+from opd_trainer.signal.shaped import Shaped
 
 Pair = tuple[tuple[int, ...], tuple[int, ...]]
 """(chosen segment indices, rejected segment indices): one turn each at the turn level, every trained
@@ -95,6 +78,23 @@ class MinedPairs:
                     sum(1 for t in self.turns if min(t, TURN_BUCKETS - 1) == turn)
                 )
         return found
+
+
+def best_worst_pairs(segments: list[LLMCall]) -> Iterator[tuple[list[int], list[int]]]:
+    """Per prompt (`group_id`) whose trajectories' rewards differ, each (best, worst) pair of its
+    trajectories (`rollout_id`) as their segment indices in call order: the walk every turn-level
+    signal starts from (this module's pairs, `hindsight.py`'s advantages)."""
+    trajectories: dict[int, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
+    for index, segment in enumerate(segments):
+        trajectories[segment.group_id][segment.rollout_id].append(index)
+    for rollouts in trajectories.values():
+        rewards = {rollout: segments[turns[0]].reward for rollout, turns in rollouts.items()}
+        best, worst = max(rewards.values()), min(rewards.values())
+        if best == worst:
+            continue
+        for good in (r for r, reward in rewards.items() if reward == best):
+            for bad in (r for r, reward in rewards.items() if reward == worst):
+                yield rollouts[good], rollouts[bad]
 
 
 def _parting_turn(segments: list[LLMCall], better: list[int], worse: list[int]) -> int | str | None:
@@ -172,7 +172,7 @@ def mine_preference_pairs(segments: list[LLMCall], min_chosen_reward: float | No
 
 
 def mine_outcome_pairs(segments: list[LLMCall], min_chosen_reward: float | None = None) -> MinedPairs:
-    """Outcome-level pairs (seed 003's ablation baseline): per prompt, every trajectory with the group's
+    """Outcome-level pairs (the ablation's baseline): per prompt, every trajectory with the group's
     highest reward against every one with its lowest (when they differ), each side all its trained
     turns. Turns the two share (same context, same answer) have the same log-ratio on both sides and
     cancel in the margin, so nothing is removed as conflicting."""
@@ -200,22 +200,6 @@ def mark_pairs(segments: list[LLMCall], pairs: list[Pair]) -> list[LLMCall]:
     ]
 
 
-def pair_sides(rows: list[tuple[tuple[int, int], ...]], device: torch.device | str = "cpu") -> Tensor:
-    """[B, P] +1 / −1 where row b is (part of) pair p's chosen / rejected side, for the P pairs with
-    both sides among `rows` (one mini-batch's `preference_pairs`); a pair with one side here is left
-    out (a trajectory's turns are never split across mini-batches)."""
-    sides: dict[int, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
-    for row, marks in enumerate(rows):
-        for pair_id, side in marks:
-            sides[pair_id][side].append(row)
-    complete = [pair for pair, found in sorted(sides.items()) if len(found) == 2]
-    matrix = torch.zeros((len(rows), len(complete)), device=device)
-    for column, pair in enumerate(complete):
-        matrix[sides[pair][CHOSEN], column] = 1.0
-        matrix[sides[pair][REJECTED], column] = -1.0
-    return matrix
-
-
 def pairs_split_across(minibatches: list[list[LLMCall]]) -> int:
     """Pairs whose two actions fall in different mini-batches (neither trains on them)."""
     where: dict[int, set[int]] = defaultdict(set)
@@ -226,44 +210,10 @@ def pairs_split_across(minibatches: list[list[LLMCall]]) -> int:
     return sum(1 for batches in where.values() if len(batches) > 1)
 
 
-def preference_loss(
-    learner_B_T: Tensor,
-    reference_B_T: Tensor,
-    mask_B_T: Tensor,
-    sides_B_P: Tensor,
-    beta: float,
-    per: int | None = None,
-) -> tuple[Tensor, dict[str, float]]:
-    """−log σ(β (r_chosen − r_rejected)) over the P pairs, r = Σ_t mask (learner − reference) summed
-    over the side's rows (`sides_B_P`): their mean, or with `per` their sum divided by `per` (the
-    mini-batch's prompts: `turn_preference_reduction: prompts`, so that a step with two pairs does not
-    hand them the whole term); with the share of pairs already ordered right (`preference/accuracy`)
-    and the mean margin r_chosen − r_rejected (`preference/margin`). Zero (with the graph kept) when P
-    is 0."""
-    if sides_B_P.shape[1] == 0:
-        return learner_B_T.sum() * 0.0, {}
-    implicit_B = ((learner_B_T - reference_B_T) * mask_B_T).sum(dim=1)
-    margin_P = sides_B_P.transpose(0, 1) @ implicit_B
-    losses_P = -torch.nn.functional.logsigmoid(beta * margin_P)
-    loss = losses_P.mean() if per is None else losses_P.sum() / max(per, 1)
-    stats = {
-        "preference/loss": float(loss.detach()),
-        "preference/accuracy": float((margin_P.detach() > 0).float().mean()),
-        "preference/margin": float(margin_P.detach().mean()),
-        "preference/margin_abs_max": float(margin_P.detach().abs().max()),
-    }
-    return loss, stats
-
-
-def beacon_sft_loss(learner_B_T: Tensor, mask_B_T: Tensor, rows_B: Tensor) -> tuple[Tensor, dict[str, float]]:
-    """The kept beacon rewrites' (`rows_B`) mean negative log-likelihood per token (`beacon_sft_coef`:
-    the improved action as a supervised target, seed 003's SFT positive). Zero (with the graph kept)
-    when the batch holds none. With several learner ranks each normalises by its own shard's rewrite
-    tokens (the ranks' gradients are then averaged, so a rank without rewrites dilutes the term: an
-    approximation, as the per-prompt reduction's)."""
-    weights_B_T = mask_B_T * rows_B.to(mask_B_T.dtype).unsqueeze(1)
-    tokens = weights_B_T.sum()
-    if float(tokens) == 0:
-        return learner_B_T.sum() * 0.0, {}
-    loss = -(learner_B_T * weights_B_T).sum() / tokens
-    return loss, {"beacons/sft_nll": float(loss.detach()), "beacons/sft_tokens": float(tokens)}
+def add_preference_pairs(segments: list[LLMCall], level: str, min_chosen_reward: float | None) -> Shaped:
+    """`segments` with the step's preference pairs marked on them (`mark_pairs`): turn-level pairs
+    (`level` 'turn', `mine_preference_pairs`) or whole trajectories ('outcome', `mine_outcome_pairs`).
+    Metrics: `MinedPairs.metrics`."""
+    mine = mine_preference_pairs if level == "turn" else mine_outcome_pairs
+    mined = mine(segments, min_chosen_reward)
+    return Shaped(mark_pairs(segments, mined.pairs), mined.metrics())

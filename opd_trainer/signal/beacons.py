@@ -1,14 +1,15 @@
-"""Hindsight beacons (seed 003): a turn that went wrong, written again knowing what followed it, and
+"""Hindsight beacons: a turn that went wrong, written again knowing what followed it, and
 trained as the preferred action for the turn's own context.
 
-With `hyper_parameters.beacon_rewrite` ('teacher' or 'student'), after the signal phase of a step:
+With `hyper_parameters.beacon_rewrite` ('teacher' or 'student'), the last shaping step of a step's signal
+(`shape.shape_signal`):
 
 1. **Beacons**: with a `beacon` component (the user's `AbstractBeaconProcessor`, in its sandboxed pool),
    each finished rollout and its trained turns go to it, and the feedback it returns for a turn
    becomes that turn's beacon (`USER_BEACON`); a rollout whose call failed counts in `beacons/failed`,
    feedback for a turn that is not one of those given (or a second for one) in `beacons/unknown_turn`.
-   Without one, the built-in rule (`beacons_by_turn`), structured and verifiable feedback only (seed
-   2.3: nothing goes in that the tools or the episode's checker did not say), under `BEACON_HEADER`:
+   Without one, the built-in rule (`beacons_by_turn`), structured and verifiable feedback only (nothing
+   goes in that the tools or the episode's checker did not say), under `BEACON_HEADER`:
    - **Tool errors** (`beacon_for`): a trained turn whose tool calls got an error answer
      (`agent_eval.is_tool_error`): "at this point the assistant replied <its calls>; the tools
      answered: <the errors>". The rule takes the error for the turn's own fault (a wrong argument, a
@@ -31,13 +32,13 @@ With `hyper_parameters.beacon_rewrite` ('teacher' or 'student'), after the signa
      worked out from the turn's own context (its arguments come from the request or from earlier tool
      answers), as it can in the lookup and self-correction tasks, not where the reference holds what
      only a later tool answer reveals.
-2. **Rewrite**: the turn's conversation with the beacon as a system note (`teacher_hindsight.with_note`,
+2. **Rewrite**: the turn's conversation with the beacon as a system note (`notes.with_note`,
    its tools and template arguments) is sampled by the rewriting model, the teacher its sample is routed
    to or the student's engines: greedily, or at `beacon_temperature` with a seed per step and turn.
 3. **Filter**: a rewrite equal to the turn, cut off at `max_tokens`, or carrying the beacon's (or a
-   note's) wording or the seed's hindsight phrases (`carries_note_wording`: seed 003's leakage check,
-   section 5.2) is dropped and counted.
-4. **Verify** (seed 2.4: only an improved action is a target): each remaining rewrite's text is parsed
+   note's) wording or hindsight phrases (`leaks.carries_note_wording`: the leakage check) is dropped
+   and counted.
+4. **Verify** (only an improved action is a target): each remaining rewrite's text is parsed
    as the gateway parses the student's replies (vLLM's tool-call parser for the job's
    `tool_call_parser`, `ToolCallReplies`; plain text where the turn offers no tools). A rewrite whose
    call markup the parser cannot read, or that names a tool not offered, still fails. Otherwise, with a
@@ -50,7 +51,7 @@ With `hyper_parameters.beacon_rewrite` ('teacher' or 'student'), after the signa
    `beacons/failed` too: kept).
 5. **Pair**: the rewrite becomes a segment for the turn's *own* prompt (the beacon is nowhere in it),
    scored there by the same teacher (the DPO reference, as for mined pairs), and the chosen side of a
-   preference pair whose rejected side is the turn (`learner/turn_preference.py`'s loss, weighted by
+   preference pair whose rejected side is the turn (`learner/preference_loss.py`'s loss, weighted by
    `turn_preference_coef`). It is not distilled (`LLMCall.distilled`): its tokens are not the student's
    sample, so only the preference term and, with `beacon_sft_coef`, the supervised term on rows whose
    `LLMCall.beacon` is set (exactly the kept rewrites: nothing else carries it) read them. A turn
@@ -70,33 +71,98 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+from pydantic import JsonValue
 
 from opd_trainer.actions import canonical_tool_call, tool_call_function
-from opd_trainer.driver.seeds import request_seed
-from opd_trainer.driver.teacher_hindsight import (
-    BEACON_HEADER,
-    carries_note_wording,
-    noted_prompt,
-    tool_answers,
-)
 from opd_trainer.engine.lengths import completion_room
 from opd_trainer.jobspec.dataset import ground_truth_of
-from opd_trainer.learner.turn_preference import CHOSEN, REJECTED
-from opd_trainer.records import LLMCall
+from opd_trainer.jobspec.job_spec import HyperParameters
+from opd_trainer.records import CHOSEN, REJECTED, LLMCall
 from opd_trainer.rollout.agent_eval import (
     is_tool_error,
     message_text,
     reference_tool_calls,
     success_by_threshold,
 )
-from opd_trainer.sdk import AgentOutput, BeaconTurn, TaskStatus
+from opd_trainer.sdk import AgentOutput, BeaconOutput, BeaconTurn, BeaconVerdict, TaskStatus
+from opd_trainer.seeds import request_seed
+from opd_trainer.signal.leaks import carries_note_wording
+from opd_trainer.signal.notes import BEACON_HEADER, noted_prompt, tool_answers
+from opd_trainer.signal.scores import TeacherScoring, with_teacher_scores
+from opd_trainer.signal.shaped import Shaped
 
 if TYPE_CHECKING:
-    from opd_trainer.driver.components import Components
     from opd_trainer.rollout.runner import RolloutResult
-    from reward_workers.beacon_pool import BeaconPool
+
+
+class Rewriter(Protocol):
+    """Models that sample the rewrites (`engine.EngineGroup`)."""
+
+    async def generate_many(
+        self, prompts: list[list[int]], seeds: list[int] | None = None, **sampling: Any
+    ) -> list[LLMCall]:
+        """In input order; with `seeds`, prompt i is sampled with seeds[i]."""
+        ...
+
+
+class RewritingTeachers(TeacherScoring, Protocol):
+    """A job's teachers as scorers and as rewriters, each teacher's engines by its name
+    (`driver.teachers.TeacherEngines`)."""
+
+    @property
+    def groups(self) -> Mapping[str, Rewriter]: ...
+
+
+class BeaconWriter(Protocol):
+    """The job's beacon component, in its sandboxed pool (`reward_workers.beacon_pool.BeaconPool`)."""
+
+    async def beacons(
+        self,
+        *,
+        sample_id: str,
+        rollout_id: str,
+        ground_truth: JsonValue,
+        agent_output: AgentOutput,
+        reward: float,
+        component_rewards: dict[str, float],
+        turns: list[BeaconTurn],
+    ) -> BeaconOutput:
+        """The component's beacons for one rollout's trained turns (FAILED when its call failed)."""
+        ...
+
+    async def verify(
+        self,
+        *,
+        sample_id: str,
+        rollout_id: str,
+        ground_truth: JsonValue,
+        rollout_extra: dict[str, Any],
+        tools: list[dict[str, Any]] | None,
+        agent_output: AgentOutput,
+        turn: BeaconTurn,
+        feedback: str,
+        rewrite: dict[str, Any],
+    ) -> BeaconVerdict:
+        """The component's verdict on one rewrite (FAILED when its call failed)."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class BeaconModels:
+    """What beacons use of a running job: the teachers and the student's engines (rewriting and
+    scoring), the tokenizer (a turn's prompt rebuilt with its beacon, a rewrite parsed), `max_length`,
+    the job's `tool_call_parser`, and its beacon component's pool if it has one."""
+
+    teachers: RewritingTeachers
+    student: Rewriter
+    tokenizer: Any
+    max_length: int
+    tool_call_parser: str
+    pool: BeaconWriter | None = None
+
 
 BEACON = (
     BEACON_HEADER + " at this point the assistant replied {reply}; the tools answered: {errors}. "
@@ -202,7 +268,7 @@ def _key(segment: LLMCall) -> Key:
 
 
 def _call_key(result: RolloutResult, call: LLMCall) -> Key:
-    """The key of `call`'s segment (segments are copies of the calls, `step.teacher_segments`, with the
+    """The key of `call`'s segment (segments are copies of the calls, `scores.score_rollouts`, with the
     rollout's index as their `rollout_id`)."""
     return result.index, tuple(call.prompt_token_ids), tuple(call.completion_token_ids)
 
@@ -246,7 +312,7 @@ def _beacon_turn(index: int, call: LLMCall, answers: list[dict[str, Any]]) -> Be
 
 
 async def user_beacons(
-    pool: BeaconPool, result: RolloutResult, counts: dict[str, int]
+    pool: BeaconWriter, result: RolloutResult, counts: dict[str, int]
 ) -> dict[Key, Beaconed]:
     """The beacons the job's beacon component writes for one finished rollout's trained turns, by their
     segments' keys; its failures and stray turns counted in `counts`."""
@@ -286,14 +352,14 @@ def _agent_output(result: RolloutResult) -> AgentOutput:
 
 
 async def _beacons(
-    c: Components, results: list[RolloutResult], counts: dict[str, int]
+    pool: BeaconWriter | None, threshold: float, results: list[RolloutResult], counts: dict[str, int]
 ) -> dict[Key, Beaconed]:
-    """The step's beacons: the beacon component's, else the built-in rule's."""
-    if c.beacon_pool is None:
-        found = beacons_by_turn(results, c.spec.hyper_parameters.eval_success_threshold)
+    """The step's beacons: the beacon component's (`pool`), else the built-in rule's (`threshold`:
+    `eval_success_threshold`)."""
+    if pool is None:
+        found = beacons_by_turn(results, threshold)
         counts["outcome"] = sum(b.outcome for b in found.values())
         return found
-    pool = c.beacon_pool
     written = await asyncio.gather(*(user_beacons(pool, r, counts) for r in results if not r.failed))
     return {key: beaconed for one in written for key, beaconed in one.items()}
 
@@ -403,17 +469,19 @@ def rule_verdict(reply: Reply, due: list[dict[str, Any]] | None) -> bool | None:
     return not _departs(reply.tool_calls, due)
 
 
-async def _verdict(c: Components, turn: _Turn, reply: Reply | None, counts: dict[str, int]) -> bool | None:
+async def _verdict(
+    pool: BeaconWriter | None, turn: _Turn, reply: Reply | None, counts: dict[str, int]
+) -> bool | None:
     """Whether one rewrite works: malformed is False; else the component's `verify`, or the rule's."""
     if reply is None:
         return None
     if not reply.well_formed:
         return False
-    if c.beacon_pool is None:
+    if pool is None:
         return rule_verdict(reply, turn.beaconed.due)
     beaconed, result = turn.beaconed, turn.beaconed.result
     call = result.calls[beaconed.turn]
-    verdict = await c.beacon_pool.verify(
+    verdict = await pool.verify(
         sample_id=result.sample.sample_id,
         rollout_id=result.rollout_id,
         ground_truth=ground_truth_of(result.sample),
@@ -431,7 +499,7 @@ async def _verdict(c: Components, turn: _Turn, reply: Reply | None, counts: dict
 
 
 async def _verified(
-    c: Components,
+    pool: BeaconWriter | None,
     segments: list[LLMCall],
     candidates: list[tuple[_Turn, LLMCall, str]],
     parse: ParseReply,
@@ -446,7 +514,10 @@ async def _verified(
 
     replies = await asyncio.to_thread(parse_all)  # the first may import vLLM
     verdicts = await asyncio.gather(
-        *(_verdict(c, turn, reply, counts) for (turn, _, _), reply in zip(candidates, replies, strict=True))
+        *(
+            _verdict(pool, turn, reply, counts)
+            for (turn, _, _), reply in zip(candidates, replies, strict=True)
+        )
     )
     kept = []
     for candidate, verdict in zip(candidates, verdicts, strict=True):
@@ -456,20 +527,21 @@ async def _verified(
     return kept
 
 
-async def _rewrite(c: Components, turns: list[_Turn], names: list[str], step: int) -> list[LLMCall]:
+async def _rewrite(
+    models: BeaconModels, hp: HyperParameters, turns: list[_Turn], names: list[str], step: int
+) -> list[LLMCall]:
     """Each turn sampled on its beaconed prompt by the rewriting model (`beacon_rewrite`): the student's
     engines, or the teacher `names` routes its sample to; at `beacon_temperature`, each turn with a seed
     of its own (`seeds.request_seed`, past the step's rollouts' indices); in input order."""
-    hp = c.spec.hyper_parameters
     sampling = {"max_tokens": hp.max_tokens, "temperature": hp.beacon_temperature}
     prompts = [t.beaconed_prompt for t in turns]
     seeds = [request_seed(hp.seed, step, REWRITE_SEED_OFFSET + t.index) for t in turns]
     if hp.beacon_rewrite == "student":
-        return await c.student.generate_many(prompts, seeds, **sampling)
+        return await models.student.generate_many(prompts, seeds, **sampling)
     out: list[Any] = [None] * len(turns)
     for name in dict.fromkeys(names):
         chosen = [i for i, n in enumerate(names) if n == name]
-        group = c.teachers.groups[name]
+        group = models.teachers.groups[name]
         written = await group.generate_many(
             [prompts[i] for i in chosen], [seeds[i] for i in chosen], **sampling
         )
@@ -479,38 +551,38 @@ async def _rewrite(c: Components, turns: list[_Turn], names: list[str], step: in
 
 
 async def rewrite_with_beacons(
-    c: Components,
+    models: BeaconModels,
+    hp: HyperParameters,
     results: list[RolloutResult],
     segments: list[LLMCall],
     step: int,
     parse: ParseReply | None = None,
-) -> tuple[list[LLMCall], list[LLMCall], dict[str, float]]:
-    """The step's beacon pairs (module docstring): returns `segments` with each rewritten turn marked
-    rejected, the rewrites (chosen, not distilled, `beacon` set; each in its turn's rollout, so a pair
-    never spans two mini-batches) and the `beacons/*` counts. `parse`: how a rewrite's text becomes a
-    reply (default `ToolCallReplies` for the job's `tool_call_parser`)."""
-    hp = c.spec.hyper_parameters
-    extra = USER_COUNTS if c.beacon_pool is not None else RULE_COUNTS
+) -> Shaped:
+    """The step's beacon pairs (module docstring): `segments` with each rewritten turn marked rejected,
+    the rewrites (chosen, not distilled, `beacon` set; each in its turn's rollout, so a pair never spans
+    two mini-batches) and the `beacons/*` counts. `parse`: how a rewrite's text becomes a reply (default
+    `ToolCallReplies` for the job's `tool_call_parser`)."""
+    extra = USER_COUNTS if models.pool is not None else RULE_COUNTS
     counts = dict.fromkeys(COUNTS + extra, 0)
-    beacons = await _beacons(c, results, counts)
-    turns = _turns_to_rewrite(segments, beacons, c.tokenizer, c.max_length, counts)
+    beacons = await _beacons(models.pool, hp.eval_success_threshold, results, counts)
+    turns = _turns_to_rewrite(segments, beacons, models.tokenizer, models.max_length, counts)
     if not turns:
-        return segments, [], {f"beacons/{name}": float(value) for name, value in counts.items()}
+        return Shaped(segments, {f"beacons/{name}": float(value) for name, value in counts.items()})
     samples = {r.index: r.sample for r in results}
-    names = [c.teachers.name_for(samples[segments[t.index].rollout_id]) for t in turns]
-    rewrites = await _rewrite(c, turns, names, step)
+    names = [models.teachers.name_for(samples[segments[t.index].rollout_id]) for t in turns]
+    rewrites = await _rewrite(models, hp, turns, names, step)
     candidates = [
         (turn, rewrite, name)
         for turn, rewrite, name in zip(turns, rewrites, names, strict=True)
         if _kept(segments[turn.index], rewrite, counts)
     ]
-    parse = parse or ToolCallReplies(c.spec.tool_call_parser, c.tokenizer)
-    kept = await _verified(c, segments, candidates, parse, counts)
+    parse = parse or ToolCallReplies(models.tool_call_parser, models.tokenizer)
+    kept = await _verified(models.pool, segments, candidates, parse, counts)
     # The reference for the pair: the teacher's logprobs of the rewrite on the turn's own prompt.
     pairs = [
         (segments[turn.index].prompt_token_ids, rewrite.completion_token_ids) for turn, rewrite, _ in kept
     ]
-    scored = await c.teachers.score_top_k([name for _, _, name in kept], pairs, hp.teacher_top_k)
+    scored = await models.teachers.score_top_k([name for _, _, name in kept], pairs, hp.teacher_top_k)
     next_id = 1 + max((pair for s in segments for pair, _ in s.preference_pairs), default=-1)
     marked = list(segments)
     chosen_rows: list[LLMCall] = []
@@ -520,25 +592,19 @@ async def rewrite_with_beacons(
         marked[turn.index] = dataclasses.replace(
             original, preference_pairs=(*original.preference_pairs, (pair_id, REJECTED))
         )
-        chosen_rows.append(
-            dataclasses.replace(
-                original,
-                completion_token_ids=list(rewrite.completion_token_ids),
-                sampler_logprobs=list(rewrite.sampler_logprobs),
-                text=rewrite.text,
-                finish_reason=rewrite.finish_reason,
-                response_message={},
-                teacher_logprobs=one.scores.logprobs.tolist(),
-                teacher_top_ids=one.scores.top_ids if hp.teacher_top_k else None,
-                teacher_top_logprobs=one.scores.top_logprobs if hp.teacher_top_k else None,
-                teacher_saw_note=False,
-                teacher_name=one.teacher,
-                teacher_latency_s=one.latency_s,
-                hindsight=0.0,
-                preference_pairs=((pair_id, CHOSEN),),
-                distilled=False,
-                beacon=turn.beaconed.beacon,
-            )
+        chosen = dataclasses.replace(
+            original,
+            completion_token_ids=list(rewrite.completion_token_ids),
+            sampler_logprobs=list(rewrite.sampler_logprobs),
+            text=rewrite.text,
+            finish_reason=rewrite.finish_reason,
+            response_message={},
+            hindsight=0.0,
+            preference_pairs=((pair_id, CHOSEN),),
+            distilled=False,
+            beacon=turn.beaconed.beacon,
         )
+        chosen_rows.append(with_teacher_scores(chosen, one, hp.teacher_top_k))
     counts["pairs"] = len(chosen_rows)
-    return marked, chosen_rows, {f"beacons/{name}": float(value) for name, value in counts.items()}
+    metrics = {f"beacons/{name}": float(value) for name, value in counts.items()}
+    return Shaped(marked, metrics, chosen_rows)
