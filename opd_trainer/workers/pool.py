@@ -556,6 +556,7 @@ class WorkerPool:
         or was stopped): the worker cancels them in its sandbox."""
         if batch.stream is not None and batch.open and all(q.answer.done() for q in batch.open.values()):
             ray.cancel(batch.stream)
+            batch.stream = None  # cancelled once; `_run_batch` reads the stream it was given
 
     def _fail(self, queued: _Queued, reason: str, seconds: float = 0.0) -> None:
         queued.answer.set_result(self._failure(reason, queued.attempt, seconds))
