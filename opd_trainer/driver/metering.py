@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from opd_trainer.cluster.process_usage import process_tree_cpu_seconds
 from opd_trainer.jobspec.job_spec import Budget
@@ -153,7 +153,7 @@ def budget_reached(budget: Budget, usage: dict[str, float]) -> str | None:
     return None
 
 
-def usage_summary(usage: dict[str, Any]) -> str:
+def usage_summary(usage: dict[str, float]) -> str:
     """One line for events and the terminal."""
     parts = [
         ("teacher tokens", "teacher_tokens", ""),
