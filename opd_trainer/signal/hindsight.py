@@ -39,7 +39,7 @@ def diverging_turn(better: list[LLMCall], worse: list[LLMCall]) -> int | None:
 def hindsight_advantages(segments: list[LLMCall]) -> list[float]:
     """One value per segment (input order): the mean of its ±1s over the best/worst pairs of its
     prompt that diverge at it, else 0. Segments are one prompt group's (`group_id`) trajectories
-    (`rollout_id`), each trajectory's turns in call order, as the driver builds them."""
+    (`rollout_id`), each trajectory's turns in call order, as `scores.score_rollouts` builds them."""
     totals: dict[int, float] = defaultdict(float)
     counts: dict[int, int] = defaultdict(int)
     for good, bad in best_worst_pairs(segments):

@@ -138,7 +138,7 @@ def _action(segment: LLMCall) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def mine_preference_pairs(segments: list[LLMCall], min_chosen_reward: float | None = None) -> MinedPairs:
-    """The step's turn-level preference pairs over `segments` (one step's, as the driver builds them:
+    """The step's turn-level preference pairs over `segments` (one step's, as `score_rollouts` builds them:
     each trajectory's turns in call order, `group_id` the prompt, `reward` the trajectory's); with
     `min_chosen_reward`, only where the better trajectory reached it."""
     found = _candidate_pairs(segments, min_chosen_reward)
