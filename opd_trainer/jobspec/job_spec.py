@@ -341,7 +341,7 @@ class HyperParameters(_Strict):
     hindsight_coef: float = Field(
         default=0.0,
         ge=0,
-        description="Weight of the turn-level hindsight advantage (opd_trainer/learner/hindsight.py): at the "
+        description="Weight of the turn-level hindsight advantage (opd_trainer/signal/hindsight.py): at the "
         "first turn where one of a prompt's worst trajectories parted from one of its best, from the same "
         "context, the better turn's tokens get +hindsight_coef and the worse one's -hindsight_coef in their "
         "advantage. 0 (default): off.",
@@ -349,7 +349,7 @@ class HyperParameters(_Strict):
     turn_preference_coef: float = Field(
         default=0.0,
         ge=0,
-        description="Weight of the turn-level preference term (opd_trainer/learner/turn_preference.py): "
+        description="Weight of the turn-level preference term (opd_trainer/signal/pairs.py, the loss in opd_trainer/learner/preference_loss.py): "
         "per prompt, at the first turn where a best and a worst trajectory answered the same context "
         "differently (parsed actions: tool names and canonical arguments, else normalised text), a DPO "
         "loss prefers the better answer's tokens over the worse one's against "
@@ -444,7 +444,7 @@ class HyperParameters(_Strict):
 
     teacher_hindsight: Literal["none", "reference", "outcome"] = Field(
         default="none",
-        description="Hindsight for the teacher (opd_trainer/driver/teacher_hindsight.py): a system note "
+        description="Hindsight for the teacher (opd_trainer/signal/notes.py): a system note "
         "added to the context the teacher scores each LLM call with; what the student is sampled on and "
         "trained on never holds it. 'reference': the sample's reference answer (rollout_extra.ground_truth, "
         "else .solution). 'outcome': what the tools answered after the call (e.g. the error it caused), "
