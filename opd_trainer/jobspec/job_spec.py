@@ -349,7 +349,8 @@ class HyperParameters(_Strict):
     turn_preference_coef: float = Field(
         default=0.0,
         ge=0,
-        description="Weight of the turn-level preference term (opd_trainer/signal/pairs.py, the loss in opd_trainer/learner/preference_loss.py): "
+        description="Weight of the turn-level preference term (pairs: opd_trainer/signal/pairs.py; loss: "
+        "opd_trainer/learner/preference_loss.py): "
         "per prompt, at the first turn where a best and a worst trajectory answered the same context "
         "differently (parsed actions: tool names and canonical arguments, else normalised text), a DPO "
         "loss prefers the better answer's tokens over the worse one's against "
@@ -392,7 +393,8 @@ class HyperParameters(_Strict):
     preference_level: Literal["turn", "outcome"] = Field(
         default="turn",
         description="What `turn_preference_coef` prefers: 'turn' (default), the two answers at the turn "
-        "where a best and a worst trajectory parted (TurnSight's turn-level pairs); 'outcome', the whole better trajectory "
+        "where a best and a worst trajectory parted (TurnSight's turn-level pairs); 'outcome', the whole "
+        "better trajectory "
         "over the whole worse one, every trained turn of each (the ablation's baseline: turns both share "
         "cancel in the margin).",
     )
