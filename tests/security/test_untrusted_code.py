@@ -154,6 +154,27 @@ def fork_bomb_unbounded():
     return True
 
 
+def rollout_records_readable(resource):
+    import json
+    import urllib.error
+    import urllib.request
+
+    key = resource.api_key.get_secret_value()
+    for credential in ({{"Authorization": "Bearer " + key}}, {{"X-OPD-Close-Secret": key}}):
+        request = urllib.request.Request(
+            resource.base_url + "/rollouts/close",
+            data=json.dumps({{"keys": [key]}}).encode(),
+            headers={{**credential, "Content-Type": "application/json"}},
+            method="POST",
+        )
+        try:
+            if urllib.request.urlopen(request, timeout=5).status == 200:
+                return True
+        except urllib.error.HTTPError:
+            pass
+    return False
+
+
 def probe():
     if not FOUND:
         FOUND.update(
@@ -180,7 +201,8 @@ class Attacker(AbstractRolloutProcessor):
         )
 
     async def process(self, rollout_input):
-        found = probe()
+        resource = rollout_input.model_resource
+        found = dict(probe(), probe_rollout_records=blocked(lambda: rollout_records_readable(resource)))
         client = rollout_input.model_resource.openai_client()
         response = await client.chat.completions.create(
             model=rollout_input.model_resource.model_name,
@@ -278,7 +300,7 @@ def test_a_hostile_processor_reaches_nothing_and_the_job_still_trains(
         steps = [r for r in attacker.metrics(job.id).data if r["kind"] == "train"]
         assert [r["step"] for r in steps] == [1, 2]
         probes = {k: v for k, v in steps[0].items() if k.startswith("rollout/probe_")}
-        assert len(probes) == 10, steps[0]
+        assert len(probes) == 11, steps[0]
         assert all(v == 1.0 for v in probes.values()), (probes, confinement)
         assert all(r["failed_rollouts"] == 0 for r in steps)
         # The tenant key cannot act as the admin (the key it would have stolen is not in reach anyway).
