@@ -1,8 +1,8 @@
 """Database engine and sessions: SQLite under the data dir by default, PostgreSQL via `DATABASE_URL`.
 
 The schema is Alembic's (`api/migrations`): `migrate` brings any database to the newest revision at
-server start, including one created before migrations existed (made with `create_all`; such a database is stamped
-with the revision its tables match first).
+server start, including one created before migrations existed (made with `create_all`; such a
+database is stamped with the revision its tables match first).
 """
 
 from __future__ import annotations

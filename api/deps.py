@@ -1,8 +1,8 @@
 """FastAPI dependencies as `Annotated` aliases: settings, a database session, the calling tenant or admin.
 
 Dependencies that do no I/O are `async def`: FastAPI runs a plain `def` dependency in its thread
-pool, where each is a thread hop; a status read makes two (the handler, and closing its session). The tenant lookup leaves the event loop only when
-its key is not cached.
+pool, where each is a thread hop; a status read makes two (the handler, and closing its session). The
+tenant lookup leaves the event loop only when its key is not cached.
 """
 
 from __future__ import annotations
