@@ -6,6 +6,10 @@ worker, outside the sandbox, as soon as the user's `process` returns, so the cal
 driver with the rollout's result (`workers/pool.py`); the driver for its built-in rollout, for the
 auxiliary models' keys and for a rollout whose worker did not return them (`rollout/runner.py`).
 
+A chat completion sent with the close secret (the driver's built-in rollout: one call is the whole
+rollout) closes its key once the call is recorded, and its answer carries the record beside the
+completion (`encode_with_record`): the rollout costs one request.
+
 Closing takes the gateway's close secret (header `X-OPD-Close-Secret`), which only trusted processes
 hold: the driver, and the workers it hands a rollout's `GatewayKey` to (never the sandbox, whose
 payload carries the rollout key alone). A rollout key is no credential here, so user code can neither
@@ -59,17 +63,34 @@ class GatewayKey:
     secret: str = field(repr=False)
 
 
+def _fields(calls: list[LLMCall]) -> list[dict[str, Any]]:
+    return [{name: getattr(call, name) for name in RECORDED_FIELDS} for call in calls]
+
+
+def _calls(fields: list[dict[str, Any]]) -> list[LLMCall]:
+    return [LLMCall(**{name: call[name] for name in RECORDED_FIELDS}) for call in fields]
+
+
 def encode_recorded(recorded: list[list[LLMCall]]) -> bytes:
     """The close route's answer: for each key, its calls' `RECORDED_FIELDS`."""
-    return json.dumps(
-        [[{name: getattr(call, name) for name in RECORDED_FIELDS} for call in calls] for calls in recorded]
-    ).encode()
+    return json.dumps([_fields(calls) for calls in recorded]).encode()
 
 
 def decode_recorded(answer: bytes) -> list[list[LLMCall]]:
     """What `encode_recorded` wrote, as calls."""
-    keys: list[list[dict[str, Any]]] = json.loads(answer)
-    return [[LLMCall(**{name: call[name] for name in RECORDED_FIELDS}) for call in calls] for calls in keys]
+    return [_calls(fields) for fields in json.loads(answer)]
+
+
+def encode_with_record(completion_json: str, calls: list[LLMCall]) -> bytes:
+    """A closing chat completion's answer: `{"completion": <the chat completion>, "recorded_calls":
+    [...]}`; the completion as the gateway encoded it."""
+    return f'{{"completion": {completion_json}, "recorded_calls": {json.dumps(_fields(calls))}}}'.encode()
+
+
+def decode_with_record(answer: bytes) -> tuple[dict[str, Any], list[LLMCall]]:
+    """What `encode_with_record` wrote: the chat completion, and the key's calls."""
+    both = json.loads(answer)
+    return both["completion"], _calls(both["recorded_calls"])
 
 
 async def close_keys(

@@ -5,7 +5,8 @@ gateway. Each rollout gets its own API key; every call made with it is answered 
 recorded with the exact prompt token ids, completion token ids and sampler logprobs, which become
 that rollout's training segments. Unknown or closed keys get 401. Whoever ran the rollout closes its
 key at `POST /v1/rollouts/close` with the gateway's close secret, and the answer carries the record
-(`opd_trainer/recorded_calls.py`); a rollout key cannot close keys or read records.
+(`opd_trainer/recorded_calls.py`); a chat completion sent with the secret closes its key once it is
+recorded and answers the record beside the completion. A rollout key cannot close keys or read records.
 
 It speaks vLLM's own protocol: requests are parsed and validated by vLLM's `ChatCompletionRequest`
 and translated into sampling parameters by its `to_sampling_params`, as `vllm serve` does; answers,
@@ -70,7 +71,7 @@ from opd_trainer.cluster.ports import free_port
 from opd_trainer.cluster.process_usage import actor_usage
 from opd_trainer.engine.lengths import completion_room
 from opd_trainer.errors import ConfigError, EngineError
-from opd_trainer.recorded_calls import CLOSE_ROUTE, CLOSE_SECRET_HEADER, encode_recorded
+from opd_trainer.recorded_calls import CLOSE_ROUTE, CLOSE_SECRET_HEADER, encode_recorded, encode_with_record
 from opd_trainer.records import LLMCall
 from opd_trainer.rollout.chat_requests import (
     InvalidRequest,
@@ -321,6 +322,10 @@ class Gateway:
         route's work, `app`)."""
         session = self._sessions.pop(key, None)
         return [] if session is None else session.calls
+
+    def _holds_close_secret(self, raw: Request) -> bool:
+        given = raw.headers.get(CLOSE_SECRET_HEADER, "").encode()
+        return secrets.compare_digest(given, self.close_secret.encode())
 
     def _session(self, key: str) -> RolloutSession | None:
         session = self._sessions.get(key)
@@ -633,8 +638,7 @@ class Gateway:
         async def close_rollouts(raw: Request) -> Response:
             """Closes the body's `keys` and answers what each recorded (`recorded_calls`); only for
             the holder of the close secret: a rollout key is no credential here."""
-            given = raw.headers.get(CLOSE_SECRET_HEADER, "").encode()
-            if not secrets.compare_digest(given, self.close_secret.encode()):
+            if not self._holds_close_secret(raw):
                 return _error(HTTPStatus.UNAUTHORIZED, "closing keys takes the gateway's close secret")
             try:
                 keys = (await raw.json())["keys"]
@@ -669,6 +673,12 @@ class Gateway:
                 return _error(HTTPStatus.BAD_REQUEST, "request body is not JSON", "body")
             except InvalidRequest as exc:
                 return _error(HTTPStatus.BAD_REQUEST, str(exc), exc.param)
+            # With the close secret the key ends with this call, and the answer carries its record.
+            closing = CLOSE_SECRET_HEADER.lower() in raw.headers
+            if closing and not self._holds_close_secret(raw):
+                return _error(HTTPStatus.UNAUTHORIZED, "closing keys takes the gateway's close secret")
+            if closing and request.stream:
+                return _error(HTTPStatus.BAD_REQUEST, "a call that closes its key is not streamed", "stream")
             try:
                 if request.stream:
                     prepared = await self._prepare(key, request)
@@ -686,6 +696,9 @@ class Gateway:
             except EngineError as exc:
                 return _error(HTTPStatus.SERVICE_UNAVAILABLE, str(exc))
             # pydantic's own encoder: model_dump + json.dumps (JSONResponse) built the dict first.
+            if closing:
+                answer = encode_with_record(response.model_dump_json(), self.close_rollout(key))
+                return Response(answer, media_type="application/json")
             return Response(response.model_dump_json(), media_type="application/json")
 
         return app

@@ -5,9 +5,10 @@ with the sample's messages and tools, sent to the gateway like any client would 
 Agentic OPD: the user's rollout processor runs in the rollout pool and calls the gateway itself, any
 number of times, with the per-rollout key it was given; the step's rollouts go to the pool together
 (one Ray call per worker) and each comes back as it ends, with the calls its key recorded (its worker
-closed the key, `opd_trainer/recorded_calls.py`). Either way the gateway's record of each call
-becomes one training segment; keys nobody closed yet (the built-in rollout's, the auxiliary models',
-a rollout whose worker was lost) the runner closes over the same HTTP route.
+closed the key, `opd_trainer/recorded_calls.py`); the built-in rollout's one request closes its key
+and brings its record back too. Either way the gateway's record of each call becomes one training
+segment; keys nobody closed yet (the auxiliary models', a rollout whose call or worker was lost) the
+runner closes over the gateway's close route.
 
 Task reward R = Σ_c weight_c · (reward_score_c + Σ_m reward_metric_weight_c[m] · reward_metrics_c[m]);
 `ground_truth` is `rollout_extra.ground_truth`, else `rollout_extra.solution`. Failed rollouts
@@ -22,7 +23,6 @@ the evaluator's metrics) and `reward_failures` names the samples that could not 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 from collections.abc import Awaitable
@@ -33,7 +33,7 @@ import aiohttp
 
 from opd_trainer.jobspec.dataset import Sample, ground_truth_of
 from opd_trainer.jobspec.job_spec import FunctionComponent
-from opd_trainer.recorded_calls import close_keys
+from opd_trainer.recorded_calls import CLOSE_SECRET_HEADER, close_keys, decode_with_record
 from opd_trainer.records import LLMCall
 from opd_trainer.rollout.gateway import RolloutKeyRequest
 from opd_trainer.rollout.gateway_host import GatewayRef
@@ -223,7 +223,9 @@ class RolloutRunner:
             self._http = None
 
     async def _builtin(self, result: RolloutResult, key: str, seed: int) -> list[LLMCall] | None:
-        """One chat completion; its key's calls are left to `_sample_and_reward` to collect (None)."""
+        """One chat completion, sent with the gateway's close secret: the key ends with it and the answer
+        carries its recorded calls, returned (None when the call failed: `_sample_and_reward` closes
+        the key then)."""
         sample = result.sample
         body: dict[str, Any] = {
             "model": STUDENT_MODEL_NAME,
@@ -233,15 +235,15 @@ class RolloutRunner:
         }
         if sample.tools:
             body["tools"] = sample.tools
-        status, answer = await post_json(
-            self._session(), f"{self.base_url}/chat/completions", body, {"Authorization": f"Bearer {key}"}
-        )
+        headers = {"Authorization": f"Bearer {key}", CLOSE_SECRET_HEADER: self._close_secrets[self.base_url]}
+        status, answer = await post_json(self._session(), f"{self.base_url}/chat/completions", body, headers)
         if status != 200:
             result.error = f"gateway answered {status}: {answer.decode(errors='replace')[:500]}"
             return None
+        completion, calls = decode_with_record(answer)
         # vLLM's message lists every field, most of them null (refusal, audio, ...): the conversation
         # keeps those that are set, as an OpenAI client's `model_dump(exclude_none=True)` does.
-        message = {k: v for k, v in json.loads(answer)["choices"][0]["message"].items() if v is not None}
+        message = {k: v for k, v in completion["choices"][0]["message"].items() if v is not None}
         result.messages = [*sample.messages, message]
         # Rewards see where the given conversation ends, as they do after an agentic rollout that
         # follows the same convention (examples/tool_routing_agentic): the reply is what they judge.
@@ -249,7 +251,7 @@ class RolloutRunner:
             messages=result.messages,
             rollout_extra={**sample.rollout_extra, PROMPT_MESSAGES_KEY: len(sample.messages)},
         )
-        return None
+        return calls
 
     def _agentic(
         self, results: list[RolloutResult], seeds: list[int], keys: list[RolloutKeys]

@@ -1,10 +1,11 @@
 """A rollout key's recorded calls come back over HTTP to the holder of the gateway's close secret only
-(`opd_trainer/recorded_calls.py`, the gateway's close route), bit for bit; a rollout worker returns
-them with the rollout's answer, read from the gateway, never from what the sandboxed user code says.
+(`opd_trainer/recorded_calls.py`: the gateway's close route, or a completion sent with the secret), bit
+for bit; a rollout worker returns them with the rollout's answer, read from the gateway, never from
+what the sandboxed user code says.
 
 The gateway is a real `Gateway` served by uvicorn in the test's loop, with no engine (its calls are
-recorded by hand); the worker is a real `ProcessorWorker` (no Ray) running a hostile processor in
-its sandbox.
+recorded by hand) or a stand-in one; the worker is a real `ProcessorWorker` (no Ray) running a hostile
+processor in its sandbox.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from opd_trainer.recorded_calls import (
     GatewayKey,
     close_keys,
     decode_recorded,
+    decode_with_record,
     encode_recorded,
 )
 from opd_trainer.records import LLMCall
@@ -36,6 +38,12 @@ from opd_trainer.workers import sandbox
 from opd_trainer.workers.pool import ProcessorWorker, WorkerCall
 
 pytestmark = pytest.mark.timeout(120)
+
+WORDS = ["[UNK]", "<|im_start|>", "<|im_end|>", "user", "assistant", "hello", "world"]
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def recorded_call(seed: int) -> LLMCall:
@@ -61,8 +69,12 @@ def test_the_encoding_round_trips_every_recorded_field_bit_for_bit() -> None:
     assert decode_recorded(encode_recorded(recorded)) == recorded
 
 
-async def _served(run: Callable[[Gateway, aiohttp.ClientSession], Awaitable[Any]]) -> Any:
-    gateway = Gateway("student", "unused-tokenizer", [], max_tokens=8, temperature=1.0, max_length=64)
+async def _served(
+    run: Callable[[Gateway, aiohttp.ClientSession], Awaitable[Any]],
+    tokenizer: str = "unused-tokenizer",
+    engines: list[Any] | None = None,
+) -> Any:
+    gateway = Gateway("student", tokenizer, engines or [], max_tokens=8, temperature=1.0, max_length=256)
     await gateway.serve()
     try:
         async with aiohttp.ClientSession() as http:
@@ -120,6 +132,54 @@ def test_a_malformed_close_body_is_refused() -> None:
                 assert response.status == 400, body
 
     asyncio.run(_served(run))
+
+
+class OneTokenEngine:
+    """A stand-in engine replica: every call samples token 5 ("hello")."""
+
+    def __init__(self) -> None:
+        self.sampled = 0
+
+    async def sample(self, prompt_token_ids: list[int], params: Any, client: str | None) -> Any:
+        from vllm.logprobs import Logprob
+
+        from opd_trainer.engine.vllm_engine import Sampled
+
+        self.sampled += 1
+        call = LLMCall(list(prompt_token_ids), [5], [-0.5], text="hello", finish_reason="stop")
+        return Sampled(call, [{5: Logprob(-0.5, rank=1, decoded_token="hello")}])
+
+
+def test_a_completion_sent_with_the_secret_closes_its_key_and_answers_its_record(tmp_path: Path) -> None:
+    """The built-in rollout's one request: the completion and the key's record in one answer; without
+    the right secret nothing is sampled, and a closing call is never streamed."""
+    from chatml_tokenizer import save_chatml_tokenizer
+
+    tokenizer = str(save_chatml_tokenizer(tmp_path, TEMPLATE, WORDS))
+    engine = OneTokenEngine()
+    body = {"model": "student", "messages": [{"role": "user", "content": "hello world"}]}
+
+    async def run(gateway: Gateway, http: aiohttp.ClientSession) -> None:
+        [key, other] = gateway.open_rollouts([RolloutKeyRequest("r0"), RolloutKeyRequest("r1")])
+        url = f"{gateway.base_url}/chat/completions"
+        bearer = {"Authorization": f"Bearer {key}"}
+        async with http.post(url, json=body, headers={**bearer, CLOSE_SECRET_HEADER: "wrong"}) as refused:
+            assert refused.status == 401
+        streamed = {**body, "stream": True}
+        closing = {**bearer, CLOSE_SECRET_HEADER: gateway.close_secret}
+        async with http.post(url, json=streamed, headers=closing) as refused:
+            assert refused.status == 400
+        assert engine.sampled == 0 and gateway._sessions[key].calls == []
+        async with http.post(url, json=body, headers=closing) as response:
+            assert response.status == 200
+            completion, calls = decode_with_record(await response.read())
+        assert completion["choices"][0]["message"]["content"] == "hello"
+        [call] = calls
+        assert call.completion_token_ids == [5] and call.sampler_logprobs == [-0.5]
+        assert call.response_message["content"] == "hello" and call.messages == body["messages"]
+        assert list(gateway._sessions) == [other]  # closed with its call; the other key untouched
+
+    asyncio.run(_served(run, tokenizer, [engine]))
 
 
 HOSTILE = """
