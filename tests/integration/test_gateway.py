@@ -20,7 +20,7 @@ from opd_trainer.jobspec.dataset import Sample
 from opd_trainer.jsonl import read_jsonl
 from opd_trainer.rollout import runner as rollout_runner
 from opd_trainer.rollout.gateway import GatewayActor
-from opd_trainer.rollout.gateway_host import GatewayHostActor, GatewayRef
+from opd_trainer.rollout.gateway_host import GatewayHostActor, GatewayRef, RayReplica
 from opd_trainer.rollout.runner import RolloutRunner
 
 pytestmark = pytest.mark.integration
@@ -33,7 +33,7 @@ def _student_gateway(student_engine: Any, tiny_models: TinyModels, **options: An
     actor = GatewayActor.remote(  # type: ignore[attr-defined]
         "student",
         str(tiny_models.student),
-        [student_engine],
+        [RayReplica(student_engine)],
         max_tokens=MAX_TOKENS,
         temperature=1.0,
         max_length=1024,
@@ -225,7 +225,7 @@ def test_enable_thinking_from_extra_body_reaches_the_chat_template(
     actor = GatewayActor.remote(  # type: ignore[attr-defined]
         "student",
         str(tmp_path / "thinking"),
-        [student_engine],
+        [RayReplica(student_engine)],
         max_tokens=4,
         temperature=1.0,
         max_length=1024,

@@ -30,6 +30,7 @@ from opd_trainer.demo.tool_routing import evaluator
 from opd_trainer.errors import ConfigError
 from opd_trainer.jsonl import read_jsonl
 from opd_trainer.rollout.gateway import GatewayActor
+from opd_trainer.rollout.gateway_host import RayReplica
 
 pytestmark = pytest.mark.integration
 
@@ -164,7 +165,12 @@ def test_the_gateway_answers_tool_calls_as_vllms_own_server(
         if r["rollout_extra"]["category"] == "tool_call"
     ][:6]
     gateway = GatewayActor.remote(  # type: ignore[attr-defined]
-        "teacher", str(tiny_models.teacher), [teacher_engine], max_tokens=64, temperature=1.0, max_length=1024
+        "teacher",
+        str(tiny_models.teacher),
+        [RayReplica(teacher_engine)],
+        max_tokens=64,
+        temperature=1.0,
+        max_length=1024,
     )
     base_url = ray.get(gateway.serve.remote())
     ray.get(gateway.ready.remote())
@@ -245,7 +251,12 @@ def test_a_multi_turn_trajectory_trains_its_tool_calls_and_never_the_tool_output
         if r["rollout_extra"]["category"] == "tool_call"
     ]
     gateway = GatewayActor.remote(  # type: ignore[attr-defined]
-        "teacher", str(tiny_models.teacher), [teacher_engine], max_tokens=64, temperature=1.0, max_length=1024
+        "teacher",
+        str(tiny_models.teacher),
+        [RayReplica(teacher_engine)],
+        max_tokens=64,
+        temperature=1.0,
+        max_length=1024,
     )
     base_url = ray.get(gateway.serve.remote())
     ray.get(gateway.ready.remote())
