@@ -81,7 +81,7 @@ class OneCall(AbstractRolloutProcessor):
 PROCESS_TITLES = {
     "driver": None,
     "rollout worker": "ray::ProcessorWorker",
-    "engine actor": "ray::Engine",
+    "engine actor": ("ray::StudentEngine", "ray::Engine"),  # the latter: code before role-named engines
     "engine core": "VLLM::EngineCore",
 }
 # The engine's processes; every other one on the pool path (driver, worker, sandbox) is "the chain",

@@ -15,8 +15,8 @@ on every cell alike.
 
 Per run: each role's peak RSS, sampled every 0.25 s over the job's process tree (the subprocess and its
 local Ray's processes, grouped by the Ray actor's title: `ray::LearnerActor` learner,
-`ray::EngineWithGatewaysActor` teacher (the default teacher hosts the gateways), `ray::EngineActor`
-student, `ray::JobDriverActor` driver; a process of another title counts to its parent's role), with the
+`ray::StudentEngine` student (its first replica also hosts the job's gateways), `ray::TeacherEngine`
+teacher, `ray::JobDriverActor` driver; a process of another title counts to its parent's role), with the
 processes' own VmHWM as a cross-check; the medians over the steps after the first of the step's phases
 (`time/*_s`), `sync_bytes`, `tokens_per_s` and `trained_tokens`; the memory plan
 (`opd_trainer/jobspec/memory_plan.py`) of the same spec and its error |plan − measured| / measured per
@@ -70,12 +70,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "full+ckpt": {"gradient_checkpointing": True},
 }
 ROLES = ("learner", "student", "teacher", "driver")
-# The default teacher's engine hosts the job's gateways (`EngineWithGatewaysActor`); the student's is a
-# plain `EngineActor`.
+# Engines are named by role (`engine/fleet.engine_actor_class`); the student's first replica also hosts
+# the job's gateways, so their memory counts to the student.
 ROLE_OF_CLASS = {
     "Learner": "learner",
-    "Engine": "student",
-    "EngineWithGateways": "teacher",
+    "StudentEngine": "student",
+    "TeacherEngine": "teacher",
     "JobDriver": "driver",
 }
 PHASES = ("rollout", "teacher", "learner", "sync")

@@ -16,18 +16,28 @@ start through the engine's generic hook (`Engine.host`), and stops with the engi
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+import functools
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from opd_trainer.cluster.placement import placed
 from opd_trainer.engine.shared_engines import REGISTRY_NAMESPACE, SharedEngineGroup, SharedEngines
-from opd_trainer.engine.vllm_engine import ClientEngineGroup, EngineActor, EngineConfig, EngineGroup, on_gpu
+from opd_trainer.engine.vllm_engine import ClientEngineGroup, Engine, EngineConfig, EngineGroup, on_gpu
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
     from opd_trainer.engine.engine_sharing import EngineSharing
+
+
+@functools.cache
+def engine_actor_class(role: str) -> Any:
+    """The Ray actor class of an engine in `role`: `Engine` under a name of its own (`StudentEngine`,
+    `TeacherEngine`), which Ray puts in the process title (`ray::StudentEngine`), its dashboard and its
+    state API, so the roles' processes are told apart there (and by `benchmarks/scale.py`)."""
+    named = type(f"{role.title()}Engine", (Engine,), {"__doc__": f"`Engine` serving the {role}."})
+    return ray.remote(named)
 
 
 async def start_replicas(config: EngineConfig, name: str) -> tuple[list[ActorHandle], list[str]]:
@@ -37,13 +47,15 @@ async def start_replicas(config: EngineConfig, name: str) -> tuple[list[ActorHan
     resources = config.resources
     num_gpus = resources.tensor_parallel_size * resources.gpu_fraction if on_gpu() else 0
     actors = [
-        EngineActor.options(  # type: ignore[attr-defined]
+        engine_actor_class(config.role)
+        .options(
             name=None,
             num_cpus=config.num_cpus,
             num_gpus=num_gpus,
             resources=dict(resources.ray_resources) or None,
             max_concurrency=1000,
-        ).remote(config, f"{name}-{index}")
+        )
+        .remote(config, f"{name}-{index}")
         for index in range(resources.replicas)
     ]
     try:

@@ -189,7 +189,8 @@ def main(
             # Once the student's and the teacher's engines have their nodes (else Ray could place the
             # student on the replacement), while the job still starts: adding a node takes many
             # seconds on a loaded box.
-            wait_for_engine_placed("Engine", earlier, finished, count=2)
+            wait_for_engine_placed("StudentEngine", earlier, finished)
+            wait_for_engine_placed("TeacherEngine", earlier, finished)
             cluster.add_node(
                 num_cpus=NODES["student"], resources={"student_node": 100, "student_spare_node": 1}
             )

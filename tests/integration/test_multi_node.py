@@ -81,7 +81,7 @@ def test_an_agentic_job_runs_across_five_nodes(results: dict[str, Any]) -> None:
     # on a node the job may lose.
     assert "GatewayHost" not in placed, placed
     assert placed["Learner"] == ["learner"]
-    assert placed["Engine"] == ["student", "teacher"], placed
+    assert placed["StudentEngine"] == ["student"] and placed["TeacherEngine"] == ["teacher"], placed
     workers = [name for name in placed if "Worker" in name and name != "WorkerPool"]
     assert workers and all(placed[name] == ["pools"] for name in workers), placed
     assert _sampled_with_the_learners_weights(result["ratio_mean"]), result["ratio_mean"]
@@ -100,7 +100,8 @@ def test_a_model_opd_job_survives_losing_its_pool_node(results: dict[str, Any]) 
     assert result["placed"]["ProcessorWorker"] == ["pools", "spare"], result["placed"]
     # CI once lost the job with the pool node: Ray had put the (zero-CPU) gateway actor there. The
     # gateways live in the student engine's process.
-    assert result["placed"]["Engine"] == ["student", "teacher"], result["placed"]
+    assert result["placed"]["StudentEngine"] == ["student"], result["placed"]
+    assert result["placed"]["TeacherEngine"] == ["teacher"], result["placed"]
     assert "GatewayHost" not in result["placed"], result["placed"]
     # A replacement started just as the node went may never be placed (seen once: one such worker,
     # dead, beside the replacement that served); none may be left alive.
@@ -128,7 +129,8 @@ def test_a_job_survives_losing_its_student_engines_node(results: dict[str, Any])
     assert result["resumed"], result
     placed = result["placed"]
     # The first student engine on the lost node, its replacement on the node that joined.
-    assert placed["Engine"] == ["student", "student_spare", "teacher"], placed
+    assert placed["StudentEngine"] == ["student", "student_spare"], placed
+    assert placed["TeacherEngine"] == ["teacher"], placed
     assert placed["Learner"] == ["learner"], placed
     assert not result["never_placed"], result
     # The new engine samples with the weights of the checkpoint resumed from and of every step after.
