@@ -5,8 +5,8 @@ example job `examples/model_opd_tiny/job.yaml`, `--steps` steps, its own seed) a
 job, with a part of it killed by SIGKILL, what an OOM kill or a crashed CUDA context looks like, every
 `--every` steps). In the chaos arm a thread of the benchmark's process kills, once the job has recorded
 training step t_i, the process of one part, chosen at random with the run's seed among the student
-engine, the teacher engine (which also hosts the recording gateways) and the learner rank: the parts in
-a seeded random order, each once in every three kills. Fault i is due after step
+engine (whose first replica also hosts the recording gateways), the teacher engine and the learner
+rank: the parts in a seeded random order, each once in every three kills. Fault i is due after step
 `i * every - every // 2` moved by a seeded -every//4 .. +every//4 (40 steps, every 10: after ~5, ~15,
 ~25 and ~35), so that no kill lands in a validation (every `eval_steps` = 10 steps) and every kill is
 followed by steps to measure; the kill itself lands in the next step (its rollouts, scoring or
