@@ -359,6 +359,9 @@ class SandboxedProcessor:
             self._pending.pop(call_id, None)
             reason = self.lost or "its process exited"
             return self._failure(output_type, reason, started, retry=self.retryable)
+        except asyncio.CancelledError:  # cancelled before the sandbox got the call: nothing to stop
+            self._pending.pop(call_id, None)
+            raise
         try:
             call = {"type": "call", "id": call_id, "rollout_id": rollout_id, "method": method}
             self._send({**call, "payload": wire})

@@ -235,3 +235,26 @@ def test_a_call_to_a_sandbox_whose_pipe_just_closed_fails_as_retryable(tmp_path:
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         result = runner.run(body())
     assert result["output"].status == TaskStatus.FAILED and result["retry"] is True, result
+
+
+def test_a_call_cancelled_while_its_payload_is_prepared_leaves_nothing_pending(tmp_path: Path) -> None:
+    """A cancel can come while the call waits for its gateway's relay (`_wire_payload`): the call is
+    no longer counted in flight (the worker's `stats`)."""
+    processor = _processor(tmp_path, "ReadsEnvironment", "none")
+
+    async def relay_never_opens(payload: RolloutInput) -> dict:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    processor._wire_payload = relay_never_opens  # type: ignore[method-assign]
+
+    async def body() -> None:
+        call = asyncio.ensure_future(processor.call(_payload(), "r1", RolloutOutput))
+        await asyncio.sleep(0.05)
+        assert len(processor._pending) == 1
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert processor._pending == {}
+
+    asyncio.run(body())
