@@ -87,7 +87,7 @@ class Job(Base):
     # Which driver incarnation runs the job, and how many of its events are already copied here.
     driver_attempts: Mapped[int] = mapped_column(Integer, default=0)
     driver_restarts: Mapped[int] = mapped_column(Integer, default=0)
-    # Records in events.jsonl before the current driver started: the ones after it are its own.
+    # Lines in events.jsonl before the current driver started: the ones after it are its own.
     driver_events_offset: Mapped[int] = mapped_column(Integer, default=0)
     driver_event_seq: Mapped[int] = mapped_column(Integer, default=-1)
 

@@ -64,7 +64,7 @@ from opd_trainer.engine.engine_sharing import EngineSharing
 from opd_trainer.errors import OPDError
 from opd_trainer.storage.run_dir import RunDir
 from opd_trainer.storage.shared import write_probe
-from opd_trainer.wire.driver import DriverEvent, DriverProgress, DriverStatus
+from opd_trainer.wire.driver import DriverEvent, DriverProgress, DriverStatus, driver_events
 
 if TYPE_CHECKING:
     from ray import ObjectRef
@@ -325,7 +325,7 @@ class Scheduler:
         error: the job goes on from its checkpoint or fails as `driver_lost`. It is kept, as a
         `recovery` event that says so, so a job that then succeeds carries no error event.
         """
-        written = RunDir(job.run_dir).events()[job.driver_events_offset :]
+        written = RunDir(job.run_dir).events(job.driver_events_offset)
         lost = [event for event in written if event.seq > job.driver_event_seq]
         self._ingest(session, job, [_recovery_note(e) if e.type == "error" else e for e in lost])
 
@@ -493,10 +493,8 @@ class Scheduler:
 
         assert handle.actor is not None and handle.poll is not None  # answered: launched and polled
         refs, handle.poll = handle.poll, None
-        progress: DriverProgress
-        events: list[DriverEvent]
         try:
-            *_, progress, events = ray.get(refs, timeout=ANSWER_WAIT_S)
+            *_, answered_progress, answered_events = ray.get(refs, timeout=ANSWER_WAIT_S)
         except (GetTimeoutError, ActorUnavailableError):
             logger.warning("[%s] driver unavailable; asking again", job.id)
             return False
@@ -506,7 +504,9 @@ class Scheduler:
             self._driver_lost(session, job, counts=handle.answered or not handle.reattached)
             return True
         handle.answered, handle.answered_at = True, time.monotonic()
-        self._ingest(session, job, events)
+        # A driver of an earlier build (started before an upgrade, re-attached) answers with dicts.
+        progress = DriverProgress.model_validate(answered_progress)
+        self._ingest(session, job, driver_events(answered_events, f"[{job.id}] driver"))
         previous_step = job.step
         job.step = progress.step
         job.total_steps = progress.total_steps or job.total_steps  # 0 until it read the data
@@ -659,7 +659,7 @@ class Scheduler:
             resources = spec.resources.model_copy(update={"max_recoveries": self.settings.max_recoveries})
             spec = spec.model_copy(update={"resources": resources})
         # Counted before the new driver can write: what follows in events.jsonl is its own.
-        job.driver_events_offset = len(RunDir(job.run_dir).events())
+        job.driver_events_offset = RunDir(job.run_dir).event_count()
         storage_token = write_probe(Path(job.run_dir))  # the driver and learner check they see it
         launch = self._launch(spec, job.run_dir, job.id, storage_token, self._sharing())
         self._handles[job.id] = DriverHandle(launch=launch)

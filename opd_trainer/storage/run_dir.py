@@ -18,7 +18,8 @@
     curves.png          the plotted curves (`opd train`, `opd submit --follow`)
 
 Reading tolerates a file the driver is still writing (a missing file is empty, a half-written last
-line is skipped), so the server can read while a job runs.
+line is skipped), so the server can read while a job runs, and events another build wrote
+(`wire.driver.driver_events`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import Any
 from opd_trainer.jsonl import read_jsonl, write_jsonl
 from opd_trainer.storage.checkpoints import CheckpointStore, read_promoted
 from opd_trainer.wire.checkpoint import PromotionDecision
-from opd_trainer.wire.driver import DriverEvent, ValidationSummary
+from opd_trainer.wire.driver import DriverEvent, ValidationSummary, driver_events
 
 
 class RunDir:
@@ -57,8 +58,21 @@ class RunDir:
         """Every metrics record, training and validation, in the order written."""
         return read_jsonl(self.metrics_path)
 
-    def events(self) -> list[DriverEvent]:
-        return [DriverEvent.model_validate(record) for record in read_jsonl(self.events_path)]
+    def events(self, start: int = 0) -> list[DriverEvent]:
+        """The driver's events from line `start` of events.jsonl on (`event_count()` before a driver
+        started: its own), in order; a line that is no event (half written) is skipped."""
+        if not self.events_path.is_file():
+            return []
+        lines = self.events_path.read_text(encoding="utf-8", errors="replace").split("\n")[start:]
+        records = (record for record in map(_json_object, lines) if record is not None)
+        return driver_events(records, str(self.events_path))
+
+    def event_count(self) -> int:
+        """The whole lines events.jsonl holds, unparsed: the line the next event written starts on."""
+        if not self.events_path.is_file():
+            return 0
+        with self.events_path.open("rb") as lines:
+            return sum(block.count(b"\n") for block in iter(lambda: lines.read(1 << 20), b""))
 
     def validation_outcomes(self) -> list[dict[str, Any]]:
         """Each student validation pass's per-sample outcomes, in the order run: `{label, time,
