@@ -73,6 +73,18 @@ def test_a_checkpoint_from_before_promotion_loads_without_it(tmp_path: Path) -> 
     assert latest is not None and latest[1].promotion is None and latest[1].cursor.position == 8
 
 
+def test_files_a_newer_build_wrote_with_more_keys_load(tmp_path: Path) -> None:
+    """A key this build does not know (a newer driver's) is ignored, so a downgrade still resumes."""
+    store = CheckpointStore(tmp_path / "checkpoints")
+    _written(store, 4, json.dumps({**STATE, "sampler_seed": 7, "cursor": {**STATE["cursor"], "shard": 2}}))
+    latest = store.latest()
+    assert latest is not None and latest[1].model_dump() == STATE
+    assert [checkpoint["step"] for checkpoint in store.list()] == [4]
+    (store.root / "promoted.json").write_text(json.dumps({**DECISION, "gate": "threshold"}))
+    promoted = RunDir(tmp_path).promoted()
+    assert promoted is not None and promoted.model_dump() == DECISION
+
+
 def test_a_bad_state_names_its_field() -> None:
     with pytest.raises(ValidationError) as caught:
         CheckpointState.model_validate({**STATE, "cursor": {"epoch": 0}})
