@@ -17,8 +17,15 @@ close a key nor read a record, its own or another rollout's, and the records the
 come from the gateway, never through user code.
 
 The answer is JSON (not pickle: the peer is a network address): per key, its calls' recorded fields
-(`RECORDED_FIELDS`; the others are filled later, by the driver). JSON floats are written with their
-shortest round-trip form, so token ids and logprobs arrive bit for bit.
+(`RECORDED_FIELDS`; the others are filled later, by the driver), or null for a key the gateway does not
+know. JSON floats are written with their shortest round-trip form, so token ids and logprobs arrive bit
+for bit.
+
+A gateway keeps the record of the keys it closed last (`gateway.CLOSED_KEYS_KEPT`): closing a key again
+answers the same calls, so the driver's fallback close still gets them when the worker's close reached
+the gateway but its answer did not reach the driver. A retried rollout's worker reopens the key first
+(the reopen route), since the lost attempt's worker may have closed it: the record goes on from where
+it ended, as if the key had stayed open.
 """
 
 from __future__ import annotations
@@ -33,6 +40,9 @@ from opd_trainer.records import LLMCall
 
 CLOSE_ROUTE = "/rollouts/close"
 """The close route, under the gateway's `/v1` base URL; its body: `{"keys": [...]}`."""
+REOPEN_ROUTE = "/rollouts/reopen"
+"""The reopen route, beside the close route; its body: `{"keys": [...]}`; its answer: per key, whether it
+is open now."""
 CLOSE_SECRET_HEADER = "X-OPD-Close-Secret"
 CLOSE_TIMEOUT_S = 60.0
 RECORDED_FIELDS = (
@@ -71,14 +81,14 @@ def _calls(fields: list[dict[str, Any]]) -> list[LLMCall]:
     return [LLMCall(**{name: call[name] for name in RECORDED_FIELDS}) for call in fields]
 
 
-def encode_recorded(recorded: list[list[LLMCall]]) -> bytes:
-    """The close route's answer: for each key, its calls' `RECORDED_FIELDS`."""
-    return json.dumps([_fields(calls) for calls in recorded]).encode()
+def encode_recorded(recorded: list[list[LLMCall] | None]) -> bytes:
+    """The close route's answer: for each key, its calls' `RECORDED_FIELDS` (null: an unknown key)."""
+    return json.dumps([None if calls is None else _fields(calls) for calls in recorded]).encode()
 
 
-def decode_recorded(answer: bytes) -> list[list[LLMCall]]:
+def decode_recorded(answer: bytes) -> list[list[LLMCall] | None]:
     """What `encode_recorded` wrote, as calls."""
-    return [_calls(fields) for fields in json.loads(answer)]
+    return [None if fields is None else _calls(fields) for fields in json.loads(answer)]
 
 
 def encode_with_record(completion_json: str, calls: list[LLMCall]) -> bytes:
@@ -93,24 +103,48 @@ def decode_with_record(answer: bytes) -> tuple[dict[str, Any], list[LLMCall]]:
     return both["completion"], _calls(both["recorded_calls"])
 
 
-async def close_keys(
-    http: aiohttp.ClientSession, base_url: str, secret: str, keys: list[str]
-) -> list[list[LLMCall]]:
-    """Closes `keys` on the gateway at `base_url` in one request; each key's calls, in the order asked
-    (none for a key already closed or expired). Raises `ConnectionError` when the gateway refuses."""
+async def _post_keys(
+    http: aiohttp.ClientSession, url: str, secret: str, keys: list[str], timeout_s: float
+) -> bytes:
+    """POSTs `{"keys": keys}` with the close secret; the answer's bytes. Raises `ConnectionError` when
+    the gateway refuses, `TimeoutError` after `timeout_s`."""
     async with http.post(
-        f"{base_url}{CLOSE_ROUTE}",
+        url,
         json={"keys": keys},
         headers={CLOSE_SECRET_HEADER: secret},
-        timeout=aiohttp.ClientTimeout(total=CLOSE_TIMEOUT_S),
+        timeout=aiohttp.ClientTimeout(total=timeout_s),
     ) as response:
         answer = await response.read()
         if response.status != 200:
-            raise ConnectionError(f"closing rollout keys: the gateway answered {response.status}")
+            raise ConnectionError(f"{url}: the gateway answered {response.status}")
+    return answer
+
+
+async def close_keys(
+    http: aiohttp.ClientSession,
+    base_url: str,
+    secret: str,
+    keys: list[str],
+    timeout_s: float = CLOSE_TIMEOUT_S,
+) -> list[list[LLMCall] | None]:
+    """Closes `keys` on the gateway at `base_url` in one request; each key's calls, in the order asked (a
+    key closed lately: the same calls again; None for a key the gateway does not know: never opened,
+    expired, or closed before the records it keeps)."""
+    answer = await _post_keys(http, f"{base_url}{CLOSE_ROUTE}", secret, keys, timeout_s)
     return decode_recorded(answer)
 
 
-async def close_key(http: aiohttp.ClientSession, key: GatewayKey) -> list[LLMCall]:
+async def close_key(
+    http: aiohttp.ClientSession, key: GatewayKey, timeout_s: float = CLOSE_TIMEOUT_S
+) -> list[LLMCall] | None:
     """`close_keys` for one key."""
-    [calls] = await close_keys(http, key.base_url, key.secret, [key.key])
+    [calls] = await close_keys(http, key.base_url, key.secret, [key.key], timeout_s)
     return calls
+
+
+async def reopen_key(http: aiohttp.ClientSession, key: GatewayKey, timeout_s: float) -> bool:
+    """Reopens a key closed lately, its record as it was (an open key stays as it is); whether it is
+    open now."""
+    answer = await _post_keys(http, f"{key.base_url}{REOPEN_ROUTE}", key.secret, [key.key], timeout_s)
+    [reopened] = json.loads(answer)
+    return bool(reopened)

@@ -6,7 +6,9 @@ recorded with the exact prompt token ids, completion token ids and sampler logpr
 that rollout's training segments. Unknown or closed keys get 401. Whoever ran the rollout closes its
 key at `POST /v1/rollouts/close` with the gateway's close secret, and the answer carries the record
 (`opd_trainer/recorded_calls.py`); a chat completion sent with the secret closes its key once it is
-recorded and answers the record beside the completion. A rollout key cannot close keys or read records.
+recorded and answers the record beside the completion. A closed key's record is kept a while
+(`CLOSED_KEYS_KEPT`): a repeated close answers it again, and `POST /v1/rollouts/reopen` (the same
+secret) opens the key again for a retried rollout. A rollout key cannot close keys or read records.
 
 It speaks vLLM's own protocol: requests are parsed and validated by vLLM's `ChatCompletionRequest`
 and translated into sampling parameters by its `to_sampling_params`, as `vllm serve` does; answers,
@@ -51,6 +53,7 @@ it, uvicorn on that process's event loop.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import functools
 import json
@@ -71,7 +74,13 @@ from opd_trainer.cluster.ports import free_port
 from opd_trainer.cluster.process_usage import actor_usage
 from opd_trainer.engine.lengths import completion_room
 from opd_trainer.errors import ConfigError, EngineError
-from opd_trainer.recorded_calls import CLOSE_ROUTE, CLOSE_SECRET_HEADER, encode_recorded, encode_with_record
+from opd_trainer.recorded_calls import (
+    CLOSE_ROUTE,
+    CLOSE_SECRET_HEADER,
+    REOPEN_ROUTE,
+    encode_recorded,
+    encode_with_record,
+)
 from opd_trainer.records import LLMCall
 from opd_trainer.rollout.chat_requests import (
     InvalidRequest,
@@ -110,6 +119,12 @@ default). Longer than the idle timeout of the pools that call it (the built-in r
 15 s, `runner.CLIENT_KEEPALIVE_S`; httpx's, under the OpenAI SDK: 5 s), so a client drops an idle
 connection before the server closes it, and never writes a request into a connection the server has
 just closed."""
+CLOSED_KEYS_KEPT = 256
+"""How many closed keys keep their record (the oldest goes first): a close that comes again gets the
+same calls (the driver's fallback, when the worker's close reached the gateway but its answer never
+reached the driver), and a retried rollout can reopen its key. Bounded because a record holds every
+call's token ids; the driver's fallback comes within seconds, and a retry goes first in the pool's
+queue, so far fewer keys close in between."""
 
 
 class EngineReplica(Protocol):
@@ -188,6 +203,15 @@ def error_body(status: HTTPStatus, message: str, param: str | None = None) -> Er
 
 def _error(status: HTTPStatus, message: str, param: str | None = None) -> JSONResponse:
     return JSONResponse(status_code=status.value, content=error_body(status, message, param).model_dump())
+
+
+async def _keys_of(raw: Request) -> list[str] | None:
+    """The keys of a close or reopen body, `{"keys": [str, ...]}`; None for any other body."""
+    try:
+        keys = (await raw.json())["keys"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return None
+    return keys if isinstance(keys, list) and all(isinstance(k, str) for k in keys) else None
 
 
 def _finish_reason(prepared: PreparedCall, completion: LLMCall, called: bool) -> str:
@@ -282,6 +306,7 @@ class Gateway:
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self._tool_calls: ToolCallParsing | None = None
         self._sessions: dict[str, RolloutSession] = {}
+        self._closed: collections.OrderedDict[str, RolloutSession] = collections.OrderedDict()
         self._in_flight = [0] * len(self.engines)
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self._prompts = RenderedPrompts()
@@ -317,11 +342,26 @@ class Gateway:
         per rollout); keys in the order asked."""
         return [self.open_rollout(r.rollout_id, temperature=r.temperature, seed=r.seed) for r in rollouts]
 
-    def close_rollout(self, key: str) -> list[LLMCall]:
+    def close_rollout(self, key: str) -> list[LLMCall] | None:
         """Ends the key (later calls get 401) and returns what it recorded, in call order (the close
-        route's work, `app`)."""
+        route's work, `app`): again for a key among the last `CLOSED_KEYS_KEPT` closed, None for a key
+        this gateway does not know."""
         session = self._sessions.pop(key, None)
-        return [] if session is None else session.calls
+        if session is None:
+            session = self._closed.get(key)
+            return None if session is None else session.calls
+        self._closed[key] = session
+        if len(self._closed) > CLOSED_KEYS_KEPT:
+            self._closed.popitem(last=False)
+        return session.calls
+
+    def reopen_rollout(self, key: str) -> bool:
+        """Opens a key closed lately again, its record and call count as they were (a retried rollout
+        goes on where the lost attempt ended, as if the key had stayed open); whether the key is open."""
+        session = self._closed.pop(key, None)
+        if session is not None:
+            self._sessions[key] = session
+        return self._session(key) is not None
 
     def _holds_close_secret(self, raw: Request) -> bool:
         given = raw.headers.get(CLOSE_SECRET_HEADER, "").encode()
@@ -640,14 +680,22 @@ class Gateway:
             the holder of the close secret: a rollout key is no credential here."""
             if not self._holds_close_secret(raw):
                 return _error(HTTPStatus.UNAUTHORIZED, "closing keys takes the gateway's close secret")
-            try:
-                keys = (await raw.json())["keys"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                keys = None
-            if not (isinstance(keys, list) and all(isinstance(k, str) for k in keys)):
+            keys = await _keys_of(raw)
+            if keys is None:
                 return _error(HTTPStatus.BAD_REQUEST, 'the body must be {"keys": [str, ...]}', "keys")
             recorded = encode_recorded([self.close_rollout(key) for key in keys])
             return Response(recorded, media_type="application/json")
+
+        @app.post(f"/v1{REOPEN_ROUTE}")
+        async def reopen_rollouts(raw: Request) -> Response:
+            """Reopens the body's `keys` (`reopen_rollout`); answers whether each is open. Only for the
+            holder of the close secret."""
+            if not self._holds_close_secret(raw):
+                return _error(HTTPStatus.UNAUTHORIZED, "reopening keys takes the gateway's close secret")
+            keys = await _keys_of(raw)
+            if keys is None:
+                return _error(HTTPStatus.BAD_REQUEST, 'the body must be {"keys": [str, ...]}', "keys")
+            return JSONResponse([self.reopen_rollout(key) for key in keys])
 
         @app.get("/health")
         async def health() -> dict[str, int | str]:
@@ -697,7 +745,7 @@ class Gateway:
                 return _error(HTTPStatus.SERVICE_UNAVAILABLE, str(exc))
             # pydantic's own encoder: model_dump + json.dumps (JSONResponse) built the dict first.
             if closing:
-                answer = encode_with_record(response.model_dump_json(), self.close_rollout(key))
+                answer = encode_with_record(response.model_dump_json(), self.close_rollout(key) or [])
                 return Response(answer, media_type="application/json")
             return Response(response.model_dump_json(), media_type="application/json")
 

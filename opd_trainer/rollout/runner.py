@@ -12,8 +12,8 @@ runner closes over the gateway's close route.
 
 Task reward R = Σ_c weight_c · (reward_score_c + Σ_m reward_metric_weight_c[m] · reward_metrics_c[m]);
 `ground_truth` is `rollout_extra.ground_truth`, else `rollout_extra.solution`. Failed rollouts
-(FAILED status, `ROLLOUT_ERROR:` content, timeout, no recorded call) and rollouts whose reward failed
-are counted and carry no loss.
+(FAILED status, `ROLLOUT_ERROR:` content, timeout, no recorded call, a record the gateway no longer
+holds) and rollouts whose reward failed are counted and carry no loss.
 
 Validation runs the same rollouts (one per sample, greedy) and, when the job has an evaluator
 component, scores each with it too; `validation_metrics` aggregates what every job has (rewards,
@@ -58,6 +58,12 @@ CLIENT_KEEPALIVE_S = 15.0
 keep-alive (`gateway.KEEP_ALIVE_S`), so the pool drops an idle connection before the server may close
 it: aiohttp checks the idle time against the clock when it hands a connection out, so this holds even
 when the driver's event loop was too busy to read the server's FIN."""
+LOST_RECORD = (
+    "the gateway no longer holds its key's record (closed before the records it keeps, or expired): "
+    "the calls it made are unknown"
+)
+"""A rollout's error when neither its answer nor the runner's own close brought its record: it fails
+(counted, never trained as a rollout that made no call)."""
 
 
 async def _body_unsent(tracker: aiohttp.UploadTracker) -> bool:
@@ -316,8 +322,9 @@ class RolloutRunner:
             if base_url not in self._close_secrets:
                 self._close_secrets[base_url] = await gateway.close_secret()
 
-    async def _close(self, base_url: str, key: str) -> list[LLMCall]:
-        """Closes `key` on the gateway at `base_url`; its recorded calls (`recorded_calls.close_keys`)."""
+    async def _close(self, base_url: str, key: str) -> list[LLMCall] | None:
+        """Closes `key` on the gateway at `base_url`; its recorded calls, None when the gateway no longer
+        knows the key (`recorded_calls.close_keys`)."""
         [calls] = await close_keys(self._session(), base_url, self._close_secrets[base_url], [key])
         return calls
 
@@ -373,7 +380,12 @@ class RolloutRunner:
         except Exception as exc:  # one broken rollout must not fail the step
             result.error = f"{type(exc).__name__}: {exc}"
         finally:
-            result.calls = recorded if recorded is not None else await self._close(self.base_url, key)
+            if recorded is None:  # nobody closed its key yet, or the answer that carried its record was lost
+                recorded = await self._close(self.base_url, key)
+            if recorded is None:
+                logger.warning("[%s] %s: its key's record is gone", self.job_id, result.rollout_id)
+                result.error = result.error or LOST_RECORD
+            result.calls = recorded or []
         if result.failed:
             return
         # The evaluator first: a reward that fails must not hide the sample from the evaluator.
@@ -386,7 +398,7 @@ class RolloutRunner:
         calls = 0
         for name, resource in resources.items():
             base_url = self.auxiliary_models[name].base_url
-            calls += len(await self._close(base_url, resource.api_key.get_secret_value()))
+            calls += len(await self._close(base_url, resource.api_key.get_secret_value()) or [])
         return calls
 
     async def _evaluate(self, result: RolloutResult, auxiliary: dict[str, ModelResource]) -> None:

@@ -53,7 +53,8 @@ from ray.exceptions import RayActorError, TaskCancelledError
 from opd_trainer.cluster.process_usage import process_tree_cpu_seconds
 from opd_trainer.errors import ProcessorLoadError
 from opd_trainer.jobspec.job_spec import FunctionComponent
-from opd_trainer.recorded_calls import GatewayKey, close_key
+from opd_trainer.recorded_calls import GatewayKey, close_key, reopen_key
+from opd_trainer.records import LLMCall
 from opd_trainer.sdk import TaskStatus
 from opd_trainer.sdk.types import PROCESSOR_KINDS, method_of
 from opd_trainer.storage.zips import pack_workspace
@@ -85,6 +86,12 @@ START_TIMEOUT_S = 120.0
 START_TIMEOUT_WITH_PIP_S = 900.0
 STATS_TIMEOUT_S = 5.0
 CLOSE_TIMEOUT_S = 10.0
+RECORD_KEY_TIMEOUT_S = 1.5
+"""How long a worker waits for the gateway to close (or, for a retried call, reopen) a rollout's key.
+Both run inside the call the pool times at `timeout + grace`, after the sandbox may have used
+`timeout + grace / 2`: with grace at least `TIMEOUT_GRACE_S`, a reopen and a close leave 2 s for the Ray
+round trip, so a slow gateway never makes the pool kill a healthy worker. A close that takes longer is
+left to the driver, whose close gets the same record (the gateway keeps a closed key's record)."""
 USER_CODE_RESOURCE_ENV = "OPD_USER_CODE_RESOURCE"
 
 
@@ -100,13 +107,15 @@ def grace_s(timeout_s: float) -> float:
 
 @dataclass(frozen=True)
 class WorkerCall:
-    """One call as a worker gets it: the input, the rollout it is for, and (a rollout's) the gateway
-    key whose recorded calls the worker returns with the answer. The key's secret stays in the
+    """One call as a worker gets it: the input, the rollout it is for, (a rollout's) the gateway key
+    whose recorded calls the worker returns with the answer, and which attempt it is (a retry reopens
+    the key first: the lost attempt's worker may have closed it). The key's secret stays in the
     worker: the sandbox gets the payload only."""
 
     payload: Any
     rollout_id: str
     record_key: GatewayKey | None = None
+    attempt: int = 0
 
 
 class ProcessorWorker:
@@ -174,19 +183,51 @@ class ProcessorWorker:
 
     async def _call(self, index: int, call: WorkerCall) -> tuple[int, dict[str, Any]]:
         """One `process` call (or, for a `BeaconVerifyInput`, `verify`): {"output", "spans", "seconds"}
-        (+ "lost", "retry" when the sandbox is gone), never raising for user faults. With a
-        `record_key`, the key is closed once the call has answered and its recorded calls come along
-        as "calls" (left out when the gateway could not be asked: the driver closes the key then)."""
+        (+ "lost", "retry" when the sandbox is gone), never raising: a fault of this worker's own
+        fails this call alone, its batch-mates go on. With a `record_key`, the key is closed once the
+        call has answered and its recorded calls come along as "calls" (left out when the gateway did
+        not answer them: the driver closes the key then)."""
+        started = time.perf_counter()
+        try:
+            answer = await self._process(call)
+        except Exception as exc:
+            logger.exception("%s: the worker failed its call", call.rollout_id)
+            output_type = PROCESSOR_KINDS[self.kind][1]
+            error = f"{self.component.name}: the worker failed the call ({type(exc).__name__}: {exc})"
+            failed = output_type(status=TaskStatus.FAILED, error=error)
+            return index, {"output": failed, "spans": [], "seconds": time.perf_counter() - started}
+        if call.record_key is not None and "lost" not in answer:
+            calls = await self._close_record_key(call.rollout_id, call.record_key)
+            if calls is not None:
+                answer["calls"] = calls
+        return index, answer
+
+    async def _process(self, call: WorkerCall) -> dict[str, Any]:
         method, output_type = method_of(call.payload)
         if output_type is None:  # not one of the SDK's inputs: validated as the kind's output
             output_type = PROCESSOR_KINDS[self.kind][1]
-        answer = await self.sandboxed.call(call.payload, call.rollout_id, output_type, method)
-        if call.record_key is not None and "lost" not in answer:
-            try:
-                answer["calls"] = await close_key(self._http(), call.record_key)
-            except (aiohttp.ClientError, ConnectionError, TimeoutError) as exc:
-                logger.warning("%s: closing its gateway key failed (%r)", call.rollout_id, exc)
-        return index, answer
+        if call.record_key is not None and call.attempt > 0:
+            await self._reopen_record_key(call.rollout_id, call.record_key)
+        return await self.sandboxed.call(call.payload, call.rollout_id, output_type, method)
+
+    async def _close_record_key(self, rollout_id: str, key: GatewayKey) -> list[LLMCall] | None:
+        """The key's recorded calls, closing it; None when the gateway did not answer them in time."""
+        try:
+            return await close_key(self._http(), key, RECORD_KEY_TIMEOUT_S)
+        except Exception as exc:  # the driver closes the key then, and gets the same record
+            logger.warning("%s: closing its gateway key failed (%r)", rollout_id, exc)
+            return None
+
+    async def _reopen_record_key(self, rollout_id: str, key: GatewayKey) -> None:
+        """Reopens a retried rollout's key, which the lost attempt's worker may have closed."""
+        try:
+            if await reopen_key(self._http(), key, RECORD_KEY_TIMEOUT_S):
+                return
+            problem = "the gateway no longer knows it"
+        except Exception as exc:
+            problem = repr(exc)
+        # The retry runs anyway: its calls are refused (401) and the rollout fails, naming it.
+        logger.warning("%s: its gateway key could not be reopened for the retry (%s)", rollout_id, problem)
 
     def _http(self) -> aiohttp.ClientSession:
         """The client that closes rollout keys on their gateway, made on the actor's loop at first use."""
@@ -458,15 +499,8 @@ class WorkerPool:
         """Sends `batch` to its worker in one streaming call and settles each call as its answer comes
         (`_settle`), or when it times out (`_timed_out`); a worker lost under the batch fails or retries
         what it still owed (`_lost_worker`)."""
-        loop = asyncio.get_running_loop()
-        requests = []
-        for index, queued in batch.open.items():
-            queued.started = time.perf_counter()
-            queued.timer = loop.call_later(self.call_timeout_s, self._timed_out, batch, index)
-            queued.answer.add_done_callback(lambda _, b=batch: self._abandon_if_unwanted(b))
-            payload = queued.call.make_payload(queued.attempt)
-            requests.append(WorkerCall(payload, queued.call.rollout_id, queued.call.record_key))
-        batch.stream = batch.worker.calls.options(num_returns="streaming").remote(requests)
+        if not self._send(batch):
+            return
         try:
             async for ref in batch.stream:
                 index, answer = await ref
@@ -486,6 +520,41 @@ class WorkerPool:
             if not queued.answer.done():
                 self._fail(queued, "its worker ended the batch without answering it (see the job's log)")
 
+    def _send(self, batch: _Batch) -> bool:
+        """Builds each call's input and sends the batch to its worker, then starts each call's timer.
+        A call whose input cannot be built fails alone; when the batch cannot be sent (an input that
+        does not pickle) its calls fail; each names the cause. Whether anything was sent."""
+        built: list[tuple[_Queued, WorkerCall]] = []
+        for index in list(batch.open):
+            queued = batch.open[index]
+            try:
+                payload = queued.call.make_payload(queued.attempt)
+            except Exception as exc:
+                self._fail_unsent(self._take(batch, index), exc)
+                continue
+            call = queued.call
+            built.append((queued, WorkerCall(payload, call.rollout_id, call.record_key, queued.attempt)))
+        batch.open = {index: queued for index, (queued, _) in enumerate(built)}
+        if not built:
+            return False
+        try:
+            batch.stream = batch.worker.calls.options(num_returns="streaming").remote([c for _, c in built])
+        except Exception as exc:
+            for index in list(batch.open):
+                self._fail_unsent(self._take(batch, index), exc)
+            return False
+        loop = asyncio.get_running_loop()
+        for index, queued in batch.open.items():
+            queued.started = time.perf_counter()
+            queued.timer = loop.call_later(self.call_timeout_s, self._timed_out, batch, index)
+            queued.answer.add_done_callback(lambda _, b=batch: self._abandon_if_unwanted(b))
+        return True
+
+    def _fail_unsent(self, queued: _Queued, exc: Exception) -> None:
+        logger.error("[%s] %s: its call could not be sent (%r)", self.job_id, queued.call.rollout_id, exc)
+        if not queued.answer.done():
+            self._fail(queued, f"its call could not be sent to a worker ({type(exc).__name__}: {exc})")
+
     def _take(self, batch: _Batch, index: int) -> _Queued:
         """Removes a call from its batch (it is settled now): its timer stops, its slot is free."""
         queued = batch.open.pop(index)
@@ -498,17 +567,22 @@ class WorkerPool:
         if index not in batch.open:  # timed out already
             return
         queued = self._take(batch, index)
-        if queued.answer.done():  # its caller gave up on it
-            return
         lost = answer.pop("lost", None)
-        if lost is not None:  # the sandbox is gone: replace its worker
-            if answer.pop("retry"):  # it exited, as a dying worker would: send the call again
+        if lost is not None:  # the sandbox is gone: replace its worker, even if nobody waits for this call
+            retry = answer.pop("retry")
+            if retry:  # it exited, as a dying worker would: send the call again
                 ray.kill(batch.worker)  # its other calls see a dead worker and are retried too
                 self._replace(batch.worker, lost)
-                self._retry(queued)
             else:
                 self._kill(batch.worker, lost)
+            if queued.answer.done():  # its caller gave up on it
+                return
+            if retry:
+                self._retry(queued)
+            else:
                 self._fail(queued, lost, answer["seconds"])
+            return
+        if queued.answer.done():  # its caller gave up on it
             return
         self.calls += 1
         self.call_seconds += float(answer.get("seconds", 0.0))
@@ -552,8 +626,16 @@ class WorkerPool:
         self._dispatch_soon()
 
     def _abandon_if_unwanted(self, batch: _Batch) -> None:
-        """Cancels a batch on its worker once no caller waits for any of its calls (a step that failed
-        or was stopped): the worker cancels them in its sandbox."""
+        """A call of `batch` nobody waits for loses its timer: its overrun must not kill the worker
+        under batch-mates still wanted (the worker's own limits still bound it). It keeps its slot until
+        the worker answers it, since the sandbox still runs it: a call sent in its place would wait
+        there for it while its own timer ran. Once no caller waits for any of the batch's calls (a step
+        that failed or was stopped), the batch is cancelled on its worker, which cancels them in its
+        sandbox and frees their slots."""
+        for queued in batch.open.values():
+            if queued.answer.done() and queued.timer is not None:
+                queued.timer.cancel()
+                queued.timer = None
         if batch.stream is not None and batch.open and all(q.answer.done() for q in batch.open.values()):
             ray.cancel(batch.stream)
             batch.stream = None  # cancelled once; `_run_batch` reads the stream it was given

@@ -32,8 +32,15 @@ class FakeWorker:
     delay (`delays[rollout_id]`; None: never); `dies_after` seconds into a batch, or when killed
     (`ray.kill`, faked), the worker dies and its stream raises as Ray's does."""
 
-    def __init__(self, name: str, delays: dict[str, float | None], dies_after: float | None = None) -> None:
-        self.name, self.delays, self.dies_after = name, delays, dies_after
+    def __init__(
+        self,
+        name: str,
+        delays: dict[str, float | None],
+        dies_after: float | None = None,
+        lost: frozenset[str] = frozenset(),
+    ) -> None:
+        """`lost`: the calls that answer as a sandbox that is gone (not retryable)."""
+        self.name, self.delays, self.dies_after, self.lost = name, delays, dies_after, lost
         self.batches: list[list[str]] = []
         self.killed = asyncio.Event()
         self.cancelled = asyncio.Event()
@@ -55,8 +62,12 @@ class FakeWorker:
             await asyncio.Event().wait()
         await asyncio.sleep(delay or 0.0)
         attempt = call.payload  # the test's payload is the attempt id
+        assert call.attempt == attempt
         output = RolloutOutput(agent_output=AgentOutput(messages=[], rollout_metrics={"attempt": attempt}))
-        return index, {"output": output, "spans": [], "seconds": delay, "worker": self.name}
+        answer = {"output": output, "spans": [], "seconds": delay, "worker": self.name}
+        if call.rollout_id in self.lost:
+            answer |= {"lost": "its process exited (code -9)", "retry": False}
+        return index, answer
 
     async def _death(self) -> None:
         with contextlib.suppress(TimeoutError):
@@ -205,3 +216,167 @@ def test_a_batch_nobody_waits_for_is_cancelled_on_its_worker(no_ray: list[Any]) 
     asyncio.run(run())
     assert [what for what, _ in no_ray] == ["cancel"]  # once, not once per call
     assert pool.retries == 0 and pool.replaced == 0
+
+
+def _answers_within(pool: Pool, calls: list[ProcessorCall], seconds: float = 5.0) -> list[dict[str, Any]]:
+    async def run() -> list[dict[str, Any]]:
+        return list(await asyncio.wait_for(asyncio.gather(*pool.submit(calls)), seconds))
+
+    return asyncio.run(run())
+
+
+def test_a_call_whose_input_cannot_be_built_fails_alone_and_its_batch_mates_run() -> None:
+    worker = FakeWorker("w", {"bad": 0.01, "good": 0.01})
+
+    def invalid(attempt: int) -> int:
+        raise ValueError("messages: field required")
+
+    calls = [ProcessorCall(invalid, "bad"), *_calls(["good"])]
+    pool = _pool([worker], concurrency=2)
+    bad, good = _answers_within(pool, calls)
+    assert bad["output"].status == TaskStatus.FAILED
+    assert "could not be sent" in bad["output"].error and "messages: field required" in bad["output"].error
+    assert good["output"].status == TaskStatus.SUCCESS and worker.batches == [["good"]]
+    assert pool._in_flight == {worker: 0} and pool._workers == [worker]
+
+
+def test_a_batch_that_cannot_be_sent_fails_its_calls_and_kills_no_worker(
+    no_ray: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    worker = FakeWorker("w", {"r0": 0.01, "r1": 0.01})
+
+    def unpicklable(batch: list[WorkerCall]) -> Any:
+        raise TypeError("cannot pickle '_thread.lock' object")
+
+    monkeypatch.setattr(worker, "remote", unpicklable)
+    pool = _pool([worker], concurrency=2)
+    answers = _answers_within(pool, _calls(["r0", "r1"]))
+    assert all("cannot pickle" in a["output"].error for a in answers)
+    assert pool._in_flight == {worker: 0} and no_ray == [] and not pool._tasks
+
+
+def test_an_abandoned_call_whose_sandbox_is_gone_still_replaces_its_worker(no_ray: list[Any]) -> None:
+    worker = FakeWorker("w", {"gone": 0.05, "waits": None}, lost=frozenset({"gone"}))
+    pool = _pool([worker], concurrency=2)
+
+    async def run() -> None:
+        gone, _ = pool.submit(_calls(["gone", "waits"]))
+        await asyncio.sleep(0.01)
+        gone.cancel()
+        await asyncio.sleep(0.2)
+
+    asyncio.run(run())
+    assert ("kill", worker) in no_ray and pool._workers == [] and pool.replaced == 1
+
+
+def test_an_abandoned_call_that_overruns_does_not_kill_its_worker_under_live_calls(
+    no_ray: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call nobody waits for has no timer: while the cancel of its batch is on its way to the worker,
+    a call sent later to the same worker ends well."""
+    monkeypatch.setattr(worker_pool, "TIMEOUT_GRACE_S", 0.2)
+    monkeypatch.setattr(worker_pool.ray, "cancel", lambda stream: None)  # not delivered yet
+    worker = FakeWorker("w", {"abandoned": None, "mate": 0.2, "live": 0.5})
+    pool = _pool([worker], concurrency=3, timeout=0.4)  # a call's timer: 0.6 s
+
+    async def run() -> dict[str, Any]:
+        abandoned, _ = pool.submit(_calls(["abandoned", "mate"]))
+        await asyncio.sleep(0.01)
+        abandoned.cancel()
+        await asyncio.sleep(0.3)
+        [live] = pool.submit(_calls(["live"]))  # it answers after the abandoned call's timer was due
+        return await live
+
+    live = asyncio.run(run())
+    assert live["output"].status == TaskStatus.SUCCESS, live["output"].error
+    assert no_ray == [] and pool._workers == [worker]
+
+
+def _worker(stand_in: Any) -> worker_pool.ProcessorWorker:
+    """A `ProcessorWorker` (no Ray) whose sandbox is `stand_in` (`SandboxedProcessor.call`)."""
+    component = _pool([FakeWorker("unused", {})]).component
+    worker = worker_pool.ProcessorWorker(b"", component, "rollout", [], "none", "gateway", False)
+    worker.sandboxed = stand_in
+    return worker
+
+
+class Sandbox:
+    """Answers each call at once; a rollout id in `raises` makes the call raise that exception."""
+
+    def __init__(self, raises: dict[str, Exception] | None = None) -> None:
+        self.raises = raises or {}
+
+    async def close(self) -> None:
+        pass
+
+    async def call(self, payload: Any, rollout_id: str, output_type: Any, method: str) -> dict[str, Any]:
+        if rollout_id in self.raises:
+            raise self.raises[rollout_id]
+        output = RolloutOutput(agent_output=AgentOutput(messages=[]))
+        return {"output": output, "spans": [], "seconds": 0.0}
+
+
+def _worker_answers(
+    worker: worker_pool.ProcessorWorker, calls: list[WorkerCall]
+) -> dict[int, dict[str, Any]]:
+    async def run() -> dict[int, dict[str, Any]]:
+        try:
+            return dict([item async for item in worker.calls(calls)])
+        finally:
+            await worker.close()
+
+    return asyncio.run(run())
+
+
+def test_a_worker_fault_in_one_call_fails_that_call_only() -> None:
+    from opd_trainer.sdk import ModelResource, RolloutInput
+
+    payload = RolloutInput(
+        messages=[{"role": "user", "content": "hi"}],
+        model_resource=ModelResource(model_name="m", base_url="http://127.0.0.1:9/v1", api_key="k"),
+    )
+    worker = _worker(Sandbox({"r0": KeyError("completion_token_ids")}))
+    answers = _worker_answers(worker, [WorkerCall(payload, "r0"), WorkerCall(payload, "r1")])
+    assert answers[0]["output"].status == TaskStatus.FAILED
+    assert "KeyError" in answers[0]["output"].error and answers[0]["output"].error.startswith("c: ")
+    assert answers[1]["output"].status == TaskStatus.SUCCESS
+
+
+def test_a_gateway_slow_to_close_a_key_leaves_it_to_the_driver_within_the_pools_grace(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The worker answers without the calls well before the pool's grace runs out; the driver closes
+    the key then (and the gateway answers it the same record)."""
+    from aiohttp import web
+
+    from opd_trainer.recorded_calls import CLOSE_ROUTE, GatewayKey
+
+    test_over = asyncio.Event()
+
+    async def answers_too_late(request: web.Request) -> web.Response:
+        await test_over.wait()
+        return web.json_response([[]])
+
+    async def run() -> tuple[dict[int, dict[str, Any]], float]:
+        app = web.Application()
+        app.router.add_post(f"/v1{CLOSE_ROUTE}", answers_too_late)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        worker = _worker(Sandbox())
+        key = GatewayKey(f"http://127.0.0.1:{port}/v1", "key", "secret")
+        started = asyncio.get_running_loop().time()
+        try:
+            answers = dict([item async for item in worker.calls([WorkerCall(0, "r0", key)])])
+            return answers, asyncio.get_running_loop().time() - started
+        finally:
+            test_over.set()
+            await worker.close()
+            await runner.cleanup()
+
+    monkeypatch.setattr(worker_pool, "method_of", lambda payload: ("process", RolloutOutput))
+    answers, seconds = asyncio.run(run())
+    assert answers[0]["output"].status == TaskStatus.SUCCESS and "calls" not in answers[0]
+    assert seconds < worker_pool.TIMEOUT_GRACE_S / 2 - 2.0

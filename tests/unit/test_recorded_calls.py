@@ -24,13 +24,16 @@ from opd_trainer.jobspec.job_spec import FunctionComponent
 from opd_trainer.recorded_calls import (
     CLOSE_ROUTE,
     CLOSE_SECRET_HEADER,
+    REOPEN_ROUTE,
     GatewayKey,
     close_keys,
     decode_recorded,
     decode_with_record,
     encode_recorded,
+    reopen_key,
 )
 from opd_trainer.records import LLMCall
+from opd_trainer.rollout import gateway as gateway_module
 from opd_trainer.rollout.gateway import Gateway, RolloutKeyRequest
 from opd_trainer.sdk import ModelResource, RolloutInput, TaskStatus
 from opd_trainer.storage.zips import pack_workspace
@@ -65,7 +68,7 @@ def recorded_call(seed: int) -> LLMCall:
 
 
 def test_the_encoding_round_trips_every_recorded_field_bit_for_bit() -> None:
-    recorded = [[recorded_call(1), recorded_call(2)], []]
+    recorded = [[recorded_call(1), recorded_call(2)], [], None]
     assert decode_recorded(encode_recorded(recorded)) == recorded
 
 
@@ -96,8 +99,39 @@ def test_the_secret_closes_keys_and_returns_each_ones_calls() -> None:
         closed = await close_keys(http, gateway.base_url, gateway.close_secret, [keys[2], keys[0]])
         assert closed == [[recorded_call(2)], [recorded_call(0)]]
         assert list(gateway._sessions) == [keys[1]]
-        # A key closed already (or never opened) has nothing more to give.
-        assert await close_keys(http, gateway.base_url, gateway.close_secret, [keys[0], "x"]) == [[], []]
+        # A key closed already answers its record again (a fallback close after a lost answer); one
+        # the gateway never opened answers null.
+        again = await close_keys(http, gateway.base_url, gateway.close_secret, [keys[0], "x"])
+        assert again == [[recorded_call(0)], None]
+
+    asyncio.run(_served(run))
+
+
+def test_only_the_last_closed_keys_keep_their_record(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gateway_module, "CLOSED_KEYS_KEPT", 2)
+    gateway = Gateway("student", "unused-tokenizer", [], max_tokens=8, temperature=1.0, max_length=256)
+    keys = _open_with_calls(gateway, 3)
+    assert [gateway.close_rollout(key) for key in keys] == [[recorded_call(i)] for i in range(3)]
+    assert [gateway.close_rollout(key) for key in keys] == [None, [recorded_call(1)], [recorded_call(2)]]
+    assert list(gateway._closed) == keys[1:]
+
+
+def test_a_closed_key_reopens_with_its_record_for_the_holder_of_the_secret() -> None:
+    """A retried rollout's worker reopens its key (the lost attempt's worker may have closed it): the
+    record goes on where it was, as if the key had stayed open."""
+
+    async def run(gateway: Gateway, http: aiohttp.ClientSession) -> None:
+        [key] = _open_with_calls(gateway, 1)
+        gateway._sessions[key].started_calls = 1
+        assert await close_keys(http, gateway.base_url, gateway.close_secret, [key]) == [[recorded_call(0)]]
+        url = f"{gateway.base_url}{REOPEN_ROUTE}"
+        async with http.post(url, json={"keys": [key]}, headers={CLOSE_SECRET_HEADER: key}) as refused:
+            assert refused.status == 401
+        assert key not in gateway._sessions
+        assert await reopen_key(http, GatewayKey(gateway.base_url, key, gateway.close_secret), 5.0)
+        session = gateway._sessions[key]
+        assert session.calls == [recorded_call(0)] and session.started_calls == 1
+        assert not await reopen_key(http, GatewayKey(gateway.base_url, "x", gateway.close_secret), 5.0)
 
     asyncio.run(_served(run))
 
@@ -284,3 +318,48 @@ def test_a_rollouts_record_comes_from_the_gateway_never_from_its_sandbox(tmp_pat
         assert gateway._sessions == {}
 
     asyncio.run(_served(run))
+
+
+class CallsWithItsKey:
+    """A stand-in sandbox whose rollout makes one call with its key, as user code would (the gateway's
+    own check: an unknown or closed key is refused)."""
+
+    def __init__(self, gateway: Gateway, key: str) -> None:
+        self.gateway, self.key = gateway, key
+
+    async def call(self, payload: Any, rollout_id: str, output_type: Any, method: str) -> dict[str, Any]:
+        session = self.gateway._session(self.key)
+        if session is None:
+            return {"output": output_type(status=TaskStatus.FAILED, error="401"), "spans": [], "seconds": 0.0}
+        session.calls.append(recorded_call(1))
+        return {"output": output_type(), "spans": [], "seconds": 0.0}
+
+    async def close(self) -> None:
+        pass
+
+
+def test_a_retried_rollout_reopens_the_key_its_lost_attempt_closed() -> None:
+    """The lost attempt's worker closed the key and died before its answer reached the driver: the
+    retry's worker reopens the key, so the retry's calls are served, and its record goes on from the
+    lost attempt's, as when the key stayed open."""
+    component = FunctionComponent.model_validate(
+        {"name": "c", "type": "rollout", "fcmodel": {"zipdir": "unused", "classpath": "a.B"}}
+    )
+
+    async def run(gateway: Gateway, http: aiohttp.ClientSession) -> dict[str, Any]:
+        [key] = _open_with_calls(gateway, 1)
+        gateway.close_rollout(key)  # by the lost attempt's worker
+        worker = ProcessorWorker(b"", component, "rollout", [], "none", "gateway", False)
+        worker.sandboxed = CallsWithItsKey(gateway, key)
+        resource = ModelResource(model_name="student", base_url=gateway.base_url, api_key=key)
+        payload = RolloutInput(messages=[{"role": "user", "content": "hi"}], model_resource=resource)
+        retry = WorkerCall(payload, "r0", GatewayKey(gateway.base_url, key, gateway.close_secret), attempt=1)
+        try:
+            [(_, answer)] = await _worker_answers(worker, [retry])
+        finally:
+            await worker.close()
+        return answer
+
+    answer = asyncio.run(_served(run))
+    assert answer["output"].status != TaskStatus.FAILED, answer["output"]
+    assert answer["calls"] == [recorded_call(0), recorded_call(1)]

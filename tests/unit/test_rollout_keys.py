@@ -20,7 +20,7 @@ from opd_trainer.recorded_calls import close_keys
 from opd_trainer.records import LLMCall
 from opd_trainer.rollout.gateway import Gateway, RolloutKeyRequest
 from opd_trainer.rollout.gateway_host import GatewayHost, GatewayRef
-from opd_trainer.rollout.runner import AuxiliaryModel, RolloutRunner
+from opd_trainer.rollout.runner import LOST_RECORD, AuxiliaryModel, RolloutRunner
 from opd_trainer.sdk import AgentOutput, RolloutOutput
 from rollout_workers.pool import RolloutAnswer, RolloutRequest
 
@@ -152,3 +152,52 @@ def test_a_step_opens_its_keys_in_one_call_per_gateway_and_closes_each(validatin
     assert [g["session_seed"] for g in given] == [10, 11, 12, 13, 14, 15]
     assert {g["temperature"] for g in given} == {0.5 if validating else None}
     assert len({g["auxiliary"]["judge"] for g in given}) == 6
+
+
+class AnswerLostPool(RecordingPool):
+    """Each worker closed its rollout's key, but the answer that carried the record never came back;
+    with `forget`, the gateway no longer holds the records either."""
+
+    def __init__(self, student: Gateway, *, forget: bool) -> None:
+        super().__init__(student)
+        self.forget = forget
+
+    async def _rollout(self, index: int, request: RolloutRequest, close_secret: str) -> RolloutAnswer:
+        key = request.model_resource.api_key.get_secret_value()
+        answer = await super()._rollout(0, request, close_secret)  # closes the key, as index 0 does
+        assert key not in self.student._sessions
+        if self.forget:
+            self.student._closed.clear()
+        return RolloutAnswer(answer.output, answer.spans, answer.attempt_id, None)
+
+
+@pytest.mark.parametrize("forget", [False, True])
+def test_a_record_whose_answer_was_lost_comes_from_the_runners_close_or_fails_its_rollout(
+    forget: bool,
+) -> None:
+    """The runner's fallback close gets the record the worker's close took (the gateway keeps it); when
+    the gateway no longer holds it, the rollout fails naming why, never trained as one without calls."""
+    student, _, student_ref = hosted("student")
+    pool = AnswerLostPool(student, forget=forget)
+    samples = [Sample("train.jsonl", 0, [{"role": "user", "content": "q"}], None)]
+
+    async def step() -> list[Any]:
+        runner = RolloutRunner(
+            "job",
+            student_ref,
+            await student.serve(),
+            max_tokens=8,
+            temperature=1.0,
+            rollout_pool=pool,  # type: ignore[arg-type]
+        )
+        try:
+            return await runner.run(samples, 2, 0, [1, 2])
+        finally:
+            await runner.close()
+            await student.shutdown()
+
+    results = asyncio.run(step())
+    if forget:
+        assert all(r.failed and r.error == LOST_RECORD and r.calls == [] for r in results)
+    else:
+        assert not any(r.failed for r in results) and [len(r.calls) for r in results] == [1, 1]
