@@ -4,7 +4,8 @@
 needs only pydantic; the outputs and what makes a rollout a failure live in `outputs`, which `types`
 re-exports. `tracing` sits on `outputs` (OpenTelemetry spans per rollout, LLM call and
 reward) and is imported on first use of `observe_processor` or `trace_client`, so code that only
-needs the types never loads the tracing and exporter stack.
+needs the types never loads the tracing and exporter stack. `workflow` turns workflow and judge
+functions (AgentScope tuner's signatures) into rollout and reward processors.
 """
 
 from __future__ import annotations

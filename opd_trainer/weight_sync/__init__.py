@@ -3,6 +3,7 @@
 A package below both `engine/` and `learner/` (it imports neither, nor `driver/`): the learner calls
 the export half, the engine the apply half, the driver (`driver/publish.py`) joins them.
 
+- `base.py`: the `WeightTransfer` interface every transport implements and the engine it talks to.
 - `transports.py`: the host-memory transports ("shm": a safetensors file on the learner node's tmpfs,
   streamed tensor by tensor; "ray": Ray's object store, one object per bucket, staged on the engine
   node's tmpfs), the registry (`transfer`), the per-replica choice (`transfer_for`; `auto` picks shm

@@ -6,6 +6,8 @@ teacher and a weaker student of the same architecture that on-policy distillatio
 with transformers' `Auto*` classes and with vLLM. `variant="self_correction"` trains them on the task plus
 the self-correction turns of `demo/tool_routing/self_correction.py` and writes its agent episodes.
 
+`factory` builds and caches them, `training` holds the training phases and greedy validation,
+`tokenizer` the tokenizer and ChatML rendering, `serving` the engine settings for them on a CPU box.
 The factory names are imported on first use, so that `opd_trainer.demo.tiny_models.tokenizer` (and unit
 tests of it) never pull in torch or transformers.
 """

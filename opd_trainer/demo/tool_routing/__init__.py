@@ -1,4 +1,6 @@
-"""Synthetic tool-routing task (deterministic JSONL samples) and its evaluator (parse, score, aggregate)."""
+"""Synthetic tool-routing task: `task` (deterministic JSONL samples), `evaluator` (parse, score and
+aggregate replies), `lookup` (lookup episodes: a chain of calls whose early mistakes are the agent's own)
+and `self_correction` (episodes where the agent must correct a call after an error)."""
 
 from opd_trainer.demo.tool_routing.evaluator import (
     ParsedReply,
