@@ -6,8 +6,8 @@ a step keeps in flight, each up to `max_length` tokens, at the engine's dtype. T
 of the node's available memory (student, teacher, learner and the pools share the node); if not even
 one sequence fits under the cap, the job is refused with the field to set.
 
-The driver sizes it when it builds a CPU engine's settings (`driver/components.py`: the engine takes the
-bytes as given), and the memory plan counts the same bytes (`memory_plan.py`).
+A CPU engine sizes it on its own node when it starts (`engine/vllm_engine.py`), so the cap reads the
+memory of the node it runs on, and the memory plan counts the same bytes (`jobspec/memory_plan.py`).
 """
 
 from __future__ import annotations

@@ -71,5 +71,5 @@ class LLMCall:
     teacher_latency_s: float = 0.0
     """Seconds the scoring request that held this call took."""
     staleness: int = 0
-    """Weight versions the learner is ahead of `weight_version` when it trains this call (the driver's
-    signal phase sets it; > 0 only with `max_staleness`)."""
+    """Weight versions the learner is ahead of `weight_version` when it trains this call (set while the
+    signal is shaped, `signal/staleness.py`; > 0 only with `max_staleness`)."""

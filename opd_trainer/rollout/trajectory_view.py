@@ -95,8 +95,8 @@ def mean_log_ratio(calls: list[CallTokens]) -> float | None:
 
 def segments_by_call(result: RolloutResult, segments: list[LLMCall]) -> list[LLMCall | None]:
     """For each of the rollout's calls, in order, its trained segment: `segments` are this rollout's
-    trained segments in call order (`teacher_segments` keeps it), matched to the calls by their tokens,
-    so a call without a completion or whose segment was dropped gets None."""
+    trained segments in call order (`signal/scores.score_rollouts` keeps it), matched to the calls by
+    their tokens, so a call without a completion or whose segment was dropped gets None."""
     pending = list(reversed(segments))
     matched: list[LLMCall | None] = []
     for call in result.calls:
