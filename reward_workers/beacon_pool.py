@@ -1,4 +1,4 @@
-"""Beacon pool: runs the job's user `AbstractBeaconProcessor` component (seed 003's hindsight beacons)
+"""Beacon pool: runs the job's user `AbstractBeaconProcessor` component (TurnSight's hindsight beacons)
 on finished, rewarded rollouts: given a rollout and its trained turns, it returns feedback for the turns
 that went wrong (`signal/beacons.py` has each rewritten with it); given one rewrite, its `verify` says
 whether the rewrite works when replayed against the episode's tools (True, False, or None: not checked).

@@ -212,7 +212,7 @@ class Learner:
         return self.settings.turn_preference_coef > 0 and self.settings.turn_preference_reference == "rolling"
 
     def _refresh_reference(self) -> None:
-        """A 'rolling' reference becomes the learner's weights now (seed 003's per-round reference):
+        """A 'rolling' reference becomes the learner's weights now (TurnSight's per-round reference):
         the frozen copy loads them (gathered under ZeRO-3), or under LoRA the adapter's are kept."""
         if self.settings.lora is not None:
             self._reference_adapter = {

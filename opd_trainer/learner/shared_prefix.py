@@ -1,4 +1,4 @@
-"""The learner's forward with shared prompt prefixes computed once (issue 16).
+"""The learner's forward with shared prompt prefixes computed once.
 
 A mini-batch's rows are (prompt + completion) sequences. Completions of one prompt (`n_rollouts`) share
 the whole prompt, and prompts often share a long system / tools preamble. A plain padded forward runs

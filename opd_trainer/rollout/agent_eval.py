@@ -1,4 +1,5 @@
-"""Agent-level validation metrics, in the layers seed 003 evaluates tool-using agents by.
+"""Agent-level validation metrics, in the layers TurnSight (turn-level hindsight self-distillation)
+evaluates tool-using agents by.
 
 Computed by the trainer from what every rollout records (the gateway's LLM calls and the conversation
 the rollout returned), so they hold for any task and any agent; `agent/` in the validation metrics:
@@ -22,7 +23,7 @@ the rollout returned), so they hold for any task and any agent; `agent/` in the 
   calls (as a multiset; arguments compared as JSON), or the same tool names.
 - `pass@k` (with `hyper_parameters.eval_pass_k` = k > 1): share of prompts where at least one of k
   rollouts sampled at `eval_temperature` succeeded.
-- Self-correction and loops (seed 003's): `repeated_failing_call_share`, of trajectories of agents that
+- Self-correction and loops (TurnSight's): `repeated_failing_call_share`, of trajectories of agents that
   run tools, the share that made a call again (same name and arguments) after it got an error;
   `recovery_after_error`, of the trajectories where one of the agent's own calls got an error, the
   share that still succeeded; `self_correction_success`, of the samples whose given history already

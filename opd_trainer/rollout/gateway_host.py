@@ -2,7 +2,7 @@
 
 Every `Gateway` loads vLLM's request types and tool-call parser (an import of vLLM: about 11 CPU-seconds
 on the CI machine's cores). A job that validates, or serves the teacher to its processors, runs two
-(the student's and the teacher's); in two actors it paid that import twice at every start.
+(the student's and the teacher's), and in two actors each would pay that import at every start.
 `GatewayHost` keeps a job's gateways on one event loop, each with its own HTTP server (its own port, keys
 and records), so nothing a processor or the driver sees changes but the process count.
 

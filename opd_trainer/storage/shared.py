@@ -5,7 +5,7 @@ data dir (datasets, workspaces, the run dir) and reads the run dir back (metrics
 trained model), and every learner rank writes its own DeepSpeed shard of a checkpoint. Moving
 checkpoints through Ray would hold a whole model in the object store per save, so every node mounts
 the data dir at the same path instead (the Helm chart's ReadWriteMany volume). When that is not so, a
-job used to die with a missing dataset file, or its checkpoints would land on a disk the server never
+job would fail on a missing dataset file, or its checkpoints would land on a disk the server never
 sees; this probe says which node cannot see the folder and what to mount.
 
 The server (or `opd train`) writes `storage-probe.json` with a fresh token into the run dir before
