@@ -21,19 +21,8 @@ import dataclasses
 from collections import defaultdict
 
 from opd_trainer.records import LLMCall
-from opd_trainer.signal.pairs import best_worst_pairs
+from opd_trainer.signal.pairs import best_worst_pairs, diverging_turn
 from opd_trainer.signal.shaped import Shaped
-
-
-def diverging_turn(better: list[LLMCall], worse: list[LLMCall]) -> int | None:
-    """The first turn at which two trajectories saw the same context and answered differently; None
-    when one ends first, or their contexts part before their answers do."""
-    for turn, (good, bad) in enumerate(zip(better, worse, strict=False)):
-        if good.prompt_token_ids != bad.prompt_token_ids:
-            return None
-        if good.completion_token_ids != bad.completion_token_ids:
-            return turn
-    return None
 
 
 def hindsight_advantages(segments: list[LLMCall]) -> list[float]:
@@ -44,7 +33,7 @@ def hindsight_advantages(segments: list[LLMCall]) -> list[float]:
     counts: dict[int, int] = defaultdict(int)
     for good, bad in best_worst_pairs(segments):
         turn = diverging_turn([segments[i] for i in good], [segments[i] for i in bad])
-        if turn is None:
+        if not isinstance(turn, int):  # one ended first, or their contexts parted first
             continue
         for index, sign in ((good[turn], 1.0), (bad[turn], -1.0)):
             totals[index] += sign

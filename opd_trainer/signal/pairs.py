@@ -26,6 +26,7 @@ import dataclasses
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Literal
 
 from opd_trainer.actions import action_of
 from opd_trainer.records import CHOSEN, REJECTED, LLMCall
@@ -97,13 +98,14 @@ def best_worst_pairs(segments: list[LLMCall]) -> Iterator[tuple[list[int], list[
                 yield rollouts[good], rollouts[bad]
 
 
-def _parting_turn(segments: list[LLMCall], better: list[int], worse: list[int]) -> int | str | None:
-    """The turn where two trajectories answered the same context differently; "context" when their
-    contexts parted first; None when one ended before they parted."""
+def diverging_turn(better: list[LLMCall], worse: list[LLMCall]) -> int | Literal["context"] | None:
+    """The first turn at which two trajectories (their turns in call order) saw the same context and
+    answered differently; "context" when their contexts parted before their answers did; None when one
+    ended first. This module's pairs and `hindsight.py`'s advantages both start from it."""
     for turn, (good, bad) in enumerate(zip(better, worse, strict=False)):
-        if segments[good].prompt_token_ids != segments[bad].prompt_token_ids:
+        if good.prompt_token_ids != bad.prompt_token_ids:
             return "context"
-        if segments[good].completion_token_ids != segments[bad].completion_token_ids:
+        if good.completion_token_ids != bad.completion_token_ids:
             return turn
     return None
 
@@ -122,7 +124,7 @@ def _candidate_pairs(segments: list[LLMCall], min_chosen_reward: float | None) -
         if min_chosen_reward is not None and segments[good[0]].reward < min_chosen_reward:
             found.low_reward += 1
             continue
-        turn = _parting_turn(segments, good, bad)
+        turn = diverging_turn([segments[i] for i in good], [segments[i] for i in bad])
         if turn == "context":
             found.skipped_context += 1
         elif isinstance(turn, int):
