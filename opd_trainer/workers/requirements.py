@@ -1,7 +1,7 @@
 """A workspace's `requirements.txt`, read as package specifiers and nothing else.
 
 Its lines become arguments of `pip install` (inside the sandbox, `processor_channel`), so a line is
-argv from a tenant: `--requirement=/etc/passwd` made pip quote a server file into the job's error,
+argv from a tenant: `--requirement=/etc/passwd` makes pip quote a server file into the job's error,
 `--report=PATH` writes one, `--index-url` fetches from anywhere, a local path runs a build backend,
 `pkg @ https://...` downloads an archive. So a line is accepted only as a PEP 508 requirement that
 `packaging.requirements.Requirement` parses: a name, optional extras, an optional version specifier

@@ -9,7 +9,8 @@ from learner_settings import SETTINGS
 from turns import turn
 
 from opd_trainer.learner.batch import row_advantages
-from opd_trainer.signal.hindsight import diverging_turn, hindsight_advantages
+from opd_trainer.signal.hindsight import hindsight_advantages
+from opd_trainer.signal.pairs import diverging_turn
 
 
 def test_single_turn_best_up_worst_down_middle_and_ties_untouched() -> None:
